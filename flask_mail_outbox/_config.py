@@ -1,0 +1,302 @@
+"""Reading and validating configuration, once, in ``init_app``.
+
+Every ``MAIL_*`` / ``OUTBOX_*`` key is read here into a frozen
+:class:`OutboxConfig`. A value that cannot work raises :class:`ConfigError`
+naming the key, so a typo fails at start-up instead of at the first email.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._errors import ConfigError
+
+_MIB = 1024 * 1024
+
+BUILTIN_TRANSPORTS = ("smtp", "console", "file", "memory", "null")
+
+# Flask-Mail's keys keep Flask-Mail's defaults; the outbox's own keys follow
+# DESIGN.md. ``None`` for OUTBOX_SWEEP_INTERVAL_SECONDS means "by mode".
+_DEFAULTS: dict[str, Any] = {
+    "MAIL_SERVER": "127.0.0.1",
+    "MAIL_PORT": 25,
+    "MAIL_USE_TLS": False,
+    "MAIL_USE_SSL": False,
+    "MAIL_USERNAME": None,
+    "MAIL_PASSWORD": None,
+    "MAIL_DEFAULT_SENDER": None,
+    "MAIL_ASCII_ATTACHMENTS": False,
+    "MAIL_TIMEOUT": 10.0,
+    "OUTBOX_TRANSPORT": "smtp",
+    "OUTBOX_FILE_PATH": None,
+    "OUTBOX_DURABLE": False,
+    "OUTBOX_MAX_ATTEMPTS": 5,
+    "OUTBOX_INLINE_RETRIES": 3,
+    "OUTBOX_RETRY_BASE_SECONDS": 2.0,
+    "OUTBOX_RETRY_MAX_SECONDS": 3600.0,
+    "OUTBOX_LEASE_SECONDS": 30.0,
+    "OUTBOX_BATCH_SIZE": 100,
+    "OUTBOX_POLL_INTERVAL": 0.5,
+    "OUTBOX_POLL_MAX_INTERVAL": 30.0,
+    "OUTBOX_LISTEN": True,
+    "OUTBOX_LISTEN_URL": None,
+    "OUTBOX_LISTEN_BACKSTOP_SECONDS": 120.0,
+    "OUTBOX_RUN_WORKER": True,
+    "OUTBOX_RATE_LIMIT": None,
+    "OUTBOX_SWEEP_ON_STARTUP": True,
+    "OUTBOX_SWEEP_MIN_AGE_SECONDS": 300.0,
+    "OUTBOX_SWEEP_BATCH": 500,
+    "OUTBOX_SWEEP_INTERVAL_SECONDS": None,
+    "OUTBOX_SETTINGS_TTL_SECONDS": 5.0,
+    "OUTBOX_MAX_MESSAGE_BYTES": 25 * _MIB,
+    "OUTBOX_ALLOW_LOCAL_ADDRESSES": False,
+    "OUTBOX_MESSAGE_ID_DOMAIN": None,
+    "OUTBOX_TLS_VERIFY": True,
+    "OUTBOX_TLS_CA_FILE": None,
+    "OUTBOX_RETENTION_DAYS": None,
+    "OUTBOX_SCRUB_SENT": False,
+    "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS": 600.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SMTPSettings:
+    """Connection settings of the ``smtp`` transport (Flask-Mail's keys)."""
+
+    host: str
+    port: int
+    use_tls: bool
+    use_ssl: bool
+    username: str | None
+    password: str | None = dataclasses.field(repr=False)
+    timeout: float
+    tls_verify: bool
+    tls_ca_file: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxConfig:
+    """Every setting the outbox uses, validated. Built by :func:`load_config`."""
+
+    smtp: SMTPSettings
+    default_sender: str | tuple[str, str] | None
+    ascii_attachments: bool
+    suppress_send: bool
+    transport: str
+    file_path: str
+    durable: bool
+    max_attempts: int
+    inline_retries: int
+    retry_base_seconds: float
+    retry_max_seconds: float
+    lease_seconds: float
+    batch_size: int
+    poll_interval: float
+    poll_max_interval: float
+    listen: bool
+    listen_url: str | None
+    listen_backstop_seconds: float
+    run_worker: bool
+    rate_limit: float | None
+    sweep_on_startup: bool
+    sweep_min_age_seconds: float
+    sweep_batch: int
+    sweep_interval_seconds: float | None
+    settings_ttl_seconds: float
+    max_message_bytes: int
+    allow_local_addresses: bool
+    message_id_domain: str | None
+    retention_days: float | None
+    scrub_sent: bool
+    health_max_queued_age_seconds: float
+
+    def sweep_interval_for(self, durable: bool) -> float | None:
+        """The periodic sweep interval in force for a delivery mode."""
+        if self.sweep_interval_seconds is not None:
+            return self.sweep_interval_seconds
+        return None if durable else 60.0
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"1", "true", "yes", "on"}:
+        return True
+    if isinstance(value, str) and value.strip().lower() in {"0", "false", "no", "off", ""}:
+        return False
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(key, f"expected True or False, got {value!r}")
+
+
+def _number(key: str, value: Any, *, minimum: float, integer: bool = False,
+            allow_none: bool = False, strict_minimum: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value) if integer else float(value)
+        except ValueError:
+            raise ConfigError(key, f"expected a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if integer and value != int(value):
+        raise ConfigError(key, f"expected a whole number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ConfigError(key, f"expected a finite number, got {value!r}")
+    if value < minimum or (strict_minimum and value == minimum):
+        relation = "greater than" if strict_minimum else "at least"
+        raise ConfigError(key, f"must be {relation} {minimum:g}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _optional_str(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, f"expected a non-empty string or None, got {value!r}")
+    return value
+
+
+def _sender(value: Any) -> str | tuple[str, str] | None:
+    if value is None or isinstance(value, str):
+        return value or None
+    if (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(isinstance(part, str) for part in value)):
+        return (value[0], value[1])
+    raise ConfigError("MAIL_DEFAULT_SENDER",
+                      f"expected 'addr@example.com' or ('Name', 'addr@example.com'), got {value!r}")
+
+
+def _transport(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError("OUTBOX_TRANSPORT", f"expected a transport name, got {value!r}")
+    if value in BUILTIN_TRANSPORTS:
+        return value
+    module, sep, attr = value.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(
+            "OUTBOX_TRANSPORT",
+            f"{value!r} is neither one of {', '.join(BUILTIN_TRANSPORTS)} nor 'package.module:Class'",
+        )
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("OUTBOX_TRANSPORT", f"cannot import {value!r}: {exc}") from exc
+    if not callable(obj):
+        raise ConfigError("OUTBOX_TRANSPORT", f"{value!r} is not a class")
+    return value
+
+
+def load_config(config: Mapping[str, Any], *, instance_path: str,
+                testing: bool) -> OutboxConfig:
+    """Validate ``app.config`` and return the frozen settings.
+
+    Raises :class:`ConfigError` naming the first bad key.
+    """
+
+    def get(key: str) -> Any:
+        return config.get(key, _DEFAULTS[key])
+
+    suppress = config.get("MAIL_SUPPRESS_SEND", testing)
+    port = _number("MAIL_PORT", get("MAIL_PORT"), minimum=1, integer=True)
+    if port > 65535:
+        raise ConfigError("MAIL_PORT", f"must be at most 65535, got {port!r}")
+    use_tls = _bool("MAIL_USE_TLS", get("MAIL_USE_TLS"))
+    use_ssl = _bool("MAIL_USE_SSL", get("MAIL_USE_SSL"))
+    if use_tls and use_ssl:
+        raise ConfigError("MAIL_USE_TLS",
+                          "MAIL_USE_TLS (STARTTLS) and MAIL_USE_SSL (implicit TLS) are exclusive; "
+                          "use MAIL_USE_SSL with port 465 or MAIL_USE_TLS with port 587")
+    host = get("MAIL_SERVER")
+    if not isinstance(host, str) or not host:
+        raise ConfigError("MAIL_SERVER", f"expected a host name, got {host!r}")
+    ca_file = _optional_str("OUTBOX_TLS_CA_FILE", get("OUTBOX_TLS_CA_FILE"))
+    smtp = SMTPSettings(
+        host=host,
+        port=port,
+        use_tls=use_tls,
+        use_ssl=use_ssl,
+        username=_optional_str("MAIL_USERNAME", get("MAIL_USERNAME")),
+        password=get("MAIL_PASSWORD") if get("MAIL_PASSWORD") is None
+        else _optional_str("MAIL_PASSWORD", get("MAIL_PASSWORD")),
+        timeout=_number("MAIL_TIMEOUT", get("MAIL_TIMEOUT"), minimum=0, strict_minimum=True),
+        tls_verify=_bool("OUTBOX_TLS_VERIFY", get("OUTBOX_TLS_VERIFY")),
+        tls_ca_file=ca_file,
+    )
+    file_path = get("OUTBOX_FILE_PATH")
+    if file_path is None:
+        file_path = f"{instance_path}/outbox-mail"
+    elif not isinstance(file_path, str) or not file_path:
+        raise ConfigError("OUTBOX_FILE_PATH", f"expected a folder path, got {file_path!r}")
+
+    poll = _number("OUTBOX_POLL_INTERVAL", get("OUTBOX_POLL_INTERVAL"), minimum=0,
+                   strict_minimum=True)
+    poll_max = _number("OUTBOX_POLL_MAX_INTERVAL", get("OUTBOX_POLL_MAX_INTERVAL"), minimum=0,
+                       strict_minimum=True)
+    if poll_max < poll:
+        raise ConfigError("OUTBOX_POLL_MAX_INTERVAL",
+                          f"must be at least OUTBOX_POLL_INTERVAL ({poll:g}), got {poll_max:g}")
+    base = _number("OUTBOX_RETRY_BASE_SECONDS", get("OUTBOX_RETRY_BASE_SECONDS"), minimum=0)
+    retry_max = _number("OUTBOX_RETRY_MAX_SECONDS", get("OUTBOX_RETRY_MAX_SECONDS"), minimum=0)
+    if retry_max < base:
+        raise ConfigError("OUTBOX_RETRY_MAX_SECONDS",
+                          f"must be at least OUTBOX_RETRY_BASE_SECONDS ({base:g}), got {retry_max:g}")
+    domain = _optional_str("OUTBOX_MESSAGE_ID_DOMAIN", get("OUTBOX_MESSAGE_ID_DOMAIN"))
+    if domain is not None and any(c in domain for c in "\r\n\0<>@ "):
+        raise ConfigError("OUTBOX_MESSAGE_ID_DOMAIN", f"not a domain name: {domain!r}")
+
+    return OutboxConfig(
+        smtp=smtp,
+        default_sender=_sender(get("MAIL_DEFAULT_SENDER")),
+        ascii_attachments=_bool("MAIL_ASCII_ATTACHMENTS", get("MAIL_ASCII_ATTACHMENTS")),
+        suppress_send=_bool("MAIL_SUPPRESS_SEND", suppress),
+        transport=_transport(get("OUTBOX_TRANSPORT")),
+        file_path=file_path,
+        durable=_bool("OUTBOX_DURABLE", get("OUTBOX_DURABLE")),
+        max_attempts=_number("OUTBOX_MAX_ATTEMPTS", get("OUTBOX_MAX_ATTEMPTS"), minimum=1,
+                             integer=True),
+        inline_retries=_number("OUTBOX_INLINE_RETRIES", get("OUTBOX_INLINE_RETRIES"), minimum=0,
+                               integer=True),
+        retry_base_seconds=base,
+        retry_max_seconds=retry_max,
+        lease_seconds=_number("OUTBOX_LEASE_SECONDS", get("OUTBOX_LEASE_SECONDS"), minimum=1),
+        batch_size=_number("OUTBOX_BATCH_SIZE", get("OUTBOX_BATCH_SIZE"), minimum=1, integer=True),
+        poll_interval=poll,
+        poll_max_interval=poll_max,
+        listen=_bool("OUTBOX_LISTEN", get("OUTBOX_LISTEN")),
+        listen_url=_optional_str("OUTBOX_LISTEN_URL", get("OUTBOX_LISTEN_URL")),
+        listen_backstop_seconds=_number("OUTBOX_LISTEN_BACKSTOP_SECONDS",
+                                        get("OUTBOX_LISTEN_BACKSTOP_SECONDS"), minimum=0,
+                                        strict_minimum=True),
+        run_worker=_bool("OUTBOX_RUN_WORKER", get("OUTBOX_RUN_WORKER")),
+        rate_limit=_number("OUTBOX_RATE_LIMIT", get("OUTBOX_RATE_LIMIT"), minimum=0,
+                           strict_minimum=True, allow_none=True),
+        sweep_on_startup=_bool("OUTBOX_SWEEP_ON_STARTUP", get("OUTBOX_SWEEP_ON_STARTUP")),
+        sweep_min_age_seconds=_number("OUTBOX_SWEEP_MIN_AGE_SECONDS",
+                                      get("OUTBOX_SWEEP_MIN_AGE_SECONDS"), minimum=0),
+        sweep_batch=_number("OUTBOX_SWEEP_BATCH", get("OUTBOX_SWEEP_BATCH"), minimum=1,
+                            integer=True),
+        sweep_interval_seconds=_number("OUTBOX_SWEEP_INTERVAL_SECONDS",
+                                       get("OUTBOX_SWEEP_INTERVAL_SECONDS"), minimum=0,
+                                       strict_minimum=True, allow_none=True),
+        settings_ttl_seconds=_number("OUTBOX_SETTINGS_TTL_SECONDS",
+                                     get("OUTBOX_SETTINGS_TTL_SECONDS"), minimum=0),
+        max_message_bytes=_number("OUTBOX_MAX_MESSAGE_BYTES", get("OUTBOX_MAX_MESSAGE_BYTES"),
+                                  minimum=1, integer=True),
+        allow_local_addresses=_bool("OUTBOX_ALLOW_LOCAL_ADDRESSES",
+                                    get("OUTBOX_ALLOW_LOCAL_ADDRESSES")),
+        message_id_domain=domain,
+        retention_days=_number("OUTBOX_RETENTION_DAYS", get("OUTBOX_RETENTION_DAYS"), minimum=0,
+                               strict_minimum=True, allow_none=True),
+        scrub_sent=_bool("OUTBOX_SCRUB_SENT", get("OUTBOX_SCRUB_SENT")),
+        health_max_queued_age_seconds=_number("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
+                                              get("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS"),
+                                              minimum=0, strict_minimum=True),
+    )
+
+
+TransportFactory = Callable[..., Any]

@@ -1,0 +1,429 @@
+"""The one delivery route: claim -> send -> record.
+
+:class:`DeliveryRoute` is what every way of delivering goes through (the
+after-commit hand-over, the sweep, and the durable dispatcher): the store's
+compare-and-set claim is the only gate, the transport sends, the store
+records the outcomes in bulk, and a :class:`Heartbeat` renews the leases of
+rows still being sent so a slow server never causes a second copy.
+
+:class:`InlineDelivery` is inline mode's background worker: one daemon thread
+per app and process that takes ids handed over after commit, delivers them in
+batches and retries transient failures a few times in process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import email.parser
+import email.policy
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from email.message import EmailMessage
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from . import _degrade
+from ._errors import PermanentError, TransientError, TransportError
+from ._models import Status
+from ._signals import email_failed, email_sent
+from ._store import ClaimedEmail, Outcome, Store
+from .transports import Delivered, Envelope, Failed, Transport
+
+if TYPE_CHECKING:
+    from flask import Flask
+
+    from ._config import OutboxConfig
+
+logger = logging.getLogger(__name__)
+
+_owner_counter = itertools.count(1)
+_HOST = socket.gethostname()
+
+
+def new_owner() -> str:
+    """A lease owner token, unique per claim (host, pid, sequence, random)."""
+    return f"{_HOST[:40]}:{os.getpid()}:{next(_owner_counter)}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliveredMessage:
+    """A delivered email as ``record_messages()`` yields it (Flask-Mail-like)."""
+
+    email_id: int
+    message_id: str
+    sender: str
+    send_to: tuple[str, ...]
+    mime: bytes
+
+    @cached_property
+    def parsed(self) -> EmailMessage:
+        """The message parsed back with the stdlib parser."""
+        parsed = email.parser.BytesParser(policy=email.policy.default).parsebytes(self.mime)
+        return parsed  # type: ignore[return-value]
+
+    @property
+    def subject(self) -> str:
+        """The decoded Subject header."""
+        return str(self.parsed.get("Subject", ""))
+
+    @property
+    def recipients(self) -> list[str]:
+        """The To addresses, as written in the header."""
+        return [str(a.addr_spec) for h in self.parsed.get_all("To", []) for a in h.addresses]
+
+    def _part(self, subtype: str) -> str | None:
+        part = self.parsed.get_body(preferencelist=(subtype,))
+        if part is None or part.get_content_subtype() != subtype:
+            return None
+        return str(part.get_content())
+
+    @property
+    def body(self) -> str | None:
+        """The text/plain body, if any."""
+        return self._part("plain")
+
+    @property
+    def html(self) -> str | None:
+        """The text/html body, if any."""
+        return self._part("html")
+
+
+@dataclasses.dataclass
+class BatchReport:
+    """What happened to the ids offered to one :meth:`DeliveryRoute.deliver_ids`."""
+
+    sent: list[int] = dataclasses.field(default_factory=list)
+    failed: list[int] = dataclasses.field(default_factory=list)
+    # Transient failures, back to queued: (id, attempt, error).
+    transient: list[tuple[int, int, TransientError]] = dataclasses.field(default_factory=list)
+    not_claimed: list[int] = dataclasses.field(default_factory=list)
+    lost: list[int] = dataclasses.field(default_factory=list)
+
+
+class Heartbeat:
+    """Renews the leases of rows in flight every third of a lease."""
+
+    def __init__(self, store: Store, lease_seconds: float,
+                 faults: _degrade.FaultTracker) -> None:
+        self.store = store
+        self.lease_seconds = lease_seconds
+        self.faults = faults
+        self._tracked: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def tracking(self, owner: str, ids: Sequence[int]) -> Iterator[None]:
+        """Keep the leases of ``ids`` alive while the block runs."""
+        with self._lock:
+            self._tracked[owner] = list(ids)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="outbox-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._tracked.pop(owner, None)
+
+    def _run(self) -> None:
+        interval = self.lease_seconds / 3
+        while True:
+            time.sleep(interval)
+            with self._lock:
+                tracked = list(self._tracked.items())
+            for owner, ids in tracked:
+                try:
+                    self.store.renew_leases(owner, ids, self.lease_seconds)
+                    self.faults.recovered("heartbeat")
+                except Exception as exc:  # noqa: BLE001 - reported; the next beat retries
+                    self.faults.failing(
+                        "heartbeat", "Could not renew the leases of emails being sent",
+                        consequence=(f"{len(ids)} email(s) in flight may be claimed again by "
+                                     "another process once their lease expires, which can "
+                                     "send a duplicate with the same Message-ID"),
+                        fix="check the database connection; raise OUTBOX_LEASE_SECONDS if the "
+                            "database is slow",
+                        exc=exc)
+
+
+class DeliveryRoute:
+    """claim -> send -> record, for one app in one process."""
+
+    def __init__(self, *, app: Flask, config: OutboxConfig, store: Store,
+                 transport: Transport, faults: _degrade.FaultTracker) -> None:
+        self.app = app
+        self.config = config
+        self.store = store
+        self.transport = transport
+        self.faults = faults
+        self.heartbeat = Heartbeat(store, config.lease_seconds, faults)
+        self._send_lock = threading.Lock()
+
+    def deliver_ids(self, ids: Sequence[int], *, retry_delay: float = 0.0) -> BatchReport:
+        """Claim those of ``ids`` that are due, send them, record the outcomes."""
+        owner = new_owner()
+        claimed = self.store.claim_ids(ids, owner=owner, lease_seconds=self.config.lease_seconds)
+        report = self.deliver_claimed(claimed, retry_delay=retry_delay)
+        got = {email.id for email in claimed}
+        report.not_claimed = [i for i in ids if i not in got]
+        return report
+
+    def deliver_claimed(self, claimed: Sequence[ClaimedEmail], *,
+                        retry_delay: float = 0.0) -> BatchReport:
+        """Send rows this process has claimed and record what happened."""
+        report = BatchReport()
+        if not claimed:
+            return report
+        envelopes = [Envelope(email_id=e.id, sender=e.sender, recipients=e.recipients,
+                              mime=e.mime, message_id=e.message_id) for e in claimed]
+        # One transport, one batch at a time: transports are not required to be
+        # thread-safe, and batching is where the throughput comes from anyway.
+        with self._send_lock, self.heartbeat.tracking(claimed[0].owner, [e.id for e in claimed]):
+            try:
+                results = self.transport.send_many(envelopes)
+            except Exception as exc:  # noqa: BLE001 - a broken transport must not lose rows
+                _degrade.report(
+                    f"Transport {type(self.transport).__name__}.send_many raised "
+                    f"{type(exc).__name__} instead of returning results",
+                    consequence=(f"{len(claimed)} email(s) are put back to queued and will be "
+                                 "retried (it counts as a transient failure)"),
+                    fix="fix the transport: it must return Failed(...) results, not raise",
+                    exc=exc)
+                results = [Failed(TransientError(f"transport raised {type(exc).__name__}: {exc}"))
+                           for _ in claimed]
+        if len(results) != len(claimed):
+            raise RuntimeError(f"transport returned {len(results)} results for "
+                               f"{len(claimed)} messages")
+        due = self.store.clock() + timedelta(seconds=retry_delay)
+        outcomes: list[Outcome] = []
+        for email, result in zip(claimed, results):
+            if isinstance(result, Delivered):
+                refused = "; ".join(f"{addr}: {code} {text}"
+                                    for addr, (code, text) in result.refused.items())
+                outcomes.append(Outcome(email, Status.SENT,
+                                        error_code=max((c for c, _ in result.refused.values()),
+                                                       default=0),
+                                        error_message=f"some recipients refused: {refused}"
+                                        if refused else None))
+            elif isinstance(result.error, PermanentError):
+                outcomes.append(Outcome(email, Status.FAILED, error_code=result.error.code,
+                                        error_message=result.error.message))
+            else:
+                throttled = isinstance(result.error, TransientError) and result.error.throttled
+                outcomes.append(Outcome(email, Status.QUEUED, error_code=result.error.code,
+                                        error_message=result.error.message, due_at=due,
+                                        give_back_attempt=throttled))
+        recorded, lost = self.store.record(outcomes)
+        errors = {e.id: r.error for e, r in zip(claimed, results) if isinstance(r, Failed)}
+        for outcome in recorded:
+            email = outcome.email
+            if outcome.status is Status.SENT:
+                report.sent.append(email.id)
+                if outcome.error_message:
+                    _degrade.report(
+                        f"Email {email.id} ({email.message_id}) was accepted for some "
+                        f"recipients and refused for others: {outcome.error_message}",
+                        consequence="it is marked sent and will not be retried, since a retry "
+                                    "would send a second copy to the recipients who got it",
+                        fix="check the refused addresses and send them a new email if needed")
+                self._signal_sent(email)
+            elif outcome.status is Status.FAILED:
+                report.failed.append(email.id)
+                error = errors[email.id]
+                _degrade.report(
+                    f"Email {email.id} ({email.message_id}) failed permanently on attempt "
+                    f"{email.attempt}: {error}",
+                    consequence="it is marked failed and will not be sent",
+                    fix=f"correct the cause, then put it back with mail.retry({email.id}) or "
+                        f"`flask outbox dlq retry {email.id}`")
+                with self.app.app_context():
+                    email_failed.send(self.app, email_id=email.id, message_id=email.message_id,
+                                      error=error)
+            else:
+                error = errors[email.id]
+                report.transient.append(
+                    (email.id, email.attempt,
+                     error if isinstance(error, TransientError) else TransientError(str(error))))
+        for outcome in lost:
+            report.lost.append(outcome.email.id)
+            _degrade.report(
+                f"Email {outcome.email.id} ({outcome.email.message_id}) lost its lease while "
+                f"being sent (outcome {outcome.status.value} not recorded)",
+                consequence="another delivery claimed it after the lease expired; it may have "
+                            "been sent twice with the same Message-ID",
+                fix="raise OUTBOX_LEASE_SECONDS above the slowest SMTP transaction, or check "
+                    "that the database keeps up with lease renewals")
+        return report
+
+    def _signal_sent(self, email: ClaimedEmail) -> None:
+        if not email_sent.receivers:
+            return
+        message = DeliveredMessage(email_id=email.id, message_id=email.message_id,
+                                   sender=email.sender, send_to=email.recipients, mime=email.mime)
+        with self.app.app_context():
+            email_sent.send(self.app, email_id=email.id, message_id=email.message_id,
+                            message=message)
+
+
+def inline_backoff(retry: int) -> float:
+    """Seconds before in-process retry number ``retry`` (1-based), capped near 2 s."""
+    return float(min(2.0, 0.25 * 2 ** (retry - 1)))
+
+
+class InlineDelivery:
+    """Inline mode's background worker for one app in one process.
+
+    ``submit(ids)`` returns at once; a daemon thread delivers the ids in
+    batches through the route. A transient failure is retried
+    ``OUTBOX_INLINE_RETRIES`` times in this process; after that the row stays
+    queued for the periodic sweep (or a durable dispatcher), with an ERROR.
+    """
+
+    def __init__(self, route: DeliveryRoute, config: OutboxConfig) -> None:
+        self.route = route
+        self.config = config
+        self._pending: dict[int, None] = {}
+        self._retries: dict[int, tuple[float, int]] = {}  # id -> (due monotonic, retry number)
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, ids: Sequence[int]) -> None:
+        """Hand over committed ids; starts the worker thread on first use."""
+        if not ids:
+            return
+        with self._cond:
+            if self._stopping:
+                return
+            for email_id in ids:
+                self._pending[email_id] = None
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="outbox-inline",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        """No id pending, none being delivered, no in-process retry waiting."""
+        with self._cond:
+            return not self._pending and not self._busy and not self._retries
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until :meth:`idle`; True when it is."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._busy or self._retries:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self._thread is None or not self._thread.is_alive()):
+                    return not (self._pending or self._busy or self._retries)
+                self._cond.wait(min(remaining, 0.5))
+            return True
+
+    def stop(self, timeout: float) -> None:
+        """Stop taking work; wait up to ``timeout`` for the batch in flight."""
+        with self._cond:
+            self._stopping = True
+            self._pending.clear()
+            self._retries.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _next_batch(self) -> list[int] | None:
+        with self._cond:
+            while True:
+                if self._stopping:
+                    return None
+                now = time.monotonic()
+                for email_id, (due, _) in list(self._retries.items()):
+                    if due <= now:
+                        self._pending[email_id] = None
+                if self._pending:
+                    batch = list(itertools.islice(self._pending, self.config.batch_size))
+                    for email_id in batch:
+                        del self._pending[email_id]
+                    self._busy = True
+                    return batch
+                waits = [due - now for due, _ in self._retries.values()]
+                self._cond.wait(min(waits) if waits else None)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._deliver(batch)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _deliver(self, batch: list[int]) -> None:
+        retry_numbers = {i: self._retries.get(i, (0.0, 0))[1] for i in batch}
+        try:
+            with self.route.app.app_context():
+                report = self.route.deliver_ids(batch, retry_delay=2.0)
+            self.route.faults.recovered("inline-drain")
+        except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
+            with self._cond:
+                for email_id in batch:
+                    self._retries.pop(email_id, None)
+            self.route.faults.failing(
+                "inline-drain", "Inline delivery could not claim or record a batch",
+                consequence=(f"{len(batch)} committed email(s) were not delivered by this "
+                             "process; they stay queued (or sending until their lease "
+                             "expires) and the periodic sweep takes them after "
+                             f"OUTBOX_SWEEP_MIN_AGE_SECONDS ({self.config.sweep_min_age_seconds:g} s)"),
+                fix="check the database connection and the outbox tables "
+                    "(`flask db upgrade outbox@head`); run `flask outbox sweep` once it is fixed",
+                exc=exc)
+            return
+        with self._cond:
+            for email_id in itertools.chain(report.sent, report.failed, report.lost,
+                                            report.not_claimed):
+                self._retries.pop(email_id, None)
+            for email_id, attempt, error in report.transient:
+                retry = retry_numbers.get(email_id, 0) + 1
+                if retry <= self.config.inline_retries and not self._stopping:
+                    self._retries[email_id] = (time.monotonic() + inline_backoff(retry), retry)
+                    continue
+                self._retries.pop(email_id, None)
+                _degrade.report(
+                    f"Email {email_id} could not be delivered after {attempt} attempt(s): "
+                    f"{error}",
+                    consequence="it stays queued; this process will not retry it; the periodic "
+                                "sweep (every OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable "
+                                "dispatcher will take it",
+                    fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
+                        "`flask outbox sweep` retries at once, and durable mode "
+                        "(`flask outbox durable on`) retries with backoff")
+        # Keyed emails wait for the earlier email of their key; once this batch
+        # made progress, offer again those that are due and still queued.
+        if (report.sent or report.failed) and report.not_claimed:
+            try:
+                waiting = self.route.store.due_keyed(report.not_claimed)
+            except Exception as exc:  # noqa: BLE001 - reported; the sweep takes them
+                _degrade.report(
+                    "Could not look up keyed emails waiting behind their predecessor",
+                    consequence=f"{len(report.not_claimed)} email(s) stay queued for the "
+                                "periodic sweep",
+                    fix="check the database connection", exc=exc)
+                return
+            with self._cond:
+                for email_id in waiting:
+                    if email_id not in self._retries:
+                        self._pending[email_id] = None

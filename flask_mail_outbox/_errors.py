@@ -1,0 +1,71 @@
+"""The exception tree of flask-mail-outbox.
+
+::
+
+    OutboxError
+     +-- InvalidMessage (also ValueError)   bad input at send(); nothing was written
+     +-- ConfigError (also ValueError)      a bad MAIL_* / OUTBOX_* value at init_app()
+     +-- TransportError                     raised by transports
+          +-- TransientError                try again later (4xx, connection trouble)
+          +-- PermanentError                never try again (5xx, every recipient refused)
+
+Transports map their library's errors onto ``TransientError`` and
+``PermanentError`` at the boundary with ``raise ... from exc``; nothing above
+the transport layer knows about aiosmtplib.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class InvalidMessage(OutboxError, ValueError):
+    """A message that cannot be queued; the text names the offending field.
+
+    Raised by ``mail.send()`` before anything is added to the session.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}")
+
+
+class ConfigError(OutboxError, ValueError):
+    """A configuration value that cannot work; the text names the key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{key}: {problem}")
+
+
+class TransportError(OutboxError):
+    """A delivery attempt failed.
+
+    ``code`` is the SMTP reply code when there is one (0 otherwise) and
+    ``message`` the server's text. Neither ever contains credentials.
+    """
+
+    def __init__(self, message: str, *, code: int = 0) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"{code} {message}" if code else message)
+
+
+class TransientError(TransportError):
+    """Delivery may succeed later: a 4xx reply, a timeout, a dropped connection.
+
+    ``throttled`` is True when the server said we are sending too fast; the
+    delivery layer then slows down instead of charging the row an attempt.
+    """
+
+    def __init__(self, message: str, *, code: int = 0, throttled: bool = False) -> None:
+        super().__init__(message, code=code)
+        self.throttled = throttled
+
+
+class PermanentError(TransportError):
+    """Delivery will never succeed as sent: a 5xx reply, every recipient refused."""

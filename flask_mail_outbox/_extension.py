@@ -1,0 +1,437 @@
+"""The Flask extension: ``OutboxMail``.
+
+Per-app state lives in ``app.extensions["mail_outbox"]`` (an :class:`_AppState`);
+the extension object itself keeps no app, so one ``OutboxMail`` can serve
+several apps. What runs threads or holds connections (engine, transport,
+delivery worker) is the :class:`_Runtime`, created lazily on first use in each
+process and re-created after a fork.
+"""
+
+from __future__ import annotations
+
+import atexit
+import difflib
+import json
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from flask import Flask, current_app, got_request_exception
+from sqlalchemy import event
+
+from . import _degrade, _staging
+from ._config import BUILTIN_TRANSPORTS, OutboxConfig, load_config
+from ._delivery import DeliveredMessage, DeliveryRoute, InlineDelivery
+from ._errors import ConfigError, InvalidMessage
+from ._message import Message, prepare_message
+from ._models import Status, metadata
+from ._signals import email_queued, email_sent
+from ._store import Store, insert_email, utcnow
+from .transports import (ConsoleTransport, FileTransport, MemoryTransport, NullTransport,
+                         SMTPTransport, Transport)
+
+if TYPE_CHECKING:
+    from flask_sqlalchemy import SQLAlchemy
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_KEY = "mail_outbox"
+_KNOWN_OUTBOX_KEYS = frozenset({
+    "OUTBOX_TRANSPORT", "OUTBOX_FILE_PATH", "OUTBOX_DURABLE", "OUTBOX_MAX_ATTEMPTS",
+    "OUTBOX_INLINE_RETRIES", "OUTBOX_RETRY_BASE_SECONDS", "OUTBOX_RETRY_MAX_SECONDS",
+    "OUTBOX_LEASE_SECONDS", "OUTBOX_BATCH_SIZE", "OUTBOX_POLL_INTERVAL",
+    "OUTBOX_POLL_MAX_INTERVAL", "OUTBOX_LISTEN", "OUTBOX_LISTEN_URL",
+    "OUTBOX_LISTEN_BACKSTOP_SECONDS", "OUTBOX_RUN_WORKER", "OUTBOX_RATE_LIMIT",
+    "OUTBOX_SWEEP_ON_STARTUP", "OUTBOX_SWEEP_MIN_AGE_SECONDS", "OUTBOX_SWEEP_BATCH",
+    "OUTBOX_SWEEP_INTERVAL_SECONDS", "OUTBOX_SETTINGS_TTL_SECONDS", "OUTBOX_MAX_MESSAGE_BYTES",
+    "OUTBOX_ALLOW_LOCAL_ADDRESSES", "OUTBOX_MESSAGE_ID_DOMAIN", "OUTBOX_TLS_VERIFY",
+    "OUTBOX_TLS_CA_FILE", "OUTBOX_RETENTION_DAYS", "OUTBOX_SCRUB_SENT",
+    "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
+})
+_MAX_KEY_LENGTH = 255
+
+
+def _check_unknown_keys(config: Any) -> None:
+    for key in config:
+        if key.startswith("OUTBOX_") and key not in _KNOWN_OUTBOX_KEYS:
+            close = difflib.get_close_matches(key, _KNOWN_OUTBOX_KEYS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(key, f"is not a flask-mail-outbox setting{hint}")
+
+
+def _refuse_memory_sqlite(uri: Any) -> None:
+    if not isinstance(uri, (str, sa.URL)):
+        return
+    url = sa.make_url(uri)
+    if url.get_backend_name() != "sqlite":
+        return
+    database = url.database or ""
+    if database in ("", ":memory:") or url.query.get("mode") == "memory" or \
+            database.startswith("file::memory:"):
+        raise ConfigError(
+            "SQLALCHEMY_DATABASE_URI",
+            f"{url.render_as_string()!r} is an in-memory SQLite database; the request and "
+            "the delivery thread would share one connection and one transaction. Use a file, "
+            "e.g. 'sqlite:///app.db' (tests: a file under tmp_path)")
+
+
+def _build_transport(config: OutboxConfig) -> Transport:
+    if config.suppress_send:
+        return MemoryTransport(config)
+    name = config.transport
+    builtin: dict[str, type[Transport]] = {
+        "smtp": SMTPTransport, "console": ConsoleTransport, "file": FileTransport,
+        "memory": MemoryTransport, "null": NullTransport,
+    }
+    if name in BUILTIN_TRANSPORTS:
+        return builtin[name](config)
+    import importlib
+
+    module, _, attr = name.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    transport = cls(config)
+    if not isinstance(transport, Transport):
+        raise ConfigError("OUTBOX_TRANSPORT",
+                          f"{name!r} must subclass flask_mail_outbox.transports.Transport")
+    return transport
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    try:
+        # The busy timeout makes writers queue for the lock instead of failing.
+        cursor.execute("PRAGMA busy_timeout=30000")
+        _ensure_wal(cursor)
+    finally:
+        cursor.close()
+
+
+def _ensure_wal(cursor: Any) -> None:
+    """Switch a SQLite database to WAL (persistent, per file) unless it already is.
+
+    WAL lets request threads read and commit while the delivery thread
+    writes; in the default rollback-journal mode readers block the writer.
+    """
+    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+        return
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+    except Exception as exc:  # noqa: BLE001 - reported; SQLite still works, only slower
+        _degrade.report(
+            "Could not switch the SQLite database to WAL journal mode",
+            consequence="request threads and the delivery thread block each other more, "
+                        "and concurrent commits may wait up to the busy timeout",
+            fix="run `PRAGMA journal_mode=WAL` on the database once while nothing else uses it",
+            exc=exc)
+
+
+def _prepare_sqlite(app: Flask, db: SQLAlchemy) -> None:
+    """Put the app's SQLite database in WAL mode at start, before any writer."""
+    with app.app_context():
+        engine = db.engine
+        if engine.dialect.name != "sqlite":
+            return
+        with engine.connect() as conn:
+            cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                _ensure_wal(cursor)
+            finally:
+                cursor.close()
+
+
+class _Runtime:
+    """What one process runs for one app: engine, transport, delivery worker."""
+
+    def __init__(self, state: _AppState) -> None:
+        self.pid = os.getpid()
+        app, config = state.app, state.config
+        with app.app_context():
+            url = state.db.engine.url
+        if url.get_backend_name() == "sqlite":
+            self.engine = sa.create_engine(url, connect_args={"timeout": 30,
+                                                               "check_same_thread": False})
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            self.engine = sa.create_engine(url, pool_size=4, max_overflow=8, pool_pre_ping=True)
+        self.store = Store(self.engine)
+        self.transport = _build_transport(config)
+        self.synchronous = isinstance(self.transport, MemoryTransport)
+        self.route = DeliveryRoute(app=app, config=config, store=self.store,
+                                   transport=self.transport, faults=state.faults)
+        self.inline = InlineDelivery(self.route, config)
+
+    def stop(self, timeout: float) -> None:
+        self.inline.stop(timeout)
+        self.transport.close()
+        self.engine.dispose()
+
+
+class _AppState:
+    """Per-app state, in ``app.extensions["mail_outbox"]``."""
+
+    def __init__(self, ext: OutboxMail, app: Flask, db: SQLAlchemy, config: OutboxConfig) -> None:
+        self.ext = ext
+        self.app = app
+        self.db = db
+        self.config = config
+        self.faults = _degrade.FaultTracker()
+        self._runtime: _Runtime | None = None
+        self._lock = threading.Lock()
+
+    def runtime(self) -> _Runtime:
+        """This process's runtime, created on first use and after a fork."""
+        with self._lock:
+            runtime = self._runtime
+            if runtime is None or runtime.pid != os.getpid():
+                if runtime is not None:
+                    # Inherited from the parent: drop its pooled connections
+                    # without closing them under the parent's feet.
+                    runtime.engine.dispose(close=False)
+                runtime = self._runtime = _Runtime(self)
+            return runtime
+
+    def current_runtime(self) -> _Runtime | None:
+        """The runtime if this process has one (never creates it)."""
+        runtime = self._runtime
+        return runtime if runtime is not None and runtime.pid == os.getpid() else None
+
+    def publish(self, entries: list[_staging.StagedEmail]) -> None:
+        """Called after the outermost commit with the rows it made durable."""
+        ids = [e.email_id for e in entries]
+        if email_queued.receivers:
+            for email_id in ids:
+                email_queued.send(self.app, email_id=email_id)
+        due = [e.email_id for e in entries if e.due_now]
+        if not due:
+            return
+        try:
+            runtime = self.runtime()
+            if runtime.synchronous:
+                # The memory transport delivers inside commit(), so a test sees
+                # its messages as soon as commit() returns.
+                with self.app.app_context():
+                    runtime.route.deliver_ids(due)
+            else:
+                runtime.inline.submit(due)
+        except Exception as exc:  # noqa: BLE001 - the commit succeeded; never fail it now
+            _degrade.report(
+                f"Could not hand {len(due)} committed email(s) {due[:20]} to delivery",
+                consequence="they stay queued in the database; the periodic sweep takes them "
+                            "after OUTBOX_SWEEP_MIN_AGE_SECONDS",
+                fix="check the database connection and the transport configuration; "
+                    "`flask outbox sweep` delivers them once fixed",
+                exc=exc)
+
+    def stop(self, timeout: float) -> None:
+        with self._lock:
+            runtime, self._runtime = self.current_runtime(), None
+        if runtime is not None:
+            runtime.stop(timeout)
+
+
+_all_states: weakref.WeakSet[_AppState] = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _stop_all() -> None:
+    for state in list(_all_states):
+        try:
+            state.stop(timeout=10)
+        except Exception:  # noqa: BLE001 - interpreter exit; rows are safe in the database
+            logger.exception("Stopping outbox delivery at exit failed")
+
+
+class OutboxMail:
+    """Transactional email for Flask.
+
+    ``mail.send(msg)`` adds the email to ``db.session`` as a ``queued`` row in
+    the caller's transaction; it is delivered in the background after the
+    outermost commit, and a rollback sends nothing.
+    """
+
+    def __init__(self, app: Flask | None = None, db: SQLAlchemy | None = None) -> None:
+        self._db = db
+        if app is not None:
+            self.init_app(app, db)
+
+    def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> None:
+        """Register with ``app``: read and check the configuration, hook the session."""
+        global _atexit_registered
+        if EXTENSION_KEY in app.extensions:
+            raise RuntimeError(
+                "A flask-mail-outbox extension is already registered on this app. "
+                "Create one OutboxMail per app and call init_app(app) once "
+                "(use the existing app.extensions['mail_outbox'].ext).")
+        db = db or self._db or app.extensions.get("sqlalchemy")
+        if db is None:
+            raise RuntimeError(
+                "flask-mail-outbox needs Flask-SQLAlchemy: create SQLAlchemy(app) (or call "
+                "db.init_app(app)) before OutboxMail(app), or pass OutboxMail(app, db=db).")
+        _refuse_memory_sqlite(app.config.get("SQLALCHEMY_DATABASE_URI"))
+        _check_unknown_keys(app.config)
+        config = load_config(app.config, instance_path=app.instance_path,
+                             testing=bool(app.config.get("TESTING")))
+        state = _AppState(self, app, db, config)
+        _prepare_sqlite(app, db)
+        app.extensions[EXTENSION_KEY] = state
+        _all_states.add(state)
+        _staging.install(db.session)
+        got_request_exception.connect(_request_failed, app, weak=False)
+        app.teardown_request(_teardown_request)
+        if not _atexit_registered:
+            atexit.register(_stop_all)
+            _atexit_registered = True
+
+    # -- state --------------------------------------------------------------------
+
+    def _state(self) -> _AppState:
+        try:
+            state: _AppState = current_app.extensions[EXTENSION_KEY]
+        except KeyError:
+            raise RuntimeError(
+                "flask-mail-outbox is not registered on the current app; call "
+                "mail.init_app(app) first.") from None
+        return state
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send(self, msg: Message, *, key: str | None = None,
+             send_after: datetime | timedelta | None = None,
+             idempotency_key: str | None = None) -> int:
+        """Queue ``msg`` in the current ``db.session`` transaction; return the row id.
+
+        Validates first and raises :class:`InvalidMessage` (nothing written) on
+        bad input. Does not commit: the email goes out after the caller's
+        outermost commit, and a rollback discards it. With an
+        ``idempotency_key`` already stored, returns that row's id and adds
+        nothing.
+        """
+        state = self._state()
+        config = state.config
+        if not isinstance(msg, Message):
+            raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got "
+                                        f"{type(msg).__name__}")
+        _check_key("key", key)
+        _check_key("idempotency_key", idempotency_key)
+        due_at = _due_at(send_after)
+        prepared = prepare_message(
+            msg, default_sender=config.default_sender,
+            allow_local_addresses=config.allow_local_addresses,
+            max_message_bytes=config.max_message_bytes,
+            message_id_domain=config.message_id_domain,
+            ascii_attachments=config.ascii_attachments)
+        values: dict[str, Any] = {
+            "status": Status.QUEUED.value,
+            "due_at": due_at,
+            "message_id": prepared.message_id,
+            "key": key,
+            "idempotency_key": idempotency_key,
+            "attempts": 0,
+            "sender": prepared.sender,
+            "recipients": json.dumps(list(prepared.recipients)),
+            "subject": prepared.subject,
+            "size": len(prepared.mime),
+            "mime": prepared.mime,
+        }
+        attachments = [
+            {"position": index, "filename": info.filename, "content_type": info.content_type,
+             "size": info.size}
+            for index, info in enumerate(prepared.attachments)
+        ]
+        session = state.db.session()
+        email_id, created = insert_email(session, values, attachments)
+        if created:
+            _staging.stage(session, _staging.StagedEmail(
+                email_id=email_id, due_now=due_at is None or due_at <= utcnow(),
+                publisher=state))
+        return email_id
+
+    def send_message(self, **kwargs: Any) -> int:
+        """``send(Message(**kwargs))``."""
+        return self.send(Message(**kwargs))
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def create_all(self) -> None:
+        """Create the outbox tables (development and tests; production uses migrations)."""
+        state = self._state()
+        metadata.create_all(state.db.engine)
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until this process has no delivery in flight; True when idle.
+
+        It does not wait for other processes.
+        """
+        runtime = self._state().current_runtime()
+        return True if runtime is None else runtime.inline.wait_idle(timeout)
+
+    def stop(self, timeout: float = 10) -> None:
+        """Stop this process's delivery threads for every app; idempotent.
+
+        Sends in flight get ``timeout`` seconds to finish; rows not finished
+        stay ``sending`` until their lease expires and the sweep takes them.
+        """
+        for state in list(_all_states):
+            if state.ext is self:
+                state.stop(timeout)
+
+    @contextmanager
+    def record_messages(self) -> Iterator[list[DeliveredMessage]]:
+        """Yield a list that fills with every message delivered meanwhile.
+
+        Works with any transport; with the memory transport (``TESTING``)
+        delivery happens inside ``commit()``, so messages are there as soon as
+        ``commit()`` returns.
+        """
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        outbox: list[DeliveredMessage] = []
+
+        def record(sender: Flask, message: DeliveredMessage, **_: Any) -> None:
+            outbox.append(message)
+
+        with email_sent.connected_to(record, app):
+            yield outbox
+
+    def stats(self) -> dict[str, Any]:
+        """Rows per status (more fields arrive with durable mode and the sweep)."""
+        state = self._state()
+        return {"counts": state.runtime().store.counts()}
+
+
+def _request_failed(sender: Flask, **_: Any) -> None:
+    _staging.mark_request_failed()
+
+
+def _teardown_request(exc: BaseException | None) -> None:
+    if exc is not None:
+        _staging.mark_request_failed()
+
+
+def _check_key(field: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or not value:
+        raise InvalidMessage(field, f"expected a non-empty string, got {value!r}")
+    if len(value) > _MAX_KEY_LENGTH:
+        raise InvalidMessage(field, f"longer than {_MAX_KEY_LENGTH} characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidMessage(field, "contains control characters")
+
+
+def _due_at(send_after: Any) -> datetime | None:
+    if send_after is None:
+        return None
+    if isinstance(send_after, timedelta):
+        return utcnow() + send_after
+    if isinstance(send_after, datetime):
+        if send_after.tzinfo is not None:
+            return send_after.astimezone(timezone.utc).replace(tzinfo=None)
+        return send_after
+    raise InvalidMessage("send_after",
+                         f"expected a datetime or timedelta, got {type(send_after).__name__}")

@@ -1,0 +1,130 @@
+"""The outbox tables, on a MetaData of the library's own.
+
+``outbox_email`` holds one row per email, with the complete MIME built once at
+``send()`` (the bytes that are sent are the bytes that were validated).
+``outbox_attachment`` lists each email's attachments (name, type, size) so
+operators can see them without parsing the MIME. ``outbox_setting`` holds
+settings shared by every process (the runtime delivery mode, the last sweep
+report).
+
+Partial indexes cover only the rows that can still change (``queued``,
+``sending``) or that are listed by status, so finding due work costs the same
+whether the table retains a thousand or ten million ``sent`` rows.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+metadata = sa.MetaData()
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY, not BIGINT.
+_BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+class Status(str, enum.Enum):
+    """The lifecycle of an email row."""
+
+    QUEUED = "queued"
+    SENDING = "sending"
+    SENT = "sent"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _where(clause: str) -> dict[str, sa.TextClause]:
+    """Partial-index predicate for both supported dialects."""
+    return {"sqlite_where": sa.text(clause), "postgresql_where": sa.text(clause)}
+
+
+class Base(DeclarativeBase):
+    """Declarative base bound to the library's own MetaData."""
+
+    metadata = metadata
+
+
+class OutboxEmail(Base):
+    """One email, from ``send()`` to its final status."""
+
+    __tablename__ = "outbox_email"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    status: Mapped[str] = mapped_column(sa.String(16), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
+    # When the row may next be claimed: send_after, or the time of its next retry.
+    due_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
+    sent_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    message_id: Mapped[str] = mapped_column(sa.String(255), nullable=False)
+    key: Mapped[str | None] = mapped_column(sa.String(255))
+    idempotency_key: Mapped[str | None] = mapped_column(sa.String(255))
+    attempts: Mapped[int] = mapped_column(sa.Integer(), nullable=False, server_default="0")
+    last_error: Mapped[str | None] = mapped_column(sa.Text())
+    # JSON list of {code, message, at, attempt}, oldest first.
+    error_history: Mapped[str | None] = mapped_column(sa.Text())
+    lease_owner: Mapped[str | None] = mapped_column(sa.String(96))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    sender: Mapped[str] = mapped_column(sa.String(320), nullable=False)
+    # JSON list of envelope recipients (to + cc + bcc).
+    recipients: Mapped[str] = mapped_column(sa.Text(), nullable=False)
+    subject: Mapped[str] = mapped_column(sa.Text(), nullable=False, server_default="")
+    size: Mapped[int] = mapped_column(sa.Integer(), nullable=False)
+    # NULL once scrubbed (OUTBOX_SCRUB_SENT).
+    mime: Mapped[bytes | None] = mapped_column(sa.LargeBinary())
+
+    __table_args__ = (
+        sa.CheckConstraint(
+            "status IN ('queued', 'sending', 'sent', 'failed')", name="ck_outbox_email_status"
+        ),
+        sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
+        # Due work: the claim and the inline re-offer.
+        sa.Index("ix_outbox_email_due", "due_at", "id", **_where("status = 'queued'")),
+        # The sweep: oldest queued first.
+        sa.Index("ix_outbox_email_queued_created", "created_at", "id",
+                 **_where("status = 'queued'")),
+        # The reap: expired leases.
+        sa.Index("ix_outbox_email_lease", "lease_expires_at", **_where("status = 'sending'")),
+        # Per-key order: is there an earlier unfinished email of this key?
+        sa.Index("ix_outbox_email_key_open", "key", "id",
+                 **_where("status IN ('queued', 'sending') AND key IS NOT NULL")),
+        # Dead letters and retention.
+        sa.Index("ix_outbox_email_failed", "id", **_where("status = 'failed'")),
+        sa.Index("ix_outbox_email_sent_at", "sent_at", **_where("status = 'sent'")),
+    )
+
+
+class OutboxAttachment(Base):
+    """What one attachment of an email is: name, type and size (the data is in the MIME)."""
+
+    __tablename__ = "outbox_attachment"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    email_id: Mapped[int] = mapped_column(
+        _BigId, sa.ForeignKey("outbox_email.id", ondelete="CASCADE"), nullable=False, index=True
+    )
+    position: Mapped[int] = mapped_column(sa.Integer(), nullable=False)
+    filename: Mapped[str | None] = mapped_column(sa.Text())
+    content_type: Mapped[str] = mapped_column(sa.String(255), nullable=False)
+    size: Mapped[int] = mapped_column(sa.Integer(), nullable=False)
+
+
+class OutboxSetting(Base):
+    """A setting shared by every process using the database (JSON value)."""
+
+    __tablename__ = "outbox_setting"
+
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(sa.Text(), nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
+
+
+email_table: sa.Table = OutboxEmail.__table__  # type: ignore[assignment]
+attachment_table: sa.Table = OutboxAttachment.__table__  # type: ignore[assignment]
+setting_table: sa.Table = OutboxSetting.__table__  # type: ignore[assignment]
+
+TABLE_NAMES = frozenset(metadata.tables)

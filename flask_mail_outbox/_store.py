@@ -1,0 +1,338 @@
+"""Every SQL statement the outbox runs, and nothing about SMTP.
+
+The write side (:meth:`Store.insert_email`) runs in the caller's session and
+transaction. The delivery side runs on the store's own engine, in short
+transactions that never span a network call to the mail server:
+
+* :meth:`Store.claim_ids` is the compare-and-set ``queued -> sending`` with a
+  lease, the single gate every delivery route goes through;
+* :meth:`Store.renew_leases` is the heartbeat of rows still being sent;
+* :meth:`Store.record` writes outcomes, guarded: it only changes a row that is
+  still ``sending`` under the claim's owner token, so a sender that lost its
+  lease can never overwrite what a later claim recorded.
+
+Timestamps are naive UTC. On PostgreSQL "now" is the database clock, so
+processes with skewed clocks agree on leases and ages; SQLite is one machine,
+so the Python clock is the database clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+
+from ._models import Status, attachment_table, email_table, setting_table
+
+logger = logging.getLogger(__name__)
+
+_OPEN = (Status.QUEUED.value, Status.SENDING.value)
+
+
+def utcnow() -> datetime:
+    """The current time, naive UTC (how every timestamp is stored)."""
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimedEmail:
+    """A row this process holds a lease on, with what the transport needs."""
+
+    id: int
+    owner: str
+    attempt: int
+    sender: str
+    recipients: tuple[str, ...]
+    mime: bytes
+    message_id: str
+    key: str | None
+    error_history: tuple[dict[str, Any], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What to record for one claimed row.
+
+    ``status`` is the row's next status: ``sent``, ``failed``, or ``queued``
+    (a transient failure, due again at ``due_at``; or a release with
+    ``give_back_attempt`` when the send never started).
+    """
+
+    email: ClaimedEmail
+    status: Status
+    error_code: int = 0
+    error_message: str | None = None
+    due_at: datetime | None = None
+    give_back_attempt: bool = False
+
+
+def now_expr(dialect: str, clock: Callable[[], datetime] = utcnow) -> sa.ColumnElement[datetime]:
+    """"Now" as SQL for ``dialect``: the database clock on PostgreSQL, ``clock()`` elsewhere."""
+    if dialect == "postgresql":
+        return sa.func.timezone("UTC", sa.func.now(), type_=sa.DateTime())
+    return sa.literal(clock(), sa.DateTime())
+
+
+def insert_email(session: Session, values: dict[str, Any], attachments: Sequence[dict[str, Any]],
+                 *, clock: Callable[[], datetime] = utcnow) -> tuple[int, bool]:
+    """Insert one email row in the caller's ``session``; returns ``(id, created)``.
+
+    ``created_at`` (and ``due_at`` unless given) are "now" on the database's
+    clock. With an ``idempotency_key`` already stored, nothing is inserted and
+    the existing row's id comes back with ``created=False``. The insert goes
+    first so that on SQLite the transaction takes the write lock before it
+    reads (see :meth:`Store.write`). On PostgreSQL, producers of one ``key``
+    are serialized by a transaction-scoped advisory lock, so id order is
+    commit order within a key.
+    """
+    dialect = session.get_bind(clause=email_table.insert()).dialect.name
+    values = dict(values)
+    now = now_expr(dialect, clock)
+    values["created_at"] = now
+    if values.get("due_at") is None:
+        values["due_at"] = now
+    if dialect == "postgresql" and values.get("key") is not None:
+        session.execute(sa.select(sa.func.pg_advisory_xact_lock(
+            sa.func.hashtextextended(values["key"], 0))))
+    idem = values.get("idempotency_key")
+    stmt: Any
+    if idem is not None and dialect in ("sqlite", "postgresql"):
+        insert = sqlite.insert if dialect == "sqlite" else pg.insert
+        stmt = (insert(email_table).values(**values)
+                .on_conflict_do_nothing(index_elements=["idempotency_key"])
+                .returning(email_table.c.id))
+        new_id = session.execute(stmt).scalar()
+        if new_id is None:
+            existing = session.execute(
+                sa.select(email_table.c.id).where(email_table.c.idempotency_key == idem)
+            ).scalar_one()
+            return int(existing), False
+    else:
+        if idem is not None:
+            existing = session.execute(
+                sa.select(email_table.c.id).where(email_table.c.idempotency_key == idem)
+            ).scalar()
+            if existing is not None:
+                return int(existing), False
+        new_id = session.execute(
+            email_table.insert().values(**values).returning(email_table.c.id)
+        ).scalar_one()
+    if attachments:
+        session.execute(attachment_table.insert(),
+                        [dict(row, email_id=new_id) for row in attachments])
+    return int(new_id), True
+
+
+class Store:
+    """The outbox's SQL on its own engine (everything but the insert)."""
+
+    def __init__(self, engine: Engine, *, clock: Callable[[], datetime] = utcnow) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.is_postgres = engine.dialect.name == "postgresql"
+        self.is_sqlite = engine.dialect.name == "sqlite"
+
+    # -- time -----------------------------------------------------------------
+
+    def now_expr(self) -> sa.ColumnElement[datetime]:
+        """"Now" as SQL: the database clock on PostgreSQL, ``clock()`` elsewhere."""
+        return now_expr(self.engine.dialect.name, self.clock)
+
+    def later_expr(self, seconds: float) -> sa.ColumnElement[datetime]:
+        """``now + seconds`` as SQL, on the same clock as :meth:`now_expr`."""
+        if self.is_postgres:
+            return self.now_expr() + sa.literal(timedelta(seconds=seconds), sa.Interval())
+        return sa.literal(self.clock() + timedelta(seconds=seconds), sa.DateTime())
+
+    # -- transactions ---------------------------------------------------------
+
+    @contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A short write transaction on the store's own engine.
+
+        On SQLite it starts with ``BEGIN IMMEDIATE``: a deferred transaction
+        that reads and then writes fails with SQLITE_BUSY whatever the busy
+        timeout, while an immediate one waits for the write lock.
+        """
+        with self.engine.connect() as conn:
+            if self.is_sqlite:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            yield conn
+            conn.commit()
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read-only connection; its transaction is rolled back at the end."""
+        with self.engine.connect() as conn:
+            yield conn
+
+    # -- the delivery side ------------------------------------------------------
+
+    def claim_ids(self, ids: Sequence[int], *, owner: str,
+                  lease_seconds: float) -> list[ClaimedEmail]:
+        """Claim those of ``ids`` that are due and first in their key's order.
+
+        One ``UPDATE ... RETURNING``: ``queued -> sending``, ``attempts + 1``,
+        a lease under ``owner``. A row another delivery claimed first, or one
+        not yet due, or one with an earlier unfinished email of the same key,
+        is simply not returned.
+        """
+        if not ids:
+            return []
+        t = email_table
+        prior = t.alias("prior")
+        earlier_open = (sa.select(prior.c.id)
+                        .where(prior.c.key == t.c.key, prior.c.id < t.c.id,
+                               prior.c.status.in_(_OPEN))
+                        .exists())
+        stmt = (
+            t.update()
+            .where(t.c.id.in_(list(ids)), t.c.status == Status.QUEUED.value,
+                   t.c.due_at <= self.now_expr(),
+                   sa.or_(t.c.key.is_(None), ~earlier_open))
+            .values(status=Status.SENDING.value, attempts=t.c.attempts + 1,
+                    lease_owner=owner, lease_expires_at=self.later_expr(lease_seconds))
+            .returning(t.c.id, t.c.attempts, t.c.sender, t.c.recipients, t.c.mime,
+                       t.c.message_id, t.c.key, t.c.error_history)
+        )
+        with self.write() as conn:
+            rows = conn.execute(stmt).all()
+        claimed = [
+            ClaimedEmail(
+                id=row.id, owner=owner, attempt=row.attempts, sender=row.sender,
+                recipients=tuple(json.loads(row.recipients)), mime=row.mime or b"",
+                message_id=row.message_id, key=row.key,
+                error_history=tuple(json.loads(row.error_history or "[]")),
+            )
+            for row in rows
+        ]
+        claimed.sort(key=lambda email: email.id)
+        return claimed
+
+    def renew_leases(self, owner: str, ids: Sequence[int], lease_seconds: float) -> int:
+        """Extend the lease of rows still ``sending`` under ``owner``; returns how many."""
+        if not ids:
+            return 0
+        t = email_table
+        with self.write() as conn:
+            result = conn.execute(
+                t.update()
+                .where(t.c.id.in_(list(ids)), t.c.lease_owner == owner,
+                       t.c.status == Status.SENDING.value)
+                .values(lease_expires_at=self.later_expr(lease_seconds))
+            )
+            return result.rowcount
+
+    def record(self, outcomes: Sequence[Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+        """Write outcomes in one transaction; returns ``(recorded, lost)``.
+
+        Every update is guarded by ``status = 'sending' AND lease_owner =
+        owner`` (the owner token is unique per claim, so it also pins the
+        attempt). A row that no longer matches lost its lease: another claim
+        owns it now, and its outcome is not overwritten.
+        """
+        t = email_table
+        recorded: list[Outcome] = []
+        lost: list[Outcome] = []
+        plain_sent = [o for o in outcomes if o.status is Status.SENT and not o.error_message]
+        others = [o for o in outcomes if not (o.status is Status.SENT and not o.error_message)]
+        with self.write() as conn:
+            now = self.now_expr()
+            by_owner: dict[str, list[Outcome]] = {}
+            for outcome in plain_sent:
+                by_owner.setdefault(outcome.email.owner, []).append(outcome)
+            for owner, group in by_owner.items():
+                done = set(conn.execute(
+                    t.update()
+                    .where(t.c.id.in_([o.email.id for o in group]),
+                           t.c.status == Status.SENDING.value, t.c.lease_owner == owner)
+                    .values(status=Status.SENT.value, sent_at=now, lease_owner=None,
+                            lease_expires_at=None)
+                    .returning(t.c.id)
+                ).scalars())
+                for outcome in group:
+                    (recorded if outcome.email.id in done else lost).append(outcome)
+            for outcome in others:
+                values: dict[str, Any] = {"status": outcome.status.value, "lease_owner": None,
+                                          "lease_expires_at": None}
+                if outcome.status is Status.SENT:
+                    values["sent_at"] = now
+                if outcome.status is Status.QUEUED:
+                    values["due_at"] = (sa.literal(outcome.due_at, sa.DateTime())
+                                        if outcome.due_at is not None else now)
+                if outcome.give_back_attempt:
+                    values["attempts"] = t.c.attempts - 1
+                if outcome.error_message is not None:
+                    values["last_error"] = _error_text(outcome.error_code, outcome.error_message)
+                    history = list(outcome.email.error_history)
+                    history.append({"code": outcome.error_code,
+                                    "message": outcome.error_message,
+                                    "at": self.clock().isoformat(timespec="seconds") + "Z",
+                                    "attempt": outcome.email.attempt})
+                    values["error_history"] = json.dumps(history)
+                hit = conn.execute(
+                    t.update()
+                    .where(t.c.id == outcome.email.id, t.c.status == Status.SENDING.value,
+                           t.c.lease_owner == outcome.email.owner)
+                    .values(**values)
+                    .returning(t.c.id)
+                ).scalar()
+                (recorded if hit is not None else lost).append(outcome)
+        return recorded, lost
+
+    def due_keyed(self, ids: Sequence[int]) -> list[int]:
+        """Which of ``ids`` are keyed, ``queued`` and due (waiting for their key's turn)."""
+        if not ids:
+            return []
+        t = email_table
+        with self.read() as conn:
+            return list(conn.execute(
+                sa.select(t.c.id).where(t.c.id.in_(list(ids)), t.c.key.is_not(None),
+                                        t.c.status == Status.QUEUED.value,
+                                        t.c.due_at <= self.now_expr())
+                .order_by(t.c.id)
+            ).scalars())
+
+    # -- settings ---------------------------------------------------------------
+
+    def get_setting(self, name: str) -> Any:
+        """The JSON value of a shared setting, or None when unset."""
+        with self.read() as conn:
+            raw = conn.execute(
+                sa.select(setting_table.c.value).where(setting_table.c.name == name)
+            ).scalar()
+        return None if raw is None else json.loads(raw)
+
+    def set_setting(self, name: str, value: Any) -> None:
+        """Store a shared setting (insert or replace) and commit."""
+        t = setting_table
+        raw = json.dumps(value)
+        with self.write() as conn:
+            updated = conn.execute(
+                t.update().where(t.c.name == name).values(value=raw, updated_at=self.now_expr())
+            ).rowcount
+            if not updated:
+                conn.execute(t.insert().values(name=name, value=raw, updated_at=self.now_expr()))
+
+    def counts(self) -> dict[str, int]:
+        """Rows per status."""
+        t = email_table
+        with self.read() as conn:
+            rows = conn.execute(sa.select(t.c.status, sa.func.count()).group_by(t.c.status)).all()
+        result = {status.value: 0 for status in Status}
+        result.update({row[0]: int(row[1]) for row in rows})
+        return result
+
+
+def _error_text(code: int, message: str) -> str:
+    return f"{code} {message}" if code else message

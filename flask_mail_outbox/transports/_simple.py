@@ -1,0 +1,72 @@
+"""Transports that need no server: console, file, memory, null."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ._base import Envelope, Transport
+
+if TYPE_CHECKING:
+    from .._config import OutboxConfig
+
+
+class ConsoleTransport(Transport):
+    """Writes each message to standard output (development)."""
+
+    _lock = threading.Lock()
+
+    def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
+        text = envelope.mime.decode("utf-8", "replace").replace("\r\n", "\n")
+        with self._lock:
+            sys.stdout.write(
+                f"---------- email {envelope.email_id} ----------\n"
+                f"Envelope-From: {envelope.sender}\n"
+                f"Envelope-To: {', '.join(envelope.recipients)}\n{text}\n"
+                "---------- end of email ----------\n"
+            )
+            sys.stdout.flush()
+        return {}
+
+
+class FileTransport(Transport):
+    """Writes one ``.eml`` file per message into ``OUTBOX_FILE_PATH``."""
+
+    def __init__(self, config: OutboxConfig) -> None:
+        super().__init__(config)
+        self.path = config.file_path
+
+    def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
+        os.makedirs(self.path, exist_ok=True)
+        name = f"{envelope.email_id:010d}-{envelope.message_id.strip('<>').replace('/', '_')}.eml"
+        final = os.path.join(self.path, name)
+        partial = final + ".part"
+        # Write then rename, so a reader never sees half a message.
+        with open(partial, "wb") as handle:
+            handle.write(envelope.mime)
+        os.replace(partial, final)
+        return {}
+
+
+class MemoryTransport(Transport):
+    """Keeps messages in ``outbox`` (tests; what ``MAIL_SUPPRESS_SEND`` selects)."""
+
+    def __init__(self, config: OutboxConfig) -> None:
+        super().__init__(config)
+        self.outbox: list[Envelope] = []
+        self._lock = threading.Lock()
+
+    def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
+        with self._lock:
+            self.outbox.append(envelope)
+        return {}
+
+
+class NullTransport(Transport):
+    """Accepts and drops every message."""
+
+    def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
+        return {}

@@ -1,0 +1,240 @@
+"""The SMTP transport, on aiosmtplib.
+
+The transport owns an asyncio loop in a daemon thread and a small pool of
+open connections. :meth:`SMTPTransport.send_many` spreads a batch over up to
+``concurrency`` connections (each one sends its share back to back, reusing
+the session), so the delivery thread never opens a connection per email.
+
+aiosmtplib's errors are mapped here, and only here, onto
+:class:`TransientError` (4xx, timeouts, dropped connections, login failures,
+which are configuration problems that a fix resolves) and
+:class:`PermanentError` (5xx). No credential ever reaches an error text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiosmtplib
+
+from .._errors import PermanentError, TransientError, TransportError
+from ._base import Delivered, Envelope, Failed, Result, Transport
+
+if TYPE_CHECKING:
+    from .._config import OutboxConfig
+
+_T = TypeVar("_T")
+_THROTTLE_WORDS = ("too many", "rate", "try again later", "throttl", "slow down")
+
+
+def _local_hostname() -> str:
+    # aiosmtplib would call socket.getfqdn(), a DNS lookup per connection;
+    # the bare host name needs no network and is what EHLO needs.
+    name = socket.gethostname() or "localhost"
+    return name if all(c.isalnum() or c in ".-" for c in name) else "localhost"
+
+
+def _is_throttle(code: int, text: str) -> bool:
+    lowered = text.lower()
+    return code in (421, 450, 451, 452) and any(word in lowered for word in _THROTTLE_WORDS)
+
+
+def map_smtp_error(exc: BaseException) -> TransportError:
+    """Translate an aiosmtplib (or socket) error into the outbox's error tree."""
+    if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
+        # A bad password is fixed by configuration, not by giving up on the email.
+        return TransientError(f"authentication failed: {exc.message}", code=exc.code)
+    if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
+        codes = [err.code for err in exc.recipients]
+        text = "; ".join(f"{err.recipient}: {err.code} {err.message}" for err in exc.recipients)
+        if all(code >= 500 for code in codes):
+            return PermanentError(f"every recipient refused: {text}", code=max(codes))
+        return TransientError(f"every recipient refused: {text}", code=min(codes))
+    if isinstance(exc, aiosmtplib.SMTPResponseException):
+        if isinstance(exc, aiosmtplib.SMTPConnectResponseError) or exc.code < 500:
+            return TransientError(exc.message, code=exc.code,
+                                  throttled=_is_throttle(exc.code, exc.message))
+        return PermanentError(exc.message, code=exc.code)
+    if isinstance(exc, (aiosmtplib.SMTPTimeoutError, TimeoutError)):
+        return TransientError(f"timed out: {exc}")
+    if isinstance(exc, (aiosmtplib.SMTPException, OSError)):
+        return TransientError(f"{type(exc).__name__}: {exc}")
+    return TransientError(f"unexpected {type(exc).__name__}: {exc}")
+
+
+class _ConnectFailed(Exception):
+    def __init__(self, error: TransportError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class SMTPTransport(Transport):
+    """Sends over SMTP with aiosmtplib, several reused connections at a time."""
+
+    def __init__(self, config: OutboxConfig, *, concurrency: int = 4) -> None:
+        super().__init__(config)
+        self.settings = config.smtp
+        self.concurrency = max(1, concurrency)
+        self._idle: list[aiosmtplib.SMTP] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._hostname = _local_hostname()
+
+    # -- the loop thread ----------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        with self._lock:
+            if self._loop is None or self._thread is None or not self._thread.is_alive():
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="outbox-smtp",
+                                          daemon=True)
+                thread.start()
+                self._loop, self._thread, self._idle = loop, thread, []
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
+        result = self.send_many([envelope])[0]
+        if isinstance(result, Failed):
+            raise result.error
+        return result.refused
+
+    def send_many(self, envelopes: Sequence[Envelope]) -> list[Result]:
+        if not envelopes:
+            return []
+        return self._run(self._send_batch(list(envelopes)))
+
+    def close(self) -> None:
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._close_idle(), loop).result(
+                timeout=self.settings.timeout + 1)
+        except Exception:  # noqa: BLE001 - closing is best effort; QUIT is a courtesy
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=2)
+        if not thread.is_alive():
+            loop.close()
+
+    # -- coroutines -------------------------------------------------------------
+
+    async def _close_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for client in idle:
+            try:
+                await client.quit()
+            except Exception:  # noqa: BLE001 - the connection is going away anyway
+                client.close()
+
+    async def _connect(self) -> aiosmtplib.SMTP:
+        s = self.settings
+        client = aiosmtplib.SMTP(
+            hostname=s.host, port=s.port, use_tls=s.use_ssl,
+            # Explicit both ways: aiosmtplib's default (None) upgrades whenever
+            # offered, and MAIL_USE_TLS=True must never fall back to plain text.
+            start_tls=s.use_tls,
+            validate_certs=s.tls_verify, cert_bundle=s.tls_ca_file,
+            timeout=s.timeout, local_hostname=self._hostname,
+        )
+        try:
+            await client.connect()
+            if s.username:
+                await client.login(s.username, s.password or "")
+        except Exception as exc:
+            client.close()
+            raise _ConnectFailed(map_smtp_error(exc)) from exc
+        return client
+
+    async def _send_batch(self, envelopes: list[Envelope]) -> list[Result]:
+        results: list[Result | None] = [None] * len(envelopes)
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for index in range(len(envelopes)):
+            queue.put_nowait(index)
+        workers = min(self.concurrency, len(envelopes))
+        live = [workers]
+        await asyncio.gather(*(self._worker(queue, envelopes, results, live)
+                               for _ in range(workers)))
+        return [r if r is not None else Failed(TransientError("not attempted"))
+                for r in results]
+
+    async def _worker(self, queue: asyncio.Queue[int], envelopes: list[Envelope],
+                      results: list[Result | None], live: list[int]) -> None:
+        client: aiosmtplib.SMTP | None = self._idle.pop() if self._idle else None
+        reused = client is not None
+        while not queue.empty():
+            if client is None:
+                try:
+                    client = await self._connect()
+                    reused = False
+                except _ConnectFailed as exc:
+                    live[0] -= 1
+                    if live[0] == 0:
+                        # Nobody can reach the server: the rest of the batch fails with why.
+                        while not queue.empty():
+                            results[queue.get_nowait()] = Failed(exc.error)
+                    return
+            index = queue.get_nowait()
+            envelope = envelopes[index]
+            outcome, keep = await self._send_one(client, envelope)
+            if outcome is None and reused:
+                # The server closed a pooled connection while it sat idle: reopen
+                # and send on the fresh one; the row is not charged for this.
+                client.close()
+                client, reused = None, False
+                await queue.put(index)
+                continue
+            results[index] = outcome or Failed(TransientError("connection lost before MAIL FROM"))
+            reused = True
+            if not keep:
+                client.close()
+                client = None
+        if client is not None and client.is_connected:
+            self._idle.append(client)
+
+    async def _send_one(self, client: aiosmtplib.SMTP,
+                        envelope: Envelope) -> tuple[Result | None, bool]:
+        """Send on ``client``; returns (result, keep connection).
+
+        A result of None means the connection was dead before the server saw
+        anything of this message (safe to resend at once).
+        """
+        started = False
+        try:
+            options: list[str] = []
+            if client.supports_extension("size"):
+                options.append(f"size={len(envelope.mime)}")
+            try:
+                await client.mail(envelope.sender, options=options)
+            except (aiosmtplib.SMTPServerDisconnected, ConnectionError):
+                return None, False
+            started = True
+            refused: dict[str, tuple[int, str]] = {}
+            refusals: list[aiosmtplib.SMTPRecipientRefused] = []
+            for recipient in envelope.recipients:
+                try:
+                    await client.rcpt(recipient)
+                except aiosmtplib.SMTPRecipientRefused as exc:
+                    refusals.append(exc)
+                    refused[recipient] = (exc.code, exc.message)
+            if len(refusals) == len(envelope.recipients):
+                raise aiosmtplib.SMTPRecipientsRefused(refusals)
+            await client.data(envelope.mime)
+            return Delivered(refused=refused), True
+        except Exception as exc:  # noqa: BLE001 - every error becomes a result
+            error = map_smtp_error(exc)
+            keep = client.is_connected and isinstance(exc, aiosmtplib.SMTPResponseException)
+            if keep and started:
+                try:
+                    await client.rset()
+                except Exception:  # noqa: BLE001 - a failed RSET means a new connection
+                    keep = False
+            return Failed(error), keep

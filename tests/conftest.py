@@ -1,0 +1,140 @@
+"""Shared fixtures: a real SMTP server, SQLite and PostgreSQL backends, an app.
+
+Every database test runs twice, on a SQLite file and on PostgreSQL
+(``OUTBOX_TEST_POSTGRES_URL``, set by ``scripts/run-tests``). Without that
+variable the PostgreSQL half is skipped locally, and fails in CI
+(``CI`` or ``OUTBOX_REQUIRE_POSTGRES`` set): a green run that skipped it
+proves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy.orm import Mapped, mapped_column
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from smtpserver import FaultSMTPServer  # noqa: E402
+
+from flask_mail_outbox import OutboxMail  # noqa: E402
+from flask_mail_outbox._models import metadata as outbox_metadata  # noqa: E402
+
+PG_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL")
+REQUIRE_PG = bool(os.environ.get("OUTBOX_REQUIRE_POSTGRES")) or \
+    os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+db = SQLAlchemy()
+
+
+class User(db.Model):  # type: ignore[name-defined,misc]
+    """The app's own data, committed in the same transaction as emails."""
+
+    __tablename__ = "test_user"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    email: Mapped[str] = mapped_column(sa.String(255))
+
+
+def require_postgres() -> str:
+    """The PostgreSQL URL, or skip (locally) / fail (CI) when there is none."""
+    if PG_URL:
+        return PG_URL
+    if REQUIRE_PG:
+        pytest.fail("OUTBOX_TEST_POSTGRES_URL is not set but PostgreSQL tests are required "
+                    "(CI / OUTBOX_REQUIRE_POSTGRES); run ./scripts/run-tests")
+    pytest.skip("OUTBOX_TEST_POSTGRES_URL not set (./scripts/run-tests starts a server)")
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str | None]:
+    """One throwaway PostgreSQL database for the session (tables truncated per test)."""
+    if not PG_URL:
+        yield None
+        return
+    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    name = f"outbox_t_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = sa.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    yield url
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Which database a test runs on."""
+    if request.param == "postgresql":
+        require_postgres()
+    return str(request.param)
+
+
+@pytest.fixture
+def db_url(backend: str, tmp_path: Path, pg_database: str | None) -> Iterator[str]:
+    """A clean database for one test: a new SQLite file, or emptied PostgreSQL tables."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.db'}"
+        return
+    assert pg_database is not None  # backend() already skipped or failed otherwise
+    engine = sa.create_engine(pg_database)
+    with engine.begin() as conn:
+        outbox_metadata.drop_all(conn)
+        db.metadata.drop_all(conn)
+    engine.dispose()
+    yield pg_database
+
+
+@pytest.fixture
+def smtp_server() -> Iterator[FaultSMTPServer]:
+    """A real SMTP server on 127.0.0.1 that tests can script."""
+    with FaultSMTPServer() as server:
+        yield server
+
+
+def make_app(db_url: str, **config: Any) -> Flask:
+    """A Flask app with the test models and the extension, tables created."""
+    app = Flask(__name__)
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=db_url,
+        MAIL_DEFAULT_SENDER="Sender <sender@example.com>",
+        MAIL_SUPPRESS_SEND=False,
+        MAIL_TIMEOUT=5,
+        SECRET_KEY="test",
+    )
+    app.config.update(config)
+    db.init_app(app)
+    mail = OutboxMail(app)
+    with app.app_context():
+        db.create_all()
+        mail.create_all()
+    app.extensions["test_mail"] = mail
+    return app
+
+
+@pytest.fixture
+def app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
+    """An app delivering over SMTP to ``smtp_server``."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    yield app
+    app.extensions["test_mail"].stop(timeout=5)
+    with app.app_context():
+        db.session.remove()
+        for engine in db.engines.values():
+            engine.dispose()
+
+
+@pytest.fixture
+def mail(app: Flask) -> OutboxMail:
+    """The app's extension."""
+    mail: OutboxMail = app.extensions["test_mail"]
+    return mail
