@@ -83,7 +83,8 @@ class DeliveredMessage:
         part = self.parsed.get_body(preferencelist=(subtype,))
         if part is None or part.get_content_subtype() != subtype:
             return None
-        return str(part.get_content())
+        # Text travels in canonical CRLF form; hand it back with Python newlines.
+        return str(part.get_content()).replace("\r\n", "\n")
 
     @property
     def body(self) -> str | None:
@@ -300,6 +301,9 @@ class InlineDelivery:
         self._stopping = False
         self._thread: threading.Thread | None = None
 
+    #: Ids waiting in memory at most; past it, hand-overs fall back to the sweep.
+    max_pending = 20_000
+
     def submit(self, ids: Sequence[int]) -> None:
         """Hand over committed ids; starts the worker thread on first use."""
         if not ids:
@@ -307,6 +311,20 @@ class InlineDelivery:
         with self._cond:
             if self._stopping:
                 return
+            room = self.max_pending - len(self._pending)
+            if room < len(ids):
+                self.route.faults.failing(
+                    "inline-overflow",
+                    f"The inline delivery queue is full ({self.max_pending} emails waiting)",
+                    consequence=f"{len(ids) - max(room, 0)} committed email(s) (and further "
+                                "ones until it drains) are not handed over; they stay queued "
+                                "and the periodic sweep delivers them after "
+                                "OUTBOX_SWEEP_MIN_AGE_SECONDS",
+                    fix="the SMTP server is slower than the rate of email; check it, or "
+                        "switch to durable mode and run `flask outbox worker` processes")
+                ids = ids[:max(room, 0)]
+            elif not self._pending:
+                self.route.faults.recovered("inline-overflow")
             for email_id in ids:
                 self._pending[email_id] = None
             if self._thread is None or not self._thread.is_alive():
@@ -376,7 +394,7 @@ class InlineDelivery:
         retry_numbers = {i: self._retries.get(i, (0.0, 0))[1] for i in batch}
         try:
             with self.route.app.app_context():
-                report = self.route.deliver_ids(batch, retry_delay=2.0)
+                report = self.route.deliver_ids(batch)
             self.route.faults.recovered("inline-drain")
         except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
             with self._cond:

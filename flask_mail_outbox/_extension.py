@@ -282,6 +282,11 @@ class OutboxMail:
         app.extensions[EXTENSION_KEY] = state
         _all_states.add(state)
         _staging.install(db.session)
+        from .cli import outbox_cli
+
+        # Also on app.cli (the entry point covers `flask ...`), so that
+        # app.test_cli_runner() and custom CLIs see the commands.
+        app.cli.add_command(outbox_cli)
         got_request_exception.connect(_request_failed, app, weak=False)
         app.teardown_request(_teardown_request)
         if not _atexit_registered:

@@ -107,10 +107,12 @@ def make_app(db_url: str, **config: Any) -> Flask:
     app.config.update(
         SQLALCHEMY_DATABASE_URI=db_url,
         MAIL_DEFAULT_SENDER="Sender <sender@example.com>",
-        MAIL_SUPPRESS_SEND=False,
         MAIL_TIMEOUT=5,
         SECRET_KEY="test",
     )
+    if "TESTING" not in config:
+        # pytest-flask sets TESTING; these apps exercise the real transport.
+        app.config["MAIL_SUPPRESS_SEND"] = False
     app.config.update(config)
     db.init_app(app)
     mail = OutboxMail(app)

@@ -1,0 +1,409 @@
+"""Inline delivery over a real SMTP server: outcomes, errors, the request never waits."""
+
+from __future__ import annotations
+
+import email.policy
+import json
+import logging
+import socket
+import threading
+import time
+from email.parser import BytesParser
+from typing import Any
+
+import pytest
+from flask import Flask
+
+from conftest import User, db, make_app
+from flask_mail_outbox import Message, OutboxMail, email_failed, email_queued, email_sent
+from flask_mail_outbox._models import email_table
+from smtpserver import FaultSMTPServer
+
+
+def rows(app: Flask) -> list[dict[str, Any]]:
+    with app.app_context(), db.engine.connect() as conn:
+        return [dict(r) for r in conn.execute(
+            email_table.select().order_by(email_table.c.id)).mappings()]
+
+
+def wait_rows(app: Flask, predicate: Any, timeout: float = 15.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        current = rows(app)
+        if predicate(current) or time.monotonic() > deadline:
+            return current
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_view_returns_while_smtp_server_holds_the_message(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    @app.post("/signup")
+    def signup() -> str:
+        db.session.add(User(email="new@example.com"))
+        mail.send(Message("Welcome", recipients=["new@example.com"], body="Hi"))
+        db.session.commit()
+        return "ok"
+
+    smtp_server.hold()
+    with app.test_client() as client:
+        response = client.post("/signup")
+    assert response.status_code == 200
+    # The response is back, and the server is still holding the message:
+    # the request did not wait for SMTP.
+    assert smtp_server.wait_held(1)
+    assert smtp_server.messages == []
+    assert [r["status"] for r in rows(app)] == ["sending"]
+    smtp_server.release()
+    assert smtp_server.wait_for(1)
+    assert wait_rows(app, lambda r: r[0]["status"] == "sent")[0]["status"] == "sent"
+
+
+def test_everything_arrives_intact(app: Flask, mail: OutboxMail,
+                                   smtp_server: FaultSMTPServer) -> None:
+    payload = bytes(range(256)) * 10
+    msg = Message(
+        "Grüße — 你好",
+        recipients=[("Zoë Ünïcode", "to@example.com")],
+        body="Plain text: naïve café\n",
+        html="<p>HTML: <b>naïve café</b></p>",
+        cc=["cc@example.com"],
+        bcc=["hidden@example.com"],
+        reply_to="reply@example.com",
+        extra_headers={"X-Campaign": "welcome-1"},
+    )
+    msg.attach("data.bin", "application/octet-stream", payload)
+    mail.send(msg)
+    db.session.commit()
+    assert smtp_server.wait_for(1)
+    [received] = smtp_server.messages
+    assert sorted(received.rcpt_tos) == ["cc@example.com", "hidden@example.com",
+                                         "to@example.com"]
+    parsed = BytesParser(policy=email.policy.default).parsebytes(received.data)
+    assert parsed["Subject"] == "Grüße — 你好"
+    assert parsed["To"].addresses[0].display_name == "Zoë Ünïcode"
+    assert parsed["Cc"] == "cc@example.com"
+    assert parsed["Bcc"] is None and b"hidden@example.com" not in received.data
+    assert parsed["Reply-To"] == "reply@example.com"
+    assert parsed["X-Campaign"] == "welcome-1"
+    # Text parts travel in canonical CRLF form.
+    text = parsed.get_body(("plain",)).get_content().replace("\r\n", "\n")
+    assert text == "Plain text: naïve café\n"
+    assert "<b>naïve café</b>" in parsed.get_body(("html",)).get_content()
+    [attachment] = list(parsed.iter_attachments())
+    assert attachment.get_filename() == "data.bin"
+    assert attachment.get_content() == payload
+
+
+def test_smtp_550_fails_permanently_with_the_reply(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    smtp_server.reply("data", 550, "5.7.1 Message rejected as spam")
+    failures: list[dict[str, Any]] = []
+
+    def on_failed(sender: Flask, **kwargs: Any) -> None:
+        failures.append(kwargs)
+
+    email_failed.connect(on_failed, app)
+    try:
+        email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
+        db.session.commit()
+        [row] = wait_rows(app, lambda r: r[0]["status"] == "failed")
+    finally:
+        email_failed.disconnect(on_failed, app)
+    assert row["status"] == "failed" and row["attempts"] == 1
+    assert "550" in row["last_error"] and "rejected as spam" in row["last_error"]
+    history = json.loads(row["error_history"])
+    assert history[0]["code"] == 550 and history[0]["attempt"] == 1
+    assert mail.wait_idle(5)
+    assert [f["email_id"] for f in failures] == [email_id]
+    assert any(r.levelno == logging.ERROR and f"mail.retry({email_id})" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_unreachable_server_leaves_row_queued_with_an_error(
+        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(),
+                   OUTBOX_INLINE_RETRIES=1, MAIL_TIMEOUT=2)
+    mail: OutboxMail = app.extensions["test_mail"]
+    caplog.set_level(logging.INFO)
+    try:
+        with app.app_context():
+            email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+            assert mail.wait_idle(20)
+        [row] = rows(app)
+        assert row["status"] == "queued"
+        assert row["attempts"] == 2  # the first attempt and one in-process retry
+        errors = [r for r in caplog.records if r.name.startswith("flask_mail_outbox")
+                  and r.levelno == logging.ERROR]
+        assert any(f"Email {email_id} could not be delivered" in r.getMessage()
+                   and "stays queued" in r.getMessage() for r in errors)
+        assert not [r for r in caplog.records if r.name.startswith("flask_mail_outbox")
+                    and r.levelno == logging.WARNING]
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
+
+
+def test_two_transient_failures_then_success(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    smtp_server.reply("data", 451, "4.3.0 Temporary failure", times=2)
+    mail.send(Message("x", recipients=["a@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(1, timeout=20)
+    assert mail.wait_idle(10)
+    [row] = rows(app)
+    assert row["status"] == "sent" and row["attempts"] == 3
+    assert [h["code"] for h in json.loads(row["error_history"])] == [451, 451]
+    assert len(smtp_server.messages) == 1
+
+
+def test_partial_refusal_is_sent_recorded_and_reported(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    smtp_server.refuse_recipient("bad@example.com", 550, "5.1.1 No such user")
+    mail.send(Message("x", recipients=["good@example.com", "bad@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(1)
+    [row] = wait_rows(app, lambda r: r[0]["status"] == "sent")
+    assert row["attempts"] == 1
+    assert "bad@example.com" in row["last_error"] and "550" in row["last_error"]
+    assert mail.wait_idle(5)
+    # Not retried: a retry would send a second copy to good@example.com.
+    assert not smtp_server.wait_for(2, timeout=0.5)
+    assert smtp_server.messages[0].rcpt_tos == ["good@example.com"]
+    assert any(r.levelno == logging.ERROR and "refused for others" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_every_recipient_refused_is_permanent(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    smtp_server.refuse_recipient("bad@example.com", 550, "5.1.1 No such user")
+    mail.send(Message("x", recipients=["bad@example.com"], body="x"))
+    db.session.commit()
+    [row] = wait_rows(app, lambda r: r[0]["status"] == "failed")
+    assert row["status"] == "failed" and "every recipient refused" in row["last_error"]
+
+
+def test_password_never_logged_or_stored(
+        db_url: str, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "s3cr3t-Pa55word-xyz"
+    smtp_server.require_auth("user", "the-right-one")
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   MAIL_USERNAME="user", MAIL_PASSWORD=secret, OUTBOX_INLINE_RETRIES=0)
+    mail: OutboxMail = app.extensions["test_mail"]
+    caplog.set_level(logging.DEBUG)
+    try:
+        with app.app_context():
+            mail.send(Message("x", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+            assert mail.wait_idle(20)
+        [row] = rows(app)
+        assert row["status"] == "queued" and "authentication failed" in row["last_error"]
+        assert smtp_server.auth_attempts >= 1
+        texts = [r.getMessage() for r in caplog.records] + [caplog.text, row["last_error"],
+                                                             row["error_history"]]
+        import base64
+        encoded = base64.b64encode(f"\0user\0{secret}".encode()).decode()
+        for text in texts:
+            assert secret not in text and encoded not in text
+        assert secret not in repr(app.extensions["mail_outbox"].config)
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
+
+
+def test_auth_success(db_url: str, smtp_server: FaultSMTPServer) -> None:
+    smtp_server.require_auth("user", "right")
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   MAIL_USERNAME="user", MAIL_PASSWORD="right")
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("x", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+            assert smtp_server.wait_for(1)
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
+
+
+def test_signals_and_record_messages(app: Flask, mail: OutboxMail,
+                                     smtp_server: FaultSMTPServer) -> None:
+    queued: list[int] = []
+
+    def on_queued(sender: Flask, email_id: int, **_: Any) -> None:
+        queued.append(email_id)
+
+    email_queued.connect(on_queued, app)
+    try:
+        with mail.record_messages() as outbox:
+            email_id = mail.send(Message("Hello", recipients=["a@example.com"], body="Hi",
+                                         html="<p>Hi</p>"))
+            assert queued == []
+            db.session.commit()
+            assert queued == [email_id]
+            assert smtp_server.wait_for(1)
+            assert mail.wait_idle(10)
+    finally:
+        email_queued.disconnect(on_queued, app)
+    [message] = outbox
+    assert message.email_id == email_id
+    assert message.subject == "Hello" and message.recipients == ["a@example.com"]
+    assert message.body == "Hi\n" or message.body == "Hi"
+    assert message.html is not None and "<p>Hi</p>" in message.html
+    assert message.message_id == smtp_server.message_ids()[0]
+
+
+def test_memory_transport_delivers_inside_commit(db_url: str) -> None:
+    app = make_app(db_url, TESTING=True)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context(), mail.record_messages() as outbox:
+            mail.send(Message("Hello", recipients=["a@example.com"], body="Hi"))
+            assert outbox == []
+            db.session.commit()
+            assert [m.subject for m in outbox] == ["Hello"]
+        assert rows(app)[0]["status"] == "sent"
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
+
+
+def test_connections_are_reused_across_a_batch(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    for i in range(40):
+        mail.send(Message("x", recipients=[f"u{i}@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(40)
+    assert mail.wait_idle(10)
+    # A small pool, not a connection per email.
+    assert smtp_server.connections <= 4
+
+
+def test_pooled_connection_closed_by_server_is_reopened_without_an_attempt(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    mail.send(Message("first", recipients=["a@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(1)
+    assert mail.wait_idle(10)
+    smtp_server.drop("mail", times=1)  # the pooled connection dies at the next MAIL FROM
+    mail.send(Message("second", recipients=["a@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(2)
+    assert mail.wait_idle(10)
+    second = rows(app)[1]
+    assert second["status"] == "sent" and second["attempts"] == 1
+
+
+def test_use_tls_false_never_upgrades(db_url: str) -> None:
+    with FaultSMTPServer(starttls=True) as server:
+        app = make_app(db_url, MAIL_SERVER=server.host, MAIL_PORT=server.port,
+                       MAIL_USE_TLS=False)
+        mail: OutboxMail = app.extensions["test_mail"]
+        try:
+            with app.app_context():
+                mail.send(Message("x", recipients=["a@example.com"], body="x"))
+                db.session.commit()
+                assert server.wait_for(1)
+            assert server.tls_sessions == 0
+        finally:
+            mail.stop()
+            with app.app_context():
+                for engine in db.engines.values():
+                    engine.dispose()
+
+
+def test_concurrent_senders_never_share_a_row(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    # Two deliveries offered the same ids at once: the claim lets one through.
+    ids = []
+    for i in range(30):
+        ids.append(mail.send(Message("x", recipients=[f"u{i}@example.com"], body="x")))
+    smtp_server.hold()
+    db.session.commit()
+    state = app.extensions["mail_outbox"]
+    route = state.runtime().route
+    results: list[Any] = []
+    racer = threading.Thread(target=lambda: results.append(route.deliver_ids(ids)))
+    with app.app_context():
+        racer.start()
+        time.sleep(0.2)
+        smtp_server.release()
+        racer.join(20)
+    assert smtp_server.wait_for(30)
+    assert mail.wait_idle(10)
+    time.sleep(0.3)
+    assert len(smtp_server.messages) == 30
+    assert len(set(smtp_server.message_ids())) == 30
+
+
+def test_delivery_thread_is_restarted_in_a_forked_child(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    import os
+
+    mail.send(Message("parent", recipients=["a@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(1)
+    assert mail.wait_idle(10)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's threads did not survive the fork
+        code = 1
+        try:
+            with app.app_context():
+                mail.send(Message("child", recipients=["a@example.com"], body="x"))
+                db.session.commit()
+                code = 0 if mail.wait_idle(20) else 2
+            mail.stop()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert smtp_server.wait_for(2)
+    assert sorted(m.parsed["Subject"] for m in smtp_server.messages) == ["child", "parent"]
+    # The parent still delivers after the child came and went.
+    mail.send(Message("parent again", recipients=["a@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(3)
+
+
+def test_stop_is_idempotent_and_delivery_resumes_lazily(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    mail.send(Message("one", recipients=["a@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(1)
+    mail.stop()
+    mail.stop()
+    assert not [t for t in threading.enumerate() if t.name == "outbox-inline" and t.is_alive()]
+    mail.send(Message("two", recipients=["a@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_for(2)
+
+
+def test_no_delivery_thread_until_something_is_committed(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    before = {t.ident for t in threading.enumerate()}
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        started = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert not [name for name in started if name.startswith("outbox")]
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
