@@ -16,11 +16,19 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-metadata = sa.MetaData()
+# Constraint names are fixed here, not left to the database or to the host
+# app's naming convention, so migrations can refer to them.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "pk": "pk_%(table_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s",
+}
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY, not BIGINT.
 _BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
@@ -38,7 +46,7 @@ class Status(str, enum.Enum):
         return self.value
 
 
-def _where(clause: str) -> dict[str, sa.TextClause]:
+def _where(clause: str) -> dict[str, Any]:
     """Partial-index predicate for both supported dialects."""
     return {"sqlite_where": sa.text(clause), "postgresql_where": sa.text(clause)}
 

@@ -1,0 +1,112 @@
+"""A small Flask app that sends a welcome email through flask-mail-outbox.
+
+Run it from the repository root::
+
+    flask --app example_app db upgrade      # creates the app's table and the outbox's
+    flask --app example_app run
+
+(``scripts/run-example`` does both.) Out of the box it keeps its data in SQLite at
+``<instance folder>/example.db`` and prints every email on the console (the ``console``
+transport). Environment variables change that:
+
+============================  ===============================================
+``EXAMPLE_DATABASE_URL``      any SQLAlchemy URL, e.g.
+                              ``postgresql+psycopg://user@localhost/example``
+``EXAMPLE_MAIL_SERVER``       an SMTP server: switches to the ``smtp`` transport
+``EXAMPLE_MAIL_PORT``         its port (default 25)
+``EXAMPLE_MAIL_USE_TLS``      ``1`` for STARTTLS
+``EXAMPLE_MAIL_USERNAME``     login, if the server wants one
+``EXAMPLE_MAIL_PASSWORD``
+``EXAMPLE_SECRET_KEY``        the session signing key (set it outside development)
+``FLASK_INSTANCE_PATH``       the instance folder (default: ``instance/`` beside
+                              this package)
+``FLASK_*``                   any Flask config key, e.g. ``FLASK_OUTBOX_DURABLE=true``
+============================  ===============================================
+
+``create_app(config)`` applies ``config`` last, over all of the above. Whenever the final
+config names a ``MAIL_SERVER`` and no ``OUTBOX_TRANSPORT``, email goes out by SMTP.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask
+
+from example_app.extensions import db, mail, migrate
+
+__all__ = ["create_app"]
+
+# Flask-Migrate resolves its directory against the working directory; an absolute path
+# lets `flask --app example_app db upgrade` run from anywhere.
+MIGRATIONS_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "migrations"
+)
+
+# Development only: anyone who knows this key can forge session cookies (and so the
+# flashed messages). Set EXAMPLE_SECRET_KEY (or FLASK_SECRET_KEY) anywhere else.
+_DEV_SECRET_KEY = "dev-only-not-secret"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+def create_app(
+    config: Mapping[str, Any] | None = None, *, instance_path: str | None = None
+) -> Flask:
+    """Build the example app.
+
+    Configuration, later layers winning: embedded defaults, the ``EXAMPLE_*`` variables,
+    the ``FLASK_*`` variables, then ``config``.
+    """
+    instance_path = instance_path or os.environ.get("FLASK_INSTANCE_PATH") or None
+    app = Flask(__name__, instance_path=os.path.abspath(instance_path) if instance_path else None)
+    os.makedirs(app.instance_path, exist_ok=True)
+
+    app.config.update(
+        SECRET_KEY=os.environ.get("EXAMPLE_SECRET_KEY", _DEV_SECRET_KEY),
+        SQLALCHEMY_DATABASE_URI="sqlite:///" + os.path.join(app.instance_path, "example.db"),
+        MAIL_DEFAULT_SENDER="Example App <noreply@example.com>",
+    )
+    app.config.update(_config_from_example_env(os.environ))
+    app.config.from_prefixed_env()
+    if config is not None:
+        app.config.update(config)
+    # Console output unless an SMTP server was named somewhere (and no transport chosen).
+    app.config.setdefault(
+        "OUTBOX_TRANSPORT", "smtp" if app.config.get("MAIL_SERVER") else "console"
+    )
+
+    db.init_app(app)
+    migrate.init_app(app, db, directory=MIGRATIONS_DIR)
+    mail.init_app(app)
+
+    from example_app.views import bp
+
+    app.register_blueprint(bp)
+    return app
+
+
+def _config_from_example_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Config keys from the ``EXAMPLE_*`` variables that are set."""
+    config: dict[str, Any] = {}
+    if environ.get("EXAMPLE_DATABASE_URL"):
+        config["SQLALCHEMY_DATABASE_URI"] = environ["EXAMPLE_DATABASE_URL"]
+    if environ.get("EXAMPLE_MAIL_SERVER"):
+        config["MAIL_SERVER"] = environ["EXAMPLE_MAIL_SERVER"]
+        config["OUTBOX_TRANSPORT"] = "smtp"
+    if environ.get("EXAMPLE_MAIL_PORT"):
+        try:
+            config["MAIL_PORT"] = int(environ["EXAMPLE_MAIL_PORT"])
+        except ValueError:
+            raise ValueError(
+                f"EXAMPLE_MAIL_PORT must be a port number, not {environ['EXAMPLE_MAIL_PORT']!r}"
+            ) from None
+    if "EXAMPLE_MAIL_USE_TLS" in environ:
+        config["MAIL_USE_TLS"] = environ["EXAMPLE_MAIL_USE_TLS"].strip().lower() in _TRUE
+    if "EXAMPLE_MAIL_USERNAME" in environ:
+        config["MAIL_USERNAME"] = environ["EXAMPLE_MAIL_USERNAME"]
+    if "EXAMPLE_MAIL_PASSWORD" in environ:
+        config["MAIL_PASSWORD"] = environ["EXAMPLE_MAIL_PASSWORD"]
+    return config

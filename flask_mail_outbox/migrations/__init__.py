@@ -1,0 +1,118 @@
+"""The outbox schema's Alembic revisions, shipped as a branch labelled ``outbox``.
+
+The revisions live in :data:`VERSIONS_DIR`, a plain folder inside the installed
+package. A Flask-Migrate project uses them in three steps.
+
+1. Let Alembic find the branch: in ``migrations/alembic.ini``, under ``[alembic]``::
+
+       path_separator = ;
+       version_locations = %(here)s/versions;flask_mail_outbox.migrations:versions
+
+   ``flask_mail_outbox.migrations:versions`` is Alembic's ``package:path`` form: it is
+   resolved to the installed package's folder, so the line works in every checkout and
+   virtualenv. Alembic reads ``version_locations`` before ``env.py`` runs, which is why it
+   belongs in ``alembic.ini``. The separator must not be ``:`` (nor ``os`` on POSIX), or
+   the ``package:path`` entry would be split in two.
+
+2. Keep autogenerate away from the outbox tables: in ``migrations/env.py``, pass the hook
+   to ``context.configure``::
+
+       from flask_mail_outbox.migrations import include_object
+
+       context.configure(connection=connection, target_metadata=get_metadata(),
+                         include_object=include_object, **conf_args)
+
+   If you already have an ``include_object`` hook, pass
+   ``combine_include_object(your_hook)`` instead.
+
+3. Create the tables: ``flask db upgrade heads`` (or just the branch:
+   ``flask db upgrade outbox@head``).
+
+Your history and the ``outbox`` branch are two heads from then on, so ``flask db
+upgrade`` (which means ``head``) and ``flask db migrate`` ask which one you mean. Either
+say it (``flask db upgrade heads``; ``flask db migrate --head <your-revision>@head``), or
+join the two once with ``flask db merge -m "join the outbox branch" heads`` and repeat the
+merge when an upgrade of flask-mail-outbox brings a new outbox revision (``flask db
+heads`` then lists two heads again).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import exc as sa_exc
+
+from flask_mail_outbox._models import TABLE_NAMES
+
+__all__ = ["BRANCH_LABEL", "VERSIONS_DIR", "combine_include_object", "include_object"]
+
+#: Absolute path of the folder holding the ``outbox`` branch's revision files.
+VERSIONS_DIR: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "versions")
+
+#: The branch label of the outbox revisions: ``flask db upgrade outbox@head``.
+BRANCH_LABEL = "outbox"
+
+IncludeObject = Callable[[Any, str | None, str, bool, Any], bool]
+
+
+def _table_name_of(object: Any, name: str | None, type_: str) -> str | None:
+    """The name of the table that ``object`` is or belongs to, or None when it has none."""
+    if type_ == "table":
+        return name
+    try:
+        table = object.table
+    except (AttributeError, sa_exc.InvalidRequestError):  # a constraint bound to no table
+        return None
+    table_name: str | None = getattr(table, "name", None)
+    return table_name
+
+
+def include_object(
+    object: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    """Alembic ``include_object`` hook that leaves the outbox's tables alone.
+
+    The outbox tables (``outbox_email``, ``outbox_attachment``, ``outbox_setting``) live
+    on the library's own MetaData and are migrated by the ``outbox`` branch, so they are
+    in the database but not in your ``target_metadata``. Without this hook,
+    ``flask db migrate`` proposes to drop them. The hook excludes those tables and
+    everything on them (columns, indexes, unique constraints, foreign keys), and includes
+    everything else::
+
+        from flask_mail_outbox.migrations import include_object
+
+        context.configure(connection=connection, target_metadata=target_metadata,
+                          include_object=include_object)
+
+    A foreign key from one of your tables to ``outbox_email`` stays yours: it belongs to
+    your table, and is compared as usual.
+    """
+    return _table_name_of(object, name, type_) not in TABLE_NAMES
+
+
+def combine_include_object(user_hook: IncludeObject | None) -> IncludeObject:
+    """An ``include_object`` hook that excludes the outbox tables, then asks ``user_hook``.
+
+    For a project that already filters objects in autogenerate::
+
+        from flask_mail_outbox.migrations import combine_include_object
+
+        context.configure(connection=connection, target_metadata=target_metadata,
+                          include_object=combine_include_object(my_include_object))
+
+    With ``user_hook=None`` this is :func:`include_object` itself.
+    """
+    if user_hook is None:
+        return include_object
+    hook = user_hook
+
+    def combined(
+        object: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+    ) -> bool:
+        return include_object(object, name, type_, reflected, compare_to) and hook(
+            object, name, type_, reflected, compare_to
+        )
+
+    return combined
