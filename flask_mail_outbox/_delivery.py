@@ -67,7 +67,7 @@ class DeliveredMessage:
     def parsed(self) -> EmailMessage:
         """The message parsed back with the stdlib parser."""
         parsed = email.parser.BytesParser(policy=email.policy.default).parsebytes(self.mime)
-        return parsed  # type: ignore[return-value]
+        return parsed
 
     @property
     def subject(self) -> str:

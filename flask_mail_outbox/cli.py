@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 from flask import current_app
@@ -11,16 +12,20 @@ from flask.cli import AppGroup
 from ._errors import InvalidMessage
 from ._message import Message
 
+if TYPE_CHECKING:
+    from ._extension import OutboxMail
+
 outbox_cli = AppGroup("outbox", help="Inspect and operate the email outbox.")
 
 
-def _extension():  # type: ignore[no-untyped-def]
+def _extension() -> OutboxMail:
     state = current_app.extensions.get("mail_outbox")
     if state is None:
         raise click.ClickException(
             "flask-mail-outbox is not registered on this app (call OutboxMail(app) or "
             "mail.init_app(app) in your app factory)")
-    return state.ext
+    mail: OutboxMail = state.ext
+    return mail
 
 
 @outbox_cli.command("send-test")

@@ -134,6 +134,10 @@ class SMTPTransport(Transport):
                 await client.quit()
             except Exception:  # noqa: BLE001 - the connection is going away anyway
                 client.close()
+        if idle:
+            # A TLS transport closes its socket only after the close_notify
+            # exchange; give it a few loop turns before the loop goes away.
+            await asyncio.sleep(0.05)
 
     async def _connect(self) -> aiosmtplib.SMTP:
         s = self.settings
