@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ._errors import ConfigError
@@ -186,8 +186,11 @@ def _transport(value: Any) -> str:
         obj = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigError("OUTBOX_TRANSPORT", f"cannot import {value!r}: {exc}") from exc
-    if not callable(obj):
-        raise ConfigError("OUTBOX_TRANSPORT", f"{value!r} is not a class")
+    from .transports import Transport
+
+    if not isinstance(obj, type) or not issubclass(obj, Transport):
+        raise ConfigError("OUTBOX_TRANSPORT",
+                          f"{value!r} must be a subclass of flask_mail_outbox.transports.Transport")
     return value
 
 
@@ -298,5 +301,3 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
                                               minimum=0, strict_minimum=True),
     )
 
-
-TransportFactory = Callable[..., Any]

@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import _degrade
 from ._errors import PermanentError, TransientError, TransportError
+from .transports._base import NotAttempted
 from ._models import Status
+from ._retry import RetryPolicy
 from ._signals import email_failed, email_sent
 from ._store import ClaimedEmail, Outcome, Store
 from .transports import Delivered, Envelope, Failed, Transport
@@ -107,6 +109,13 @@ class BatchReport:
     transient: list[tuple[int, int, TransientError]] = dataclasses.field(default_factory=list)
     not_claimed: list[int] = dataclasses.field(default_factory=list)
     lost: list[int] = dataclasses.field(default_factory=list)
+    # Claimed but never handed to the server (shutdown): back to queued, attempt returned.
+    released: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        """Rows this batch finished one way or another."""
+        return len(self.sent) + len(self.failed) + len(self.transient) + len(self.released)
 
 
 class Heartbeat:
@@ -171,18 +180,24 @@ class DeliveryRoute:
         self.heartbeat = Heartbeat(store, config.lease_seconds, faults)
         self._send_lock = threading.Lock()
 
-    def deliver_ids(self, ids: Sequence[int], *, retry_delay: float = 0.0) -> BatchReport:
-        """Claim those of ``ids`` that are due, send them, record the outcomes."""
+    def deliver_ids(self, ids: Sequence[int]) -> BatchReport:
+        """Claim those of ``ids`` that are due, send them, record the outcomes (inline)."""
         owner = new_owner()
         claimed = self.store.claim_ids(ids, owner=owner, lease_seconds=self.config.lease_seconds)
-        report = self.deliver_claimed(claimed, retry_delay=retry_delay)
+        report = self.deliver_claimed(claimed)
         got = {email.id for email in claimed}
         report.not_claimed = [i for i in ids if i not in got]
         return report
 
     def deliver_claimed(self, claimed: Sequence[ClaimedEmail], *,
-                        retry_delay: float = 0.0) -> BatchReport:
-        """Send rows this process has claimed and record what happened."""
+                        policy: RetryPolicy | None = None) -> BatchReport:
+        """Send rows this process has claimed and record what happened.
+
+        Without a ``policy`` (inline mode) a transient failure puts the row
+        back to ``queued``, due now, and the caller decides about retrying in
+        process. With one (durable mode) the policy sets the next due time or
+        dead-letters the row.
+        """
         report = BatchReport()
         if not claimed:
             return report
@@ -206,7 +221,7 @@ class DeliveryRoute:
         if len(results) != len(claimed):
             raise RuntimeError(f"transport returned {len(results)} results for "
                                f"{len(claimed)} messages")
-        due = self.store.clock() + timedelta(seconds=retry_delay)
+        now = self.store.clock()
         outcomes: list[Outcome] = []
         for email, result in zip(claimed, results):
             if isinstance(result, Delivered):
@@ -220,11 +235,25 @@ class DeliveryRoute:
             elif isinstance(result.error, PermanentError):
                 outcomes.append(Outcome(email, Status.FAILED, error_code=result.error.code,
                                         error_message=result.error.message))
+            elif isinstance(result.error, NotAttempted):
+                outcomes.append(Outcome(email, Status.QUEUED, give_back_attempt=True))
             else:
                 throttled = isinstance(result.error, TransientError) and result.error.throttled
-                outcomes.append(Outcome(email, Status.QUEUED, error_code=result.error.code,
-                                        error_message=result.error.message, due_at=due,
-                                        give_back_attempt=throttled))
+                if policy is None:
+                    outcomes.append(Outcome(email, Status.QUEUED, error_code=result.error.code,
+                                            error_message=result.error.message, due_at=None,
+                                            give_back_attempt=throttled))
+                    continue
+                decision = policy.decide(email.attempt, result.error)
+                if decision.dead:
+                    outcomes.append(Outcome(email, Status.FAILED, error_code=result.error.code,
+                                            error_message=result.error.message))
+                else:
+                    outcomes.append(Outcome(
+                        email, Status.QUEUED, error_code=result.error.code,
+                        error_message=result.error.message,
+                        due_at=now + timedelta(seconds=decision.delay),
+                        give_back_attempt=not decision.charge))
         recorded, lost = self.store.record(outcomes)
         errors = {e.id: r.error for e, r in zip(claimed, results) if isinstance(r, Failed)}
         for outcome in recorded:
@@ -242,15 +271,19 @@ class DeliveryRoute:
             elif outcome.status is Status.FAILED:
                 report.failed.append(email.id)
                 error = errors[email.id]
+                why = ("failed permanently" if isinstance(error, PermanentError)
+                       else "failed for the last allowed time (OUTBOX_MAX_ATTEMPTS)")
                 _degrade.report(
-                    f"Email {email.id} ({email.message_id}) failed permanently on attempt "
+                    f"Email {email.id} ({email.message_id}) {why} on attempt "
                     f"{email.attempt}: {error}",
-                    consequence="it is marked failed and will not be sent",
+                    consequence="it is dead-lettered (status failed) and will not be sent",
                     fix=f"correct the cause, then put it back with mail.retry({email.id}) or "
                         f"`flask outbox dlq retry {email.id}`")
                 with self.app.app_context():
                     email_failed.send(self.app, email_id=email.id, message_id=email.message_id,
                                       error=error)
+            elif email.id in errors and isinstance(errors[email.id], NotAttempted):
+                report.released.append(email.id)
             else:
                 error = errors[email.id]
                 report.transient.append(

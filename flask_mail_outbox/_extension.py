@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,8 @@ from sqlalchemy import event
 from . import _degrade, _staging
 from ._config import BUILTIN_TRANSPORTS, OutboxConfig, load_config
 from ._delivery import DeliveredMessage, DeliveryRoute, InlineDelivery
+from ._dispatcher import Dispatcher
+from ._listen import Listener, libpq_url, notify_statement
 from ._errors import ConfigError, InvalidMessage
 from ._message import Message, prepare_message
 from ._models import Status, metadata
@@ -81,12 +84,14 @@ def _refuse_memory_sqlite(uri: Any) -> None:
             "e.g. 'sqlite:///app.db' (tests: a file under tmp_path)")
 
 
-def _build_transport(config: OutboxConfig) -> Transport:
+def _build_transport(config: OutboxConfig, *, concurrency: int) -> Transport:
     if config.suppress_send:
         return MemoryTransport(config)
     name = config.transport
+    if name == "smtp":
+        return SMTPTransport(config, concurrency=concurrency)
     builtin: dict[str, type[Transport]] = {
-        "smtp": SMTPTransport, "console": ConsoleTransport, "file": FileTransport,
+        "console": ConsoleTransport, "file": FileTransport,
         "memory": MemoryTransport, "null": NullTransport,
     }
     if name in BUILTIN_TRANSPORTS:
@@ -146,10 +151,11 @@ def _prepare_sqlite(app: Flask, db: SQLAlchemy) -> None:
 
 
 class _Runtime:
-    """What one process runs for one app: engine, transport, delivery worker."""
+    """What one process runs for one app: engine, transport, delivery threads."""
 
     def __init__(self, state: _AppState) -> None:
         self.pid = os.getpid()
+        self.state = state
         app, config = state.app, state.config
         with app.app_context():
             url = state.db.engine.url
@@ -160,13 +166,45 @@ class _Runtime:
         else:
             self.engine = sa.create_engine(url, pool_size=4, max_overflow=8, pool_pre_ping=True)
         self.store = Store(self.engine)
-        self.transport = _build_transport(config)
+        self.transport = _build_transport(config, concurrency=state.concurrency)
         self.synchronous = isinstance(self.transport, MemoryTransport)
         self.route = DeliveryRoute(app=app, config=config, store=self.store,
                                    transport=self.transport, faults=state.faults)
         self.inline = InlineDelivery(self.route, config)
+        self.dispatcher: Dispatcher | None = None
+        self.listener: Listener | None = None
+        self._lock = threading.Lock()
+
+    def ensure_dispatcher(self, *, start_thread: bool = True) -> Dispatcher:
+        """This process's dispatcher (and LISTEN thread on PostgreSQL), started once."""
+        with self._lock:
+            if self.dispatcher is None:
+                self.dispatcher = Dispatcher(self.route, self.state.config)
+                config = self.state.config
+                if config.listen and self.store.is_postgres:
+                    dispatcher = self.dispatcher
+
+                    def on_state(up: bool) -> None:
+                        dispatcher.listening = up
+
+                    self.listener = Listener(
+                        libpq_url(config.listen_url or self.engine.url), dispatcher.wake,
+                        on_state, self.state.faults)
+                    self.listener.start()
+            if start_thread:
+                self.dispatcher.start()
+            return self.dispatcher
+
+    def idle(self) -> bool:
+        dispatcher = self.dispatcher
+        return self.inline.idle() and (dispatcher is None or not dispatcher.running
+                                       or dispatcher.idle())
 
     def stop(self, timeout: float) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.stop(timeout)
+        if self.listener is not None:
+            self.listener.stop()
         self.inline.stop(timeout)
         self.transport.close()
         self.engine.dispose()
@@ -181,8 +219,10 @@ class _AppState:
         self.db = db
         self.config = config
         self.faults = _degrade.FaultTracker()
+        self.concurrency = 4  # concurrent SMTP connections; `flask outbox worker` sets it
         self._runtime: _Runtime | None = None
         self._lock = threading.Lock()
+        self._durable_cache: tuple[bool, float] | None = None
 
     def runtime(self) -> _Runtime:
         """This process's runtime, created on first use and after a fork."""
@@ -201,6 +241,27 @@ class _AppState:
         runtime = self._runtime
         return runtime if runtime is not None and runtime.pid == os.getpid() else None
 
+    # -- the delivery mode ------------------------------------------------------------
+
+    def durable(self) -> bool:
+        """The delivery mode in force, read lazily and cached for the settings TTL.
+
+        An idle process never asks: this runs only when something needs it.
+        """
+        cached = self._durable_cache
+        now = time.monotonic()
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        stored = self.runtime().store.get_setting(DURABLE_SETTING)
+        value = self.config.durable if stored is None else bool(stored)
+        self._durable_cache = (value, now + self.config.settings_ttl_seconds)
+        return value
+
+    def set_durable(self, on: bool) -> None:
+        """Store the mode for every process sharing the database (commits its own work)."""
+        self.runtime().store.set_setting(DURABLE_SETTING, bool(on))
+        self._durable_cache = (bool(on), time.monotonic() + self.config.settings_ttl_seconds)
+
     def publish(self, entries: list[_staging.StagedEmail]) -> None:
         """Called after the outermost commit with the rows it made durable."""
         ids = [e.email_id for e in entries]
@@ -208,16 +269,20 @@ class _AppState:
             for email_id in ids:
                 email_queued.send(self.app, email_id=email_id)
         due = [e.email_id for e in entries if e.due_now]
-        if not due:
-            return
         try:
             runtime = self.runtime()
             if runtime.synchronous:
                 # The memory transport delivers inside commit(), so a test sees
                 # its messages as soon as commit() returns.
-                with self.app.app_context():
-                    runtime.route.deliver_ids(due)
-            else:
+                if due:
+                    with self.app.app_context():
+                        runtime.route.deliver_ids(due)
+            elif self.durable():
+                if self.config.run_worker:
+                    runtime.ensure_dispatcher().wake()
+                elif runtime.dispatcher is not None:
+                    runtime.dispatcher.wake()
+            elif due:
                 runtime.inline.submit(due)
         except Exception as exc:  # noqa: BLE001 - the commit succeeded; never fail it now
             _degrade.report(
@@ -234,6 +299,8 @@ class _AppState:
         if runtime is not None:
             runtime.stop(timeout)
 
+
+DURABLE_SETTING = "durable"
 
 _all_states: weakref.WeakSet[_AppState] = weakref.WeakSet()
 _atexit_registered = False
@@ -351,6 +418,12 @@ class OutboxMail:
         ]
         session = state.db.session()
         email_id, created = insert_email(session, values, attachments)
+        if created and config.listen and _is_postgres(session) and state.durable():
+            # Once per transaction; PostgreSQL delivers it only if it commits.
+            root = session.get_transaction()
+            if session.info.get(_NOTIFIED_KEY) is not root:
+                session.execute(notify_statement())
+                session.info[_NOTIFIED_KEY] = root
         if created:
             _staging.stage(session, _staging.StagedEmail(
                 email_id=email_id, due_now=due_at is None or due_at <= utcnow(),
@@ -374,7 +447,16 @@ class OutboxMail:
         It does not wait for other processes.
         """
         runtime = self._state().current_runtime()
-        return True if runtime is None else runtime.inline.wait_idle(timeout)
+        if runtime is None:
+            return True
+        deadline = time.monotonic() + timeout
+        if not runtime.inline.wait_idle(timeout):
+            return False
+        while not runtime.idle():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def stop(self, timeout: float = 10) -> None:
         """Stop this process's delivery threads for every app; idempotent.
@@ -385,6 +467,49 @@ class OutboxMail:
         for state in list(_all_states):
             if state.ext is self:
                 state.stop(timeout)
+
+    @property
+    def durable(self) -> bool:
+        """Whether durable delivery is in force (the shared runtime setting)."""
+        return self._state().durable()
+
+    def set_durable(self, on: bool) -> None:
+        """Switch every process sharing the database to durable (True) or inline delivery.
+
+        Commits its own work. Nothing is stranded either way: the claim is the
+        single gate, and whichever mode is in force takes due rows.
+        """
+        if not isinstance(on, bool):
+            raise TypeError(f"set_durable() takes True or False, got {on!r}")
+        state = self._state()
+        state.set_durable(on)
+        if on and state.config.run_worker:
+            state.runtime().ensure_dispatcher().wake()
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest dead-lettered (``failed``) emails, with their failure history."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive integer, got {limit!r}")
+        return self._state().runtime().store.dead_letters(limit)
+
+    def retry(self, email_id: int) -> None:
+        """Put a dead letter back: ``queued``, attempts reset to 0, due now (commits).
+
+        Raises ``LookupError`` when ``email_id`` is not a dead-lettered email.
+        """
+        state = self._state()
+        runtime = state.runtime()
+        if not runtime.store.retry_failed(email_id):
+            raise LookupError(f"email {email_id} is not a dead letter (no failed row with "
+                              "that id)")
+        if runtime.synchronous:
+            with state.app.app_context():
+                runtime.route.deliver_ids([email_id])
+        elif state.durable():
+            if state.config.run_worker:
+                runtime.ensure_dispatcher().wake()
+        else:
+            runtime.inline.submit([email_id])
 
     @contextmanager
     def record_messages(self) -> Iterator[list[DeliveredMessage]]:
@@ -407,6 +532,13 @@ class OutboxMail:
         """Rows per status (more fields arrive with durable mode and the sweep)."""
         state = self._state()
         return {"counts": state.runtime().store.counts()}
+
+
+_NOTIFIED_KEY = "mail_outbox_notified"
+
+
+def _is_postgres(session: Any) -> bool:
+    return bool(session.get_bind().dialect.name == "postgresql")
 
 
 def _request_failed(sender: Flask, **_: Any) -> None:

@@ -70,6 +70,10 @@ class OutboxEmail(Base):
     sent_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
     message_id: Mapped[str] = mapped_column(sa.String(255), nullable=False)
     key: Mapped[str | None] = mapped_column(sa.String(255))
+    # True for the oldest unfinished email of its key: only heads are claimable,
+    # so a deep backlog behind a few keys costs nothing to skip.
+    key_head: Mapped[bool] = mapped_column(sa.Boolean(), nullable=False,
+                                           server_default=sa.false())
     idempotency_key: Mapped[str | None] = mapped_column(sa.String(255))
     attempts: Mapped[int] = mapped_column(sa.Integer(), nullable=False, server_default="0")
     last_error: Mapped[str | None] = mapped_column(sa.Text())
@@ -90,8 +94,9 @@ class OutboxEmail(Base):
             "status IN ('queued', 'sending', 'sent', 'failed')", name="ck_outbox_email_status"
         ),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
-        # Due work: the claim and the inline re-offer.
-        sa.Index("ix_outbox_email_due", "due_at", "id", **_where("status = 'queued'")),
+        # Due work: only rows that may go now (keyless, or the head of their key).
+        sa.Index("ix_outbox_email_due", "due_at", "id",
+                 **_where("status = 'queued' AND (key IS NULL OR key_head)")),
         # The sweep: oldest queued first.
         sa.Index("ix_outbox_email_queued_created", "created_at", "id",
                  **_where("status = 'queued'")),

@@ -37,6 +37,9 @@ from ._models import Status, attachment_table, email_table, setting_table
 logger = logging.getLogger(__name__)
 
 _OPEN = (Status.QUEUED.value, Status.SENDING.value)
+_CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sender,
+                    email_table.c.recipients, email_table.c.mime, email_table.c.message_id,
+                    email_table.c.key, email_table.c.error_history)
 
 
 def utcnow() -> datetime:
@@ -83,6 +86,21 @@ def now_expr(dialect: str, clock: Callable[[], datetime] = utcnow) -> sa.ColumnE
     return sa.literal(clock(), sa.DateTime())
 
 
+def key_lock(key: str) -> sa.ColumnElement[Any]:
+    """PostgreSQL: a transaction-scoped advisory lock on one ordering key.
+
+    Producers of a key (``send()``) and whoever changes which row heads the
+    key (recording an outcome, the reap, ``retry()``) take it, so id order is
+    commit order and a key never ends up without a head.
+    """
+    return sa.func.pg_advisory_xact_lock(sa.func.hashtextextended(key, 0))
+
+
+def _open_of_key(key: Any, *, alias: str = "open_of_key") -> sa.Select[tuple[int]]:
+    other = email_table.alias(alias)
+    return sa.select(other.c.id).where(other.c.key == key, other.c.status.in_(_OPEN))
+
+
 def insert_email(session: Session, values: dict[str, Any], attachments: Sequence[dict[str, Any]],
                  *, clock: Callable[[], datetime] = utcnow) -> tuple[int, bool]:
     """Insert one email row in the caller's ``session``; returns ``(id, created)``.
@@ -101,9 +119,10 @@ def insert_email(session: Session, values: dict[str, Any], attachments: Sequence
     values["created_at"] = now
     if values.get("due_at") is None:
         values["due_at"] = now
-    if dialect == "postgresql" and values.get("key") is not None:
-        session.execute(sa.select(sa.func.pg_advisory_xact_lock(
-            sa.func.hashtextextended(values["key"], 0))))
+    if values.get("key") is not None:
+        if dialect == "postgresql":
+            session.execute(sa.select(key_lock(values["key"])))
+        values["key_head"] = ~_open_of_key(values["key"]).exists()
     idem = values.get("idempotency_key")
     stmt: Any
     if idem is not None and dialect in ("sqlite", "postgresql"):
@@ -190,23 +209,136 @@ class Store:
         if not ids:
             return []
         t = email_table
-        prior = t.alias("prior")
-        earlier_open = (sa.select(prior.c.id)
-                        .where(prior.c.key == t.c.key, prior.c.id < t.c.id,
-                               prior.c.status.in_(_OPEN))
-                        .exists())
         stmt = (
             t.update()
-            .where(t.c.id.in_(list(ids)), t.c.status == Status.QUEUED.value,
-                   t.c.due_at <= self.now_expr(),
-                   sa.or_(t.c.key.is_(None), ~earlier_open))
-            .values(status=Status.SENDING.value, attempts=t.c.attempts + 1,
-                    lease_owner=owner, lease_expires_at=self.later_expr(lease_seconds))
-            .returning(t.c.id, t.c.attempts, t.c.sender, t.c.recipients, t.c.mime,
-                       t.c.message_id, t.c.key, t.c.error_history)
+            .where(t.c.id.in_(list(ids)), self._claimable())
+            .values(**self._claim_values(owner, lease_seconds))
+            .returning(*_CLAIM_RETURNING)
         )
         with self.write() as conn:
             rows = conn.execute(stmt).all()
+        return self._claimed(rows, owner)
+
+    def claim_due(self, limit: int, *, owner: str, lease_seconds: float,
+                  reap_max_attempts: int | None = None) -> tuple[list[ClaimedEmail], int]:
+        """One dispatcher tick's database work: reap once, then claim up to ``limit``.
+
+        Both run in one short transaction (``BEGIN IMMEDIATE`` on SQLite), so an
+        idle tick costs two statements. Due rows are taken oldest first
+        (``due_at, id``); only keyless rows and key heads are candidates, read
+        from the partial index that holds exactly those. On PostgreSQL the ids
+        are picked in a materialized CTE with ``FOR UPDATE SKIP LOCKED`` (the
+        fence keeps the planner from updating more rows than the limit), so
+        concurrent dispatchers never wait for each other nor take one row twice.
+        Returns ``(claimed, reaped)``.
+        """
+        t = email_table
+        pick = (sa.select(t.c.id).where(self._claimable())
+                .order_by(t.c.due_at, t.c.id).limit(limit))
+        with self.write() as conn:
+            reaped = 0
+            if reap_max_attempts is not None:
+                reaped = self._reap(conn, reap_max_attempts)
+            if self.is_postgres:
+                due = pick.with_for_update(skip_locked=True).cte("due").prefix_with(
+                    "MATERIALIZED")
+                where: list[Any] = [t.c.id == due.c.id, t.c.status == Status.QUEUED.value]
+            else:
+                where = [t.c.id.in_(pick.scalar_subquery())]
+            rows = conn.execute(
+                t.update().where(*where)
+                .values(**self._claim_values(owner, lease_seconds))
+                .returning(*_CLAIM_RETURNING)
+            ).all()
+        return self._claimed(rows, owner), reaped
+
+    def reap_expired(self, max_attempts: int) -> int:
+        """Return ``sending`` rows whose lease expired to ``queued`` (``failed`` when spent)."""
+        with self.write() as conn:
+            return self._reap(conn, max_attempts)
+
+    def _reap(self, conn: Connection, max_attempts: int) -> int:
+        t = email_table
+        spent = t.c.attempts >= max_attempts
+        rows = conn.execute(
+            t.update()
+            .where(t.c.status == Status.SENDING.value, t.c.lease_expires_at < self.now_expr())
+            .values(
+                status=sa.case((spent, Status.FAILED.value), else_=Status.QUEUED.value),
+                due_at=self.now_expr(),
+                lease_owner=None, lease_expires_at=None,
+                last_error=sa.case(
+                    (spent, "lease expired: the process sending it stopped, and its "
+                            "attempts are spent"),
+                    else_=t.c.last_error),
+            )
+            .returning(t.c.id, t.c.status, t.c.key)
+        ).all()
+        self._promote(conn, {row.key for row in rows
+                             if row.key is not None and row.status == Status.FAILED.value})
+        return len(rows)
+
+    def _promote(self, conn: Connection, keys: set[str]) -> None:
+        """Make the oldest unfinished email of each key its head."""
+        t = email_table
+        for key in sorted(keys):
+            if self.is_postgres:
+                conn.execute(sa.select(key_lock(key)))
+            oldest = (sa.select(sa.func.min(t.c.id))
+                      .where(t.c.key == key, t.c.status.in_(_OPEN)).scalar_subquery())
+            conn.execute(t.update().where(t.c.id == oldest, t.c.key_head.is_(False))
+                         .values(key_head=True))
+
+    def release(self, claimed: Sequence[ClaimedEmail]) -> int:
+        """Give back rows claimed but never handed to the transport (attempt returned)."""
+        outcomes = [Outcome(email, Status.QUEUED, give_back_attempt=True) for email in claimed]
+        recorded, _ = self.record(outcomes)
+        return len(recorded)
+
+    def retry_failed(self, email_id: int) -> bool:
+        """Put a dead letter back: ``queued``, attempts 0, due now. False if not failed."""
+        t = email_table
+        with self.write() as conn:
+            key = conn.execute(sa.select(t.c.key).where(
+                t.c.id == email_id, t.c.status == Status.FAILED.value)).scalar()
+            if self.is_postgres and key is not None:
+                conn.execute(sa.select(key_lock(key)))
+            head: Any = True if key is None else ~_open_of_key(key).exists()
+            done = conn.execute(
+                t.update().where(t.c.id == email_id, t.c.status == Status.FAILED.value)
+                .values(status=Status.QUEUED.value, attempts=0, due_at=self.now_expr(),
+                        key_head=head, lease_owner=None, lease_expires_at=None)
+            ).rowcount
+        return bool(done)
+
+    def dead_letters(self, limit: int) -> list[dict[str, Any]]:
+        """The newest ``failed`` rows with their failure history."""
+        t = email_table
+        with self.read() as conn:
+            rows = conn.execute(
+                sa.select(t.c.id, t.c.message_id, t.c.subject, t.c.recipients, t.c.key,
+                          t.c.attempts, t.c.last_error, t.c.error_history, t.c.created_at)
+                .where(t.c.status == Status.FAILED.value)
+                .order_by(t.c.id.desc()).limit(limit)
+            ).mappings().all()
+        return [
+            {**dict(row), "recipients": json.loads(row["recipients"]),
+             "error_history": json.loads(row["error_history"] or "[]")}
+            for row in rows
+        ]
+
+    def _claimable(self) -> sa.ColumnElement[bool]:
+        """Queued, due, and free to go: keyless, or the head of its key."""
+        t = email_table
+        return sa.and_(t.c.status == Status.QUEUED.value, t.c.due_at <= self.now_expr(),
+                       sa.or_(t.c.key.is_(None), t.c.key_head))
+
+    def _claim_values(self, owner: str, lease_seconds: float) -> dict[str, Any]:
+        t = email_table
+        return {"status": Status.SENDING.value, "attempts": t.c.attempts + 1,
+                "lease_owner": owner, "lease_expires_at": self.later_expr(lease_seconds)}
+
+    def _claimed(self, rows: Sequence[Any], owner: str) -> list[ClaimedEmail]:
         claimed = [
             ClaimedEmail(
                 id=row.id, owner=owner, attempt=row.attempts, sender=row.sender,
@@ -234,6 +366,22 @@ class Store:
             return result.rowcount
 
     def record(self, outcomes: Sequence[Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+        """Write outcomes in one transaction; returns ``(recorded, lost)``.
+
+        See :meth:`_record`. On PostgreSQL a deadlock between the key locks of
+        this transaction and a producer's is retried: the guarded updates make
+        a second run equivalent to the first.
+        """
+        tries = 0
+        while True:
+            try:
+                return self._record(outcomes)
+            except sa.exc.OperationalError as exc:
+                tries += 1
+                if getattr(exc.orig, "sqlstate", None) != "40P01" or tries >= 3:
+                    raise
+
+    def _record(self, outcomes: Sequence[Outcome]) -> tuple[list[Outcome], list[Outcome]]:
         """Write outcomes in one transaction; returns ``(recorded, lost)``.
 
         Every update is guarded by ``status = 'sending' AND lease_owner =
@@ -288,6 +436,9 @@ class Store:
                     .returning(t.c.id)
                 ).scalar()
                 (recorded if hit is not None else lost).append(outcome)
+            # A keyed email that is finished hands its key to the next one.
+            self._promote(conn, {o.email.key for o in recorded
+                                 if o.email.key is not None and o.status is not Status.QUEUED})
         return recorded, lost
 
     def due_keyed(self, ids: Sequence[int]) -> list[int]:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .._errors import TransportError
+from .._errors import TransientError, TransportError
 
 if TYPE_CHECKING:
     from .._config import OutboxConfig
@@ -40,6 +40,16 @@ class Failed:
 Result = Delivered | Failed
 
 
+class NotAttempted(TransientError):
+    """The transport was cancelled before it handed this message to the server.
+
+    The row is released (back to ``queued``, its attempt given back).
+    """
+
+    def __init__(self) -> None:
+        super().__init__("not attempted: delivery stopped before this message was sent")
+
+
 class Transport:
     """Base class of transports.
 
@@ -69,6 +79,13 @@ class Transport:
             except TransportError as exc:
                 results.append(Failed(exc))
         return results
+
+    def cancel_pending(self) -> None:
+        """Ask a running :meth:`send_many` to stop handing new messages to the server.
+
+        Messages not yet started come back as ``Failed(NotAttempted())``. The
+        default transport sends one message at a time and finishes the batch.
+        """
 
     def close(self) -> None:
         """Release connections; the transport may be used again afterwards."""

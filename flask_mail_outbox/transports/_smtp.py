@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiosmtplib
 
 from .._errors import PermanentError, TransientError, TransportError
-from ._base import Delivered, Envelope, Failed, Result, Transport
+from ._base import Delivered, Envelope, Failed, NotAttempted, Result, Transport
 
 if TYPE_CHECKING:
     from .._config import OutboxConfig
@@ -84,6 +84,7 @@ class SMTPTransport(Transport):
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._hostname = _local_hostname()
+        self._cancelled = threading.Event()
 
     # -- the loop thread ----------------------------------------------------------
 
@@ -107,7 +108,11 @@ class SMTPTransport(Transport):
     def send_many(self, envelopes: Sequence[Envelope]) -> list[Result]:
         if not envelopes:
             return []
+        self._cancelled.clear()
         return self._run(self._send_batch(list(envelopes)))
+
+    def cancel_pending(self) -> None:
+        self._cancelled.set()
 
     def close(self) -> None:
         with self._lock:
@@ -167,14 +172,13 @@ class SMTPTransport(Transport):
         live = [workers]
         await asyncio.gather(*(self._worker(queue, envelopes, results, live)
                                for _ in range(workers)))
-        return [r if r is not None else Failed(TransientError("not attempted"))
-                for r in results]
+        return [r if r is not None else Failed(NotAttempted()) for r in results]
 
     async def _worker(self, queue: asyncio.Queue[int], envelopes: list[Envelope],
                       results: list[Result | None], live: list[int]) -> None:
         client: aiosmtplib.SMTP | None = self._idle.pop() if self._idle else None
         reused = client is not None
-        while not queue.empty():
+        while not queue.empty() and not self._cancelled.is_set():
             if client is None:
                 try:
                     client = await self._connect()

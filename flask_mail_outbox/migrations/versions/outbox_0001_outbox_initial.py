@@ -58,6 +58,7 @@ def _tables() -> sa.MetaData:
         sa.Column("sent_at", sa.DateTime(), nullable=True),
         sa.Column("message_id", sa.String(255), nullable=False),
         sa.Column("key", sa.String(255), nullable=True),
+        sa.Column("key_head", sa.Boolean(), nullable=False, server_default=sa.false()),
         sa.Column("idempotency_key", sa.String(255), nullable=True),
         sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("last_error", sa.Text(), nullable=True),
@@ -73,8 +74,13 @@ def _tables() -> sa.MetaData:
             "status IN ('queued', 'sending', 'sent', 'failed')", name="ck_outbox_email_status"
         ),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
-        # Due work: the claim and the inline re-offer.
-        sa.Index("ix_outbox_email_due", "due_at", "id", **_where("status = 'queued'")),
+        # Due work: only rows that may go now (keyless, or the head of their key).
+        sa.Index(
+            "ix_outbox_email_due",
+            "due_at",
+            "id",
+            **_where("status = 'queued' AND (key IS NULL OR key_head)"),
+        ),
         # The sweep: oldest queued first.
         sa.Index(
             "ix_outbox_email_queued_created", "created_at", "id", **_where("status = 'queued'")

@@ -1,0 +1,260 @@
+"""Durable mode's dispatcher: ticks that reap, claim and hand rows to the route.
+
+A tick is: reap expired leases once, claim up to a batch of due rows (one
+short transaction, :meth:`Store.claim_due`), deliver them through the
+:class:`DeliveryRoute` with the retry policy. Between ticks the dispatcher
+waits:
+
+* a tick that claimed nothing (or failed) doubles the gap, from
+  ``OUTBOX_POLL_INTERVAL`` up to ``OUTBOX_POLL_MAX_INTERVAL`` (or up to
+  ``OUTBOX_LISTEN_BACKSTOP_SECONDS`` while a LISTEN connection is up);
+* a tick that claimed something snaps back (a full batch ticks again at once);
+* the gap is measured from the start of the tick, and ticks never overlap;
+* :meth:`Dispatcher.wake` ends the wait at once; any number of wakes during a
+  tick collapse into exactly one follow-up tick.
+
+The scheduling rule is :class:`IdleBackoff`, a small pure class, and the loop
+takes an injectable clock and wait function, so tests can check the exact gap
+sequence on a fake clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from . import _degrade
+from ._delivery import BatchReport, DeliveryRoute, new_owner
+from ._retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from ._config import OutboxConfig
+
+logger = logging.getLogger(__name__)
+
+
+class IdleBackoff:
+    """The gap before the next tick, from what the last tick did."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self._idle_gap = initial
+
+    def after_tick(self, *, claimed: int, full: bool, failed: bool,
+                   maximum: float | None = None) -> float:
+        """Seconds from the start of the tick that just ended to the next one."""
+        cap = self.maximum if maximum is None else maximum
+        if failed or claimed == 0:
+            gap = min(self._idle_gap, cap)
+            self._idle_gap = min(self._idle_gap * 2, cap)
+            return gap
+        self._idle_gap = self.initial
+        # A full batch means more is waiting: go again at once.
+        return 0.0 if full else self.initial
+
+
+class Dispatcher:
+    """One dispatcher loop for one app in one process."""
+
+    def __init__(self, route: DeliveryRoute, config: OutboxConfig, *,
+                 policy: RetryPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 name: str = "outbox-dispatcher") -> None:
+        self.route = route
+        self.store = route.store
+        self.config = config
+        self.policy = policy or RetryPolicy(config.retry_base_seconds, config.retry_max_seconds,
+                                            config.max_attempts)
+        self.clock = clock
+        self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
+        self.name = name
+        self.listening = False  # set by the LISTEN thread while its connection is up
+        self.rate_limiter: RateLimiter | None = (
+            RateLimiter(config.rate_limit, clock=clock) if config.rate_limit else None)
+        self._cond = threading.Condition()
+        self._wake_pending = False
+        self._stopping = False
+        self._in_tick = False
+        self._thread: threading.Thread | None = None
+        self.ticks = 0
+        self.last_claimed = 0
+        self.last_tick_failed = False
+        self.last_tick_at: float | None = None
+
+    # -- control ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the loop in a daemon thread (idempotent)."""
+        with self._cond:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+            self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wake(self) -> None:
+        """Tick as soon as possible (now if waiting; once more after a running tick)."""
+        with self._cond:
+            self._wake_pending = True
+            self._cond.notify_all()
+
+    def request_stop(self) -> None:
+        """Stop after the tick in flight (safe from a signal handler)."""
+        self._stopping = True
+        # No lock: a signal handler may interrupt a thread holding it.
+        self._wake_pending = True
+
+    def stop(self, timeout: float) -> None:
+        """Stop claiming; give the batch in flight ``timeout`` seconds, release the rest."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout / 2)
+        if thread.is_alive():
+            # Messages not yet handed to the server come back unsent and are released.
+            self.route.transport.cancel_pending()
+            thread.join(timeout / 2)
+
+    def idle(self) -> bool:
+        """No tick running or pending, and the last tick found nothing due."""
+        with self._cond:
+            return (not self._in_tick and not self._wake_pending
+                    and self.ticks > 0 and self.last_claimed == 0
+                    and not self.last_tick_failed)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Tick until :meth:`stop`."""
+        while not self._stopping:
+            self.step()
+
+    def step(self, wait: Callable[[float], None] | None = None) -> float:
+        """One tick, then the wait before the next; returns the gap it chose."""
+        with self._cond:
+            self._wake_pending = False
+            self._in_tick = True
+        started = self.clock()
+        try:
+            report, full = self.tick()
+            failed = False
+        except Exception as exc:  # noqa: BLE001 - reported; the next tick retries
+            failed, report, full = True, None, False
+            self.route.faults.failing(
+                "dispatcher-tick", "A dispatcher tick could not reap, claim or record",
+                consequence="due emails stay queued (or sending until their lease expires); "
+                            "the dispatcher keeps ticking with backoff and resumes on its own "
+                            "when the database answers again",
+                fix="check the database connection and that the outbox tables exist "
+                    "(`flask db upgrade outbox@head`)",
+                exc=exc)
+        else:
+            self.route.faults.recovered("dispatcher-tick")
+        finally:
+            with self._cond:
+                self._in_tick = False
+                self._cond.notify_all()
+        self.ticks += 1
+        self.last_tick_failed = failed
+        self.last_tick_at = started
+        claimed = report.count if report is not None else 0
+        self.last_claimed = claimed
+        cap = self.config.listen_backstop_seconds if self.listening else None
+        gap = self.backoff.after_tick(claimed=claimed, full=full, failed=failed,
+                                      maximum=max(cap, self.config.poll_max_interval)
+                                      if cap else None)
+        (wait or self._wait_until)(started + gap)
+        return gap
+
+    def _wait_until(self, deadline: float) -> None:
+        with self._cond:
+            while not self._stopping and not self._wake_pending:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return
+                # In slices: a signal handler (the worker's SIGTERM) sets the flags
+                # without being able to notify, and a lock wait is not interrupted.
+                self._cond.wait(min(remaining, 0.5))
+
+    def tick(self) -> tuple[BatchReport | None, bool]:
+        """Reap, claim, deliver; returns the batch report and whether the batch was full."""
+        limit = self.config.batch_size
+        if self.rate_limiter is not None:
+            limit = self.rate_limiter.acquire(limit)
+        owner = new_owner()
+        claimed, reaped = self.store.claim_due(
+            limit, owner=owner, lease_seconds=self.config.lease_seconds,
+            reap_max_attempts=self.config.max_attempts)
+        if reaped:
+            _degrade.report(
+                f"{reaped} email(s) had an expired lease: the process sending them stopped "
+                "mid-delivery",
+                consequence="they are queued again (or dead-lettered when their attempts "
+                            "were spent) and will be delivered; one may arrive twice, with "
+                            "the same Message-ID, if its server had accepted it already",
+                fix="nothing for these emails; find why the other process stopped "
+                    "(killed, out of memory) and give workers time to stop on SIGTERM")
+        if not claimed:
+            return None, False
+        if self._stopping:
+            self.store.release(claimed)
+            return None, False
+        with self.route.app.app_context():
+            report = self.route.deliver_claimed(claimed, policy=self.policy)
+        throttled = any(error.throttled for _, _, error in report.transient)
+        if throttled and self.rate_limiter is None:
+            # No configured rate, but the server says "too fast": start at half of
+            # what this tick tried, and let feedback find the server's pace.
+            self.rate_limiter = RateLimiter(float(self.config.batch_size) * 10, clock=self.clock)
+            self.rate_limiter.current = max(1.0, len(claimed) / 2)
+            _degrade.report(
+                f"The SMTP server is throttling this process ({len(report.transient)} "
+                "email(s) refused with 'too many'/'rate')",
+                consequence="those emails are queued again without losing an attempt, and "
+                            "this process now paces itself below the server's limit",
+                fix="set OUTBOX_RATE_LIMIT to the rate your provider allows")
+        if self.rate_limiter is not None:
+            self.rate_limiter.feedback(throttled=throttled)
+        return report, len(claimed) >= limit
+
+
+class RateLimiter:
+    """Messages per second for one process; slows down when the server throttles."""
+
+    def __init__(self, rate: float, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.rate = rate
+        self.current = rate
+        self.clock = clock
+        self.sleep = sleep
+        self._next_free = clock()
+
+    def acquire(self, wanted: int) -> int:
+        """Wait for the right to send up to ``wanted`` now; returns how many."""
+        now = self.clock()
+        if self._next_free > now:
+            self.sleep(self._next_free - now)
+            now = self._next_free
+        # At most one second's worth per batch, at least one message.
+        allowed = max(1, min(wanted, int(self.current)))
+        self._next_free = now + allowed / self.current
+        return allowed
+
+    def feedback(self, *, throttled: bool) -> None:
+        """Halve the rate when throttled; creep back up to the configured rate otherwise."""
+        if throttled:
+            self.current = max(self.rate / 64, self.current / 2)
+        else:
+            self.current = min(self.rate, self.current * 1.1)

@@ -1,0 +1,161 @@
+"""``scripts/check_durability_log_level.py``: the real tree passes, and weakening a seam fails it.
+
+The script runs as CI runs it: a subprocess from the repository root.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "check_durability_log_level.py"
+PACKAGE = ROOT / "flask_mail_outbox"
+# A call that reports at ERROR, as written in the library's handlers.
+LOUD_CALL = re.compile(
+    r"_degrade\.report\(|[\w.]+\.failing\(|logger\.(?:exception|error|critical)\(")
+
+
+def run_checker(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the checker with ``args`` from the repository root."""
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def write_package(root: Path, files: dict[str, str]) -> Path:
+    """A tiny package under ``root`` made of ``files`` (relative path -> source)."""
+    package = root / "pkg"
+    for name, source in {"__init__.py": "", **files}.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source), encoding="utf-8")
+    return package
+
+
+def claim_with_handler(handler: str, marker: str = "") -> str:
+    """A module whose ``except`` around ``claim_ids()`` (on line 6) runs ``handler``."""
+    return (
+        "import logging\n"
+        "logger = logging.getLogger(__name__)\n\n"
+        "def drain(store, ids):\n"
+        "    try:\n"
+        "        store.claim_ids(ids, owner='o', lease_seconds=30)\n"
+        f"    except Exception:{marker}\n"
+        f"        {handler}\n"
+    )
+
+
+def test_real_tree_passes() -> None:
+    result = run_checker()
+    assert result.returncode == 0, result.stdout + result.stderr
+    match = re.search(r"checked (\d+) seams in (\d+) files: 0 violations", result.stdout)
+    assert match, result.stdout
+    assert int(match.group(1)) > 0 and int(match.group(2)) > 0
+
+
+def test_self_test_passes() -> None:
+    result = run_checker("--self-test")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"self-test: (\d+) of \1 samples judged as expected", result.stdout)
+
+
+def test_list_callees_names_each_seam_with_a_reason() -> None:
+    result = run_checker("--list-callees")
+    assert result.returncode == 0
+    names = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert {"deliver_ids", "claim_ids", "send_many", "record", "renew_leases"} <= set(names)
+    assert "send" not in names  # ambiguous: transport, mail.send and blinker signals
+    assert all(reason.strip() for reason in names.values())
+
+
+def _loud_handler_around_deliver_ids(package: Path) -> tuple[Path, ast.ExceptHandler]:
+    """The first ``except`` in ``package`` around a ``deliver_ids()`` call that reports loudly."""
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Try):
+                continue
+            calls = [n for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+            if not any(isinstance(c.func, ast.Attribute) and c.func.attr == "deliver_ids"
+                       for c in calls):
+                continue
+            for handler in node.handlers:
+                text = ast.get_source_segment(source, handler) or ""
+                if LOUD_CALL.search(text) and "raise" not in text:
+                    return path, handler
+    raise AssertionError("no loud except around deliver_ids() in the package")
+
+
+def test_weakening_a_seam_to_warning_fails_with_its_location(tmp_path: Path) -> None:
+    copy = tmp_path / "flask_mail_outbox"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    path, handler = _loud_handler_around_deliver_ids(copy)
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    first, last = handler.lineno - 1, handler.end_lineno or handler.lineno
+    lines[first:last] = [LOUD_CALL.sub("logger.warning(", line) for line in lines[first:last]]
+    path.write_text("".join(lines), encoding="utf-8")
+
+    result = run_checker("--root", str(copy))
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    violation = next((line for line in result.stdout.splitlines()
+                      if line.startswith(f"{path}:{handler.lineno}: ")), None)
+    assert violation is not None, result.stdout
+    assert "deliver_ids()" in violation and "(logs at WARNING)" in violation
+    assert re.search(r"checked \d+ seams in \d+ files: 1 violations", result.stdout)
+
+
+def test_pass_around_claim_ids_fails(tmp_path: Path) -> None:
+    package = write_package(tmp_path, {"worker.py": claim_with_handler("pass")})
+    result = run_checker("--root", str(package))
+    assert result.returncode == 1
+    assert (f"{package / 'worker.py'}:7: except around claim_ids() neither re-raises nor "
+            "reports at ERROR (swallows silently)") in result.stdout
+    assert "checked 1 seams in 2 files: 1 violations, 0 opted out" in result.stdout
+
+
+@pytest.mark.parametrize(("handler", "verdict"), [
+    ("logger.info('claim failed')", "(logs at INFO)"),
+    ("return None", "(returns without reporting)"),
+])
+def test_quiet_handlers_around_claim_ids_fail(tmp_path: Path, handler: str, verdict: str) -> None:
+    package = write_package(tmp_path, {"worker.py": claim_with_handler(handler)})
+    result = run_checker("--root", str(package))
+    assert result.returncode == 1
+    assert verdict in result.stdout
+
+
+@pytest.mark.parametrize("marker", ["  # durability: ok", "  # noqa: BLE001 - durability: ok  "])
+def test_opt_out_without_a_reason_fails(tmp_path: Path, marker: str) -> None:
+    package = write_package(tmp_path, {"worker.py": claim_with_handler("pass", marker)})
+    result = run_checker("--root", str(package))
+    assert result.returncode == 1
+    assert f"{package / 'worker.py'}:7: `# durability: ok` around claim_ids() needs a reason" \
+        in result.stdout
+
+
+def test_opt_out_with_a_reason_passes_and_is_counted(tmp_path: Path) -> None:
+    marker = "  # durability: ok the row stays queued and the sweep takes it"
+    package = write_package(tmp_path, {"worker.py": claim_with_handler("pass", marker)})
+    result = run_checker("--root", str(package))
+    assert result.returncode == 0, result.stdout
+    assert "opted out around claim_ids(): the row stays queued and the sweep takes it" \
+        in result.stdout
+    assert "checked 1 seams in 2 files: 0 violations, 1 opted out" in result.stdout
+
+
+def test_alembic_revisions_are_not_checked(tmp_path: Path) -> None:
+    package = write_package(tmp_path, {
+        "migrations/__init__.py": "",
+        "migrations/versions/0001_initial.py": claim_with_handler("pass"),
+    })
+    result = run_checker("--root", str(package))
+    assert result.returncode == 0, result.stdout
+    assert "checked 0 seams in 2 files: 0 violations" in result.stdout
