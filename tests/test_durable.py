@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -150,8 +151,6 @@ def test_a_dead_lettered_email_releases_its_key(durable_app: Flask,
 
 
 def test_send_after_waits_until_due(durable_app: Flask, smtp_server: FaultSMTPServer) -> None:
-    from datetime import timedelta
-
     mail: OutboxMail = durable_app.extensions["test_mail"]
     with durable_app.app_context():
         mail.send(Message("later", recipients=["a@example.com"], body="x"),
@@ -253,3 +252,92 @@ def test_expired_lease_is_reaped_and_redelivered(durable_app: Flask,
     assert smtp_server.wait_for(1)
     [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "sent")
     assert row["attempts"] == 2
+
+
+def test_commit_wakes_the_dispatcher_long_before_its_next_poll(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_POLL_INTERVAL=60, OUTBOX_POLL_MAX_INTERVAL=60,
+                   OUTBOX_LISTEN=False)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        dispatcher = app.extensions["mail_outbox"].runtime().ensure_dispatcher()
+        deadline = time.monotonic() + 10
+        while dispatcher.ticks < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dispatcher.ticks == 1  # ticked once at start; the next poll is 60 s away
+        with app.app_context():
+            mail.send(Message("x", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        assert smtp_server.wait_for(1, timeout=10)
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
+
+
+def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
+    from flask_mail_outbox._models import Status
+    from flask_mail_outbox._store import Outcome
+
+    app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"),
+                                 send_after=timedelta(hours=1))
+            db.session.execute(email_table.update().values(due_at=email_table.c.created_at))
+            db.session.commit()
+        store = app.extensions["mail_outbox"].runtime().store
+        [first] = store.claim_ids([email_id], owner="A", lease_seconds=1)
+        with app.app_context():  # A's lease runs out while A is still sending
+            db.session.execute(email_table.update().values(
+                lease_expires_at=email_table.c.created_at))
+            db.session.commit()
+        assert store.reap_expired(max_attempts=5) == 1
+        [second] = store.claim_ids([email_id], owner="B", lease_seconds=60)
+        recorded, lost = store.record([Outcome(first, Status.FAILED, error_code=550,
+                                               error_message="late news from A")])
+        assert recorded == [] and len(lost) == 1
+        [row] = rows(app)
+        assert row["status"] == "sending" and row["lease_owner"] == "B"
+        assert row["attempts"] == 2 and row["last_error"] is None
+        recorded, lost = store.record([Outcome(second, Status.SENT)])
+        assert len(recorded) == 1 and rows(app)[0]["status"] == "sent"
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
+
+
+def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    common = dict(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                  OUTBOX_DURABLE=True, OUTBOX_LEASE_SECONDS=1, OUTBOX_POLL_INTERVAL=0.1,
+                  OUTBOX_POLL_MAX_INTERVAL=0.2)
+    sender = make_app(db_url, **common)
+    rival = make_app(db_url, **common)  # a second dispatcher, reaping every 0.2 s
+    try:
+        rival.extensions["mail_outbox"].runtime().ensure_dispatcher()
+        smtp_server.hold()
+        with sender.app_context():
+            sender.extensions["test_mail"].send(
+                Message("slow", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        assert smtp_server.wait_held(1)
+        time.sleep(3.5)  # 3.5 leases: without renewal the rival reaps and resends
+        assert smtp_server.held == 1 and smtp_server.data_attempts == 1
+        smtp_server.release()
+        assert smtp_server.wait_for(1)
+        [row] = wait_rows(sender, lambda r: r[0]["status"] == "sent")
+        assert row["attempts"] == 1
+        time.sleep(0.5)
+        assert smtp_server.data_attempts == 1 and len(smtp_server.messages) == 1
+    finally:
+        for app in (sender, rival):
+            app.extensions["test_mail"].stop()
+            with app.app_context():
+                for engine in db.engines.values():
+                    engine.dispose()

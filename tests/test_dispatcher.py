@@ -1,0 +1,328 @@
+"""The dispatcher's schedule on a fake clock, its SQL cost, and the retry policy."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+
+from conftest import db, make_app
+from flask_mail_outbox import Message, OutboxMail, PermanentError, TransientError
+from flask_mail_outbox._delivery import BatchReport
+from flask_mail_outbox._dispatcher import Dispatcher, IdleBackoff, RateLimiter
+from flask_mail_outbox._retry import RetryPolicy
+
+
+# -- the retry policy (pure) -------------------------------------------------------------
+
+def test_retry_delays_double_then_cap_with_jitter_bounds() -> None:
+    low = RetryPolicy(2, 3600, 99, rand=lambda: 0.0)
+    mid = RetryPolicy(2, 3600, 99, rand=lambda: 0.5)
+    high = RetryPolicy(2, 3600, 99, rand=lambda: 1.0)
+    assert [mid.delay(a) for a in range(1, 8)] == [2, 4, 8, 16, 32, 64, 128]
+    assert [low.delay(a) for a in (1, 2)] == pytest.approx([1.6, 3.2])
+    assert [high.delay(a) for a in (1, 2)] == pytest.approx([2.4, 4.8])
+    assert mid.delay(20) == 3600 and mid.delay(10_000) == 3600
+
+
+def test_retry_decisions() -> None:
+    policy = RetryPolicy(2, 3600, 3, rand=lambda: 0.5)
+    soft = TransientError("try later", code=451)
+    assert policy.decide(1, soft).dead is False and policy.decide(1, soft).delay == 2
+    assert policy.decide(2, soft).delay == 4
+    assert policy.decide(3, soft).dead is True
+    assert policy.decide(1, PermanentError("no", code=550)).dead is True
+    throttled = policy.decide(3, TransientError("421 too many", code=421, throttled=True))
+    assert throttled.dead is False and throttled.charge is False
+
+
+# -- the idle backoff (pure) -------------------------------------------------------------
+
+def test_idle_gap_sequence_doubles_to_the_cap_and_snaps_back() -> None:
+    backoff = IdleBackoff(0.5, 30)
+    gaps = [backoff.after_tick(claimed=0, full=False, failed=False) for _ in range(8)]
+    assert gaps == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert backoff.after_tick(claimed=3, full=False, failed=False) == 0.5
+    assert backoff.after_tick(claimed=0, full=False, failed=False) == 0.5
+    assert backoff.after_tick(claimed=0, full=False, failed=False) == 1
+    assert backoff.after_tick(claimed=100, full=True, failed=False) == 0
+    # A failed tick counts as idle.
+    assert [backoff.after_tick(claimed=0, full=False, failed=True) for _ in range(3)] == [
+        0.5, 1, 2]
+    # While LISTEN is up, the cap is the backstop.
+    long = IdleBackoff(0.5, 30)
+    assert [long.after_tick(claimed=0, full=False, failed=False, maximum=120)
+            for _ in range(10)][-3:] == [64, 120, 120]
+
+
+# -- the loop on a fake clock ---------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedDispatcher(Dispatcher):
+    """A dispatcher whose tick is scripted: no database, no SMTP."""
+
+    def __init__(self, clock: FakeClock, script: list[Any]) -> None:
+        config = make_config()
+        route = type("Route", (), {"store": None, "faults": _Faults(), "transport": None})()
+        super().__init__(route, config, clock=clock)  # type: ignore[arg-type]
+        self.script = script
+        self.tick_times: list[float] = []
+
+    def tick(self) -> tuple[BatchReport | None, bool]:
+        self.tick_times.append(self.clock())
+        action = self.script.pop(0) if self.script else 0
+        if action == "fail":
+            raise RuntimeError("database is down")
+        if callable(action):
+            return action()
+        if action == 0:
+            return None, False
+        report = BatchReport(sent=list(range(action)))
+        return report, action >= self.config.batch_size
+
+
+class _Faults:
+    def __init__(self) -> None:
+        self.failures = 0
+        self.recoveries = 0
+
+    def failing(self, *args: Any, **kwargs: Any) -> bool:
+        self.failures += 1
+        return self.failures == 1
+
+    def recovered(self, fault: str) -> None:
+        self.recoveries += 1
+
+
+def make_config() -> Any:
+    from flask_mail_outbox._config import load_config
+    return load_config({"OUTBOX_POLL_INTERVAL": 0.5, "OUTBOX_POLL_MAX_INTERVAL": 30,
+                        "OUTBOX_BATCH_SIZE": 10}, instance_path="/tmp", testing=False)
+
+
+def run_steps(dispatcher: ScriptedDispatcher, clock: FakeClock, steps: int,
+              wakes: dict[int, float] | None = None) -> list[float]:
+    """Run ``steps`` iterations; a wait advances the fake clock to its deadline,
+    or to an earlier wake time from ``wakes`` (step index -> seconds into the wait)."""
+    waits: list[float] = []
+    for index in range(steps):
+        def wait(deadline: float, index: int = index) -> None:
+            waits.append(round(deadline - clock.now, 6))
+            if wakes and index in wakes and clock.now + wakes[index] < deadline:
+                clock.now += wakes[index]
+                dispatcher.wake()
+            else:
+                clock.now = deadline
+        dispatcher.step(wait=lambda deadline: _wait_or_follow_up(dispatcher, wait, deadline))
+    return waits
+
+
+def _wait_or_follow_up(dispatcher: Dispatcher, wait: Any, deadline: float) -> None:
+    # The real _wait_until returns at once when a wake arrived during the tick.
+    if dispatcher._wake_pending:
+        return
+    wait(deadline)
+
+
+def test_fake_clock_idle_gaps_from_tick_start() -> None:
+    clock = FakeClock()
+    dispatcher = ScriptedDispatcher(clock, [])
+    run_steps(dispatcher, clock, 9)
+    starts = dispatcher.tick_times
+    gaps = [round(b - a, 6) for a, b in zip(starts, starts[1:])]
+    assert gaps == [0.5, 1, 2, 4, 8, 16, 30, 30]
+
+
+def test_fake_clock_gap_is_measured_from_tick_start() -> None:
+    clock = FakeClock()
+
+    def slow_empty_tick() -> tuple[None, bool]:
+        clock.now += 0.3  # the tick itself took 0.3 s
+        return None, False
+
+    dispatcher = ScriptedDispatcher(clock, [slow_empty_tick, slow_empty_tick, 0])
+    waits = run_steps(dispatcher, clock, 3)
+    assert waits[:2] == [0.2, 0.7]  # 0.5 and 1.0 from tick start
+    starts = dispatcher.tick_times
+    assert [round(b - a, 6) for a, b in zip(starts, starts[1:])] == [0.5, 1.0]
+
+
+def test_fake_clock_snap_back_full_batch_and_failed_ticks() -> None:
+    clock = FakeClock()
+    dispatcher = ScriptedDispatcher(clock, [0, 0, 0, 3, 0, 10, 10, 2, "fail", "fail", 0])
+    run_steps(dispatcher, clock, 11)
+    starts = dispatcher.tick_times
+    gaps = [round(b - a, 6) for a, b in zip(starts, starts[1:])]
+    # idle x3 (0.5, 1, 2), claim 3 -> snap back 0.5, idle 0.5, full -> 0, full -> 0,
+    # partial -> 0.5, failed ticks count as idle (0.5, 1).
+    assert gaps == [0.5, 1, 2, 0.5, 0.5, 0, 0, 0.5, 0.5, 1]
+    assert dispatcher.route.faults.failures == 2
+    assert dispatcher.last_tick_failed is False
+
+
+def test_fake_clock_wake_ticks_at_the_same_instant() -> None:
+    clock = FakeClock()
+    dispatcher = ScriptedDispatcher(clock, [0, 0, 0, 0, 1])
+    # The 4th wait would last 4 s; a wake arrives 0.25 s into it.
+    run_steps(dispatcher, clock, 5, wakes={3: 0.25})
+    starts = dispatcher.tick_times
+    assert round(starts[4] - starts[3], 6) == 0.25
+
+
+def test_wakes_during_a_tick_collapse_into_one_follow_up() -> None:
+    clock = FakeClock()
+
+    def tick_with_wakes() -> tuple[None, bool]:
+        for _ in range(5):
+            dispatcher.wake()
+        return None, False
+
+    dispatcher = ScriptedDispatcher(clock, [tick_with_wakes, 0, 0])
+    waits: list[float] = []
+
+    def wait(deadline: float) -> None:
+        waits.append(deadline - clock.now)
+        clock.now = deadline
+
+    for _ in range(3):
+        dispatcher.step(wait=lambda d: _wait_or_follow_up(dispatcher, wait, d))
+    starts = dispatcher.tick_times
+    # Exactly one immediate follow-up tick, then the normal idle wait resumes.
+    assert round(starts[1] - starts[0], 6) == 0
+    assert round(starts[2] - starts[1], 6) == 1.0
+    assert len(waits) == 2
+
+
+def test_real_wait_returns_at_once_on_wake() -> None:
+    dispatcher = ScriptedDispatcher(FakeClock(), [])
+    dispatcher.clock = __import__("time").monotonic
+    done = threading.Event()
+
+    def waiter() -> None:
+        dispatcher._wait_until(dispatcher.clock() + 60)
+        done.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert not done.wait(0.2)
+    dispatcher.wake()
+    assert done.wait(5)
+    thread.join()
+
+
+def test_rate_limiter_paces_and_backs_off() -> None:
+    clock = FakeClock()
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.now += seconds
+
+    limiter = RateLimiter(10, clock=clock, sleep=sleep)
+    assert limiter.acquire(100) == 10
+    assert limiter.acquire(100) == 10
+    assert slept == [1.0]
+    limiter.feedback(throttled=True)
+    assert limiter.current == 5
+    assert limiter.acquire(100) == 5
+
+
+# -- SQL cost of idle ticks on a real engine ---------------------------------------------
+
+def count_statements(engine: sa.Engine) -> list[str]:
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement.split()[0].upper())
+
+    sa.event.listen(engine, "before_cursor_execute", before)
+    return seen
+
+
+def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str) -> None:
+    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null")
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        state = app.extensions["mail_outbox"]
+        runtime = state.runtime()
+        dispatcher = runtime.ensure_dispatcher(start_thread=False)
+        seen = count_statements(runtime.engine)
+        for _ in range(10):
+            report, _full = dispatcher.tick()
+            assert report is None
+        updates = [s for s in seen if s in ("UPDATE", "WITH")]
+        begins = [s for s in seen if s == "BEGIN"]
+        # Reap (UPDATE) + claim (UPDATE on SQLite, WITH ... UPDATE on PostgreSQL) per tick;
+        # SQLite adds its BEGIN IMMEDIATE. Nothing else: no settings read, no SELECT.
+        assert len(updates) == 20
+        assert sum(1 for s in seen if s == "UPDATE") >= 10  # exactly 10 reaps at least
+        assert len(seen) == 20 + len(begins)
+        assert len(begins) in (0, 10)
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
+
+
+def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:
+    app = make_app(db_url, OUTBOX_TRANSPORT="null")
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("x", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+            assert mail.wait_idle(10)
+        runtime = app.extensions["mail_outbox"].runtime()
+        seen = count_statements(runtime.engine)
+        import time
+        time.sleep(1.0)
+        assert seen == []
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
+
+
+def test_a_tick_claims_at_most_a_batch_oldest_due_first(app_factory: Any) -> None:
+    app, mail = app_factory(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                            OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=5)
+    with app.app_context():
+        ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+               for i in range(12)]
+        db.session.commit()
+    dispatcher = app.extensions["mail_outbox"].runtime().ensure_dispatcher(start_thread=False)
+    first, full = dispatcher.tick()
+    assert first is not None and full is True and first.sent == ids[:5]
+    second, _ = dispatcher.tick()
+    third, full = dispatcher.tick()
+    assert second is not None and third is not None
+    assert second.sent == ids[5:10] and third.sent == ids[10:] and full is False
+
+
+@pytest.fixture
+def app_factory(db_url: str) -> Any:
+    made: list[tuple[Flask, OutboxMail]] = []
+
+    def factory(**config: Any) -> tuple[Flask, OutboxMail]:
+        app = make_app(db_url, **config)
+        made.append((app, app.extensions["test_mail"]))
+        return made[-1]
+
+    yield factory
+    for app, mail in made:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
