@@ -341,3 +341,62 @@ def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
             with app.app_context():
                 for engine in db.engines.values():
                     engine.dispose()
+
+
+def test_only_the_head_of_a_key_is_ever_in_flight(durable_app: Flask,
+                                                 smtp_server: FaultSMTPServer) -> None:
+    mail: OutboxMail = durable_app.extensions["test_mail"]
+    smtp_server.hold()
+    with durable_app.app_context():
+        for i in range(3):
+            mail.send(Message(f"k{i}", recipients=["a@example.com"], body="x"), key="user:7")
+        db.session.commit()
+    assert smtp_server.wait_held(1)
+    time.sleep(0.5)  # many poll intervals: nothing else of the key may start meanwhile
+    assert smtp_server.held == 1
+    assert [r["status"] for r in rows(durable_app)] == ["sending", "queued", "queued"]
+    smtp_server.release()
+    assert smtp_server.wait_for(3)
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == ["k0", "k1", "k2"]
+
+
+def test_sqlite_write_transactions_wait_for_the_lock(tmp_path: Any) -> None:
+    """A store write waits for another writer's lock instead of failing.
+
+    retry() reads then writes in one transaction started with BEGIN
+    IMMEDIATE, so it queues behind the other writer (busy timeout) and then
+    reads fresh data; it never answers "database is locked".
+    """
+    import sqlite3
+    import threading
+
+    db_url = f"sqlite:///{tmp_path / 'lock.db'}"
+    app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
+            db.session.execute(email_table.update().values(status="failed"))
+            db.session.commit()
+        path = db_url.removeprefix("sqlite:///")
+        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("UPDATE outbox_setting SET value = value")
+        other.execute("INSERT INTO outbox_setting VALUES ('x', '1', '2026-01-01')")
+
+        def commit_later() -> None:
+            time.sleep(0.5)
+            other.execute("COMMIT")
+
+        committer = threading.Thread(target=commit_later)
+        committer.start()
+        store = app.extensions["mail_outbox"].runtime().store
+        assert store.retry_failed(email_id) is True  # waited for the lock, no SQLITE_BUSY
+        committer.join()
+        other.close()
+        assert rows(app)[0]["status"] == "queued"
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
