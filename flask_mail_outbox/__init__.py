@@ -13,6 +13,7 @@ from ._extension import OutboxMail
 from ._message import Attachment, Message
 from ._models import Status
 from ._signals import email_failed, email_queued, email_sent
+from ._sweep import SweepReport
 
 __all__ = [
     "Attachment",
@@ -24,6 +25,7 @@ __all__ = [
     "OutboxMail",
     "PermanentError",
     "Status",
+    "SweepReport",
     "TransientError",
     "TransportError",
     "email_failed",

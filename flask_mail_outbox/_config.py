@@ -59,6 +59,9 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_RETENTION_DAYS": None,
     "OUTBOX_SCRUB_SENT": False,
     "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS": 600.0,
+    # Not in Flask-Mail nor DESIGN.md's table: lets a process that imports the
+    # app without serving it (a script, a test) skip the sweep jobs.
+    "OUTBOX_RUN_SCHEDULER": True,
 }
 
 
@@ -112,6 +115,7 @@ class OutboxConfig:
     retention_days: float | None
     scrub_sent: bool
     health_max_queued_age_seconds: float
+    run_scheduler: bool = True
 
     def sweep_interval_for(self, durable: bool) -> float | None:
         """The periodic sweep interval in force for a delivery mode."""
@@ -299,5 +303,6 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         health_max_queued_age_seconds=_number("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
                                               get("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS"),
                                               minimum=0, strict_minimum=True),
+        run_scheduler=_bool("OUTBOX_RUN_SCHEDULER", get("OUTBOX_RUN_SCHEDULER")),
     )
 

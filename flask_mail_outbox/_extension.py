@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
+import click
 import sqlalchemy as sa
 from flask import Flask, current_app, got_request_exception
 from sqlalchemy import event
@@ -34,6 +35,8 @@ from ._listen import Listener, libpq_url, notify_statement
 from ._errors import ConfigError, InvalidMessage
 from ._message import Message, prepare_message
 from ._models import Status, metadata
+from ._scheduler import SweepScheduler
+from ._sweep import SweepReport, load_last_report, run_sweep
 from ._signals import email_queued, email_sent
 from ._store import Store, insert_email, utcnow
 from .transports import (ConsoleTransport, FileTransport, MemoryTransport, NullTransport,
@@ -55,7 +58,7 @@ _KNOWN_OUTBOX_KEYS = frozenset({
     "OUTBOX_SWEEP_INTERVAL_SECONDS", "OUTBOX_SETTINGS_TTL_SECONDS", "OUTBOX_MAX_MESSAGE_BYTES",
     "OUTBOX_ALLOW_LOCAL_ADDRESSES", "OUTBOX_MESSAGE_ID_DOMAIN", "OUTBOX_TLS_VERIFY",
     "OUTBOX_TLS_CA_FILE", "OUTBOX_RETENTION_DAYS", "OUTBOX_SCRUB_SENT",
-    "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
+    "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS", "OUTBOX_RUN_SCHEDULER",
 })
 _MAX_KEY_LENGTH = 255
 
@@ -223,6 +226,7 @@ class _AppState:
         self._runtime: _Runtime | None = None
         self._lock = threading.Lock()
         self._durable_cache: tuple[bool, float] | None = None
+        self.scheduler: SweepScheduler | None = None
 
     def runtime(self) -> _Runtime:
         """This process's runtime, created on first use and after a fork."""
@@ -293,9 +297,25 @@ class _AppState:
                     "`flask outbox sweep` delivers them once fixed",
                 exc=exc)
 
+    def start_scheduler(self) -> SweepScheduler:
+        """Start this process's sweep jobs (once per process, again after a fork)."""
+        with self._lock:
+            scheduler = self.scheduler
+            if scheduler is None or scheduler.pid != os.getpid():
+                scheduler = self.scheduler = SweepScheduler(self)
+                scheduler.start()
+            return scheduler
+
     def stop(self, timeout: float) -> None:
         with self._lock:
             runtime, self._runtime = self.current_runtime(), None
+            scheduler = self.scheduler
+            if scheduler is not None and scheduler.pid == os.getpid():
+                self.scheduler = None
+            else:
+                scheduler = None
+        if scheduler is not None:
+            scheduler.stop()
         if runtime is not None:
             runtime.stop(timeout)
 
@@ -304,6 +324,36 @@ DURABLE_SETTING = "durable"
 
 _all_states: weakref.WeakSet[_AppState] = weakref.WeakSet()
 _atexit_registered = False
+
+
+def _serving_process(app: Flask) -> bool:
+    """Whether this process serves the app (so the sweep jobs belong in it).
+
+    A WSGI server imports the app outside any click command; `flask run`
+    serves (but not the reloader's parent process, which only watches
+    files); other commands such as `flask db upgrade` do not (`flask outbox
+    worker` starts the jobs itself).
+    """
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return True
+    if ctx.command.name != "run":
+        return False
+    reload = ctx.params.get("reload")
+    if reload is None:
+        reload = bool(app.debug)
+    return not reload or os.environ.get("WERKZEUG_RUN_MAIN") == "true"
+
+
+def _restart_schedulers_in_child() -> None:
+    # The parent's scheduler thread did not survive the fork.
+    for state in list(_all_states):
+        if state.scheduler is not None:
+            state.scheduler = None
+            try:
+                state.start_scheduler()
+            except Exception:  # noqa: BLE001 - the periodic sweep is a safety net
+                logger.exception("Could not start the outbox sweep jobs in a forked process")
 
 
 def _stop_all() -> None:
@@ -358,7 +408,10 @@ class OutboxMail:
         app.teardown_request(_teardown_request)
         if not _atexit_registered:
             atexit.register(_stop_all)
+            os.register_at_fork(after_in_child=_restart_schedulers_in_child)
             _atexit_registered = True
+        if config.run_scheduler and _serving_process(app):
+            state.start_scheduler()
 
     # -- state --------------------------------------------------------------------
 
@@ -528,10 +581,43 @@ class OutboxMail:
         with email_sent.connected_to(record, app):
             yield outbox
 
-    def stats(self) -> dict[str, Any]:
-        """Rows per status (more fields arrive with durable mode and the sweep)."""
+    def sweep(self, min_age: float | None = None, limit: int | None = None,
+              dry_run: bool = False) -> SweepReport:
+        """Run one sweep now, in this thread (see :class:`SweepReport`).
+
+        ``min_age`` defaults to ``OUTBOX_SWEEP_MIN_AGE_SECONDS`` and ``limit``
+        to ``OUTBOX_SWEEP_BATCH``. Commits its own work; database errors raise.
+        """
+        return run_sweep(self._state(), min_age=min_age, limit=limit, dry_run=dry_run)
+
+    def wait_sweep(self, timeout: float) -> SweepReport | None:
+        """Wait for this process's startup sweep; its report, or None (not run, failed)."""
         state = self._state()
-        return {"counts": state.runtime().store.counts()}
+        scheduler = state.scheduler
+        if scheduler is None:
+            return None
+        scheduler.startup_done.wait(timeout)
+        return scheduler.startup_report
+
+    def stats(self) -> dict[str, Any]:
+        """Counts per status, oldest queued age, dead letters, mode, last sweep, dispatcher."""
+        state = self._state()
+        runtime = state.runtime()
+        counts = runtime.store.counts()
+        last = load_last_report(state)
+        dispatcher = runtime.dispatcher
+        return {
+            "counts": counts,
+            "oldest_queued_age_seconds": runtime.store.oldest_queued_age(),
+            "dead_letters": counts.get(Status.FAILED.value, 0),
+            "mode": "durable" if state.durable() else "inline",
+            "last_sweep": last.as_dict() if last is not None else None,
+            "dispatcher": None if dispatcher is None else {
+                "running": dispatcher.running, "ticks": dispatcher.ticks,
+                "last_tick_failed": dispatcher.last_tick_failed,
+                "listening": dispatcher.listening,
+            },
+        }
 
 
 _NOTIFIED_KEY = "mail_outbox_notified"

@@ -531,7 +531,10 @@ def _address(field: str, value: object, allow_local: bool) -> _Addr:
 
 
 def _looks_local(text: str) -> bool:
-    domain = text.rpartition("@")[2].lower()
+    local, at, domain = text.rpartition("@")
+    if not at or not local or not domain:
+        return False  # not an address at all: no hint about local domains
+    domain = domain.lower()
     return "." not in domain or any(
         domain == d or domain.endswith("." + d) for d in _SPECIAL_USE_DOMAINS
     )

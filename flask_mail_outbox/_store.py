@@ -327,6 +327,98 @@ class Store:
             for row in rows
         ]
 
+    def sweep_candidates(self, *, min_age_seconds: float,
+                         limit: int) -> list[tuple[int, str]]:
+        """Rows a sweep takes, oldest first (``created_at, id``): at most ``limit``.
+
+        Due ``queued`` rows older than the age gate (keyless or key heads, so
+        key order holds), and ``sending`` rows whose lease expired. One
+        statement: a UNION ALL of two index scans, each on its partial index.
+        Returns ``(id, status)`` pairs.
+        """
+        t = email_table
+        now = self.now_expr()
+        if self.is_postgres:
+            cutoff: Any = now - sa.literal(timedelta(seconds=min_age_seconds), sa.Interval())
+        else:
+            cutoff = sa.literal(self.clock() - timedelta(seconds=min_age_seconds),
+                                sa.DateTime())
+        queued = (sa.select(t.c.id, t.c.status, t.c.created_at)
+                  .where(self._claimable(), t.c.created_at <= cutoff)
+                  .order_by(t.c.created_at, t.c.id).limit(limit))
+        expired = (sa.select(t.c.id, t.c.status, t.c.created_at)
+                   .where(t.c.status == Status.SENDING.value, t.c.lease_expires_at < now)
+                   .order_by(t.c.created_at, t.c.id).limit(limit))
+        both = sa.union_all(queued.subquery().select(), expired.subquery().select()).subquery()
+        with self.read() as conn:
+            rows = conn.execute(
+                sa.select(both.c.id, both.c.status)
+                .order_by(both.c.created_at, both.c.id).limit(limit)
+            ).all()
+        return [(int(row.id), str(row.status)) for row in rows]
+
+    def delete_sent(self, *, older_than: datetime, batch: int, dry_run: bool = False) -> int:
+        """Delete up to ``batch`` ``sent`` rows sent before ``older_than``; returns how many."""
+        t = email_table
+        old = (sa.select(t.c.id).where(t.c.status == Status.SENT.value,
+                                       t.c.sent_at < sa.literal(older_than, sa.DateTime()))
+               .order_by(t.c.sent_at).limit(batch))
+        if dry_run:
+            with self.read() as conn:
+                return int(conn.execute(
+                    sa.select(sa.func.count()).select_from(old.subquery())).scalar_one())
+        with self.write() as conn:
+            ids = list(conn.execute(old).scalars())
+            if ids:
+                # Explicitly: SQLite only cascades with PRAGMA foreign_keys on.
+                conn.execute(attachment_table.delete().where(
+                    attachment_table.c.email_id.in_(ids)))
+                conn.execute(t.delete().where(t.c.id.in_(ids)))
+            return len(ids)
+
+    def count_sent_before(self, older_than: datetime) -> int:
+        """How many ``sent`` rows were sent before ``older_than``."""
+        t = email_table
+        with self.read() as conn:
+            return int(conn.execute(
+                sa.select(sa.func.count()).where(
+                    t.c.status == Status.SENT.value,
+                    t.c.sent_at < sa.literal(older_than, sa.DateTime()))
+            ).scalar_one())
+
+    def delete_failed(self, *, older_than: datetime | None) -> int:
+        """Delete dead letters (created before ``older_than`` when given)."""
+        t = email_table
+        where: list[Any] = [t.c.status == Status.FAILED.value]
+        if older_than is not None:
+            where.append(t.c.created_at < sa.literal(older_than, sa.DateTime()))
+        with self.write() as conn:
+            ids = list(conn.execute(sa.select(t.c.id).where(*where)).scalars())
+            for start in range(0, len(ids), 500):
+                chunk = ids[start:start + 500]
+                conn.execute(attachment_table.delete().where(
+                    attachment_table.c.email_id.in_(chunk)))
+                conn.execute(t.delete().where(t.c.id.in_(chunk)))
+            return len(ids)
+
+    def failed_ids(self) -> list[int]:
+        """Every dead letter's id, oldest first."""
+        t = email_table
+        with self.read() as conn:
+            return list(conn.execute(sa.select(t.c.id).where(
+                t.c.status == Status.FAILED.value).order_by(t.c.id)).scalars())
+
+    def oldest_queued_age(self) -> float | None:
+        """Seconds since the oldest ``queued`` row was created, or None."""
+        t = email_table
+        with self.read() as conn:
+            oldest = conn.execute(sa.select(sa.func.min(t.c.created_at)).where(
+                t.c.status == Status.QUEUED.value)).scalar()
+            if oldest is None:
+                return None
+            now = conn.execute(sa.select(self.now_expr())).scalar_one()
+        return max(0.0, float((now - oldest).total_seconds()))
+
     def _claimable(self) -> sa.ColumnElement[bool]:
         """Queued, due, and free to go: keyless, or the head of its key."""
         t = email_table

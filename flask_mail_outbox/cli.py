@@ -89,6 +89,8 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
     runtime = state.runtime()
     dispatcher = runtime.ensure_dispatcher(start_thread=False)
     log = logging.getLogger("flask_mail_outbox.worker")
+    if not once and state.config.run_scheduler:
+        state.start_scheduler()  # the startup sweep, as in any serving process
     if once:
         delivered = 0
         while True:
@@ -134,3 +136,160 @@ def durable(action: str) -> None:
     click.echo(f"delivery mode is now {'durable' if action == 'on' else 'inline'} "
                "for every process (each sees it within OUTBOX_SETTINGS_TTL_SECONDS)")
     mail.stop()
+
+
+def _print_report(report: Any) -> None:
+    fields = report.as_dict()
+    width = max(len(k) for k in fields)
+    for name, value in fields.items():
+        click.echo(f"{name:<{width}}  {value}")
+
+
+@outbox_cli.command("sweep")
+@click.option("--min-age", type=click.FloatRange(0), default=None,
+              help="Seconds a queued row must have waited (default OUTBOX_SWEEP_MIN_AGE_SECONDS).")
+@click.option("--limit", type=click.IntRange(1), default=None,
+              help="Rows at most (default OUTBOX_SWEEP_BATCH).")
+@click.option("--dry-run", is_flag=True, help="Count what would be taken; change nothing.")
+def sweep(min_age: float | None, limit: int | None, dry_run: bool) -> None:
+    """Take rows left behind by a crash or a failed hand-over; exit 1 if any failed."""
+    mail = _extension()
+    try:
+        report = mail.sweep(min_age=min_age, limit=limit, dry_run=dry_run)
+    finally:
+        mail.wait_idle(5)
+    _print_report(report)
+    mail.stop()
+    if report.failed:
+        sys.exit(1)
+
+
+@outbox_cli.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(as_json: bool) -> None:
+    """Rows per status, the oldest queued row's age, the mode and the last sweep."""
+    import json
+
+    mail = _extension()
+    stats = mail.stats()
+    stats.pop("dispatcher", None)  # this CLI process runs none
+    mail.stop()
+    if as_json:
+        click.echo(json.dumps(stats, indent=2, sort_keys=True))
+        return
+    click.echo(f"mode: {stats['mode']}")
+    for name, count in stats["counts"].items():
+        click.echo(f"  {name:<8} {count:>10}")
+    age = stats["oldest_queued_age_seconds"]
+    click.echo("oldest queued: " + ("none" if age is None else f"{age:.0f} s"))
+    last = stats["last_sweep"]
+    if last is None:
+        click.echo("last sweep: never")
+    else:
+        click.echo(f"last sweep: {last['started_at']} ({last['mode']}): scanned "
+                   f"{last['scanned']}, requeued {last['requeued']}, sent {last['sent']}, "
+                   f"failed {last['failed']}, skipped {last['skipped']}, truncated "
+                   f"{last['truncated']}")
+
+
+@outbox_cli.group("dlq")
+def dlq() -> None:
+    """The dead-letter list (emails whose delivery failed for good)."""
+
+
+@dlq.command("list")
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+def dlq_list(limit: int) -> None:
+    """The newest dead letters with their last error."""
+    mail = _extension()
+    rows = mail.dead_letters(limit)
+    mail.stop()
+    if not rows:
+        click.echo("no dead letters")
+        return
+    click.echo(f"{'id':>8}  {'attempts':>8}  {'created':<19}  recipients / subject / last error")
+    for row in rows:
+        created = row["created_at"].isoformat(sep=" ", timespec="seconds")
+        click.echo(f"{row['id']:>8}  {row['attempts']:>8}  {created:<19}  "
+                   f"{', '.join(row['recipients'])}")
+        click.echo(f"{'':>41}{row['subject']!r}")
+        click.echo(f"{'':>41}{row['last_error']}")
+
+
+@dlq.command("retry")
+@click.argument("ids", nargs=-1, type=int)
+@click.option("--all", "retry_all", is_flag=True, help="Every dead letter.")
+def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
+    """Put dead letters back in the queue (attempts reset, due now)."""
+    if bool(ids) == retry_all:
+        raise click.UsageError("give dead-letter ids, or --all (not both)")
+    mail = _extension()
+    state = _state()
+    targets = list(ids) if ids else state.runtime().store.failed_ids()
+    missing = []
+    for email_id in targets:
+        try:
+            mail.retry(email_id)
+        except LookupError:  # durability: ok unknown ids go to stderr with exit 1 below
+            missing.append(email_id)
+    done = len(targets) - len(missing)
+    mail.wait_idle(30)
+    mail.stop()
+    click.echo(f"{done} email(s) queued again")
+    if missing:
+        click.echo(f"not dead letters: {', '.join(map(str, missing))}", err=True)
+        sys.exit(1)
+
+
+@dlq.command("purge")
+@click.option("--older-than", "days", type=click.FloatRange(0), default=None,
+              help="Only dead letters created more than DAYS ago.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def dlq_purge(days: float | None, yes: bool) -> None:
+    """Delete dead letters for good."""
+    from datetime import timedelta
+
+    from ._store import utcnow
+
+    state = _state()
+    if not yes:
+        click.confirm("Delete dead letters" + (f" older than {days:g} days" if days else "")
+                      + " for good?", abort=True)
+    cutoff = None if days is None else utcnow() - timedelta(days=days)
+    deleted = state.runtime().store.delete_failed(older_than=cutoff)
+    state.stop(5)
+    click.echo(f"deleted {deleted} dead letter(s)")
+
+
+@outbox_cli.command("purge")
+@click.option("--older-than", "days", type=click.FloatRange(0, min_open=True), required=True,
+              help="Delete sent emails sent more than DAYS ago.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--dry-run", is_flag=True, help="Only count them.")
+@click.option("--batch", type=click.IntRange(1), default=1000, show_default=True)
+def purge(days: float, yes: bool, dry_run: bool, batch: int) -> None:
+    """Delete old sent emails in batches (queued, sending and failed rows are kept)."""
+    from datetime import timedelta
+
+    from ._store import utcnow
+
+    state = _state()
+    store = state.runtime().store
+    cutoff = utcnow() - timedelta(days=days)
+    total = store.count_sent_before(cutoff)
+    if dry_run:
+        click.echo(f"{total} sent email(s) older than {days:g} day(s) would be deleted")
+        state.stop(5)
+        return
+    if total and not yes:
+        click.confirm(f"Delete {total} sent email(s) older than {days:g} day(s)?", abort=True)
+    deleted = 0
+    with click.progressbar(length=total, label="deleting", file=sys.stderr) as bar:
+        while True:
+            count = store.delete_sent(older_than=cutoff, batch=batch)
+            deleted += count
+            bar.update(count)
+            if count < batch:
+                break
+    state.stop(5)
+    click.echo(f"deleted {deleted} sent email(s)")

@@ -110,6 +110,8 @@ def make_app(db_url: str, **config: Any) -> Flask:
         MAIL_TIMEOUT=5,
         SECRET_KEY="test",
     )
+    # Sweep jobs only where a test asks for them.
+    app.config["OUTBOX_RUN_SCHEDULER"] = False
     if "TESTING" not in config:
         # pytest-flask sets TESTING; these apps exercise the real transport.
         app.config["MAIL_SUPPRESS_SEND"] = False

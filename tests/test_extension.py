@@ -24,7 +24,7 @@ def bare_app(tmp_path: Path, **config: Any) -> Flask:
 def test_public_names_are_pinned() -> None:
     assert sorted(flask_mail_outbox.__all__) == [
         "Attachment", "ConfigError", "DeliveredMessage", "InvalidMessage", "Message",
-        "OutboxError", "OutboxMail", "PermanentError", "Status", "TransientError",
+        "OutboxError", "OutboxMail", "PermanentError", "Status", "SweepReport", "TransientError",
         "TransportError", "email_failed", "email_queued", "email_sent",
     ]
     for name in flask_mail_outbox.__all__:

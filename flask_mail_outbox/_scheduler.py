@@ -1,0 +1,141 @@
+"""The APScheduler jobs of one app in one process: the startup and periodic sweeps.
+
+A ``BackgroundScheduler`` (daemon threads) owned by the extension runs one
+sweep at start, never blocking start-up or the first request, and then a
+periodic sweep every ``OUTBOX_SWEEP_INTERVAL_SECONDS`` (60 s in inline mode;
+in durable mode the dispatcher's reap and claim do that job, so the periodic
+sweep skips unless the interval was set explicitly). When
+``OUTBOX_RETENTION_DAYS`` is set, the periodic job also deletes older
+``sent`` rows. A failing sweep is reported at ERROR and never kills the
+scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
+
+from . import _degrade
+from ._store import utcnow
+from ._sweep import SweepReport, run_sweep
+
+if TYPE_CHECKING:
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from ._extension import _AppState
+
+logger = logging.getLogger(__name__)
+
+
+class SweepScheduler:
+    """Startup and periodic sweeps for one app in one process."""
+
+    def __init__(self, state: _AppState) -> None:
+        self.state = state
+        self.pid = os.getpid()
+        self.startup_done = threading.Event()
+        self.startup_report: SweepReport | None = None
+        self._scheduler: BackgroundScheduler | None = None
+
+    def start(self) -> None:
+        """Schedule the startup sweep (now, in the scheduler's thread) and the periodic one."""
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        config = self.state.config
+        scheduler = BackgroundScheduler(daemon=True, timezone=timezone.utc)
+        if config.sweep_on_startup:
+            # A moment after start: an app that creates its tables right after
+            # init_app (development) has done so by then.
+            scheduler.add_job(self._startup_sweep, "date",
+                              run_date=datetime.now(timezone.utc) + timedelta(seconds=1),
+                              id="outbox-startup-sweep", misfire_grace_time=None)
+        else:
+            self.startup_done.set()
+        interval = config.sweep_interval_seconds or 60.0
+        scheduler.add_job(self._periodic, "interval", seconds=interval,
+                          id="outbox-periodic-sweep", max_instances=1, coalesce=True,
+                          misfire_grace_time=None)
+        scheduler.start()
+        self._scheduler = scheduler
+
+    def stop(self) -> None:
+        """Shut the scheduler down without waiting for a running job."""
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None and scheduler.running:
+            scheduler.shutdown(wait=False)
+        self.startup_done.set()
+
+    def _startup_sweep(self) -> None:
+        try:
+            self._start_dispatcher_if_durable()
+            self.startup_report = self._sweep("startup")
+        finally:
+            self.startup_done.set()
+
+    def _start_dispatcher_if_durable(self) -> None:
+        """A serving process in durable mode runs its dispatcher from the start."""
+        if not self.state.config.run_worker:
+            return
+        try:
+            if self.state.durable():
+                self.state.runtime().ensure_dispatcher().wake()
+        except Exception as exc:  # noqa: BLE001 - reported; the first commit starts it too
+            self.state.faults.failing(
+                "startup-mode", "Could not read the delivery mode at start-up",
+                consequence="in durable mode this process's dispatcher starts only with its "
+                            "first commit that queues email; rows already due wait until "
+                            "then (or for a `flask outbox worker`)",
+                fix="check the database connection and that the outbox tables exist",
+                exc=exc)
+
+    def _periodic(self) -> None:
+        config = self.state.config
+        try:
+            if config.sweep_interval_seconds is None and self.state.durable():
+                return
+        except Exception as exc:  # noqa: BLE001 - reported; the next run retries
+            self.state.faults.failing("sweep", **self._failure("periodic"), exc=exc)
+            return
+        self._sweep("periodic")
+        if config.retention_days is not None:
+            self._purge_retained(config.retention_days)
+
+    def _sweep(self, kind: str) -> SweepReport | None:
+        try:
+            report = run_sweep(self.state)
+        except Exception as exc:  # noqa: BLE001 - reported; a sweep never kills the app
+            self.state.faults.failing("sweep", **self._failure(kind), exc=exc)
+            return None
+        self.state.faults.recovered("sweep")
+        return report
+
+    def _failure(self, kind: str) -> dict[str, str]:
+        interval = self.state.config.sweep_interval_seconds or 60.0
+        return {
+            "what": f"The {kind} outbox sweep failed",
+            "consequence": "emails left behind by a crash or a failed hand-over stay queued "
+                           "until a sweep succeeds (the periodic sweep retries every "
+                           f"{interval:g} s)",
+            "fix": "check the database connection and that the outbox tables exist "
+                   "(`flask db upgrade outbox@head`); `flask outbox sweep` runs one by hand",
+        }
+
+    def _purge_retained(self, days: float) -> None:
+        store = self.state.runtime().store
+        cutoff = utcnow() - timedelta(days=days)
+        try:
+            total = 0
+            while True:
+                deleted = store.delete_sent(older_than=cutoff, batch=1000)
+                total += deleted
+                if deleted < 1000:
+                    break
+        except Exception as exc:  # noqa: BLE001 - only retention; nothing is lost
+            logger.error("Could not delete sent emails older than OUTBOX_RETENTION_DAYS "
+                         "(%g); the table keeps growing until this works: %s", days, exc)
+            return
+        if total:
+            logger.info("Deleted %d sent email(s) older than %g day(s)", total, days)

@@ -1,0 +1,165 @@
+"""The sweep: finishing what a crash or a failed hand-over left behind.
+
+It takes due ``queued`` rows older than ``OUTBOX_SWEEP_MIN_AGE_SECONDS`` (age,
+not "older than this boot": a younger row may be in flight in some process,
+and only age means the same on every instance) and ``sending`` rows whose
+lease expired, oldest first, at most ``OUTBOX_SWEEP_BATCH`` of them, reading
+one more to know for certain whether it stopped short.
+
+* Inline mode: it delivers them through the one route (claim -> send ->
+  record); a row another delivery claimed first is ``skipped``.
+* Durable mode: it neither delivers nor inserts: expired leases go back to
+  ``queued`` through the reap's guarded update, and the dispatcher is woken.
+  Sweeping twice is harmless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from . import _degrade
+from ._models import Status
+from ._store import utcnow
+
+if TYPE_CHECKING:
+    from ._extension import _AppState
+
+logger = logging.getLogger(__name__)
+
+LAST_SWEEP_SETTING = "last_sweep"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepReport:
+    """What one sweep did.
+
+    ``scanned``: rows that met the criteria and were taken (rows under the
+    age gate are not scanned); ``requeued``: made due for the dispatcher
+    (durable mode); ``sent``; ``failed``: could not be delivered in this sweep
+    (dead-lettered, or left queued after a transient failure); ``skipped``:
+    taken but owned by another delivery; ``truncated``: more rows were waiting
+    beyond the batch.
+    """
+
+    scanned: int = 0
+    requeued: int = 0
+    sent: int = 0
+    failed: int = 0
+    skipped: int = 0
+    truncated: bool = False
+    mode: str = "inline"
+    dry_run: bool = False
+    started_at: str = ""
+    duration_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-able values."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SweepReport:
+        """Rebuild a stored report (unknown keys ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | None = None,
+              dry_run: bool = False) -> SweepReport:
+    """One sweep for ``state``'s app in this process; raises if the database fails."""
+    config = state.config
+    min_age = config.sweep_min_age_seconds if min_age is None else min_age
+    limit = config.sweep_batch if limit is None else limit
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    if isinstance(min_age, bool) or not isinstance(min_age, (int, float)) or min_age < 0:
+        raise ValueError(f"min_age must be a number of seconds >= 0, got {min_age!r}")
+    started = time.monotonic()
+    started_at = utcnow().isoformat(timespec="seconds") + "Z"
+    runtime = state.runtime()
+    store = runtime.store
+    durable = state.durable()
+    mode = "durable" if durable else "inline"
+    candidates = store.sweep_candidates(min_age_seconds=float(min_age), limit=limit + 1)
+    truncated = len(candidates) > limit
+    candidates = candidates[:limit]
+    ids = [email_id for email_id, _ in candidates]
+    expired = [email_id for email_id, status in candidates if status == Status.SENDING.value]
+    fields: dict[str, Any] = {"scanned": len(ids), "truncated": truncated, "mode": mode,
+                              "dry_run": dry_run, "started_at": started_at}
+    if dry_run or not ids:
+        report = SweepReport(**fields, duration_seconds=time.monotonic() - started)
+        _log(report, state)
+        return report
+    reaped = store.reap_expired(config.max_attempts) if expired else 0
+    if durable:
+        # Due queued rows are already claimable; expired leases were just reaped.
+        dispatcher = runtime.dispatcher
+        if dispatcher is not None:
+            dispatcher.wake()
+        elif config.run_worker:
+            runtime.ensure_dispatcher().wake()
+        report = SweepReport(**fields, requeued=len(ids) - len(expired) + reaped,
+                             skipped=len(expired) - reaped,
+                             duration_seconds=time.monotonic() - started)
+    else:
+        sent = failed = skipped = 0
+        for start in range(0, len(ids), config.batch_size):
+            chunk = ids[start:start + config.batch_size]
+            with state.app.app_context():
+                batch = runtime.route.deliver_ids(chunk)
+            sent += len(batch.sent)
+            failed += len(batch.failed) + len(batch.transient)
+            skipped += len(batch.not_claimed) + len(batch.lost)
+        report = SweepReport(**fields, sent=sent, failed=failed, skipped=skipped,
+                             duration_seconds=time.monotonic() - started)
+    try:
+        store.set_setting(LAST_SWEEP_SETTING, report.as_dict())
+    except Exception as exc:  # noqa: BLE001 - the report is for status output only
+        logger.error("Could not store the sweep report (status will show an older one): %s",
+                     exc)
+    _log(report, state)
+    return report
+
+
+def _log(report: SweepReport, state: _AppState) -> None:
+    logger.info(
+        "Outbox sweep (%s%s): scanned=%d requeued=%d sent=%d failed=%d skipped=%d "
+        "truncated=%s in %.2f s", report.mode, ", dry run" if report.dry_run else "",
+        report.scanned, report.requeued, report.sent, report.failed, report.skipped,
+        report.truncated, report.duration_seconds)
+    if report.dry_run:
+        return
+    interval = state.config.sweep_interval_for(report.mode == "durable")
+    when = (f"the next periodic sweep, in {interval:g} s" if interval
+            else "the next `flask outbox sweep` (no periodic sweep in durable mode: the "
+                 "dispatcher's reap and claim take due rows)")
+    if report.failed:
+        _degrade.report(
+            f"The sweep could not deliver {report.failed} email(s)",
+            consequence=("they stay queued (transient failure) or were dead-lettered "
+                         f"(permanent); queued ones are retried by {when}"),
+            fix="see the ERROR lines above for each email's cause; `flask outbox dlq list` "
+                "shows dead letters")
+    if report.truncated:
+        _degrade.report(
+            f"The sweep stopped at OUTBOX_SWEEP_BATCH ({report.scanned} rows) with more "
+            "rows waiting",
+            consequence=f"the rest stay as they are until {when}",
+            fix="run `flask outbox sweep` again now, or raise OUTBOX_SWEEP_BATCH")
+
+
+def load_last_report(state: _AppState) -> SweepReport | None:
+    """The last stored sweep report of any process sharing the database."""
+    data = state.runtime().store.get_setting(LAST_SWEEP_SETTING)
+    return SweepReport.from_dict(data) if isinstance(data, dict) else None
+
+
+def parse_started_at(report: SweepReport) -> datetime | None:
+    """When a stored report's sweep started (naive UTC), if known."""
+    if not report.started_at:
+        return None
+    return datetime.fromisoformat(report.started_at.rstrip("Z"))
