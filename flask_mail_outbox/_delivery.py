@@ -179,6 +179,22 @@ class DeliveryRoute:
         self.faults = faults
         self.heartbeat = Heartbeat(store, config.lease_seconds, faults)
         self._send_lock = threading.Lock()
+        self._current: Sequence[ClaimedEmail] = ()
+        self._released_early: set[int] = set()
+
+    def release_unstarted(self) -> int:
+        """At shutdown: give back the rows of the batch in flight that will never start.
+
+        They go back to ``queued`` with their attempt returned at once, instead
+        of waiting out their lease if this process exits before the batch ends.
+        """
+        never = self.transport.cancel_pending()
+        current = self._current
+        if not never or not current:
+            return 0
+        unstarted = [e for e in current if e.id in never]
+        self._released_early.update(e.id for e in unstarted)
+        return self.store.release(unstarted)
 
     def deliver_ids(self, ids: Sequence[int]) -> BatchReport:
         """Claim those of ``ids`` that are due, send them, record the outcomes (inline)."""
@@ -206,6 +222,7 @@ class DeliveryRoute:
         # One transport, one batch at a time: transports are not required to be
         # thread-safe, and batching is where the throughput comes from anyway.
         with self._send_lock, self.heartbeat.tracking(claimed[0].owner, [e.id for e in claimed]):
+            self._current = claimed
             try:
                 results = self.transport.send_many(envelopes)
             except Exception as exc:  # noqa: BLE001 - a broken transport must not lose rows
@@ -218,12 +235,18 @@ class DeliveryRoute:
                     exc=exc)
                 results = [Failed(TransientError(f"transport raised {type(exc).__name__}: {exc}"))
                            for _ in claimed]
+            finally:
+                self._current = ()
         if len(results) != len(claimed):
             raise RuntimeError(f"transport returned {len(results)} results for "
                                f"{len(claimed)} messages")
         now = self.store.clock()
         outcomes: list[Outcome] = []
+        released_early, self._released_early = self._released_early, set()
         for email, result in zip(claimed, results):
+            if email.id in released_early:
+                report.released.append(email.id)
+                continue
             if isinstance(result, Delivered):
                 refused = "; ".join(f"{addr}: {code} {text}"
                                     for addr, (code, text) in result.refused.items())
@@ -391,7 +414,11 @@ class InlineDelivery:
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            thread.join(timeout / 2)
+            if thread.is_alive():
+                # Messages not yet handed to the server are released now.
+                self.route.release_unstarted()
+                thread.join(timeout / 2)
 
     def _next_batch(self) -> list[int] | None:
         with self._cond:

@@ -123,8 +123,8 @@ class Dispatcher:
             return
         thread.join(timeout / 2)
         if thread.is_alive():
-            # Messages not yet handed to the server come back unsent and are released.
-            self.route.transport.cancel_pending()
+            # Messages not yet handed to the server are released now.
+            self.route.release_unstarted()
             thread.join(timeout / 2)
 
     def idle(self) -> bool:

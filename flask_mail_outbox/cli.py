@@ -109,7 +109,7 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
                  signal.Signals(signum).name)
         dispatcher.request_stop()
         # Past the timeout, messages not yet handed to the server are released.
-        timer = threading.Timer(shutdown_timeout, runtime.transport.cancel_pending)
+        timer = threading.Timer(shutdown_timeout, runtime.route.release_unstarted)
         timer.daemon = True
         timer.start()
 

@@ -407,3 +407,21 @@ def test_no_delivery_thread_until_something_is_committed(
         with app.app_context():
             for engine in db.engines.values():
                 engine.dispose()
+
+
+def test_stop_releases_claimed_rows_not_yet_handed_to_the_server(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    smtp_server.hold()
+    for i in range(10):
+        mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+    db.session.commit()
+    assert smtp_server.wait_held(4)  # four connections, each holding one message
+    mail.stop(timeout=1)
+    # The six never handed to the server are queued again with their attempt
+    # given back, at once; the four in flight keep their lease.
+    assert sorted((r["status"], r["attempts"]) for r in rows(app)) == (
+        [("queued", 0)] * 6 + [("sending", 1)] * 4)
+    smtp_server.release()
+    assert smtp_server.wait_for(4)
+    time.sleep(0.5)
+    assert len(smtp_server.messages) == 4

@@ -80,12 +80,14 @@ class Transport:
                 results.append(Failed(exc))
         return results
 
-    def cancel_pending(self) -> None:
+    def cancel_pending(self) -> set[int] | None:
         """Ask a running :meth:`send_many` to stop handing new messages to the server.
 
-        Messages not yet started come back as ``Failed(NotAttempted())``. The
-        default transport sends one message at a time and finishes the batch.
+        Returns the ids of the envelopes that are now guaranteed never to be
+        sent (they come back as ``Failed(NotAttempted())``), or None when the
+        transport cannot tell; the default transport finishes its batch.
         """
+        return None
 
     def close(self) -> None:
         """Release connections; the transport may be used again afterwards."""

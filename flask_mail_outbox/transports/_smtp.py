@@ -85,6 +85,9 @@ class SMTPTransport(Transport):
         self._lock = threading.Lock()
         self._hostname = _local_hostname()
         self._cancelled = threading.Event()
+        # Touched only in the loop thread: the batch in flight and what has started.
+        self._batch_ids: set[int] = set()
+        self._started: set[int] = set()
 
     # -- the loop thread ----------------------------------------------------------
 
@@ -111,8 +114,18 @@ class SMTPTransport(Transport):
         self._cancelled.clear()
         return self._run(self._send_batch(list(envelopes)))
 
-    def cancel_pending(self) -> None:
+    def cancel_pending(self) -> set[int] | None:
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            self._cancelled.set()
+            return set()
+        # Decided in the loop thread, between two steps of the senders, so no
+        # message can start after the answer was computed.
+        return asyncio.run_coroutine_threadsafe(self._cancel(), loop).result(timeout=5)
+
+    async def _cancel(self) -> set[int]:
         self._cancelled.set()
+        return self._batch_ids - self._started
 
     def close(self) -> None:
         with self._lock:
@@ -164,6 +177,8 @@ class SMTPTransport(Transport):
         return client
 
     async def _send_batch(self, envelopes: list[Envelope]) -> list[Result]:
+        self._batch_ids = {e.email_id for e in envelopes}
+        self._started = set()
         results: list[Result | None] = [None] * len(envelopes)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for index in range(len(envelopes)):
@@ -216,6 +231,7 @@ class SMTPTransport(Transport):
         anything of this message (safe to resend at once).
         """
         started = False
+        self._started.add(envelope.email_id)
         try:
             options: list[str] = []
             if client.supports_extension("size"):
