@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from email.message import EmailMessage
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -214,14 +213,21 @@ class DeliveryRoute:
         process. With one (durable mode) the policy sets the next due time or
         dead-letters the row.
         """
-        report = BatchReport()
         if not claimed:
-            return report
-        envelopes = [Envelope(email_id=e.id, sender=e.sender, recipients=e.recipients,
-                              mime=e.mime, message_id=e.message_id) for e in claimed]
+            return BatchReport()
         # One transport, one batch at a time: transports are not required to be
         # thread-safe, and batching is where the throughput comes from anyway.
-        with self._send_lock, self.heartbeat.tracking(claimed[0].owner, [e.id for e in claimed]):
+        # Leases are renewed from here until the outcomes are recorded: waiting for
+        # the send lock, sending, and retrying the record all count.
+        with self.heartbeat.tracking(claimed[0].owner, [e.id for e in claimed]):
+            return self._send_and_record(claimed, policy)
+
+    def _send_and_record(self, claimed: Sequence[ClaimedEmail],
+                         policy: RetryPolicy | None) -> BatchReport:
+        report = BatchReport()
+        envelopes = [Envelope(email_id=e.id, sender=e.sender, recipients=e.recipients,
+                              mime=e.mime, message_id=e.message_id) for e in claimed]
+        with self._send_lock:
             self._current = claimed
             try:
                 results = self.transport.send_many(envelopes)
@@ -240,7 +246,6 @@ class DeliveryRoute:
         if len(results) != len(claimed):
             raise RuntimeError(f"transport returned {len(results)} results for "
                                f"{len(claimed)} messages")
-        now = self.store.clock()
         outcomes: list[Outcome] = []
         released_early, self._released_early = self._released_early, set()
         for email, result in zip(claimed, results):
@@ -264,7 +269,7 @@ class DeliveryRoute:
                 throttled = isinstance(result.error, TransientError) and result.error.throttled
                 if policy is None:
                     outcomes.append(Outcome(email, Status.QUEUED, error_code=result.error.code,
-                                            error_message=result.error.message, due_at=None,
+                                            error_message=result.error.message,
                                             give_back_attempt=throttled))
                     continue
                 decision = policy.decide(email.attempt, result.error)
@@ -275,9 +280,9 @@ class DeliveryRoute:
                     outcomes.append(Outcome(
                         email, Status.QUEUED, error_code=result.error.code,
                         error_message=result.error.message,
-                        due_at=now + timedelta(seconds=decision.delay),
+                        due_in=decision.delay,
                         give_back_attempt=not decision.charge))
-        recorded, lost = self.store.record(outcomes)
+        recorded, lost = self._record(outcomes)
         errors = {e.id: r.error for e, r in zip(claimed, results) if isinstance(r, Failed)}
         for outcome in recorded:
             email = outcome.email
@@ -302,9 +307,8 @@ class DeliveryRoute:
                     consequence="it is dead-lettered (status failed) and will not be sent",
                     fix=f"correct the cause, then put it back with mail.retry({email.id}) or "
                         f"`flask outbox dlq retry {email.id}`")
-                with self.app.app_context():
-                    email_failed.send(self.app, email_id=email.id, message_id=email.message_id,
-                                      error=error)
+                self._signal(email_failed, email_id=email.id, message_id=email.message_id,
+                             error=error)
             elif email.id in errors and isinstance(errors[email.id], NotAttempted):
                 report.released.append(email.id)
             else:
@@ -323,14 +327,73 @@ class DeliveryRoute:
                     "that the database keeps up with lease renewals")
         return report
 
+    def report_reaped_failures(self, ids: Sequence[int]) -> None:
+        """Report rows the reap dead-lettered (lease expired, attempts spent)."""
+        for email_id in ids:
+            _degrade.report(
+                f"Email {email_id} was dead-lettered: its lease expired (the process sending "
+                "it stopped) and it had used all OUTBOX_MAX_ATTEMPTS attempts",
+                consequence="it is failed and will not be sent; the server may or may not "
+                            "have accepted its last attempt",
+                fix=f"check whether it arrived; if not, `flask outbox dlq retry {email_id}` "
+                    f"or mail.retry({email_id})")
+            self._signal(email_failed, email_id=email_id, message_id=None,
+                         error=TransientError("lease expired with attempts spent"))
+
+    #: Seconds between attempts to record outcomes while the database refuses.
+    record_retry_delays = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+
+    def _record(self, outcomes: list[Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+        """Record outcomes, retrying while the database is briefly unavailable.
+
+        The messages were handed to the server already: giving up here means
+        they are sent again once their lease expires. The heartbeat keeps the
+        leases alive meanwhile (when the database lets it).
+        """
+        for delay in (*self.record_retry_delays, None):
+            try:
+                result = self.store.record(outcomes)
+            except Exception as exc:  # noqa: BLE001 - retried, then reported and re-raised
+                if delay is None:
+                    sent = sum(o.status is Status.SENT for o in outcomes)
+                    _degrade.report(
+                        f"Could not record the outcome of {len(outcomes)} email(s) "
+                        f"({sent} accepted by the server)",
+                        consequence="they stay sending until their lease expires, then are "
+                                    "delivered again: the accepted ones arrive twice, with the "
+                                    "same Message-ID",
+                        fix="check the database connection; on SQLite, keep other writers' "
+                            "transactions short",
+                        exc=exc)
+                    raise
+                self.faults.failing(
+                    "record", "Could not record delivery outcomes; retrying",
+                    consequence="the outcomes are retried for about a minute while the "
+                                "leases are kept alive",
+                    fix="check the database connection", exc=exc)
+                time.sleep(delay)
+            else:
+                self.faults.recovered("record")
+                return result
+        raise RuntimeError("unreachable")  # pragma: no cover - the loop returns or raises
+
     def _signal_sent(self, email: ClaimedEmail) -> None:
         if not email_sent.receivers:
             return
         message = DeliveredMessage(email_id=email.id, message_id=email.message_id,
                                    sender=email.sender, send_to=email.recipients, mime=email.mime)
-        with self.app.app_context():
-            email_sent.send(self.app, email_id=email.id, message_id=email.message_id,
-                            message=message)
+        self._signal(email_sent, email_id=email.id, message_id=email.message_id,
+                     message=message)
+
+    def _signal(self, signal: Any, **kwargs: Any) -> None:
+        """Send a signal; a failing receiver is logged and never breaks delivery."""
+        try:
+            with self.app.app_context():
+                signal.send(self.app, **kwargs)
+        except Exception:  # noqa: BLE001 - the outcome is recorded already
+            logger.exception("A receiver of the %s signal raised (email %s); the email's "
+                             "outcome is recorded and delivery goes on", signal.name,
+                             kwargs.get("email_id"))
 
 
 def inline_backoff(retry: int) -> float:
@@ -388,6 +451,11 @@ class InlineDelivery:
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def alive(self) -> bool:
+        """Whether the worker thread is still running (a batch may be in flight)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     def idle(self) -> bool:
         """No id pending, none being delivered, no in-process retry waiting."""
@@ -489,9 +557,16 @@ class InlineDelivery:
                     fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
                         "`flask outbox sweep` retries at once, and durable mode "
                         "(`flask outbox durable on`) retries with backoff")
+        try:
+            self.route.store.retry_promotions()
+        except Exception as exc:  # noqa: BLE001 - reported; the next claim or sweep retries
+            _degrade.report(
+                "Could not hand a key's turn to its next email",
+                consequence="emails of that key wait until the next tick or sweep retries",
+                fix="check the database connection", exc=exc)
         # Keyed emails wait for the earlier email of their key; once this batch
         # made progress, offer again those that are due and still queued.
-        if (report.sent or report.failed) and report.not_claimed:
+        if (report.sent or report.failed or report.transient) and report.not_claimed:
             try:
                 waiting = self.route.store.due_keyed(report.not_claimed)
             except Exception as exc:  # noqa: BLE001 - reported; the sweep takes them

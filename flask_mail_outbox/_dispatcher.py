@@ -170,7 +170,8 @@ class Dispatcher:
         self.last_tick_failed = failed
         self.last_tick_at = started
         claimed = report.count if report is not None else 0
-        self.last_claimed = claimed
+        with self._cond:
+            self.last_claimed = claimed
         cap = self.config.listen_backstop_seconds if self.listening else None
         gap = self.backoff.after_tick(claimed=claimed, full=full, failed=failed,
                                       maximum=max(cap, self.config.poll_max_interval)
@@ -197,15 +198,17 @@ class Dispatcher:
         claimed, reaped = self.store.claim_due(
             limit, owner=owner, lease_seconds=self.config.lease_seconds,
             reap_max_attempts=self.config.max_attempts)
-        if reaped:
+        if reaped.requeued:
             _degrade.report(
-                f"{reaped} email(s) had an expired lease: the process sending them stopped "
-                "mid-delivery",
-                consequence="they are queued again (or dead-lettered when their attempts "
-                            "were spent) and will be delivered; one may arrive twice, with "
-                            "the same Message-ID, if its server had accepted it already",
+                f"{len(reaped.requeued)} email(s) had an expired lease: the process sending "
+                "them stopped mid-delivery",
+                consequence="they are queued again and will be delivered; one may arrive "
+                            "twice, with the same Message-ID, if its server had accepted it "
+                            "already",
                 fix="nothing for these emails; find why the other process stopped "
                     "(killed, out of memory) and give workers time to stop on SIGTERM")
+        if reaped.failed:
+            self.route.report_reaped_failures(reaped.failed)
         if not claimed:
             return None, False
         if self._stopping:

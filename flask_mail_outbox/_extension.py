@@ -209,6 +209,13 @@ class _Runtime:
         if self.listener is not None:
             self.listener.stop()
         self.inline.stop(timeout)
+        if self.inline.alive() or (self.dispatcher is not None and self.dispatcher.running):
+            # A batch is still being sent past the timeout: let it finish and
+            # record its outcomes in its daemon thread; closing the transport or
+            # the engine under it would leave its rows sending.
+            logger.info("Outbox delivery stopped taking work; a batch still in flight "
+                        "finishes in the background")
+            return
         self.transport.close()
         self.engine.dispose()
 
@@ -266,12 +273,25 @@ class _AppState:
         self.runtime().store.set_setting(DURABLE_SETTING, bool(on))
         self._durable_cache = (bool(on), time.monotonic() + self.config.settings_ttl_seconds)
 
+    def prepare_commit(self, session: Any) -> None:
+        """Inside the outermost transaction that queued email: one NOTIFY (durable, PG).
+
+        PostgreSQL delivers it only if the transaction commits, so listeners
+        in other processes never wake for a rollback.
+        """
+        if self.config.listen and _is_postgres(session) and self.durable():
+            session.execute(notify_statement())
+
     def publish(self, entries: list[_staging.StagedEmail]) -> None:
         """Called after the outermost commit with the rows it made durable."""
         ids = [e.email_id for e in entries]
         if email_queued.receivers:
             for email_id in ids:
-                email_queued.send(self.app, email_id=email_id)
+                try:
+                    email_queued.send(self.app, email_id=email_id)
+                except Exception:  # noqa: BLE001 - the commit succeeded; go on delivering
+                    logger.exception("A receiver of the email_queued signal raised (email "
+                                     "%s); delivery goes on", email_id)
         due = [e.email_id for e in entries if e.due_now]
         try:
             runtime = self.runtime()
@@ -346,8 +366,11 @@ def _serving_process(app: Flask) -> bool:
 
 
 def _restart_schedulers_in_child() -> None:
-    # The parent's scheduler thread did not survive the fork.
+    # Only the forking thread survives: a lock another thread held at the
+    # fork would stay locked forever, so each state gets a fresh one. The
+    # parent's scheduler thread is gone too.
     for state in list(_all_states):
+        state._lock = threading.Lock()
         if state.scheduler is not None:
             state.scheduler = None
             try:
@@ -471,12 +494,6 @@ class OutboxMail:
         ]
         session = state.db.session()
         email_id, created = insert_email(session, values, attachments)
-        if created and config.listen and _is_postgres(session) and state.durable():
-            # Once per transaction; PostgreSQL delivers it only if it commits.
-            root = session.get_transaction()
-            if session.info.get(_NOTIFIED_KEY) is not root:
-                session.execute(notify_statement())
-                session.info[_NOTIFIED_KEY] = root
         if created:
             _staging.stage(session, _staging.StagedEmail(
                 email_id=email_id, due_now=due_at is None or due_at <= utcnow(),
@@ -618,9 +635,6 @@ class OutboxMail:
                 "listening": dispatcher.listening,
             },
         }
-
-
-_NOTIFIED_KEY = "mail_outbox_notified"
 
 
 def _is_postgres(session: Any) -> bool:

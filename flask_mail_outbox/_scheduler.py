@@ -95,6 +95,10 @@ class SweepScheduler:
         config = self.state.config
         try:
             if config.sweep_interval_seconds is None and self.state.durable():
+                # The dispatcher does this job; make sure this process runs one, so
+                # switching to durable mode never leaves rows without a taker.
+                if config.run_worker:
+                    self.state.runtime().ensure_dispatcher().wake()
                 return
         except Exception as exc:  # noqa: BLE001 - reported; the next run retries
             self.state.faults.failing("sweep", **self._failure("periodic"), exc=exc)

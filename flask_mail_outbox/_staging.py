@@ -38,7 +38,11 @@ _REQUEST_FAILED = "_mail_outbox_request_failed"
 class Publisher(Protocol):
     """What receives committed rows (the per-app state)."""
 
-    def publish(self, entries: list[StagedEmail]) -> None: ...
+    def prepare_commit(self, session: Session) -> None:
+        """Last statements inside the outermost transaction, when it holds staged rows."""
+
+    def publish(self, entries: list[StagedEmail]) -> None:
+        """The outermost transaction committed these rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,18 @@ def _publish(entries: list[StagedEmail]) -> None:
         by_publisher.setdefault(id(entry.publisher), (entry.publisher, []))[1].append(entry)
     for publisher, group in by_publisher.values():
         publisher.publish(group)
+
+
+def _before_commit(session: Session) -> None:
+    staged: dict[SessionTransaction, list[StagedEmail]] | None = session.info.get(_KEY)
+    if not staged or session.get_nested_transaction() is not None:
+        return  # a savepoint is being released: not the commit that publishes
+    publishers: dict[int, Publisher] = {}
+    for entries in staged.values():
+        for entry in entries:
+            publishers.setdefault(id(entry.publisher), entry.publisher)
+    for publisher in publishers.values():
+        publisher.prepare_commit(session)
 
 
 def _after_commit(session: Session) -> None:
@@ -148,6 +164,7 @@ def install(session_target: Any) -> None:
         return
     _installed.add(id(session_target))
     listeners: list[tuple[str, Callable[..., None]]] = [
+        ("before_commit", _before_commit),
         ("after_commit", _after_commit),
         ("after_rollback", _after_rollback),
         ("after_transaction_end", _after_transaction_end),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -63,11 +64,23 @@ class ClaimedEmail:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reaped:
+    """Rows whose lease had expired: back to ``queued``, or ``failed`` when spent."""
+
+    requeued: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.requeued) + len(self.failed)
+
+
+@dataclasses.dataclass(frozen=True)
 class Outcome:
     """What to record for one claimed row.
 
     ``status`` is the row's next status: ``sent``, ``failed``, or ``queued``
-    (a transient failure, due again at ``due_at``; or a release with
+    (a transient failure, due again ``due_in`` seconds from now on the
+    database clock, or at once; or a release with
     ``give_back_attempt`` when the send never started).
     """
 
@@ -75,7 +88,7 @@ class Outcome:
     status: Status
     error_code: int = 0
     error_message: str | None = None
-    due_at: datetime | None = None
+    due_in: float | None = None
     give_back_attempt: bool = False
 
 
@@ -160,6 +173,10 @@ class Store:
         self.clock = clock
         self.is_postgres = engine.dialect.name == "postgresql"
         self.is_sqlite = engine.dialect.name == "sqlite"
+        # Keys whose next email could not be promoted yet (a producer held the
+        # key's lock); retried at the next claim, and healed by the sweep.
+        self._unpromoted: set[str] = set()
+        self._unpromoted_lock = threading.Lock()
 
     # -- time -----------------------------------------------------------------
 
@@ -220,7 +237,8 @@ class Store:
         return self._claimed(rows, owner)
 
     def claim_due(self, limit: int, *, owner: str, lease_seconds: float,
-                  reap_max_attempts: int | None = None) -> tuple[list[ClaimedEmail], int]:
+                  reap_max_attempts: int | None = None
+                  ) -> tuple[list[ClaimedEmail], Reaped]:
         """One dispatcher tick's database work: reap once, then claim up to ``limit``.
 
         Both run in one short transaction (``BEGIN IMMEDIATE`` on SQLite), so an
@@ -236,9 +254,10 @@ class Store:
         pick = (sa.select(t.c.id).where(self._claimable())
                 .order_by(t.c.due_at, t.c.id).limit(limit))
         with self.write() as conn:
-            reaped = 0
+            reaped = Reaped()
             if reap_max_attempts is not None:
                 reaped = self._reap(conn, reap_max_attempts)
+            self._retry_promotions(conn)
             if self.is_postgres:
                 due = pick.with_for_update(skip_locked=True).cte("due").prefix_with(
                     "MATERIALIZED")
@@ -252,17 +271,29 @@ class Store:
             ).all()
         return self._claimed(rows, owner), reaped
 
-    def reap_expired(self, max_attempts: int) -> int:
-        """Return ``sending`` rows whose lease expired to ``queued`` (``failed`` when spent)."""
-        with self.write() as conn:
-            return self._reap(conn, max_attempts)
+    def reap_expired(self, max_attempts: int | None,
+                     ids: Sequence[int] | None = None) -> Reaped:
+        """Return ``sending`` rows whose lease expired to ``queued``.
 
-    def _reap(self, conn: Connection, max_attempts: int) -> int:
+        With ``max_attempts``, rows that used them all become ``failed``
+        (durable mode); inline mode passes None and never dead-letters. With
+        ``ids``, only those rows are considered (the sweep's candidates).
+        """
+        with self.write() as conn:
+            return self._reap(conn, max_attempts, ids)
+
+    def _reap(self, conn: Connection, max_attempts: int | None,
+              ids: Sequence[int] | None = None) -> Reaped:
         t = email_table
-        spent = t.c.attempts >= max_attempts
+        spent: Any = (t.c.attempts >= max_attempts if max_attempts is not None
+                      else sa.false())
+        where: list[Any] = [t.c.status == Status.SENDING.value,
+                            t.c.lease_expires_at < self.now_expr()]
+        if ids is not None:
+            where.append(t.c.id.in_(list(ids)))
         rows = conn.execute(
             t.update()
-            .where(t.c.status == Status.SENDING.value, t.c.lease_expires_at < self.now_expr())
+            .where(*where)
             .values(
                 status=sa.case((spent, Status.FAILED.value), else_=Status.QUEUED.value),
                 due_at=self.now_expr(),
@@ -276,18 +307,63 @@ class Store:
         ).all()
         self._promote(conn, {row.key for row in rows
                              if row.key is not None and row.status == Status.FAILED.value})
-        return len(rows)
+        return Reaped(
+            requeued=tuple(r.id for r in rows if r.status == Status.QUEUED.value),
+            failed=tuple(r.id for r in rows if r.status == Status.FAILED.value))
 
     def _promote(self, conn: Connection, keys: set[str]) -> None:
-        """Make the oldest unfinished email of each key its head."""
+        """Make the oldest unfinished email of each key its head.
+
+        On PostgreSQL the key's advisory lock is only tried: a producer holds
+        it for its whole request, and delivery must not wait for requests. A
+        key whose lock is busy is remembered and promoted at the next claim
+        (the producer's insert then sees the finished head, or the promotion
+        sees the producer's row).
+        """
         t = email_table
+        busy: set[str] = set()
         for key in sorted(keys):
-            if self.is_postgres:
-                conn.execute(sa.select(key_lock(key)))
+            if self.is_postgres and not conn.execute(sa.select(sa.func.pg_try_advisory_xact_lock(
+                    sa.func.hashtextextended(key, 0)))).scalar():
+                busy.add(key)
+                continue
             oldest = (sa.select(sa.func.min(t.c.id))
                       .where(t.c.key == key, t.c.status.in_(_OPEN)).scalar_subquery())
             conn.execute(t.update().where(t.c.id == oldest, t.c.key_head.is_(False))
                          .values(key_head=True))
+        with self._unpromoted_lock:
+            self._unpromoted.difference_update(keys - busy)
+            self._unpromoted.update(busy)
+
+    def _retry_promotions(self, conn: Connection) -> None:
+        with self._unpromoted_lock:
+            pending = set(self._unpromoted)
+        if pending:
+            self._promote(conn, pending)
+
+    def retry_promotions(self) -> None:
+        """Promote the keys whose promotion was put off (no-op when there are none)."""
+        with self._unpromoted_lock:
+            if not self._unpromoted:
+                return
+        with self.write() as conn:
+            self._retry_promotions(conn)
+
+    def heal_key_heads(self) -> int:
+        """Give every key with unfinished emails but no head its oldest one as head.
+
+        The safety net for a promotion lost with its process; the sweep runs
+        it. Scans the open keyed rows (the ``ix_outbox_email_key_open`` index).
+        """
+        t = email_table
+        has_head = (sa.func.bool_or(t.c.key_head) if self.is_postgres
+                    else sa.func.max(t.c.key_head) == 1)
+        headless = (sa.select(sa.func.min(t.c.id))
+                    .where(t.c.key.is_not(None), t.c.status.in_(_OPEN))
+                    .group_by(t.c.key).having(~has_head))
+        with self.write() as conn:
+            return conn.execute(t.update().where(t.c.id.in_(headless.scalar_subquery()))
+                                .values(key_head=True)).rowcount
 
     def release(self, claimed: Sequence[ClaimedEmail]) -> int:
         """Give back rows claimed but never handed to the transport (attempt returned)."""
@@ -508,8 +584,8 @@ class Store:
                 if outcome.status is Status.SENT:
                     values["sent_at"] = now
                 if outcome.status is Status.QUEUED:
-                    values["due_at"] = (sa.literal(outcome.due_at, sa.DateTime())
-                                        if outcome.due_at is not None else now)
+                    values["due_at"] = (self.later_expr(outcome.due_in)
+                                        if outcome.due_in else now)
                 if outcome.give_back_attempt:
                     values["attempts"] = t.c.attempts - 1
                 if outcome.error_message is not None:

@@ -94,7 +94,15 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
         report = SweepReport(**fields, duration_seconds=time.monotonic() - started)
         _log(report, state)
         return report
-    reaped = store.reap_expired(config.max_attempts) if expired else 0
+    # Inline mode never dead-letters; durable mode's reap rule spends attempts.
+    reaped = (store.reap_expired(config.max_attempts if durable else None, ids=expired)
+              if expired else None)
+    if reaped is not None and reaped.failed:
+        runtime.route.report_reaped_failures(reaped.failed)
+    healed = store.heal_key_heads()
+    if healed:
+        logger.info("The sweep gave %d key(s) without a head their oldest email as head",
+                    healed)
     if durable:
         # Due queued rows are already claimable; expired leases were just reaped.
         dispatcher = runtime.dispatcher
@@ -102,8 +110,11 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
             dispatcher.wake()
         elif config.run_worker:
             runtime.ensure_dispatcher().wake()
-        report = SweepReport(**fields, requeued=len(ids) - len(expired) + reaped,
-                             skipped=len(expired) - reaped,
+        requeued = len(reaped.requeued) if reaped is not None else 0
+        failed_now = len(reaped.failed) if reaped is not None else 0
+        report = SweepReport(**fields, requeued=len(ids) - len(expired) + requeued,
+                             failed=failed_now,
+                             skipped=len(expired) - requeued - failed_now,
                              duration_seconds=time.monotonic() - started)
     else:
         sent = failed = skipped = 0

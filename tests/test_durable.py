@@ -295,7 +295,7 @@ def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
             db.session.execute(email_table.update().values(
                 lease_expires_at=email_table.c.created_at))
             db.session.commit()
-        assert store.reap_expired(max_attempts=5) == 1
+        assert len(store.reap_expired(max_attempts=5)) == 1
         [second] = store.claim_ids([email_id], owner="B", lease_seconds=60)
         recorded, lost = store.record([Outcome(first, Status.FAILED, error_code=550,
                                                error_message="late news from A")])
