@@ -564,19 +564,10 @@ class InlineDelivery:
                 "Could not hand a key's turn to its next email",
                 consequence="emails of that key wait until the next tick or sweep retries",
                 fix="check the database connection", exc=exc)
-        # Keyed emails wait for the earlier email of their key; once this batch
-        # made progress, offer again those that are due and still queued.
-        if (report.sent or report.failed or report.transient) and report.not_claimed:
-            try:
-                waiting = self.route.store.due_keyed(report.not_claimed)
-            except Exception as exc:  # noqa: BLE001 - reported; the sweep takes them
-                _degrade.report(
-                    "Could not look up keyed emails waiting behind their predecessor",
-                    consequence=f"{len(report.not_claimed)} email(s) stay queued for the "
-                                "periodic sweep",
-                    fix="check the database connection", exc=exc)
-                return
+        # A finished keyed email handed its key to the next one: offer that one now.
+        promoted = self.route.store.take_promoted()
+        if promoted:
             with self._cond:
-                for email_id in waiting:
+                for email_id in promoted:
                     if email_id not in self._retries:
                         self._pending[email_id] = None

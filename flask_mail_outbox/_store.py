@@ -177,6 +177,9 @@ class Store:
         # key's lock); retried at the next claim, and healed by the sweep.
         self._unpromoted: set[str] = set()
         self._unpromoted_lock = threading.Lock()
+        # Ids that became the head of their key, for inline delivery to offer
+        # (bounded: past it, the sweep takes them).
+        self._promoted: list[int] = []
 
     # -- time -----------------------------------------------------------------
 
@@ -322,6 +325,7 @@ class Store:
         """
         t = email_table
         busy: set[str] = set()
+        promoted: list[int] = []
         for key in sorted(keys):
             if self.is_postgres and not conn.execute(sa.select(sa.func.pg_try_advisory_xact_lock(
                     sa.func.hashtextextended(key, 0)))).scalar():
@@ -329,11 +333,24 @@ class Store:
                 continue
             oldest = (sa.select(sa.func.min(t.c.id))
                       .where(t.c.key == key, t.c.status.in_(_OPEN)).scalar_subquery())
-            conn.execute(t.update().where(t.c.id == oldest, t.c.key_head.is_(False))
-                         .values(key_head=True))
+            promoted.extend(conn.execute(
+                t.update().where(t.c.id == oldest, t.c.key_head.is_(False))
+                .values(key_head=True).returning(t.c.id)).scalars())
         with self._unpromoted_lock:
             self._unpromoted.difference_update(keys - busy)
             self._unpromoted.update(busy)
+            self._promoted.extend(promoted)
+            del self._promoted[:-10_000]
+
+    def take_promoted(self) -> list[int]:
+        """Ids that became their key's head since the last call (this process's promotions).
+
+        Read after the promoting transaction committed (the caller's batch
+        has returned), so the rows are claimable by the time they are offered.
+        """
+        with self._unpromoted_lock:
+            promoted, self._promoted = self._promoted, []
+        return promoted
 
     def _retry_promotions(self, conn: Connection) -> None:
         with self._unpromoted_lock:

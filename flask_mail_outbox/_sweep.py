@@ -125,6 +125,8 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
             sent += len(batch.sent)
             failed += len(batch.failed) + len(batch.transient)
             skipped += len(batch.not_claimed) + len(batch.lost)
+        # Keys advanced by this sweep: their next emails go out now, not next sweep.
+        runtime.inline.submit(store.take_promoted())
         report = SweepReport(**fields, sent=sent, failed=failed, skipped=skipped,
                              duration_seconds=time.monotonic() - started)
     try:

@@ -400,3 +400,48 @@ def test_sqlite_write_transactions_wait_for_the_lock(tmp_path: Any) -> None:
         with app.app_context():
             for engine in db.engines.values():
                 engine.dispose()
+
+
+def test_inline_follower_waits_for_its_heads_retry_not_for_the_sweep(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    smtp_server.reply("data", 451, "4.3.0 try later", times=1)
+    mail.send(Message("head", recipients=["a@example.com"], body="x"), key="k")
+    mail.send(Message("follower", recipients=["a@example.com"], body="x"), key="k")
+    db.session.commit()
+    assert smtp_server.wait_for(2, timeout=15)
+    assert mail.wait_idle(10)
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == ["head", "follower"]
+
+
+def test_notify_survives_a_rolled_back_savepoint(pg_database: str | None) -> None:
+    from conftest import require_postgres
+
+    require_postgres()
+    import psycopg
+
+    from flask_mail_outbox._listen import CHANNEL, libpq_url
+
+    assert pg_database is not None
+    app = make_app(pg_database, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                   OUTBOX_TRANSPORT="null")
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with psycopg.connect(libpq_url(pg_database), autocommit=True) as listener:
+            listener.execute(f"LISTEN {CHANNEL}")
+            with app.app_context():
+                nested = db.session.begin_nested()
+                mail.send(Message("gone", recipients=["a@example.com"], body="x"))
+                nested.rollback()
+                mail.send(Message("kept", recipients=["a@example.com"], body="x"))
+                db.session.commit()
+            received = list(listener.notifies(timeout=5, stop_after=1))
+            assert len(received) == 1
+            with app.app_context():
+                mail.send(Message("rolled back", recipients=["a@example.com"], body="x"))
+                db.session.rollback()
+            assert list(listener.notifies(timeout=1, stop_after=1)) == []
+    finally:
+        mail.stop()
+        with app.app_context():
+            for engine in db.engines.values():
+                engine.dispose()
