@@ -39,6 +39,7 @@ class SweepScheduler:
         self.startup_done = threading.Event()
         self.startup_report: SweepReport | None = None
         self._scheduler: BackgroundScheduler | None = None
+        self._periodic_runs = 0
 
     def start(self) -> None:
         """Schedule the startup sweep (now, in the scheduler's thread) and the periodic one."""
@@ -103,13 +104,15 @@ class SweepScheduler:
         except Exception as exc:  # noqa: BLE001 - reported; the next run retries
             self.state.faults.failing("sweep", **self._failure("periodic"), exc=exc)
             return
-        self._sweep("periodic")
+        # The key-head safety net scans open keyed rows: every tenth run is plenty.
+        self._periodic_runs += 1
+        self._sweep("periodic", heal=self._periodic_runs % 10 == 0)
         if config.retention_days is not None:
             self._purge_retained(config.retention_days)
 
-    def _sweep(self, kind: str) -> SweepReport | None:
+    def _sweep(self, kind: str, *, heal: bool = True) -> SweepReport | None:
         try:
-            report = run_sweep(self.state)
+            report = run_sweep(self.state, heal=heal, periodic=kind == "periodic")
         except Exception as exc:  # noqa: BLE001 - reported; a sweep never kills the app
             self.state.faults.failing("sweep", **self._failure(kind), exc=exc)
             return None

@@ -68,8 +68,14 @@ class SweepReport:
 
 
 def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | None = None,
-              dry_run: bool = False) -> SweepReport:
-    """One sweep for ``state``'s app in this process; raises if the database fails."""
+              dry_run: bool = False, heal: bool = True, periodic: bool = False) -> SweepReport:
+    """One sweep for ``state``'s app in this process; raises if the database fails.
+
+    ``heal`` also gives keys left without a head (a promotion lost with its
+    process) their oldest email as head. A ``periodic`` sweep that finds
+    nothing stays quiet: no INFO line, no stored report, so an idle process
+    costs only the sweep's one query.
+    """
     config = state.config
     min_age = config.sweep_min_age_seconds if min_age is None else min_age
     limit = config.sweep_batch if limit is None else limit
@@ -83,6 +89,11 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
     store = runtime.store
     durable = state.durable()
     mode = "durable" if durable else "inline"
+    if heal and not dry_run:
+        healed = store.heal_key_heads()
+        if healed:
+            logger.info("The sweep gave %d key(s) without a head their oldest email as head",
+                        healed)
     candidates = store.sweep_candidates(min_age_seconds=float(min_age), limit=limit + 1)
     truncated = len(candidates) > limit
     candidates = candidates[:limit]
@@ -92,6 +103,9 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
                               "dry_run": dry_run, "started_at": started_at}
     if dry_run or not ids:
         report = SweepReport(**fields, duration_seconds=time.monotonic() - started)
+        if periodic and not ids:
+            logger.debug("Periodic outbox sweep: nothing to take")
+            return report
         _log(report, state)
         return report
     # Inline mode never dead-letters; durable mode's reap rule spends attempts.
@@ -99,10 +113,6 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
               if expired else None)
     if reaped is not None and reaped.failed:
         runtime.route.report_reaped_failures(reaped.failed)
-    healed = store.heal_key_heads()
-    if healed:
-        logger.info("The sweep gave %d key(s) without a head their oldest email as head",
-                    healed)
     if durable:
         # Due queued rows are already claimable; expired leases were just reaped.
         dispatcher = runtime.dispatcher

@@ -352,3 +352,20 @@ def test_cli_dlq_purge(apps: Apps, smtp_server: FaultSMTPServer) -> None:
 def mail_wait(app: Flask) -> bool:
     with app.app_context():
         return bool(app.extensions["test_mail"].wait_idle(20))
+
+
+def test_sweep_heals_a_key_left_without_a_head(apps: Apps,
+                                               smtp_server: FaultSMTPServer) -> None:
+    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                     OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False)
+    with app.app_context():
+        for i in range(2):
+            mail.send(Message(f"k{i}", recipients=["a@example.com"], body="x"), key="k")
+        # A promotion lost with its process: the head finished, nobody promoted.
+        db.session.execute(email_table.update().where(email_table.c.subject == "k0").values(
+            status="sent"))
+        db.session.commit()
+        report = mail.sweep(min_age=0)
+    assert report.requeued == 1
+    assert [(r["subject"], bool(r["key_head"])) for r in rows(app)] == [
+        ("k0", True), ("k1", True)]
