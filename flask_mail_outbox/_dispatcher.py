@@ -31,6 +31,8 @@ from ._delivery import BatchReport, DeliveryRoute, new_owner
 from ._retry import RetryPolicy
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
     from ._config import OutboxConfig
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,9 @@ class Dispatcher:
         self._stopping = False
         self._in_tick = False
         self._thread: threading.Thread | None = None
+        # The dispatcher's own connection, kept across ticks: no pool checkout
+        # (and pre-ping) per tick, so an idle tick is the claim and nothing else.
+        self._conn: Connection | None = None
         self.ticks = 0
         self.last_claimed = 0
         self.last_tick_failed = False
@@ -106,6 +111,12 @@ class Dispatcher:
         with self._cond:
             self._wake_pending = True
             self._cond.notify_all()
+
+    def close_connection(self) -> None:
+        """Return the dispatcher's connection (after the loop ended)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
     def request_stop(self) -> None:
         """Stop after the tick in flight (safe from a signal handler)."""
@@ -138,8 +149,11 @@ class Dispatcher:
 
     def run(self) -> None:
         """Tick until :meth:`stop`."""
-        while not self._stopping:
-            self.step()
+        try:
+            while not self._stopping:
+                self.step()
+        finally:
+            self.close_connection()
 
     def step(self, wait: Callable[[float], None] | None = None) -> float:
         """One tick, then the wait before the next; returns the gap it chose."""
@@ -195,9 +209,18 @@ class Dispatcher:
         if self.rate_limiter is not None:
             limit = self.rate_limiter.acquire(limit)
         owner = new_owner()
-        claimed, reaped = self.store.claim_due(
-            limit, owner=owner, lease_seconds=self.config.lease_seconds,
-            reap_max_attempts=self.config.max_attempts)
+        if self._conn is None:
+            self._conn = self.store.dispatch_connection()
+        try:
+            claimed, reaped = self.store.claim_due(
+                limit, owner=owner, lease_seconds=self.config.lease_seconds,
+                reap_max_attempts=self.config.max_attempts, conn=self._conn)
+        except BaseException:
+            # A broken connection is replaced at the next tick.
+            conn, self._conn = self._conn, None
+            conn.invalidate()
+            conn.close()
+            raise
         if reaped.requeued:
             _degrade.report(
                 f"{len(reaped.requeued)} email(s) had an expired lease: the process sending "

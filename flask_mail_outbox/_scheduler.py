@@ -95,12 +95,19 @@ class SweepScheduler:
     def _periodic(self) -> None:
         config = self.state.config
         try:
-            if config.sweep_interval_seconds is None and self.state.durable():
-                # The dispatcher does this job; make sure this process runs one, so
-                # switching to durable mode never leaves rows without a taker.
-                if config.run_worker:
-                    self.state.runtime().ensure_dispatcher().wake()
-                return
+            if config.sweep_interval_seconds is None:
+                runtime = self.state.current_runtime()
+                if runtime is not None and runtime.dispatcher is not None \
+                        and runtime.dispatcher.running:
+                    # A dispatcher takes due rows here, whatever the mode: nothing
+                    # to do, and no query (an idle durable process asks nothing).
+                    return
+                if self.state.durable():
+                    # Switched to durable: this process must run a dispatcher so
+                    # no row is left without a taker (it ticks once as it starts).
+                    if config.run_worker:
+                        self.state.runtime().ensure_dispatcher()
+                    return
         except Exception as exc:  # noqa: BLE001 - reported; the next run retries
             self.state.faults.failing("sweep", **self._failure("periodic"), exc=exc)
             return

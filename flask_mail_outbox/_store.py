@@ -240,39 +240,93 @@ class Store:
         return self._claimed(rows, owner)
 
     def claim_due(self, limit: int, *, owner: str, lease_seconds: float,
-                  reap_max_attempts: int | None = None
-                  ) -> tuple[list[ClaimedEmail], Reaped]:
+                  reap_max_attempts: int | None = None,
+                  conn: Connection | None = None) -> tuple[list[ClaimedEmail], Reaped]:
         """One dispatcher tick's database work: reap once, then claim up to ``limit``.
 
-        Both run in one short transaction (``BEGIN IMMEDIATE`` on SQLite), so an
-        idle tick costs two statements. Due rows are taken oldest first
-        (``due_at, id``); only keyless rows and key heads are candidates, read
-        from the partial index that holds exactly those. On PostgreSQL the ids
-        are picked in a materialized CTE with ``FOR UPDATE SKIP LOCKED`` (the
-        fence keeps the planner from updating more rows than the limit), so
-        concurrent dispatchers never wait for each other nor take one row twice.
-        Returns ``(claimed, reaped)``.
+        Due rows are taken oldest first (``due_at, id``); only keyless rows and
+        key heads are candidates, read from the partial index that holds
+        exactly those.
+
+        * PostgreSQL: ONE statement, in autocommit: the reap and the claim are
+          data-modifying CTEs; the ids are picked in a materialized CTE with
+          ``FOR UPDATE SKIP LOCKED`` (the fence keeps the planner from updating
+          more rows than the limit), so concurrent dispatchers never wait for
+          each other nor take one row twice. An idle tick is one round trip.
+        * SQLite: ``BEGIN IMMEDIATE``, the reap, the claim: three statements.
+
+        ``conn`` is the dispatcher's own long-lived connection (no pool
+        checkout and pre-ping per tick). Returns ``(claimed, reaped)``.
         """
+        if conn is None:
+            with self.dispatch_connection() as own:
+                return self.claim_due(limit, owner=owner, lease_seconds=lease_seconds,
+                                      reap_max_attempts=reap_max_attempts, conn=own)
         t = email_table
         pick = (sa.select(t.c.id).where(self._claimable())
                 .order_by(t.c.due_at, t.c.id).limit(limit))
-        with self.write() as conn:
-            reaped = Reaped()
-            if reap_max_attempts is not None:
-                reaped = self._reap(conn, reap_max_attempts)
-            self._retry_promotions(conn)
-            if self.is_postgres:
-                due = pick.with_for_update(skip_locked=True).cte("due").prefix_with(
-                    "MATERIALIZED")
-                where: list[Any] = [t.c.id == due.c.id, t.c.status == Status.QUEUED.value]
-            else:
-                where = [t.c.id.in_(pick.scalar_subquery())]
-            rows = conn.execute(
-                t.update().where(*where)
-                .values(**self._claim_values(owner, lease_seconds))
-                .returning(*_CLAIM_RETURNING)
-            ).all()
+        if not self.is_postgres:
+            if self.is_sqlite:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            try:
+                reaped = (self._reap(conn, reap_max_attempts) if reap_max_attempts is not None
+                          else Reaped())
+                self._retry_promotions(conn)
+                rows = conn.execute(
+                    t.update().where(t.c.id.in_(pick.scalar_subquery()))
+                    .values(**self._claim_values(owner, lease_seconds))
+                    .returning(*_CLAIM_RETURNING)
+                ).all()
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
+            return self._claimed(rows, owner), reaped
+        rows, reaped = self._claim_due_postgres(conn, pick, limit, owner, lease_seconds,
+                                                reap_max_attempts)
+        if reaped.failed or self._has_unpromoted():
+            # Rare: a dead-lettered key head hands its key on (its own transaction).
+            with self.write() as tx:
+                keys = set(tx.execute(sa.select(t.c.key).where(
+                    t.c.id.in_(reaped.failed), t.c.key.is_not(None))).scalars())
+                self._promote(tx, keys)
+                self._retry_promotions(tx)
         return self._claimed(rows, owner), reaped
+
+    def _claim_due_postgres(self, conn: Connection, pick: sa.Select[Any], limit: int,
+                            owner: str, lease_seconds: float,
+                            reap_max_attempts: int | None) -> tuple[list[Any], Reaped]:
+        t = email_table
+        due = pick.with_for_update(skip_locked=True).cte("due").prefix_with("MATERIALIZED")
+        claimed = (t.update().where(t.c.id == due.c.id, t.c.status == Status.QUEUED.value)
+                   .values(**self._claim_values(owner, lease_seconds))
+                   .returning(*_CLAIM_RETURNING).cte("claimed"))
+        stmt: Any = sa.select(sa.literal(Status.SENDING.value).label("outcome"), *claimed.c)
+        if reap_max_attempts is not None:
+            # The reap rides along in the same statement; the rows it frees are
+            # claimable from the next tick (one snapshot per statement).
+            reaped = self._reap_statement(reap_max_attempts, None).cte("reaped")
+            stmt = sa.union_all(stmt, sa.select(
+                reaped.c.status.label("outcome"), reaped.c.id,
+                *[sa.null().cast(col.type).label(col.name) for col in claimed.c
+                  if col.name not in ("id", "key", "error_history")],
+                reaped.c.key, sa.null().cast(sa.Text()).label("error_history")))
+        rows = conn.execute(stmt).all()
+        conn.commit()  # a no-op in autocommit; ends SQLAlchemy's transaction marker
+        return ([row for row in rows if row.outcome == Status.SENDING.value], Reaped(
+            requeued=tuple(r.id for r in rows if r.outcome == Status.QUEUED.value),
+            failed=tuple(r.id for r in rows if r.outcome == Status.FAILED.value)))
+
+    def dispatch_connection(self) -> Connection:
+        """A connection for :meth:`claim_due` (autocommit on PostgreSQL: one statement)."""
+        conn = self.engine.connect()
+        if self.is_postgres:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        return conn
+
+    def _has_unpromoted(self) -> bool:
+        with self._unpromoted_lock:
+            return bool(self._unpromoted)
 
     def reap_expired(self, max_attempts: int | None,
                      ids: Sequence[int] | None = None) -> Reaped:
@@ -285,8 +339,9 @@ class Store:
         with self.write() as conn:
             return self._reap(conn, max_attempts, ids)
 
-    def _reap(self, conn: Connection, max_attempts: int | None,
-              ids: Sequence[int] | None = None) -> Reaped:
+    def _reap_statement(self, max_attempts: int | None,
+                        ids: Sequence[int] | None) -> Any:
+        """The guarded reap: expired leases back to queued (failed when spent)."""
         t = email_table
         spent: Any = (t.c.attempts >= max_attempts if max_attempts is not None
                       else sa.false())
@@ -294,7 +349,7 @@ class Store:
                             t.c.lease_expires_at < self.now_expr()]
         if ids is not None:
             where.append(t.c.id.in_(list(ids)))
-        rows = conn.execute(
+        return (
             t.update()
             .where(*where)
             .values(
@@ -307,7 +362,11 @@ class Store:
                     else_=t.c.last_error),
             )
             .returning(t.c.id, t.c.status, t.c.key)
-        ).all()
+        )
+
+    def _reap(self, conn: Connection, max_attempts: int | None,
+              ids: Sequence[int] | None = None) -> Reaped:
+        rows = conn.execute(self._reap_statement(max_attempts, ids)).all()
         self._promote(conn, {row.key for row in rows
                              if row.key is not None and row.status == Status.FAILED.value})
         return Reaped(

@@ -100,6 +100,7 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
             delivered += report.count
             if not full and report.count == 0:
                 break
+        dispatcher.close_connection()
         click.echo(f"worker --once: {delivered} email(s) handled")
         state.stop(shutdown_timeout)
         return
