@@ -1,0 +1,134 @@
+"""A throwaway SMTP sink in its own process: accepts everything, counts, timestamps.
+
+    python -m benchmarks.sink [--port 0] [--control-port 0] [--delay SECONDS]
+
+It prints one JSON line when it listens, ``{"smtp_port": P, "control_port": C,
+"pid": N}``, then serves until SIGTERM/SIGINT. Every message is accepted with
+250 after ``--delay`` seconds (an ``asyncio.sleep``, so sessions overlap: a
+latency-bound server, not a slow CPU). Its receipt is recorded just before the
+250: ``(time.time(), Message-ID, X-Bench-Id)``, the wall clock of this
+machine, which the benchmark process compares with its own ``time.time()``.
+
+The control port speaks one line per connection and answers with one JSON line:
+
+* ``stats``: ``{"count", "unique", "first", "last"}`` (unique Message-IDs;
+  ``first``/``last`` are the first and last receipt times, or null);
+* ``receipts [START]``: ``[[t, message_id, bench_id], ...]`` from index START;
+* ``reset``: forget everything received so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+
+def _headers(data: bytes) -> tuple[str | None, str | None]:
+    """Message-ID and X-Bench-Id from the header block (no full MIME parse)."""
+    end = data.find(b"\r\n\r\n")
+    head = data if end < 0 else data[:end]
+    message_id = bench_id = None
+    for line in head.split(b"\r\n"):
+        lower = line[:14].lower()
+        if lower.startswith(b"message-id:"):
+            message_id = line[11:].strip().decode("ascii", "replace")
+        elif lower.startswith(b"x-bench-id:"):
+            bench_id = line[11:].strip().decode("ascii", "replace")
+    return message_id, bench_id
+
+
+class SinkHandler:
+    """aiosmtpd handler: every recipient and every message is accepted."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.receipts: list[tuple[float, str | None, str | None]] = []
+        self.message_ids: set[str | None] = set()
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        content = envelope.original_content or envelope.content or b""
+        if isinstance(content, str):
+            content = content.encode("utf-8", "replace")
+        message_id, bench_id = _headers(content)
+        self.receipts.append((time.time(), message_id, bench_id))
+        self.message_ids.add(message_id)
+        return "250 2.0.0 OK"
+
+    def reset(self) -> None:
+        self.receipts = []
+        self.message_ids = set()
+
+    def stats(self) -> dict[str, Any]:
+        receipts = self.receipts
+        return {"count": len(receipts), "unique": len(self.message_ids),
+                "first": receipts[0][0] if receipts else None,
+                "last": receipts[-1][0] if receipts else None}
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    loop = asyncio.get_running_loop()
+    handler = SinkHandler(args.delay)
+
+    def make_smtp() -> SMTP:
+        # An explicit hostname: without one aiosmtpd calls socket.getfqdn() per connection.
+        return SMTP(handler, hostname="bench-sink", ident="bench-sink", decode_data=False,
+                    data_size_limit=64 * 1024 * 1024, enable_SMTPUTF8=True, timeout=900)
+
+    smtp_server = await loop.create_server(make_smtp, args.host, args.port, backlog=1024)
+
+    async def control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            words = (await reader.readline()).decode().split()
+            command = words[0] if words else ""
+            if command == "stats":
+                answer: Any = handler.stats()
+            elif command == "receipts":
+                start = int(words[1]) if len(words) > 1 else 0
+                answer = handler.receipts[start:]
+            elif command == "reset":
+                handler.reset()
+                answer = {"ok": True}
+            else:
+                answer = {"error": f"unknown command {command!r}"}
+            writer.write(json.dumps(answer).encode() + b"\n")
+            await writer.drain()
+        finally:
+            writer.close()
+
+    control_server = await asyncio.start_server(control, args.host, args.control_port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"smtp_port": smtp_server.sockets[0].getsockname()[1],
+                      "control_port": control_server.sockets[0].getsockname()[1],
+                      "pid": os.getpid()}), flush=True)
+    await stop.wait()
+    smtp_server.close()
+    control_server.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sink", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="SMTP port (0: any free one)")
+    parser.add_argument("--control-port", type=int, default=0)
+    parser.add_argument("--delay", type=float, default=0.0,
+                        help="seconds to wait before the 250 reply to each DATA")
+    args = parser.parse_args(argv)
+    asyncio.run(_serve(args))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
