@@ -35,7 +35,7 @@ from .transports._base import NotAttempted
 from ._models import Status
 from ._retry import RetryPolicy
 from ._signals import email_failed, email_sent
-from ._store import ClaimedEmail, Outcome, Store
+from ._store import ClaimedEmail, Outcome, Reaped, Store
 from .transports import Delivered, Envelope, Failed, Transport
 
 if TYPE_CHECKING:
@@ -326,6 +326,20 @@ class DeliveryRoute:
                 fix="raise OUTBOX_LEASE_SECONDS above the slowest SMTP transaction, or check "
                     "that the database keeps up with lease renewals")
         return report
+
+    def report_reaped(self, reaped: Reaped) -> None:
+        """Report what a reap found: rows whose sender died mid-delivery."""
+        if reaped.requeued:
+            _degrade.report(
+                f"{len(reaped.requeued)} email(s) {list(reaped.requeued)[:20]} had an expired "
+                "lease: the process sending them stopped mid-delivery",
+                consequence="they are queued again and will be delivered; one may arrive "
+                            "twice, with the same Message-ID, if its server had accepted it "
+                            "already",
+                fix="nothing for these emails; find why the other process stopped "
+                    "(killed, out of memory) and give workers time to stop on SIGTERM")
+        if reaped.failed:
+            self.report_reaped_failures(reaped.failed)
 
     def report_reaped_failures(self, ids: Sequence[int]) -> None:
         """Report rows the reap dead-lettered (lease expired, attempts spent)."""

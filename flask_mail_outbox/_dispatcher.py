@@ -148,7 +148,15 @@ class Dispatcher:
     # -- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
-        """Tick until :meth:`stop`."""
+        """Tick until :meth:`stop` (in :meth:`start`'s thread, or in the foreground)."""
+        with self._cond:
+            current = threading.current_thread()
+            if self._thread is not None and self._thread.is_alive() \
+                    and self._thread is not current:
+                raise RuntimeError("this dispatcher's loop already runs in another thread")
+            # A foreground loop (`flask outbox worker`) counts as running, so
+            # start() never adds a second loop beside it.
+            self._thread = current
         try:
             while not self._stopping:
                 self.step()
@@ -221,17 +229,7 @@ class Dispatcher:
             conn.invalidate()
             conn.close()
             raise
-        if reaped.requeued:
-            _degrade.report(
-                f"{len(reaped.requeued)} email(s) had an expired lease: the process sending "
-                "them stopped mid-delivery",
-                consequence="they are queued again and will be delivered; one may arrive "
-                            "twice, with the same Message-ID, if its server had accepted it "
-                            "already",
-                fix="nothing for these emails; find why the other process stopped "
-                    "(killed, out of memory) and give workers time to stop on SIGTERM")
-        if reaped.failed:
-            self.route.report_reaped_failures(reaped.failed)
+        self.route.report_reaped(reaped)
         if not claimed:
             return None, False
         if self._stopping:

@@ -111,8 +111,8 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
     # Inline mode never dead-letters; durable mode's reap rule spends attempts.
     reaped = (store.reap_expired(config.max_attempts if durable else None, ids=expired)
               if expired else None)
-    if reaped is not None and reaped.failed:
-        runtime.route.report_reaped_failures(reaped.failed)
+    if reaped is not None:
+        runtime.route.report_reaped(reaped)
     if durable:
         # Due queued rows are already claimable; expired leases were just reaped.
         dispatcher = runtime.dispatcher
