@@ -211,8 +211,10 @@ class Store:
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
-        """A read-only connection; its transaction is rolled back at the end."""
+        """A connection for reads (autocommit on PostgreSQL: no BEGIN/ROLLBACK trips)."""
         with self.engine.connect() as conn:
+            if self.is_postgres:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
 
     # -- the delivery side ------------------------------------------------------
