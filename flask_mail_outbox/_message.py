@@ -1,43 +1,46 @@
-"""Messages: the Flask-Mail compatible ``Message``, its validation, and the MIME it becomes.
+"""Messages: the Flask-Mail compatible ``Message``, and turning one into a ``PreparedEmail``.
 
 ``prepare_message()`` is the one place where a ``Message`` is checked and turned
 into the exact bytes that will go over SMTP. ``mail.send()`` calls it before
 anything is written, so a bad message raises ``InvalidMessage`` in the request
 that made it, never later in a worker.
 
-The MIME is written by hand rather than through ``email.message.EmailMessage``:
-the stdlib route costs milliseconds per message (header folding through the
-policy machinery dominates), and this runs inside every ``mail.send()``. What
-is written is plain RFC 5322 / RFC 2045-2047 / RFC 2231, every line ends in
-CRLF, and the tests read every shape back with ``email.parser.BytesParser``.
+This module validates every field (addresses through ``_addresses``) and hands
+the checked pieces to ``_mime``, which writes the bytes.
 """
 
 from __future__ import annotations
 
-import binascii
 import codecs
 import functools
 import math
 import mimetypes
 import re
 import secrets
-import struct
 import time
 import unicodedata
-import urllib.parse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.charset import Charset
-from email.utils import format_datetime, parseaddr
-from itertools import chain
 from typing import Any, NamedTuple, TypeAlias
 
-import email_validator
-from email_validator import EmailNotValidError, validate_email
 from flask import current_app, has_app_context
 
+from ._addresses import (
+    UNDISCLOSED_RECIPIENTS,
+    AddressError,
+    address_list,
+    bare_address,
+    check_header_text,
+    display_list,
+    has_bad_chars,
+    parse_address,
+    reply_to_list,
+    resolve_sender,
+)
 from ._errors import ConfigError, InvalidMessage
+from ._mime import Part, attachment_part, message_body, top_headers, unstructured_header
 
 __all__ = ["Address", "Attachment", "AttachmentInfo", "Message", "PreparedEmail", "prepare_message"]
 
@@ -46,26 +49,6 @@ Address: TypeAlias = "str | tuple[str, str]"
 
 _DEFAULT_MAX_MESSAGE_BYTES = 25 * 1024 * 1024
 
-# A MIME part: its header lines (no CRLF) and its encoded body (CRLF lines).
-_Part: TypeAlias = "tuple[list[str], bytes]"
-
-# RFC 5322 recommends 78 characters per header line; 998 is the hard limit.
-_FOLD_AT = 78
-_HARD_LINE_LIMIT = 998
-# Longest raw token (word, quoted name, filename) written on one header line;
-# anything longer goes through RFC 2047/2231 encoding, which can be split.
-_MAX_RAW_TOKEN = 900
-# UTF-8 bytes per RFC 2047 encoded-word: 39 bytes -> 52 base64 characters,
-# 64 with the "=?utf-8?b?" and "?=" around them (the limit is 75), so that
-# "Subject: " or "Reply-To: " plus one word still fits in 78 characters.
-_EW_BYTES = 39
-# Base64 line length (RFC 2045), and a struct that cuts 256 such lines at once.
-_B64_LINE = 76
-_B64_BLOCK = struct.Struct(f"{_B64_LINE}s" * 256)
-# Characters of an RFC 2231 percent-encoded parameter per continuation line.
-_RFC2231_CHUNK = 60
-
-_ATEXT_WORDS = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?: [A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*")
 _HEADER_NAME = re.compile(r"[!-9;-~]+")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _CONTENT_TYPE = re.compile(
@@ -73,28 +56,13 @@ _CONTENT_TYPE = re.compile(
 )
 # "<left@right>", printable ASCII without spaces, "<", ">" or a second "@".
 _MESSAGE_ID = re.compile(r"<[!-;=?A-~]+@[!-;=?A-~]+>")
-_SPECIALS_FOR_DISPLAY = re.compile(r'[()<>\[\]:;@\\,."]')
 _WHITESPACE_RUNS = re.compile(r"\s+")
-_QUOTED_PAIR = re.compile(r"\\(.)")
-_HIGH_BYTES = bytes(range(128, 256))
-_UNDISCLOSED = "undisclosed-recipients:;"
 
 # Headers that hold addresses: an extra header replacing one of them must be
 # ASCII, since RFC 2047 encoding would swallow the address itself.
 _ADDRESS_HEADERS = frozenset({"from", "to", "cc", "reply-to", "sender"})
 # Headers the MIME structure owns; overriding them would corrupt the message.
 _STRUCTURAL_HEADERS = frozenset({"content-type", "content-transfer-encoding", "mime-version"})
-
-# email-validator refuses these domains whatever its options say, except
-# "test" under test_environment=True. Read, never modified: it is that
-# library's global state.
-_SPECIAL_USE_DOMAINS: tuple[str, ...] = tuple(
-    getattr(
-        email_validator,
-        "SPECIAL_USE_DOMAIN_NAMES",
-        ("arpa", "invalid", "local", "localhost", "onion", "test"),
-    )
-)
 
 
 # --------------------------------------------------------------------------- #
@@ -186,7 +154,7 @@ class Message:
         for group in (self.recipients, self.cc, self.bcc):
             if isinstance(group, (list, tuple)):
                 for addr in group:
-                    bare = _bare_address(addr)
+                    bare = bare_address(addr)
                     if bare:
                         result.add(bare)
         return result
@@ -323,19 +291,19 @@ def prepare_message(
     subject = msg.subject
     if not isinstance(subject, str):
         raise InvalidMessage("subject", f"expected str, got {type(subject).__name__}")
-    _check_header_text("subject", subject)
+    check_header_text("subject", subject)
 
-    to = _address_list("recipients", msg.recipients, allow_local_addresses)
-    cc = _address_list("cc", msg.cc, allow_local_addresses)
-    bcc = _address_list("bcc", msg.bcc, allow_local_addresses)
+    to = address_list("recipients", msg.recipients, allow_local_addresses)
+    cc = address_list("cc", msg.cc, allow_local_addresses)
+    bcc = address_list("bcc", msg.bcc, allow_local_addresses)
     if not (to or cc or bcc):
         raise InvalidMessage(
             "recipients",
             "the message has no recipients; give at least one in recipients, cc or bcc",
         )
 
-    sender = _resolve_sender(msg.sender, default_sender, allow_local_addresses)
-    reply_to = _reply_to_list(msg.reply_to, allow_local_addresses)
+    sender = resolve_sender(msg.sender, default_sender, allow_local_addresses)
+    reply_to = reply_to_list(msg.reply_to, allow_local_addresses)
 
     codec, charset_name = _resolve_charset(msg.charset)
     alternatives = _alternatives(msg, codec)
@@ -353,9 +321,12 @@ def prepare_message(
 
     attachments = _attachments(msg.attachments, ascii_attachments, max_message_bytes)
 
-    body_headers, body = _body(alternatives, attachments, charset_name)
-    headers = _top_headers(sender, to, cc, reply_to, subject, date, message_id, body_headers, extra)
-    to_display = _display_list(to) if to else ("" if cc else _UNDISCLOSED)
+    body_headers, body = message_body(alternatives, [att.part for att in attachments], charset_name)
+    extra_lines = extra.lines if extra else ()
+    headers = top_headers(
+        sender, to, cc, reply_to, subject, date, message_id, body_headers, extra_lines
+    )
+    to_display = display_list(to) if to else ("" if cc else UNDISCLOSED_RECIPIENTS)
     if extra and "to" in extra.replaced:
         to_display = extra.replaced["to"]
 
@@ -385,224 +356,21 @@ def prepare_message(
     )
 
 
-def _top_headers(
-    sender: _Addr,
-    to: list[_Addr],
-    cc: list[_Addr],
-    reply_to: list[_Addr],
-    subject: str,
-    date: datetime,
-    message_id: str,
-    body_headers: list[str],
-    extra: _Extra | None,
-) -> list[str]:
-    """The message's own header lines, in the order mail clients write them."""
-    headers = {"from": _address_header("From", [sender])}
-    if to:
-        headers["to"] = _address_header("To", to)
-    elif not cc:
-        # Bcc-only mail: say so rather than leave To out (what MUAs do).
-        headers["to"] = "To: " + _UNDISCLOSED
-    if cc:
-        headers["cc"] = _address_header("Cc", cc)
-    if reply_to:
-        headers["reply-to"] = _address_header("Reply-To", reply_to)
-    headers["subject"] = _unstructured_header("Subject", subject)
-    headers["date"] = "Date: " + format_datetime(date)
-    headers["message-id"] = "Message-ID: " + message_id
-    headers["mime-version"] = "MIME-Version: 1.0"
-    lines = list(headers.values()) + body_headers
-    if extra:
-        position = {name: index for index, name in enumerate(headers)}
-        for name, line in extra.lines:
-            if name in position:
-                # Flask-Mail appends a second copy; replacing is what users mean.
-                lines[position[name]] = line
-            else:
-                lines.append(line)
-    return lines
-
-
 # --------------------------------------------------------------------------- #
-# Addresses
+# Message-ID
 # --------------------------------------------------------------------------- #
-
-
-class _Addr(NamedTuple):
-    name: str  # display name, "" when none
-    ascii: str  # local@punycode-domain, what the envelope and headers use
-    display: str  # local@unicode-domain, for listings
-    domain: str  # the ASCII domain
-
-
-class _AddressError(Exception):
-    """email-validator's verdict, without its exception chain."""
-
-
-@functools.lru_cache(maxsize=1024)
-def _parse_address(address: str, allow_local: bool) -> _Addr:
-    """Validate one bare address (cached: the same senders and recipients repeat)."""
-    special = ""
-    checked = address
-    if allow_local:
-        # email-validator has no switch for special-use names other than
-        # "test" (test_environment=True), and its list is global state we must
-        # not change. So check the address with the reserved suffix swapped
-        # for "test", and put the suffix back afterwards.
-        head, at, domain = address.rpartition("@")
-        lowered = domain.lower()
-        for name in _SPECIAL_USE_DOMAINS:
-            if lowered == name or lowered.endswith("." + name):
-                special = name
-                checked = head + at + domain[: len(domain) - len(name)] + "test"
-                break
-    try:
-        valid = validate_email(
-            checked,
-            check_deliverability=False,  # syntax only: never a DNS query in a request
-            allow_smtputf8=False,
-            globally_deliverable=not allow_local,
-            test_environment=allow_local,
-        )
-    except EmailNotValidError as exc:
-        raise _AddressError(str(exc)) from None
-    local = valid.ascii_local_part
-    if local is None:  # pragma: no cover - allow_smtputf8=False guarantees it
-        raise _AddressError("The address needs SMTPUTF8, which is not supported.")
-    ascii_domain = valid.ascii_domain
-    unicode_domain = valid.domain
-    if special:
-        ascii_domain = ascii_domain[: -len("test")] + special
-        unicode_domain = unicode_domain[: -len("test")] + special
-    return _Addr(
-        name="",
-        ascii=f"{local}@{ascii_domain}",
-        display=f"{local}@{unicode_domain}",
-        domain=ascii_domain,
-    )
-
-
-def _split_display_form(text: str) -> tuple[str, str]:
-    """``Name <a@x.org>`` -> (name, address), as Flask-Mail's parseaddr reads it.
-
-    Done here rather than by email-validator, which refuses the common
-    unquoted non-ASCII form ``Jörg Müller <j@x.org>``. An addr-spec cannot
-    contain "<", so the last one starts the address.
-    """
-    if not text.endswith(">") or "<" not in text:
-        return "", text
-    start = text.rindex("<")
-    name = text[:start].strip()
-    if len(name) >= 2 and name[0] == '"' and name[-1] == '"':
-        name = _QUOTED_PAIR.sub(r"\1", name[1:-1])
-    return name, text[start + 1 : -1]
-
-
-def _address(field: str, value: object, allow_local: bool) -> _Addr:
-    """One address in any accepted form, or InvalidMessage naming ``field``."""
-    if isinstance(value, str):
-        _check_header_text(field, value)
-        name, address = _split_display_form(value)
-    elif isinstance(value, tuple):
-        if len(value) != 2 or not isinstance(value[0], str) or not isinstance(value[1], str):
-            raise InvalidMessage(
-                field, f"an address tuple must be (name, address), both str; got {value!r}"
-            )
-        name, address = value
-        _check_header_text(field, name)
-        _check_header_text(field, address)
-    else:
-        raise InvalidMessage(
-            field,
-            f"expected an address string or a (name, address) tuple, got {type(value).__name__}",
-        )
-    if not address:
-        raise InvalidMessage(field, f"{value!r} has no address")
-    try:
-        addr = _parse_address(address, allow_local)
-    except _AddressError as exc:
-        hint = ""
-        if not allow_local and _looks_local(address):
-            hint = "; set OUTBOX_ALLOW_LOCAL_ADDRESSES = True to allow local and test domains"
-        raise InvalidMessage(
-            field, f"{address!r} is not a valid email address ({exc}){hint}"
-        ) from None
-    return addr._replace(name=name) if name else addr
-
-
-def _looks_local(text: str) -> bool:
-    local, at, domain = text.rpartition("@")
-    if not at or not local or not domain:
-        return False  # not an address at all: no hint about local domains
-    domain = domain.lower()
-    return "." not in domain or any(
-        domain == d or domain.endswith("." + d) for d in _SPECIAL_USE_DOMAINS
-    )
-
-
-def _address_list(field: str, value: object, allow_local: bool) -> list[_Addr]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        raise InvalidMessage(
-            field, f"expected a list of addresses, got the string {value!r}; write [{value!r}]"
-        )
-    if not isinstance(value, (list, tuple)):
-        raise InvalidMessage(field, f"expected a list of addresses, got {type(value).__name__}")
-    if (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and all(isinstance(v, str) for v in value)
-        and "@" not in value[0]
-        and "@" in value[1]
-    ):
-        raise InvalidMessage(field, f"got the single address tuple {value!r}; write [{value!r}]")
-    return [_address(f"{field}[{i}]", item, allow_local) for i, item in enumerate(value)]
-
-
-def _resolve_sender(sender: object, default_sender: object, allow_local: bool) -> _Addr:
-    if sender is not None and sender != "":
-        return _address("sender", sender, allow_local)
-    if default_sender is None or default_sender == "":
-        raise InvalidMessage(
-            "sender",
-            "the message has no sender and there is no default; set MAIL_DEFAULT_SENDER or pass sender=",
-        )
-    try:
-        return _address("sender", default_sender, allow_local)
-    except InvalidMessage as exc:
-        raise InvalidMessage("sender", f"MAIL_DEFAULT_SENDER: {exc.problem}") from None
-
-
-def _reply_to_list(value: object, allow_local: bool) -> list[_Addr]:
-    if value is None or value == "":
-        return []
-    if isinstance(value, list):
-        return [_address(f"reply_to[{i}]", item, allow_local) for i, item in enumerate(value)]
-    return [_address("reply_to", value, allow_local)]
-
-
-def _bare_address(addr: object) -> str:
-    """The addr-spec of an unvalidated address, for ``send_to``."""
-    if isinstance(addr, tuple) and len(addr) == 2 and isinstance(addr[1], str):
-        return addr[1]
-    if isinstance(addr, str):
-        if "<" in addr:
-            return parseaddr(addr)[1] or addr
-        return addr
-    return ""
 
 
 @functools.lru_cache(maxsize=16)
 def _message_id_domain(domain: str) -> str:
-    if not isinstance(domain, str) or not domain or _has_bad_chars(domain):
+    if not isinstance(domain, str) or not domain or has_bad_chars(domain):
         raise ConfigError(
             "OUTBOX_MESSAGE_ID_DOMAIN",
             f"must be a domain name such as 'example.com', got {domain!r}",
         )
     try:
-        return _parse_address("postmaster@" + domain, True).domain
-    except _AddressError as exc:
+        return parse_address("postmaster@" + domain, True).domain
+    except AddressError as exc:
         raise ConfigError(
             "OUTBOX_MESSAGE_ID_DOMAIN", f"{domain!r} is not a valid domain name ({exc})"
         ) from None
@@ -611,7 +379,7 @@ def _message_id_domain(domain: str) -> str:
 def _check_message_id(value: object) -> str:
     if not isinstance(value, str):
         raise InvalidMessage("msgId", f"expected str, got {type(value).__name__}")
-    _check_header_text("msgId", value)
+    check_header_text("msgId", value)
     if not value.isascii() or not _MESSAGE_ID.fullmatch(value):
         raise InvalidMessage(
             "msgId", f"{value!r} is not a Message-ID of the form '<unique@domain>'"
@@ -624,34 +392,12 @@ def _check_message_id(value: object) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def _has_bad_chars(text: str) -> bool:
-    return "\r" in text or "\n" in text or "\0" in text
-
-
 def _has_bad_chars_deep(value: object) -> bool:
     if isinstance(value, str):
-        return _has_bad_chars(value)
+        return has_bad_chars(value)
     if isinstance(value, (tuple, list)):
         return any(_has_bad_chars_deep(v) for v in value)
     return False
-
-
-def _check_header_text(field: str, text: str) -> None:
-    if _has_bad_chars(text):
-        raise InvalidMessage(
-            field, f"contains a CR, LF or NUL character (header injection?): {text[:80]!r}"
-        )
-    if not text.isascii():
-        _check_encodable(field, text)
-
-
-def _check_encodable(field: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidMessage(
-            field, f"is not valid Unicode text ({exc.reason} at position {exc.start})"
-        ) from None
 
 
 def _alts_dict(alts: object) -> Any:
@@ -771,8 +517,8 @@ def _extra_headers(value: object) -> _Extra | None:
                 "extra_headers",
                 f"names and values must be str, got {type(name).__name__}: {type(text).__name__}",
             )
-        _check_header_text("extra_headers", name)
-        _check_header_text("extra_headers", text)
+        check_header_text("extra_headers", name)
+        check_header_text("extra_headers", text)
         if not name.isascii() or not _HEADER_NAME.fullmatch(name):
             raise InvalidMessage("extra_headers", f"{name!r} is not a header name")
         lname = name.lower()
@@ -794,7 +540,7 @@ def _extra_headers(value: object) -> _Extra | None:
             replaced[lname] = text
         if lname == "message-id":
             continue  # used as the Message-ID by the caller
-        lines.append((lname, _unstructured_header(name, text)))
+        lines.append((lname, unstructured_header(name, text)))
     return _Extra(lines, replaced)
 
 
@@ -804,7 +550,7 @@ def _extra_headers(value: object) -> _Extra | None:
 
 
 class _BuiltAttachment(NamedTuple):
-    part: _Part
+    part: Part
     info: AttachmentInfo
 
 
@@ -849,7 +595,7 @@ def _attachment(field: str, att: Any, data: bytes | str, ascii_only: bool) -> _B
         raise InvalidMessage(
             f"{field}.content_type", f"expected str or None, got {type(content_type).__name__}"
         )
-    _check_header_text(f"{field}.content_type", content_type)
+    check_header_text(f"{field}.content_type", content_type)
     match = _CONTENT_TYPE.fullmatch(content_type)
     if not content_type.isascii() or match is None:
         raise InvalidMessage(
@@ -862,7 +608,7 @@ def _attachment(field: str, att: Any, data: bytes | str, ascii_only: bool) -> _B
         raise InvalidMessage(
             f"{field}.disposition", f"expected str, got {type(disposition).__name__}"
         )
-    _check_header_text(f"{field}.disposition", disposition)
+    check_header_text(f"{field}.disposition", disposition)
     if not disposition.isascii() or not _TOKEN.fullmatch(disposition):
         raise InvalidMessage(
             f"{field}.disposition", f"{disposition!r} is not a disposition such as 'attachment'"
@@ -878,17 +624,10 @@ def _attachment(field: str, att: Any, data: bytes | str, ascii_only: bool) -> _B
         if match["type"].lower().startswith("text/") and "charset" not in content_type.lower():
             content_type += '; charset="utf-8"'
 
-    header_lines = {
-        "content-type": "Content-Type: " + content_type,
-        "content-disposition": _content_disposition(disposition, filename),
-    }
-    for name, text in _part_headers(f"{field}.headers", getattr(att, "headers", None)):
-        # Like extra_headers, a header named like one of ours replaces it.
-        header_lines[name.lower()] = _unstructured_header(name, text)
-    lines = list(header_lines.values())
-    lines.append("Content-Transfer-Encoding: base64")
+    headers = _part_headers(f"{field}.headers", getattr(att, "headers", None))
     info = AttachmentInfo(filename=filename, content_type=match["type"].lower(), size=len(data))
-    return _BuiltAttachment(part=(lines, _base64_lines(data)), info=info)
+    part = attachment_part(content_type, disposition, filename, headers, data)
+    return _BuiltAttachment(part=part, info=info)
 
 
 def _attachment_filename(field: str, filename: object, ascii_only: bool) -> str | None:
@@ -897,7 +636,7 @@ def _attachment_filename(field: str, filename: object, ascii_only: bool) -> str 
         return None
     if not isinstance(filename, str):
         raise InvalidMessage(field, f"expected str or None, got {type(filename).__name__}")
-    _check_header_text(field, filename)
+    check_header_text(field, filename)
     if ascii_only:
         filename = unicodedata.normalize("NFKD", filename)
         filename = filename.encode("ascii", "ignore").decode("ascii")
@@ -922,8 +661,8 @@ def _part_headers(field: str, value: object) -> list[tuple[str, str]]:
         ):
             raise InvalidMessage(field, f"expected str names and values, got {pair!r}")
         name, text = pair
-        _check_header_text(field, name)
-        _check_header_text(field, text)
+        check_header_text(field, name)
+        check_header_text(field, text)
         if not name.isascii() or not _HEADER_NAME.fullmatch(name):
             raise InvalidMessage(field, f"{name!r} is not a header name")
         if name.lower() == "content-transfer-encoding":
@@ -932,216 +671,6 @@ def _part_headers(field: str, value: object) -> list[tuple[str, str]]:
             )
         checked.append((name, text))
     return checked
-
-
-def _content_disposition(disposition: str, filename: str | None) -> str:
-    if filename is None:
-        return "Content-Disposition: " + disposition
-    if filename.isascii() and filename.isprintable() and len(filename) <= _MAX_RAW_TOKEN:
-        quoted = filename.replace("\\", "\\\\").replace('"', '\\"')
-        return _fold("Content-Disposition", [disposition + ";", f'filename="{quoted}"'])
-    # RFC 2231: percent-encoded UTF-8, split into numbered continuations at
-    # character boundaries so every piece is valid on its own.
-    chunks: list[str] = []
-    current = ""
-    for char in filename:
-        piece = urllib.parse.quote(char, safe="")
-        if current and len(current) + len(piece) > _RFC2231_CHUNK:
-            chunks.append(current)
-            current = ""
-        current += piece
-    chunks.append(current)
-    if len(chunks) == 1:
-        return _fold("Content-Disposition", [disposition + ";", f"filename*=utf-8''{chunks[0]}"])
-    atoms = [disposition + ";"]
-    for i, chunk in enumerate(chunks):
-        prefix = "utf-8''" if i == 0 else ""
-        end = ";" if i < len(chunks) - 1 else ""
-        atoms.append(f"filename*{i}*={prefix}{chunk}{end}")
-    return _fold("Content-Disposition", atoms)
-
-
-# --------------------------------------------------------------------------- #
-# MIME writing
-# --------------------------------------------------------------------------- #
-
-
-def _body(
-    alternatives: list[tuple[str, bytes]], attachments: list[_BuiltAttachment], charset: str
-) -> _Part:
-    """The message's content: one text part, multipart/alternative, wrapped in multipart/mixed for attachments."""
-    parts = [_text_part(subtype, data, charset) for subtype, data in alternatives]
-    if len(parts) > 1:
-        parts = [_multipart("alternative", parts)]
-    if attachments:
-        return _multipart("mixed", parts + [att.part for att in attachments])
-    if parts:
-        return parts[0]
-    return _text_part("plain", b"", charset)
-
-
-def _text_part(subtype: str, data: bytes, charset: str) -> _Part:
-    """A text/* part of already-encoded text: 7bit when it can be, else QP or base64."""
-    if b"\r" in data:
-        data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    if data and not data.endswith(b"\n"):
-        data += b"\n"
-    content_type = f'Content-Type: text/{subtype}; charset="{charset}"'
-    if data.isascii() and b"\0" not in data and _longest_line(data) <= _HARD_LINE_LIMIT:
-        return [content_type, "Content-Transfer-Encoding: 7bit"], data.replace(b"\n", b"\r\n")
-    high = len(data) - len(data.translate(None, _HIGH_BYTES))
-    # Quoted-printable triples each 8-bit byte, base64 grows everything by a
-    # third: QP wins (and stays readable) while under 1 byte in 6 is 8-bit.
-    if high * 6 < len(data):
-        encoded = binascii.b2a_qp(data, istext=True).replace(b"\n", b"\r\n")
-        return [content_type, "Content-Transfer-Encoding: quoted-printable"], encoded
-    return [content_type, "Content-Transfer-Encoding: base64"], _base64_lines(data)
-
-
-def _longest_line(data: bytes) -> int:
-    if len(data) <= _HARD_LINE_LIMIT:
-        return len(data)
-    return max(map(len, data.split(b"\n")))
-
-
-def _base64_lines(data: bytes) -> bytes:
-    """Base64 in 76-character lines (RFC 2045), joined with CRLF."""
-    encoded = binascii.b2a_base64(data, newline=False)
-    size = len(encoded)
-    if size <= _B64_LINE:
-        return encoded
-    # Cutting lines with a Python loop costs more than the encoding itself;
-    # a precompiled struct cuts a block of 256 lines per C call instead.
-    whole = size - size % _B64_BLOCK.size
-    lines = list(chain.from_iterable(_B64_BLOCK.iter_unpack(memoryview(encoded)[:whole])))
-    count, rest = divmod(size - whole, _B64_LINE)
-    if count:
-        lines.extend(struct.unpack_from(f"{_B64_LINE}s" * count, encoded, whole))
-    if rest:
-        lines.append(encoded[size - rest :])
-    return b"\r\n".join(lines)
-
-
-def _multipart(subtype: str, parts: Sequence[_Part]) -> _Part:
-    chunks = [
-        b"\r\n".join(h.encode("ascii") for h in headers) + b"\r\n\r\n" + body
-        for headers, body in parts
-    ]
-    while True:
-        # "=_" can occur neither in base64 nor in quoted-printable; a 7bit text
-        # part could hold it, so check rather than hope.
-        boundary = "=_" + secrets.token_hex(16)
-        marker = boundary.encode("ascii")
-        if not any(marker in chunk for chunk in chunks):
-            break
-    delimiter = b"--" + marker
-    body = (
-        delimiter
-        + b"\r\n"
-        + (b"\r\n" + delimiter + b"\r\n").join(chunks)
-        + b"\r\n"
-        + delimiter
-        + b"--\r\n"
-    )
-    return [f'Content-Type: multipart/{subtype}; boundary="{boundary}"'], body
-
-
-def _fold(name: str, atoms: Sequence[str]) -> str:
-    """``name: atom atom ...``, breaking before an atom when the line would pass 78 characters."""
-    out = [name, ":"]
-    start = len(name) + 1
-    line = start
-    for atom in atoms:
-        if atom and line > start and line + 1 + len(atom) > _FOLD_AT:
-            out.append("\r\n ")
-            line = 1
-        else:
-            out.append(" ")
-            line += 1
-        out.append(atom)
-        line += len(atom)
-    return "".join(out)
-
-
-def _encoded_words(text: str, *, break_after_space: bool = False) -> list[str]:
-    """RFC 2047 base64 encoded-words of at most ``_EW_BYTES`` UTF-8 bytes each.
-
-    Chunks never split a character. With ``break_after_space`` a chunk ends
-    after a space where it can, so a reader that (wrongly) keeps the folding
-    whitespace between words only doubles a space instead of splitting a word.
-    """
-    chunks: list[str] = []
-    data = text.encode("utf-8")
-    if len(data) <= _EW_BYTES:
-        chunks.append(text)
-    else:
-        start = 0
-        size = 0
-        last_space = -1
-        for i, char in enumerate(text):
-            code = ord(char)
-            n = 1 if code < 0x80 else 2 if code < 0x800 else 3 if code < 0x10000 else 4
-            if size + n > _EW_BYTES:
-                cut = last_space + 1 if break_after_space and last_space >= start else i
-                chunks.append(text[start:cut])
-                size = len(text[cut:i].encode("utf-8"))
-                start = cut
-                last_space = -1
-            size += n
-            if char == " ":
-                last_space = i
-        chunks.append(text[start:])
-    return [
-        "=?utf-8?b?" + binascii.b2a_base64(c.encode("utf-8"), newline=False).decode("ascii") + "?="
-        for c in chunks
-    ]
-
-
-def _unstructured_header(name: str, value: str) -> str:
-    """An unstructured header (Subject, extra headers), RFC 2047-encoded when plain text would not survive."""
-    if value.isascii() and value.isprintable() and "=?" not in value and value == value.strip():
-        words = value.split(" ")
-        if max(map(len, words)) <= _MAX_RAW_TOKEN:
-            return _fold(name, words)
-    # Non-ASCII, control characters, edge whitespace or something that looks
-    # like an encoded-word: encode it all so the reader gets it back exactly.
-    return _fold(name, _encoded_words(value))
-
-
-def _address_header(name: str, addrs: Sequence[_Addr]) -> str:
-    atoms: list[str] = []
-    last = len(addrs) - 1
-    for i, addr in enumerate(addrs):
-        comma = "," if i < last else ""
-        if addr.name:
-            atoms.extend(_phrase(addr.name))
-            atoms.append(f"<{addr.ascii}>{comma}")
-        else:
-            atoms.append(addr.ascii + comma)
-    return _fold(name, atoms)
-
-
-def _phrase(name: str) -> list[str]:
-    """A display name as header atoms: plain words, one quoted string, or encoded-words."""
-    if name.isascii() and name.isprintable() and "=?" not in name and len(name) <= _MAX_RAW_TOKEN:
-        if _ATEXT_WORDS.fullmatch(name):
-            return name.split(" ")
-        return ['"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"']
-    return _encoded_words(name, break_after_space=True)
-
-
-def _display_list(addrs: Sequence[_Addr]) -> str:
-    """The To header as a person reads it (decoded names, Unicode domains)."""
-    out = []
-    for addr in addrs:
-        if not addr.name:
-            out.append(addr.display)
-        elif _SPECIALS_FOR_DISPLAY.search(addr.name):
-            quoted = addr.name.replace("\\", "\\\\").replace('"', '\\"')
-            out.append(f'"{quoted}" <{addr.display}>')
-        else:
-            out.append(f"{addr.name} <{addr.display}>")
-    return ", ".join(out)
 
 
 # --------------------------------------------------------------------------- #
