@@ -95,16 +95,24 @@ def _before_commit(session: Session) -> None:
         publisher.prepare_commit(session)
 
 
-def _after_commit(session: Session) -> None:
+def _take_ending(session: Session) -> tuple[
+        dict[SessionTransaction, list[StagedEmail]], SessionTransaction,
+        list[StagedEmail]] | None:
+    """The staged rows of the transaction that is ending now (removed from the map)."""
     staged: dict[SessionTransaction, list[StagedEmail]] | None = session.info.get(_KEY)
     if not staged:
-        return
+        return None
     trans = _ending(session)
     if trans is None:
+        return None
+    return staged, trans, staged.pop(trans, None) or []
+
+
+def _after_commit(session: Session) -> None:
+    ending = _take_ending(session)
+    if ending is None or not ending[2]:
         return
-    entries = staged.pop(trans, None)
-    if not entries:
-        return
+    staged, trans, entries = ending
     if trans.parent is not None:
         staged.setdefault(trans.parent, []).extend(entries)
         return
@@ -112,13 +120,10 @@ def _after_commit(session: Session) -> None:
 
 
 def _after_rollback(session: Session) -> None:
-    staged: dict[SessionTransaction, list[StagedEmail]] | None = session.info.get(_KEY)
-    if not staged:
+    ending = _take_ending(session)
+    if ending is None:
         return
-    trans = _ending(session)
-    if trans is None:
-        return
-    entries = staged.pop(trans, None)
+    staged, trans, entries = ending
     if entries:
         logger.info("Rollback discarded %d staged email(s) %s; nothing was sent.",
                     len(entries), [e.email_id for e in entries])
