@@ -10,9 +10,11 @@ proves nothing.
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from smtpserver import FaultSMTPServer  # noqa: E402
 
 from flask_mail_outbox import OutboxMail  # noqa: E402
+from flask_mail_outbox._models import email_table  # noqa: E402
 from flask_mail_outbox._models import metadata as outbox_metadata  # noqa: E402
 
 PG_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL")
@@ -125,16 +128,69 @@ def make_app(db_url: str, **config: Any) -> Flask:
     return app
 
 
+def close_app(app: Flask, timeout: float | None = None) -> None:
+    """Stop the app's extension (``timeout``, else its default) and dispose its engines."""
+    mail: OutboxMail = app.extensions["test_mail"]
+    if timeout is None:
+        mail.stop()
+    else:
+        mail.stop(timeout=timeout)
+    with app.app_context():
+        db.session.remove()
+        for engine in db.engines.values():
+            engine.dispose()
+
+
+def rows(app: Flask) -> list[dict[str, Any]]:
+    """Every ``outbox_email`` row of the app's database, by id."""
+    with app.app_context(), db.engine.connect() as conn:
+        return [dict(r) for r in conn.execute(
+            email_table.select().order_by(email_table.c.id)).mappings()]
+
+
+def wait_rows(app: Flask, predicate: Callable[[list[dict[str, Any]]], bool],
+              timeout: float, interval: float = 0.05) -> list[dict[str, Any]]:
+    """``rows(app)`` once ``predicate`` holds for them, or as they are after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = rows(app)
+        if predicate(current) or time.monotonic() > deadline:
+            return current
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (just now)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+MakeApps = Callable[..., tuple[Flask, OutboxMail]]
+
+
+@pytest.fixture
+def make_apps(db_url: str) -> Iterator[MakeApps]:
+    """``make_apps(**config)``: ``make_app(db_url, **config)`` and its extension;
+    every app made is closed (``close_app``) at teardown."""
+    made: list[Flask] = []
+
+    def factory(**config: Any) -> tuple[Flask, OutboxMail]:
+        app = make_app(db_url, **config)
+        made.append(app)
+        return app, app.extensions["test_mail"]
+
+    yield factory
+    for app in made:
+        close_app(app)
+
+
 @pytest.fixture
 def app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
     """An app delivering over SMTP to ``smtp_server``."""
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     yield app
-    app.extensions["test_mail"].stop(timeout=5)
-    with app.app_context():
-        db.session.remove()
-        for engine in db.engines.values():
-            engine.dispose()
+    close_app(app, timeout=5)
 
 
 @pytest.fixture

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 from flask import Flask
 
-from conftest import db, make_app
-from flask_mail_outbox import OutboxMail
+from conftest import close_app, free_port, make_app
 from smtpserver import FaultSMTPServer
 
 
@@ -21,21 +18,14 @@ def test_send_test_delivers_one_email(app: Flask, smtp_server: FaultSMTPServer) 
 
 
 def test_send_test_reports_a_failure_with_exit_1(db_url: str) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=port, OUTBOX_INLINE_RETRIES=0)
-    mail: OutboxMail = app.extensions["test_mail"]
+    app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0)
     try:
         result = app.test_cli_runner().invoke(args=["outbox", "send-test", "--to",
                                                     "ops@example.com"])
         assert result.exit_code == 1
         assert "queued" in result.output and "Connect call failed" in result.output
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_send_test_rejects_a_bad_address(app: Flask) -> None:

@@ -21,7 +21,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import db, make_app
+from conftest import close_app, db, free_port, make_app
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -180,23 +179,13 @@ def children(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path) -> Itera
 # -- the test process's app -----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def local(db_url: str) -> Iterator[Flask]:
     """The test process's app: creates the tables, reads rows; its SMTP server is unreachable."""
     app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(),
                    OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2)
     yield app
-    app.extensions["test_mail"].stop(timeout=5)
-    with app.app_context():
-        db.session.remove()
-        for engine in db.engines.values():
-            engine.dispose()
+    close_app(app, timeout=5)
 
 
 def engine_of(app: Flask) -> sa.Engine:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import email.policy
 import json
 import logging
-import socket
 import threading
 import time
 from email.parser import BytesParser
@@ -14,31 +13,9 @@ from typing import Any
 import pytest
 from flask import Flask
 
-from conftest import User, db, make_app
+from conftest import User, close_app, db, free_port, make_app, rows, wait_rows
 from flask_mail_outbox import Message, OutboxMail, email_failed, email_queued, email_sent
-from flask_mail_outbox._models import email_table
 from smtpserver import FaultSMTPServer
-
-
-def rows(app: Flask) -> list[dict[str, Any]]:
-    with app.app_context(), db.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(
-            email_table.select().order_by(email_table.c.id)).mappings()]
-
-
-def wait_rows(app: Flask, predicate: Any, timeout: float = 15.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        current = rows(app)
-        if predicate(current) or time.monotonic() > deadline:
-            return current
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_view_returns_while_smtp_server_holds_the_message(
@@ -61,7 +38,7 @@ def test_view_returns_while_smtp_server_holds_the_message(
     assert [r["status"] for r in rows(app)] == ["sending"]
     smtp_server.release()
     assert smtp_server.wait_for(1)
-    assert wait_rows(app, lambda r: r[0]["status"] == "sent")[0]["status"] == "sent"
+    assert wait_rows(app, lambda r: r[0]["status"] == "sent", timeout=15.0)[0]["status"] == "sent"
 
 
 def test_everything_arrives_intact(app: Flask, mail: OutboxMail,
@@ -113,7 +90,7 @@ def test_smtp_550_fails_permanently_with_the_reply(
     try:
         email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
         db.session.commit()
-        [row] = wait_rows(app, lambda r: r[0]["status"] == "failed")
+        [row] = wait_rows(app, lambda r: r[0]["status"] == "failed", timeout=15.0)
     finally:
         email_failed.disconnect(on_failed, app)
     assert row["status"] == "failed" and row["attempts"] == 1
@@ -147,10 +124,7 @@ def test_unreachable_server_leaves_row_queued_with_an_error(
         assert not [r for r in caplog.records if r.name.startswith("flask_mail_outbox")
                     and r.levelno == logging.WARNING]
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_two_transient_failures_then_success(
@@ -173,7 +147,7 @@ def test_partial_refusal_is_sent_recorded_and_reported(
     mail.send(Message("x", recipients=["good@example.com", "bad@example.com"], body="x"))
     db.session.commit()
     assert smtp_server.wait_for(1)
-    [row] = wait_rows(app, lambda r: r[0]["status"] == "sent")
+    [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", timeout=15.0)
     assert row["attempts"] == 1
     assert "bad@example.com" in row["last_error"] and "550" in row["last_error"]
     assert mail.wait_idle(5)
@@ -189,7 +163,7 @@ def test_every_recipient_refused_is_permanent(
     smtp_server.refuse_recipient("bad@example.com", 550, "5.1.1 No such user")
     mail.send(Message("x", recipients=["bad@example.com"], body="x"))
     db.session.commit()
-    [row] = wait_rows(app, lambda r: r[0]["status"] == "failed")
+    [row] = wait_rows(app, lambda r: r[0]["status"] == "failed", timeout=15.0)
     assert row["status"] == "failed" and "every recipient refused" in row["last_error"]
 
 
@@ -217,10 +191,7 @@ def test_password_never_logged_or_stored(
             assert secret not in text and encoded not in text
         assert secret not in repr(app.extensions["mail_outbox"].config)
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_auth_success(db_url: str, smtp_server: FaultSMTPServer) -> None:
@@ -234,10 +205,7 @@ def test_auth_success(db_url: str, smtp_server: FaultSMTPServer) -> None:
             db.session.commit()
             assert smtp_server.wait_for(1)
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_signals_and_record_messages(app: Flask, mail: OutboxMail,
@@ -278,10 +246,7 @@ def test_memory_transport_delivers_inside_commit(db_url: str) -> None:
             assert [m.subject for m in outbox] == ["Hello"]
         assert rows(app)[0]["status"] == "sent"
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_connections_are_reused_across_a_batch(
@@ -322,10 +287,7 @@ def test_use_tls_false_never_upgrades(db_url: str) -> None:
                 assert server.wait_for(1)
             assert server.messages[0].tls is False
         finally:
-            mail.stop()
-            with app.app_context():
-                for engine in db.engines.values():
-                    engine.dispose()
+            close_app(app)
 
 
 def test_concurrent_senders_never_share_a_row(
@@ -398,15 +360,11 @@ def test_no_delivery_thread_until_something_is_committed(
         db_url: str, smtp_server: FaultSMTPServer) -> None:
     before = {t.ident for t in threading.enumerate()}
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
-    mail: OutboxMail = app.extensions["test_mail"]
     try:
         started = [t.name for t in threading.enumerate() if t.ident not in before]
         assert not [name for name in started if name.startswith("outbox")]
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_stop_releases_claimed_rows_not_yet_handed_to_the_server(

@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from flask import Flask
 
-from conftest import db, make_app
+from conftest import MakeApps, close_app, db, make_app
 from flask_mail_outbox import Message, OutboxMail, PermanentError, TransientError
 from flask_mail_outbox._delivery import BatchReport
 from flask_mail_outbox._dispatcher import Dispatcher, IdleBackoff, RateLimiter
@@ -251,7 +250,6 @@ def count_statements(engine: sa.Engine) -> list[str]:
 
 def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> None:
     app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null")
-    mail: OutboxMail = app.extensions["test_mail"]
     try:
         state = app.extensions["mail_outbox"]
         runtime = state.runtime()
@@ -276,10 +274,7 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
             assert heads == ["BEGIN", "UPDATE", "UPDATE"] * 10
             assert all("lease_expires_at <" in s for s in seen[1::3])  # exactly 10 reaps
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:
@@ -296,15 +291,12 @@ def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:
         time.sleep(1.0)
         assert seen == []
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
-def test_a_tick_claims_at_most_a_batch_oldest_due_first(app_factory: Any) -> None:
-    app, mail = app_factory(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
-                            OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=5)
+def test_a_tick_claims_at_most_a_batch_oldest_due_first(make_apps: MakeApps) -> None:
+    app, mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                          OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=5)
     with app.app_context():
         ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
                for i in range(12)]
@@ -316,20 +308,3 @@ def test_a_tick_claims_at_most_a_batch_oldest_due_first(app_factory: Any) -> Non
     third, full = dispatcher.tick()
     assert second is not None and third is not None
     assert second.sent == ids[5:10] and third.sent == ids[10:] and full is False
-
-
-@pytest.fixture
-def app_factory(db_url: str) -> Any:
-    made: list[tuple[Flask, OutboxMail]] = []
-
-    def factory(**config: Any) -> tuple[Flask, OutboxMail]:
-        app = make_app(db_url, **config)
-        made.append((app, app.extensions["test_mail"]))
-        return made[-1]
-
-    yield factory
-    for app, mail in made:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()

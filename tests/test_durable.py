@@ -10,25 +10,10 @@ from typing import Any
 import pytest
 from flask import Flask
 
-from conftest import db, make_app
+from conftest import close_app, db, make_app, rows, wait_rows
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._models import email_table
 from smtpserver import FaultSMTPServer
-
-
-def rows(app: Flask) -> list[dict[str, Any]]:
-    with app.app_context(), db.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(
-            email_table.select().order_by(email_table.c.id)).mappings()]
-
-
-def wait_rows(app: Flask, predicate: Any, timeout: float = 20.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        current = rows(app)
-        if predicate(current) or time.monotonic() > deadline:
-            return current
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -38,11 +23,7 @@ def durable_app(db_url: str, smtp_server: FaultSMTPServer) -> Any:
                    OUTBOX_RETRY_MAX_SECONDS=0.2, OUTBOX_POLL_INTERVAL=0.05,
                    OUTBOX_POLL_MAX_INTERVAL=0.2)
     yield app
-    app.extensions["test_mail"].stop(timeout=5)
-    with app.app_context():
-        db.session.remove()
-        for engine in db.engines.values():
-            engine.dispose()
+    close_app(app, timeout=5)
 
 
 def test_durable_send_is_delivered_by_the_dispatcher(
@@ -69,7 +50,7 @@ def test_two_transient_failures_then_success_counts_three_attempts(
         mail.send(Message("x", recipients=["a@example.com"], body="x"))
         db.session.commit()
     assert smtp_server.wait_for(1)
-    [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "sent")
+    [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "sent", timeout=20.0)
     assert row["attempts"] == 3
     assert [h["attempt"] for h in json.loads(row["error_history"])] == [1, 2]
     time.sleep(0.3)
@@ -83,13 +64,13 @@ def test_permanent_failure_dead_letters_and_retry_delivers(
     with durable_app.app_context():
         email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
         db.session.commit()
-        [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "failed")
+        [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "failed", timeout=20.0)
         assert row["attempts"] == 1
         [dead] = mail.dead_letters()
         assert dead["id"] == email_id and dead["error_history"][0]["code"] == 554
         mail.retry(email_id)
         assert smtp_server.wait_for(1)
-        [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "sent")
+        [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "sent", timeout=20.0)
         assert row["attempts"] == 1
         assert mail.dead_letters() == []
         with pytest.raises(LookupError):
@@ -108,15 +89,12 @@ def test_always_4xx_fails_after_max_attempts(db_url: str,
         with app.app_context():
             mail.send(Message("x", recipients=["a@example.com"], body="x"))
             db.session.commit()
-        [row] = wait_rows(app, lambda r: r[0]["status"] == "failed")
+        [row] = wait_rows(app, lambda r: r[0]["status"] == "failed", timeout=20.0)
         assert row["status"] == "failed" and row["attempts"] == 4
         assert len(json.loads(row["error_history"])) == 4
         assert smtp_server.data_attempts == 4
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_one_key_is_delivered_in_send_order(durable_app: Flask,
@@ -146,8 +124,8 @@ def test_a_dead_lettered_email_releases_its_key(durable_app: Flask,
         mail.send(Message("second", recipients=["a@example.com"], body="x"), key="k")
         db.session.commit()
     assert smtp_server.wait_for(1)
-    assert [r["status"] for r in wait_rows(durable_app, lambda r: r[1]["status"] == "sent")] \
-        == ["failed", "sent"]
+    assert [r["status"] for r in wait_rows(durable_app, lambda r: r[1]["status"] == "sent",
+                                           timeout=20.0)] == ["failed", "sent"]
 
 
 def test_send_after_waits_until_due(durable_app: Flask, smtp_server: FaultSMTPServer) -> None:
@@ -186,10 +164,7 @@ def test_toggle_is_shared_by_apps_on_one_database(db_url: str,
         assert result.output.strip() == "inline"
     finally:
         for app in apps:
-            app.extensions["test_mail"].stop()
-            with app.app_context():
-                for engine in db.engines.values():
-                    engine.dispose()
+            close_app(app)
 
 
 def test_switching_modes_strands_nothing(db_url: str, smtp_server: FaultSMTPServer) -> None:
@@ -211,10 +186,7 @@ def test_switching_modes_strands_nothing(db_url: str, smtp_server: FaultSMTPServ
             assert smtp_server.wait_for(3)
         assert len(set(smtp_server.message_ids())) == 3
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_worker_once_delivers_what_is_due(db_url: str, smtp_server: FaultSMTPServer) -> None:
@@ -233,10 +205,7 @@ def test_worker_once_delivers_what_is_due(db_url: str, smtp_server: FaultSMTPSer
         assert smtp_server.wait_for(20)
         assert {r["status"] for r in rows(app)} == {"sent"}
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_expired_lease_is_reaped_and_redelivered(durable_app: Flask,
@@ -250,7 +219,7 @@ def test_expired_lease_is_reaped_and_redelivered(durable_app: Flask,
             lease_expires_at=email_table.c.created_at))
         db.session.commit()
     assert smtp_server.wait_for(1)
-    [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "sent")
+    [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "sent", timeout=20.0)
     assert row["attempts"] == 2
 
 
@@ -271,10 +240,7 @@ def test_commit_wakes_the_dispatcher_long_before_its_next_poll(
             db.session.commit()
         assert smtp_server.wait_for(1, timeout=10)
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
@@ -306,10 +272,7 @@ def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
         recorded, lost = store.record([Outcome(second, Status.SENT)])
         assert len(recorded) == 1 and rows(app)[0]["status"] == "sent"
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
@@ -331,16 +294,13 @@ def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
         assert smtp_server.held == 1 and smtp_server.data_attempts == 1
         smtp_server.release()
         assert smtp_server.wait_for(1)
-        [row] = wait_rows(sender, lambda r: r[0]["status"] == "sent")
+        [row] = wait_rows(sender, lambda r: r[0]["status"] == "sent", timeout=20.0)
         assert row["attempts"] == 1
         time.sleep(0.5)
         assert smtp_server.data_attempts == 1 and len(smtp_server.messages) == 1
     finally:
         for app in (sender, rival):
-            app.extensions["test_mail"].stop()
-            with app.app_context():
-                for engine in db.engines.values():
-                    engine.dispose()
+            close_app(app)
 
 
 def test_only_the_head_of_a_key_is_ever_in_flight(durable_app: Flask,
@@ -396,10 +356,7 @@ def test_sqlite_write_transactions_wait_for_the_lock(tmp_path: Any) -> None:
         other.close()
         assert rows(app)[0]["status"] == "queued"
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)
 
 
 def test_inline_follower_waits_for_its_heads_retry_not_for_the_sweep(
@@ -441,7 +398,4 @@ def test_notify_survives_a_rolled_back_savepoint(pg_database: str | None) -> Non
                 db.session.rollback()
             assert list(listener.notifies(timeout=1, stop_after=1)) == []
     finally:
-        mail.stop()
-        with app.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(app)

@@ -10,17 +10,10 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from conftest import User, db, make_app
+from conftest import User, close_app, db, make_app, rows
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
-from flask_mail_outbox._models import attachment_table, email_table
+from flask_mail_outbox._models import attachment_table
 from smtpserver import FaultSMTPServer
-
-
-def rows(app: Flask) -> list[dict[str, Any]]:
-    with app.app_context():
-        with db.engine.connect() as conn:
-            return [dict(r) for r in conn.execute(
-                email_table.select().order_by(email_table.c.id)).mappings()]
 
 
 def welcome(to: str = "user@example.com", **kwargs: Any) -> Message:
@@ -209,10 +202,7 @@ def test_request_that_raises_is_not_a_forgotten_commit(
         assert len(errors) == 1 and "forgotten db.session.commit()" in errors[0].getMessage()
         assert rows(web) == []
     finally:
-        mail.stop()
-        with web.app_context():
-            for engine in db.engines.values():
-                engine.dispose()
+        close_app(web)
 
 
 def test_many_threads_committing_while_delivering(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -12,56 +11,16 @@ from typing import Any
 import pytest
 from flask import Flask
 
-from conftest import db, make_app
-from flask_mail_outbox import Message, OutboxMail
+from conftest import MakeApps, db, free_port, rows
+from flask_mail_outbox import Message
 from flask_mail_outbox._models import email_table
 from smtpserver import FaultSMTPServer
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def rows(app: Flask) -> list[dict[str, Any]]:
-    with app.app_context(), db.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(
-            email_table.select().order_by(email_table.c.id)).mappings()]
-
-
-class Apps:
-    """Apps made by a test, stopped and disposed at the end."""
-
-    def __init__(self, db_url: str) -> None:
-        self.db_url = db_url
-        self.made: list[Flask] = []
-
-    def __call__(self, **config: Any) -> tuple[Flask, OutboxMail]:
-        app = make_app(self.db_url, **config)
-        self.made.append(app)
-        return app, app.extensions["test_mail"]
-
-    def close(self) -> None:
-        for app in self.made:
-            app.extensions["test_mail"].stop()
-            with app.app_context():
-                db.session.remove()
-                for engine in db.engines.values():
-                    engine.dispose()
-
-
-@pytest.fixture
-def apps(db_url: str) -> Any:
-    made = Apps(db_url)
-    yield made
-    made.close()
-
-
-def strand(apps: Apps, count: int, **config: Any) -> list[int]:
+def strand(make_apps: MakeApps, count: int, **config: Any) -> list[int]:
     """Rows left queued by a process whose SMTP server was unreachable."""
-    app, mail = apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
-                     MAIL_TIMEOUT=2, **config)
+    app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
+                          MAIL_TIMEOUT=2, **config)
     with app.app_context():
         ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
                for i in range(count)]
@@ -72,10 +31,10 @@ def strand(apps: Apps, count: int, **config: Any) -> list[int]:
     return ids
 
 
-def test_next_start_sweeps_stranded_rows(apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    strand(apps, 3)
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                     OUTBOX_RUN_SCHEDULER=True, OUTBOX_SWEEP_MIN_AGE_SECONDS=0)
+def test_next_start_sweeps_stranded_rows(make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    strand(make_apps, 3)
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_RUN_SCHEDULER=True, OUTBOX_SWEEP_MIN_AGE_SECONDS=0)
     with app.app_context():
         report = mail.wait_sweep(20)
     assert report is not None
@@ -88,9 +47,9 @@ def test_next_start_sweeps_stranded_rows(apps: Apps, smtp_server: FaultSMTPServe
 
 
 def test_rows_younger_than_the_age_gate_are_untouched(
-        apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    strand(apps, 2)
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    strand(make_apps, 2)
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     with app.app_context():
         report = mail.sweep()  # default min age: 300 s
     assert report.scanned == 0 and report.sent == 0
@@ -98,10 +57,11 @@ def test_rows_younger_than_the_age_gate_are_untouched(
 
 
 def test_batch_cap_reads_one_more_to_know_it_stopped_short(
-        apps: Apps, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
-    strand(apps, 7)
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                     OUTBOX_SWEEP_BATCH=5)
+        make_apps: MakeApps, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    strand(make_apps, 7)
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_SWEEP_BATCH=5)
     with app.app_context():
         first = mail.sweep(min_age=0)
         second = mail.sweep(min_age=0)
@@ -114,19 +74,19 @@ def test_batch_cap_reads_one_more_to_know_it_stopped_short(
     assert len(truncations) == 1 and "next periodic sweep, in 60 s" in truncations[0].getMessage()
 
 
-def test_exactly_a_full_batch_is_not_truncated(apps: Apps,
+def test_exactly_a_full_batch_is_not_truncated(make_apps: MakeApps,
                                                smtp_server: FaultSMTPServer) -> None:
-    strand(apps, 5)
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    strand(make_apps, 5)
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     with app.app_context():
         report = mail.sweep(min_age=0, limit=5)
     assert (report.scanned, report.sent, report.truncated) == (5, 5, False)
 
 
-def test_sweep_respects_due_times_and_key_order(apps: Apps,
+def test_sweep_respects_due_times_and_key_order(make_apps: MakeApps,
                                                 smtp_server: FaultSMTPServer) -> None:
-    app, mail = apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
-                     MAIL_TIMEOUT=2)
+    app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
+                          MAIL_TIMEOUT=2)
     with app.app_context():
         mail.send(Message("later", recipients=["a@example.com"], body="x"),
                   send_after=timedelta(hours=1))
@@ -135,7 +95,7 @@ def test_sweep_respects_due_times_and_key_order(apps: Apps,
         db.session.commit()
         assert mail.wait_idle(20)
     mail.stop()
-    sweeper, smail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    sweeper, smail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     with sweeper.app_context():
         first = smail.sweep(min_age=0)
         # Only the head of "k" was taken ("later" is not due); once it went out,
@@ -148,9 +108,9 @@ def test_sweep_respects_due_times_and_key_order(apps: Apps,
 
 
 def test_sweep_takes_expired_leases_and_skips_live_ones(
-        apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                     OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
     with app.app_context():
         dead = mail.send(Message("dead", recipients=["a@example.com"], body="x"))
         alive = mail.send(Message("alive", recipients=["a@example.com"], body="x"))
@@ -162,7 +122,7 @@ def test_sweep_takes_expired_leases_and_skips_live_ones(
         db.session.execute(email_table.update().where(email_table.c.id == dead).values(
             lease_expires_at=email_table.c.created_at))
         db.session.commit()
-    inline, imail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    inline, imail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     with inline.app_context():
         imail.set_durable(False)
         report = imail.sweep(min_age=0)
@@ -173,9 +133,9 @@ def test_sweep_takes_expired_leases_and_skips_live_ones(
 
 
 def test_durable_sweeps_requeue_without_delivering_and_twice_is_harmless(
-        apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                     OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False)
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False)
     with app.app_context():
         ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
                for i in range(3)]
@@ -202,11 +162,11 @@ def test_durable_sweeps_requeue_without_delivering_and_twice_is_harmless(
 
 
 def test_startup_sweep_never_blocks_the_first_request(
-        apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    strand(apps, 5)
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    strand(make_apps, 5)
     smtp_server.hold()
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                     OUTBOX_RUN_SCHEDULER=True, OUTBOX_SWEEP_MIN_AGE_SECONDS=0)
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_RUN_SCHEDULER=True, OUTBOX_SWEEP_MIN_AGE_SECONDS=0)
 
     @app.get("/ping")
     def ping() -> str:
@@ -224,8 +184,9 @@ def test_startup_sweep_never_blocks_the_first_request(
 
 
 def test_a_failing_sweep_is_reported_and_the_scheduler_survives(
-        apps: Apps, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+        make_apps: MakeApps, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     with app.app_context():
         from flask_mail_outbox._models import metadata
         metadata.drop_all(db.engine)  # the database "has no outbox" any more
@@ -239,10 +200,10 @@ def test_a_failing_sweep_is_reported_and_the_scheduler_survives(
     assert scheduler._scheduler is not None and scheduler._scheduler.running
 
 
-def test_drain_failure_error_text_is_pinned(apps: Apps,
+def test_drain_failure_error_text_is_pinned(make_apps: MakeApps,
                                            caplog: pytest.LogCaptureFixture) -> None:
-    app, mail = apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
-                     MAIL_TIMEOUT=2)
+    app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
+                          MAIL_TIMEOUT=2)
     caplog.set_level(logging.DEBUG, logger="flask_mail_outbox")
     with app.app_context():
         email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
@@ -263,9 +224,9 @@ def test_drain_failure_error_text_is_pinned(apps: Apps,
 
 # -- the commands ---------------------------------------------------------------------------
 
-def test_cli_sweep_dry_run_then_real(apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    strand(apps, 2)
-    app, _ = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+def test_cli_sweep_dry_run_then_real(make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    strand(make_apps, 2)
+    app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     runner = app.test_cli_runner()
     result = runner.invoke(args=["outbox", "sweep", "--min-age", "0", "--dry-run"])
     assert result.exit_code == 0, result.output
@@ -277,17 +238,18 @@ def test_cli_sweep_dry_run_then_real(apps: Apps, smtp_server: FaultSMTPServer) -
     assert smtp_server.wait_for(2)
 
 
-def test_cli_sweep_exits_1_when_a_row_failed(apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    strand(apps, 1)
+def test_cli_sweep_exits_1_when_a_row_failed(make_apps: MakeApps,
+                                             smtp_server: FaultSMTPServer) -> None:
+    strand(make_apps, 1)
     smtp_server.reply("data", 550, "5.7.1 no")
-    app, _ = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     result = app.test_cli_runner().invoke(args=["outbox", "sweep", "--min-age", "0"])
     assert result.exit_code == 1
     assert "failed            1" in result.output
 
 
-def test_cli_status_dlq_and_purge(apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+def test_cli_status_dlq_and_purge(make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     smtp_server.refuse_recipient("bad@example.com", 550)
     with app.app_context():
         good = mail.send(Message("good", recipients=["a@example.com"], body="x"))
@@ -330,8 +292,8 @@ def test_cli_status_dlq_and_purge(apps: Apps, smtp_server: FaultSMTPServer) -> N
     assert [r["id"] for r in rows(app)] == [bad]
 
 
-def test_cli_dlq_purge(apps: Apps, smtp_server: FaultSMTPServer) -> None:
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+def test_cli_dlq_purge(make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     smtp_server.reply("data", 554, "5.7.1 no")
     with app.app_context():
         for i in range(3):
@@ -354,10 +316,10 @@ def mail_wait(app: Flask) -> bool:
         return bool(app.extensions["test_mail"].wait_idle(20))
 
 
-def test_sweep_heals_a_key_left_without_a_head(apps: Apps,
+def test_sweep_heals_a_key_left_without_a_head(make_apps: MakeApps,
                                                smtp_server: FaultSMTPServer) -> None:
-    app, mail = apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                     OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False)
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False)
     with app.app_context():
         for i in range(2):
             mail.send(Message(f"k{i}", recipients=["a@example.com"], body="x"), key="k")

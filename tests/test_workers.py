@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import db, make_app, require_postgres
+from conftest import close_app, db, make_app, require_postgres, rows, wait_rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -77,11 +77,7 @@ def producer(pg_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
     app = make_app(pg_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                    OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
     yield app
-    app.extensions["test_mail"].stop(timeout=5)
-    with app.app_context():
-        db.session.remove()
-        for engine in db.engines.values():
-            engine.dispose()
+    close_app(app, timeout=5)
 
 
 @dataclass(frozen=True)
@@ -185,22 +181,6 @@ def spawn(tmp_path: Path, pg_url: str, producer: Flask,
             worker.kill()
 
 
-def rows(app: Flask) -> list[dict[str, Any]]:
-    with app.app_context(), db.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(
-            email_table.select().order_by(email_table.c.id)).mappings()]
-
-
-def wait_rows(app: Flask, predicate: Callable[[list[dict[str, Any]]], bool],
-              timeout: float = 30.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        current = rows(app)
-        if predicate(current) or time.monotonic() > deadline:
-            return current
-        time.sleep(0.1)
-
-
 def queue_one(app: Flask, subject: str = "x", *, key: str | None = None) -> int:
     mail: OutboxMail = app.extensions["test_mail"]
     with app.app_context():
@@ -263,7 +243,7 @@ def test_three_workers_drain_two_thousand_emails_once_each(
     assert smtp_server.wait_for(total, timeout=90), \
         f"{len(smtp_server.messages)} of {total} arrived"
     delivered = time.monotonic()
-    current = wait_rows(producer, all_done(total))
+    current = wait_rows(producer, all_done(total), timeout=30.0, interval=0.1)
     assert len(current) == total
     assert Counter(r["status"] for r in current) == {"sent": total}
     assert Counter(r["attempts"] for r in current) == {1: total}
@@ -327,7 +307,7 @@ def test_worker_killed_during_data_is_redelivered_by_another_after_its_lease(
 
     b = spawn("b", WORKER_LEASE_SECONDS="2", **FAST)
     assert smtp_server.wait_for(1, timeout=30), b.log()[-3000:]
-    [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent")
+    [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent", timeout=30.0, interval=0.1)
     assert row["status"] == "sent" and row["attempts"] == 2
     assert row["lease_owner"] is None
     b.wait_log(lambda w: email_id in w.sent_ids(), 10, "sent line")
@@ -381,7 +361,7 @@ def test_notify_wakes_an_idle_worker_long_before_its_next_poll(
     assert committed - 0.5 <= woken.start < last.start + last.gap - 20
     assert arrived - committed < 10
     assert w.sent_ids() == [email_id]
-    [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent")
+    [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent", timeout=30.0, interval=0.1)
     assert row["attempts"] == 1
     assert w.terminate_and_wait(timeout=30) == 0
 
@@ -436,7 +416,7 @@ def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
 
     smtp_server.release()
     assert smtp_server.wait_for(1, timeout=10)
-    [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent")
+    [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent", timeout=30.0, interval=0.1)
     assert row["status"] == "sent" and row["attempts"] == 1
     time.sleep(lease + 1)
     assert smtp_server.message_ids() == [row["message_id"]]
@@ -463,7 +443,7 @@ def test_one_key_is_delivered_in_order_and_one_at_a_time_across_three_workers(
         queue_one(producer, f"free {i:02d}")
     assert smtp_server.wait_for(2 * count, timeout=60), \
         f"{len(smtp_server.messages)} of {2 * count} arrived"
-    current = wait_rows(producer, all_done(2 * count))
+    current = wait_rows(producer, all_done(2 * count), timeout=30.0, interval=0.1)
     assert Counter(r["status"] for r in current) == {"sent": 2 * count}
     assert Counter(r["attempts"] for r in current) == {1: 2 * count}
 
@@ -527,7 +507,7 @@ def test_a_worker_busy_sending_claims_nothing_more(
     # here: what matters is what arrives, and who claimed what.
     b_took_second = smtp_server.wait_until(lambda: smtp_server.held >= 2, timeout=10)
     smtp_server.release()
-    current = wait_rows(producer, all_done(2))
+    current = wait_rows(producer, all_done(2), timeout=30.0, interval=0.1)
     time.sleep(1.0)
     received = Counter(smtp_server.message_ids())
     diagnosis = (f"A claimed email 2 while busy sending email 1: {a_claimed_second}; "
