@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,15 +21,14 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
+
+# tests/ is on sys.path through pyproject's `pythonpath`.
+from smtpserver import FaultSMTPServer
 from sqlalchemy.orm import Mapped, mapped_column
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from smtpserver import FaultSMTPServer  # noqa: E402
-
-from flask_mail_outbox import OutboxMail  # noqa: E402
-from flask_mail_outbox._models import email_table  # noqa: E402
-from flask_mail_outbox._models import metadata as outbox_metadata  # noqa: E402
+from flask_mail_outbox import OutboxMail
+from flask_mail_outbox._models import email_table
+from flask_mail_outbox._models import metadata as outbox_metadata
 
 PG_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL")
 REQUIRE_PG = bool(os.environ.get("OUTBOX_REQUIRE_POSTGRES")) or \
@@ -89,12 +87,17 @@ def db_url(backend: str, tmp_path: Path, pg_database: str | None) -> Iterator[st
         yield f"sqlite:///{tmp_path / 'test.db'}"
         return
     assert pg_database is not None  # backend() already skipped or failed otherwise
-    engine = sa.create_engine(pg_database)
+    yield empty_postgres(pg_database)
+
+
+def empty_postgres(url: str) -> str:
+    """Drop the outbox's and the test models' tables from ``url``; returns ``url``."""
+    engine = sa.create_engine(url)
     with engine.begin() as conn:
         outbox_metadata.drop_all(conn)
         db.metadata.drop_all(conn)
     engine.dispose()
-    yield pg_database
+    return url
 
 
 @pytest.fixture

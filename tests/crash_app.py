@@ -54,7 +54,7 @@ import logging
 import os
 import signal
 import sys
-import time
+import threading
 from collections.abc import Sequence
 
 from flask import Flask
@@ -102,7 +102,7 @@ class SleepingTransport(Transport):
     def send_many(self, envelopes: Sequence[Envelope]) -> list[Result]:
         emit(f"CLAIMED ids={_ids(envelopes)}")
         while True:
-            time.sleep(3600)
+            threading.Event().wait()  # until the test kills this process
 
     def send(self, envelope: Envelope) -> dict[str, tuple[int, str]]:  # pragma: no cover
         raise AssertionError("send_many never returns")
@@ -167,7 +167,7 @@ def _queue(app: Flask, count: int) -> list[int]:
 
 def _sleep_forever() -> None:
     while True:
-        time.sleep(3600)
+        threading.Event().wait()  # until the test kills this process
 
 
 def main(argv: Sequence[str]) -> int:

@@ -304,13 +304,12 @@ def test_concurrent_senders_never_share_a_row(
     racer = threading.Thread(target=lambda: results.append(route.deliver_ids(ids)))
     with app.app_context():
         racer.start()
-        time.sleep(0.2)
+        assert smtp_server.wait_held(1)  # a delivery is at the server: now race it
         smtp_server.release()
         racer.join(20)
     assert smtp_server.wait_for(30)
     assert mail.wait_idle(10)
-    time.sleep(0.3)
-    assert len(smtp_server.messages) == 30
+    assert not smtp_server.wait_for(31, timeout=0.5)  # no second copy of anything
     assert len(set(smtp_server.message_ids())) == 30
 
 
@@ -381,5 +380,4 @@ def test_stop_releases_claimed_rows_not_yet_handed_to_the_server(
         [("queued", 0)] * 6 + [("sending", 1)] * 4)
     smtp_server.release()
     assert smtp_server.wait_for(4)
-    time.sleep(0.5)
-    assert len(smtp_server.messages) == 4
+    assert not smtp_server.wait_for(5, timeout=0.5)

@@ -37,7 +37,7 @@ def test_durable_send_is_delivered_by_the_dispatcher(
         assert mail.wait_idle(10)
         runtime = durable_app.extensions["mail_outbox"].current_runtime()
         assert runtime.dispatcher is not None and runtime.dispatcher.running
-        assert not runtime.inline.idle() or runtime.inline._thread is None
+        assert runtime.inline._thread is None  # durable: the inline worker never started
     [row] = rows(durable_app)
     assert row["status"] == "sent" and row["attempts"] == 1
 
@@ -53,8 +53,7 @@ def test_two_transient_failures_then_success_counts_three_attempts(
     [row] = wait_rows(durable_app, lambda r: r[0]["status"] == "sent", timeout=20.0)
     assert row["attempts"] == 3
     assert [h["attempt"] for h in json.loads(row["error_history"])] == [1, 2]
-    time.sleep(0.3)
-    assert len(smtp_server.messages) == 1
+    assert not smtp_server.wait_for(2, timeout=0.3)
 
 
 def test_permanent_failure_dead_letters_and_retry_delivers(
@@ -290,14 +289,16 @@ def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
                 Message("slow", recipients=["a@example.com"], body="x"))
             db.session.commit()
         assert smtp_server.wait_held(1)
-        time.sleep(3.5)  # 3.5 leases: without renewal the rival reaps and resends
-        assert smtp_server.held == 1 and smtp_server.data_attempts == 1
+        # For 3.5 leases no second DATA may start: without renewal the rival reaps
+        # the row and sends it again while the first send is still held.
+        assert not smtp_server.wait_until(lambda: smtp_server.data_attempts > 1, timeout=3.5)
+        assert smtp_server.held == 1
         smtp_server.release()
         assert smtp_server.wait_for(1)
         [row] = wait_rows(sender, lambda r: r[0]["status"] == "sent", timeout=20.0)
         assert row["attempts"] == 1
-        time.sleep(0.5)
-        assert smtp_server.data_attempts == 1 and len(smtp_server.messages) == 1
+        assert not smtp_server.wait_until(lambda: smtp_server.data_attempts > 1, timeout=0.5)
+        assert len(smtp_server.messages) == 1
     finally:
         for app in (sender, rival):
             close_app(app)
@@ -312,7 +313,8 @@ def test_only_the_head_of_a_key_is_ever_in_flight(durable_app: Flask,
             mail.send(Message(f"k{i}", recipients=["a@example.com"], body="x"), key="user:7")
         db.session.commit()
     assert smtp_server.wait_held(1)
-    time.sleep(0.5)  # many poll intervals: nothing else of the key may start meanwhile
+    # Many poll intervals: nothing else of the key may start meanwhile.
+    assert not smtp_server.wait_held(2, timeout=0.5)
     assert smtp_server.held == 1
     assert [r["status"] for r in rows(durable_app)] == ["sending", "queued", "queued"]
     smtp_server.release()

@@ -155,7 +155,7 @@ def test_durable_sweeps_requeue_without_delivering_and_twice_is_harmless(
     result = app.test_cli_runner().invoke(args=["outbox", "worker", "--once"])
     assert result.exit_code == 0, result.output
     assert smtp_server.wait_for(3)
-    time.sleep(0.3)
+    assert not smtp_server.wait_for(4, timeout=0.3)
     assert sorted(smtp_server.message_ids()) == sorted(r["message_id"] for r in rows(app))
     assert [(r["status"], r["attempts"]) for r in rows(app)] == [
         ("sent", 2), ("sent", 1), ("sent", 1)]

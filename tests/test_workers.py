@@ -30,13 +30,20 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import close_app, db, make_app, require_postgres, rows, wait_rows
+from conftest import (
+    close_app,
+    db,
+    empty_postgres,
+    make_app,
+    require_postgres,
+    rows,
+    wait_rows,
+)
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._models import email_table
-from flask_mail_outbox._models import metadata as outbox_metadata
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -60,12 +67,7 @@ def pg_url(pg_database: str | None) -> Iterator[str]:
     """The session's PostgreSQL database with no tables (PostgreSQL only)."""
     require_postgres()
     assert pg_database is not None
-    engine = sa.create_engine(pg_database)
-    with engine.begin() as conn:
-        outbox_metadata.drop_all(conn)
-        db.metadata.drop_all(conn)
-    engine.dispose()
-    yield pg_database
+    yield empty_postgres(pg_database)
 
 
 @pytest.fixture
@@ -316,7 +318,7 @@ def test_worker_killed_during_data_is_redelivered_by_another_after_its_lease(
     # Whichever route reaped it (a dispatcher tick or the startup sweep), it is loud.
     assert re.search(r"ERROR flask_mail_outbox\._degrade: 1 email\(s\) \[\d+\] had an expired "
                      r"lease", b.log()), b.log()[-3000:]
-    time.sleep(1.0)
+    assert not smtp_server.wait_for(2, timeout=1.0)
     assert smtp_server.message_ids() == [row["message_id"]]  # nothing lost, one copy
     assert smtp_server.data_attempts == 2  # A's (abandoned) and B's
     assert b.terminate_and_wait(timeout=30) == 0
@@ -418,7 +420,8 @@ def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
     assert smtp_server.wait_for(1, timeout=10)
     [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent", timeout=30.0, interval=0.1)
     assert row["status"] == "sent" and row["attempts"] == 1
-    time.sleep(lease + 1)
+    # A lease and more after the send: no reap may produce a second copy.
+    assert not smtp_server.wait_for(2, timeout=lease + 1)
     assert smtp_server.message_ids() == [row["message_id"]]
     assert smtp_server.data_attempts == 1
     assert sender.sent_ids() == [email_id] and other.sent_ids() == []
