@@ -71,8 +71,3 @@ class FaultTracker:
                 "Rows left queued meanwhile are delivered by the normal route now.",
                 ongoing.what, time.monotonic() - ongoing.started, ongoing.repeats,
             )
-
-    def is_failing(self, fault: str) -> bool:
-        """Whether ``fault`` is currently ongoing."""
-        with self._lock:
-            return fault in self._ongoing

@@ -687,19 +687,6 @@ class Store:
                                  if o.email.key is not None and o.status is not Status.QUEUED})
         return recorded, lost
 
-    def due_keyed(self, ids: Sequence[int]) -> list[int]:
-        """Which of ``ids`` are keyed, ``queued`` and due (waiting for their key's turn)."""
-        if not ids:
-            return []
-        t = email_table
-        with self.read() as conn:
-            return list(conn.execute(
-                sa.select(t.c.id).where(t.c.id.in_(list(ids)), t.c.key.is_not(None),
-                                        t.c.status == Status.QUEUED.value,
-                                        t.c.due_at <= self.now_expr())
-                .order_by(t.c.id)
-            ).scalars())
-
     # -- settings ---------------------------------------------------------------
 
     def get_setting(self, name: str) -> Any:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import _degrade
@@ -180,9 +179,3 @@ def load_last_report(state: _AppState) -> SweepReport | None:
     data = state.runtime().store.get_setting(LAST_SWEEP_SETTING)
     return SweepReport.from_dict(data) if isinstance(data, dict) else None
 
-
-def parse_started_at(report: SweepReport) -> datetime | None:
-    """When a stored report's sweep started (naive UTC), if known."""
-    if not report.started_at:
-        return None
-    return datetime.fromisoformat(report.started_at.rstrip("Z"))
