@@ -7,8 +7,14 @@ is delivered in the background after commit, and a rollback sends nothing.
 from __future__ import annotations
 
 from ._delivery import DeliveredMessage
-from ._errors import (ConfigError, InvalidMessage, OutboxError, PermanentError, TransientError,
-                      TransportError)
+from ._errors import (
+                      ConfigError,
+                      InvalidMessage,
+                      OutboxError,
+                      PermanentError,
+                      TransientError,
+                      TransportError,
+)
 from ._extension import OutboxMail
 from ._message import Attachment, Message
 from ._models import Status

@@ -14,8 +14,6 @@ batches and retries transient failures a few times in process.
 from __future__ import annotations
 
 import dataclasses
-import email.parser
-import email.policy
 import itertools
 import logging
 import os
@@ -23,20 +21,22 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from email.message import EmailMessage
+from email.parser import BytesParser
+from email.policy import default as default_policy
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import _degrade
-from ._errors import PermanentError, TransientError, TransportError
-from .transports._base import NotAttempted
+from ._errors import PermanentError, TransientError
 from ._models import Status
 from ._retry import RetryPolicy
 from ._signals import email_failed, email_sent
 from ._store import ClaimedEmail, Outcome, Reaped, Store
 from .transports import Delivered, Envelope, Failed, Transport
+from .transports._base import NotAttempted
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -67,7 +67,7 @@ class DeliveredMessage:
     @cached_property
     def parsed(self) -> EmailMessage:
         """The message parsed back with the stdlib parser."""
-        parsed = email.parser.BytesParser(policy=email.policy.default).parsebytes(self.mime)
+        parsed = BytesParser(policy=default_policy).parsebytes(self.mime)
         return parsed
 
     @property

@@ -31,16 +31,22 @@ from . import _degrade, _staging
 from ._config import BUILTIN_TRANSPORTS, OutboxConfig, load_config
 from ._delivery import DeliveredMessage, DeliveryRoute, InlineDelivery
 from ._dispatcher import Dispatcher
-from ._listen import Listener, libpq_url, notify_statement
 from ._errors import ConfigError, InvalidMessage
+from ._listen import Listener, libpq_url, notify_statement
 from ._message import Message, prepare_message
 from ._models import Status, metadata
 from ._scheduler import SweepScheduler
-from ._sweep import SweepReport, load_last_report, run_sweep
 from ._signals import email_queued, email_sent
 from ._store import Store, insert_email, utcnow
-from .transports import (ConsoleTransport, FileTransport, MemoryTransport, NullTransport,
-                         SMTPTransport, Transport)
+from ._sweep import SweepReport, load_last_report, run_sweep
+from .transports import (
+    ConsoleTransport,
+    FileTransport,
+    MemoryTransport,
+    NullTransport,
+    SMTPTransport,
+    Transport,
+)
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy

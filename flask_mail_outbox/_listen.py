@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-
 from collections.abc import Callable
 
 import sqlalchemy as sa

@@ -18,7 +18,6 @@ import threading
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
-from . import _degrade
 from ._store import utcnow
 from ._sweep import SweepReport, run_sweep
 
