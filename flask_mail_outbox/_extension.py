@@ -624,6 +624,17 @@ class OutboxMail:
         scheduler.startup_done.wait(timeout)
         return scheduler.startup_report
 
+    def dashboard_blueprint(self, authorize: Any, **options: Any) -> Any:
+        """An operator dashboard as a Flask blueprint (opt-in; see the README).
+
+        ``authorize`` is a callable with no arguments, called on every page and
+        action; when it returns a false value the answer is 403. Register the
+        result with ``app.register_blueprint(bp, url_prefix="/outbox")``.
+        """
+        from .dashboard import make_blueprint
+
+        return make_blueprint(self, authorize, **options)
+
     def stats(self) -> dict[str, Any]:
         """Counts per status, oldest queued age, dead letters, mode, last sweep, dispatcher."""
         state = self._state()
