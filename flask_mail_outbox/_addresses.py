@@ -123,6 +123,9 @@ def parse_address(address: str, allow_local: bool) -> Addr:
             allow_smtputf8=False,
             globally_deliverable=not allow_local,
             test_environment=allow_local,
+            # RFC 5321's 64-octet local part, which email-validator skips by default:
+            # servers refuse longer ones, and send() is where to hear about it.
+            strict=True,
         )
     except EmailNotValidError as exc:
         raise AddressError(str(exc)) from None

@@ -165,6 +165,14 @@ def _optional_str(key: str, value: Any) -> str | None:
     return value
 
 
+def _password(value: Any) -> str | None:
+    # Never echo the value: a wrong type is still somebody's password.
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ConfigError("MAIL_PASSWORD", f"expected a non-empty string or None, got "
+                                       f"{'an empty string' if value == '' else type(value).__name__}")
+
+
 def _sender(value: Any) -> str | tuple[str, str] | None:
     if value is None or isinstance(value, str):
         return value or None
@@ -228,8 +236,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         use_tls=use_tls,
         use_ssl=use_ssl,
         username=_optional_str("MAIL_USERNAME", get("MAIL_USERNAME")),
-        password=get("MAIL_PASSWORD") if get("MAIL_PASSWORD") is None
-        else _optional_str("MAIL_PASSWORD", get("MAIL_PASSWORD")),
+        password=_password(get("MAIL_PASSWORD")),
         timeout=_number("MAIL_TIMEOUT", get("MAIL_TIMEOUT"), minimum=0, strict_minimum=True),
         tls_verify=_bool("OUTBOX_TLS_VERIFY", get("OUTBOX_TLS_VERIFY")),
         tls_ca_file=ca_file,

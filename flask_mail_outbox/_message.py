@@ -54,6 +54,8 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _CONTENT_TYPE = re.compile(
     r"(?P<type>[!#$%&'*+.^_`|~0-9A-Za-z-]+/[!#$%&'*+.^_`|~0-9A-Za-z-]+)(?P<params>\s*;[ -~]*)?"
 )
+# An ESMTP parameter of MAIL FROM / RCPT TO (RFC 5321 4.1.2): keyword[=value].
+_ESMTP_PARAMETER = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*(=[!-<>-~]+)?")
 # "<left@right>", printable ASCII without spaces, "<", ">" or a second "@".
 _MESSAGE_ID = re.compile(r"<[!-;=?A-~]+@[!-;=?A-~]+>")
 _WHITESPACE_RUNS = re.compile(r"\s+")
@@ -250,6 +252,10 @@ class PreparedEmail:
     mime: bytes
     attachments: tuple[AttachmentInfo, ...]
     to_display: str
+    #: Flask-Mail's ``mail_options`` / ``rcpt_options``: ESMTP parameters for
+    #: MAIL FROM and for each RCPT TO (``("BODY=8BITMIME",)``, ``("NOTIFY=FAILURE",)``).
+    mail_options: tuple[str, ...] = ()
+    rcpt_options: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- #
@@ -304,6 +310,8 @@ def prepare_message(
 
     sender = resolve_sender(msg.sender, default_sender, allow_local_addresses)
     reply_to = reply_to_list(msg.reply_to, allow_local_addresses)
+    _check_esmtp_options("mail_options", msg.mail_options)
+    _check_esmtp_options("rcpt_options", msg.rcpt_options)
 
     codec, charset_name = _resolve_charset(msg.charset)
     alternatives = _alternatives(msg, codec)
@@ -353,6 +361,8 @@ def prepare_message(
         mime=mime,
         attachments=tuple(att.info for att in attachments),
         to_display=to_display,
+        mail_options=tuple(msg.mail_options),
+        rcpt_options=tuple(msg.rcpt_options),
     )
 
 
@@ -398,6 +408,23 @@ def _has_bad_chars_deep(value: object) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_has_bad_chars_deep(v) for v in value)
     return False
+
+
+def _check_esmtp_options(field: str, value: object) -> None:
+    """Flask-Mail's ``mail_options`` / ``rcpt_options``: a list of ESMTP parameters.
+
+    They would go on the MAIL FROM / RCPT TO command line, so a CR or LF in
+    one would inject an SMTP command; refuse anything but ``KEYWORD[=value]``.
+    """
+    if not isinstance(value, (list, tuple)):
+        raise InvalidMessage(
+            field, f"expected a list of ESMTP parameters, got {type(value).__name__}"
+        )
+    for option in value:
+        if not isinstance(option, str) or not _ESMTP_PARAMETER.fullmatch(option):
+            raise InvalidMessage(
+                field, f"{option!r} is not an ESMTP parameter such as 'SMTPUTF8' or 'BODY=8BITMIME'"
+            )
 
 
 def _alts_dict(alts: object) -> Any:

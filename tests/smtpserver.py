@@ -5,7 +5,8 @@ asyncio loop in a background thread and listens on ``127.0.0.1`` on an
 ephemeral port.  By default it behaves like a plain, RFC-compliant server that
 accepts every message with ``250`` and records it.  Tests can script faults
 while it runs: custom replies at any phase, refused recipients, delays,
-withheld ("held") DATA replies, dropped connections, mandatory AUTH and
+withheld ("held") DATA replies, dropped connections (also in the middle of
+the DATA content), mandatory AUTH and
 (optionally) STARTTLS with a throw-away self-signed certificate.
 
 Every public method is thread-safe and meant to be called from the test's
@@ -192,6 +193,14 @@ class _Delay:
     remaining: int | None = None  # None = forever
 
 
+@dataclass
+class _MidDataDrop:
+    """A scripted drop in the middle of the DATA content."""
+
+    after_bytes: int
+    remaining: int | None = None  # None = forever
+
+
 class _QuietSession(Session):
     """aiosmtpd ``Session`` whose legacy ``login_data`` does not log a warning.
 
@@ -277,8 +286,20 @@ class _FaultSMTP(SMTP):
     # -- counting / auth ------------------------------------------------------------
 
     async def smtp_DATA(self, arg: str) -> None:
-        """Count every DATA command (accepted or not), then handle it normally."""
+        """Count every DATA command (accepted or not), then handle it normally.
+
+        A scripted :meth:`FaultSMTPServer.drop_mid_data` answers 354, reads the
+        first bytes of the content and closes the connection while the client
+        is still sending it.
+        """
         self._owner._count_data_attempt()
+        if self.envelope is not None and self.envelope.rcpt_tos and not arg:
+            cut = self._owner._take_mid_data_drop()
+            if cut is not None:
+                await self.push("354 End data with <CR><LF>.<CR><LF>")
+                await self._reader.read(cut)
+                self._owner._count_mid_data_drop()
+                self.drop_connection()
         await super().smtp_DATA(arg)
 
     async def check_auth_needed(self, caller_method: str) -> bool:
@@ -471,6 +492,8 @@ class _Handler:
         owner._count_auth_attempt()
         if not owner._auth_is_required():
             return "502 5.5.1 AUTH not enabled on this server"
+        if owner._take_auth_drop():
+            server.drop_connection()
         return MISSING
 
     def authenticate(
@@ -622,6 +645,9 @@ class FaultSMTPServer:
         self._hold_gate: threading.Event | None = None
         self._held = 0
         self._delaying = 0
+        self._mid_data_drop: _MidDataDrop | None = None
+        self._mid_data_drops = 0
+        self._auth_drops = 0  # AUTH commands still to drop; -1 = every one
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -857,6 +883,27 @@ class FaultSMTPServer:
         with self._cond:
             self._rules.setdefault(phase, []).append(_Rule("drop", remaining=times))
 
+    def drop_mid_data(self, *, after_bytes: int = 64, times: int | None = None) -> None:
+        """Close the connection in the middle of the DATA content.
+
+        The server answers ``354``, reads at most ``after_bytes`` of the
+        message, then closes the connection without a reply while the client
+        is still sending (unlike ``drop("data")``, which waits for the whole
+        content).  Nothing is recorded.  ``times`` works as for :meth:`reply`;
+        a later call replaces the previous one.
+        """
+        _check_times(times)
+        if isinstance(after_bytes, bool) or after_bytes < 1:
+            raise ValueError(f"after_bytes must be a positive integer, got {after_bytes!r}")
+        with self._cond:
+            self._mid_data_drop = _MidDataDrop(after_bytes, times)
+
+    @property
+    def mid_data_drops(self) -> int:
+        """Number of connections closed by :meth:`drop_mid_data` so far."""
+        with self._lock:
+            return self._mid_data_drops
+
     def refuse_recipient(
         self, address: str, code: int = 550, text: str = "5.1.1 No such user"
     ) -> None:
@@ -918,6 +965,17 @@ class FaultSMTPServer:
         with self._cond:
             self._credentials = (username, password)
 
+    def drop_during_auth(self, *, times: int | None = None) -> None:
+        """Close the connection, without replying, when the client sends AUTH.
+
+        Only while :meth:`require_auth` is active (AUTH is advertised).  The
+        client has sent its command (with PLAIN, its credentials too) and sees
+        a disconnect.  ``times`` works as for :meth:`reply`.
+        """
+        _check_times(times)
+        with self._cond:
+            self._auth_drops = -1 if times is None else times
+
     def reset_faults(self) -> None:
         """Drop all scripting (replies, drops, delays, refusals, auth), free holds."""
         with self._cond:
@@ -925,6 +983,8 @@ class FaultSMTPServer:
             self._delays.clear()
             self._refused.clear()
             self._credentials = None
+            self._mid_data_drop = None
+            self._auth_drops = 0
             self._release_locked()
 
     # ------------------------------------------------------------------ internals
@@ -1023,6 +1083,32 @@ class FaultSMTPServer:
             with self._cond:
                 self._delaying -= 1
                 self._cond.notify_all()
+
+    def _take_mid_data_drop(self) -> int | None:
+        """Bytes to read before a scripted mid-DATA drop, consuming one use; or None."""
+        with self._lock:
+            drop = self._mid_data_drop
+            if drop is None:
+                return None
+            if drop.remaining is not None:
+                drop.remaining -= 1
+                if drop.remaining <= 0:
+                    self._mid_data_drop = None
+            return drop.after_bytes
+
+    def _take_auth_drop(self) -> bool:
+        """Whether to drop at this AUTH command, consuming one use."""
+        with self._lock:
+            if self._auth_drops == 0:
+                return False
+            if self._auth_drops > 0:
+                self._auth_drops -= 1
+            return True
+
+    def _count_mid_data_drop(self) -> None:
+        with self._cond:
+            self._mid_data_drops += 1
+            self._cond.notify_all()
 
     def _refusal_for(self, address: str) -> str | None:
         with self._lock:

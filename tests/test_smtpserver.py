@@ -858,3 +858,113 @@ def test_cert_file_is_removed_on_stop() -> None:
     assert not cert.exists()
     with pytest.raises(RuntimeError):
         _ = server.cert_file
+
+
+# --------------------------------------------------------------------- the phase matrix
+
+
+def _reply_code(exc: smtplib.SMTPException) -> int:
+    """The SMTP code an smtplib error carries (a refused recipient's, for RCPT)."""
+    if isinstance(exc, smtplib.SMTPRecipientsRefused):
+        [(code, _text)] = exc.recipients.values()
+        return int(code)
+    assert isinstance(exc, smtplib.SMTPResponseException), exc
+    return int(exc.smtp_code)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("code", [451, 554])
+def test_every_phase_can_answer_4xx_and_5xx(
+    server: FaultSMTPServer, phase: str, code: int
+) -> None:
+    # Every occurrence: smtplib falls back from EHLO to HELO, which shares the phase.
+    server.reply(phase, code)  # type: ignore[arg-type]
+    with pytest.raises(smtplib.SMTPException) as excinfo:
+        send(server, make_message())
+    assert _reply_code(excinfo.value) == code
+    assert server.messages == []
+    server.reset_faults()
+    send(server, make_message())
+    assert len(server.messages) == 1
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_every_phase_can_be_delayed(server: FaultSMTPServer, phase: str) -> None:
+    server.delay(phase, 1.0, times=1)  # type: ignore[arg-type]
+    runner = Runner(lambda: send(server, make_message(), timeout=30), f"delayed-{phase}")
+    runner.start()
+    # The session is parked in this phase's delay and nothing was accepted yet.
+    assert server.wait_until(lambda: server.delaying == 1)
+    assert server.messages == []
+    if phase != "data":
+        assert server.data_attempts == 0
+    runner.finish()
+    assert runner.error is None
+    assert len(server.messages) == 1 and server.delaying == 0
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_every_phase_can_drop_the_connection(server: FaultSMTPServer, phase: str) -> None:
+    server.drop(phase, times=1)  # type: ignore[arg-type]
+    with pytest.raises(smtplib.SMTPServerDisconnected):
+        send(server, make_message())
+    assert server.messages == []
+    send(server, make_message())
+    assert len(server.messages) == 1
+
+
+def test_drop_mid_data_cuts_the_content_short(server: FaultSMTPServer) -> None:
+    # 1 MiB: the client is still writing when the server hangs up after 64 bytes.
+    big = make_message(body="x" * 70 + "\r\n" + ("y" * 998 + "\r\n") * 1024)
+    server.drop_mid_data(after_bytes=64, times=1)
+    with pytest.raises((smtplib.SMTPServerDisconnected, ConnectionError)):
+        send(server, big)
+    assert server.mid_data_drops == 1
+    assert server.data_attempts == 1
+    assert server.wait_until(lambda: server.active_connections == 0)
+    assert server.messages == []
+    send(server, big)  # used up: the next one goes through whole
+    assert [m.data for m in server.messages] == [big]
+
+
+def test_drop_mid_data_with_aiosmtplib(server: FaultSMTPServer) -> None:
+    message = make_message(body=("z" * 998 + "\r\n") * 500)
+
+    async def go() -> None:
+        await aiosmtplib.send(message, sender="sender@example.com",
+                              recipients=["rcpt@example.com"], hostname=server.host,
+                              port=server.port, timeout=CLIENT_TIMEOUT)
+
+    server.drop_mid_data()
+    for _ in range(2):  # times=None: every DATA is cut
+        with pytest.raises((aiosmtplib.SMTPServerDisconnected, ConnectionError)):
+            asyncio.run(go())
+    assert server.mid_data_drops == 2 and server.messages == []
+    server.reset_faults()
+    asyncio.run(go())
+    assert len(server.messages) == 1
+
+
+def test_drop_during_auth(server: FaultSMTPServer) -> None:
+    server.require_auth("user", "pw")
+    server.drop_during_auth(times=1)
+    with (
+        smtplib.SMTP(server.host, server.port, timeout=CLIENT_TIMEOUT) as client,
+        pytest.raises(smtplib.SMTPServerDisconnected),
+    ):
+        client.login("user", "pw")
+    assert server.auth_attempts == 1
+    with smtplib.SMTP(server.host, server.port, timeout=CLIENT_TIMEOUT) as client:
+        client.login("user", "pw")
+        client.sendmail("sender@example.com", ["rcpt@example.com"], make_message())
+    assert server.messages[0].auth_username == "user"
+
+
+def test_new_fault_arguments_are_checked() -> None:
+    srv = FaultSMTPServer()
+    with pytest.raises(ValueError):
+        srv.drop_mid_data(after_bytes=0)
+    with pytest.raises(ValueError):
+        srv.drop_mid_data(times=0)
+    with pytest.raises(ValueError):
+        srv.drop_during_auth(times=0)

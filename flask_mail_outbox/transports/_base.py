@@ -21,6 +21,10 @@ class Envelope:
     recipients: tuple[str, ...]
     mime: bytes
     message_id: str
+    #: ESMTP parameters for MAIL FROM and for each RCPT TO (Flask-Mail's
+    #: ``mail_options`` / ``rcpt_options``); transports without an envelope ignore them.
+    mail_options: tuple[str, ...] = ()
+    rcpt_options: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

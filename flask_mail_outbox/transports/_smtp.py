@@ -233,8 +233,9 @@ class SMTPTransport(Transport):
         started = False
         self._started.add(envelope.email_id)
         try:
-            options: list[str] = []
-            if client.supports_extension("size"):
+            options = list(envelope.mail_options)
+            if client.supports_extension("size") and not any(
+                    o.upper().startswith("SIZE=") for o in options):
                 options.append(f"size={len(envelope.mime)}")
             try:
                 await client.mail(envelope.sender, options=options)
@@ -245,7 +246,7 @@ class SMTPTransport(Transport):
             refusals: list[aiosmtplib.SMTPRecipientRefused] = []
             for recipient in envelope.recipients:
                 try:
-                    await client.rcpt(recipient)
+                    await client.rcpt(recipient, options=list(envelope.rcpt_options))
                 except aiosmtplib.SMTPRecipientRefused as exc:
                     refusals.append(exc)
                     refused[recipient] = (exc.code, exc.message)
