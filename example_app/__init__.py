@@ -5,7 +5,8 @@ Run it from the repository root::
     flask --app example_app db upgrade      # creates the app's table and the outbox's
     flask --app example_app run
 
-(``scripts/run-example`` does both.) Out of the box it keeps its data in SQLite at
+(``scripts/run-example`` does both.) The outbox dashboard is at ``/outbox/``, open to
+requests from this machine only (a demo rule, see ``_demo_authorize``). Out of the box it keeps its data in SQLite at
 ``<instance folder>/example.db`` and prints every email on the console (the ``console``
 transport). Environment variables change that:
 
@@ -33,7 +34,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Flask
+from flask import Flask, request
 
 from example_app.extensions import db, mail, migrate
 
@@ -85,7 +86,21 @@ def create_app(
     from example_app.views import bp
 
     app.register_blueprint(bp)
+    # The operator dashboard at /outbox, for requests from this machine only.
+    app.register_blueprint(
+        mail.dashboard_blueprint(authorize=_demo_authorize), url_prefix="/outbox"
+    )
     return app
+
+
+def _demo_authorize() -> bool:
+    """Demo only: let in requests from this machine (``flask run`` on localhost).
+
+    Not authentication: behind a reverse proxy every request comes from the proxy's
+    address, often 127.0.0.1. A real app checks its own login, e.g.
+    ``authorize=lambda: current_user.is_authenticated and current_user.is_admin``.
+    """
+    return request.remote_addr in ("127.0.0.1", "::1")
 
 
 def _config_from_example_env(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -9,7 +9,9 @@ report).
 
 Partial indexes cover only the rows that can still change (``queued``,
 ``sending``) or that are listed by status, so finding due work costs the same
-whether the table retains a thousand or ten million ``sent`` rows.
+whether the table retains a thousand or ten million ``sent`` rows. The
+dashboard's listing reads ``(status, id)`` and the two search columns, so its
+pages cost the same on a million rows (keyset pagination, prefix range scans).
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY, not BIGINT.
 _BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+SEARCH_RECIPIENT_LENGTH = 320
+SEARCH_SUBJECT_LENGTH = 200
+
+
+def _search_text(length: int) -> sa.types.TypeEngine[str]:
+    """A search column: binary order, so a prefix is an index range scan.
+
+    PostgreSQL compares text by the database's collation, under which neither
+    ``LIKE 'p%'`` nor ``>= 'p' AND < 'q'`` can use a plain btree; under "C" the
+    order is byte order, as SQLite's default BINARY collation is.
+    """
+    return sa.String(length).with_variant(sa.String(length, collation="C"), "postgresql")
 
 
 class Status(str, enum.Enum):
@@ -88,6 +103,16 @@ class OutboxEmail(Base):
     size: Mapped[int] = mapped_column(sa.Integer(), nullable=False)
     # NULL once scrubbed (OUTBOX_SCRUB_SENT).
     mime: Mapped[bytes | None] = mapped_column(sa.LargeBinary())
+    # The dashboard's prefix search: the first recipient and the subject,
+    # lower-cased and cut to a length a btree entry always holds
+    # (see search_key()). NULL only on rows written around send().
+    search_recipient: Mapped[str | None] = mapped_column(_search_text(SEARCH_RECIPIENT_LENGTH))
+    search_subject: Mapped[str | None] = mapped_column(_search_text(SEARCH_SUBJECT_LENGTH))
+    # When the row was last dead-lettered (the dashboard's failures per hour).
+    failed_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    # Flask-Mail's mail_options / rcpt_options, as JSON {"mail": [...], "rcpt": [...]};
+    # NULL when the message has none (nearly always).
+    smtp_options: Mapped[str | None] = mapped_column(sa.Text())
 
     __table_args__ = (
         sa.CheckConstraint(
@@ -108,6 +133,11 @@ class OutboxEmail(Base):
         # Dead letters and retention.
         sa.Index("ix_outbox_email_failed", "id", **_where("status = 'failed'")),
         sa.Index("ix_outbox_email_sent_at", "sent_at", **_where("status = 'sent'")),
+        # The dashboard: newest first within a status, and prefix search, both
+        # paginated by keyset (the id breaks ties).
+        sa.Index("ix_outbox_email_status_id", "status", "id"),
+        sa.Index("ix_outbox_email_search_recipient", "search_recipient", "id"),
+        sa.Index("ix_outbox_email_search_subject", "search_subject", "id"),
     )
 
 
@@ -134,6 +164,14 @@ class OutboxSetting(Base):
     name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
     value: Mapped[str] = mapped_column(sa.Text(), nullable=False)
     updated_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
+
+
+def search_key(text: str, length: int) -> str:
+    """``text`` as the search columns hold it: lower-cased, at most ``length`` characters.
+
+    Both what is stored and what is searched for go through here, so they match.
+    """
+    return text.lower()[:length]
 
 
 email_table: sa.Table = OutboxEmail.__table__  # type: ignore[assignment]
