@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import sqlalchemy as sa
-from flask import Flask, current_app, got_request_exception
+from flask import Flask, Response, current_app, got_request_exception
 from sqlalchemy import event
 
-from . import _degrade, _staging
+from . import _degrade, _health, _staging
 from ._config import BUILTIN_TRANSPORTS, OutboxConfig, load_config
 from ._delivery import DeliveredMessage, DeliveryRoute, InlineDelivery
 from ._dispatcher import Dispatcher
@@ -494,6 +494,7 @@ class OutboxMail:
             "subject": prepared.subject,
             "size": len(prepared.mime),
             "mime": prepared.mime,
+            "smtp_options": _smtp_options(prepared.mail_options, prepared.rcpt_options),
         }
         attachments = [
             {"position": index, "filename": info.filename, "content_type": info.content_type,
@@ -501,11 +502,13 @@ class OutboxMail:
             for index, info in enumerate(prepared.attachments)
         ]
         session = state.db.session()
-        email_id, created = insert_email(session, values, attachments)
+        # What prepare_commit() would NOTIFY at commit, the insert does itself.
+        notify = state.config.listen and _is_postgres(session) and state.durable()
+        email_id, created = insert_email(session, values, attachments, notify=notify)
         if created:
             _staging.stage(session, _staging.StagedEmail(
                 email_id=email_id, due_now=due_at is None or due_at <= utcnow(),
-                publisher=state))
+                publisher=state, notified=notify))
         return email_id
 
     def send_message(self, **kwargs: Any) -> int:
@@ -573,21 +576,46 @@ class OutboxMail:
     def retry(self, email_id: int) -> None:
         """Put a dead letter back: ``queued``, attempts reset to 0, due now (commits).
 
-        Raises ``LookupError`` when ``email_id`` is not a dead-lettered email.
+        Raises ``LookupError`` when ``email_id`` is not a dead-lettered email,
+        ``TypeError`` when it is not an int.
         """
+        if isinstance(email_id, bool) or not isinstance(email_id, int):
+            raise TypeError(f"email_id must be an int, got {type(email_id).__name__}")
+        if not 1 <= email_id < 2**63:  # ids are BIGINT: larger ones overflow the driver
+            raise LookupError(f"email {email_id} is not a dead letter (no such id)")
         state = self._state()
         runtime = state.runtime()
         if not runtime.store.retry_failed(email_id):
             raise LookupError(f"email {email_id} is not a dead letter (no failed row with "
                               "that id)")
+        self._deliver_retried([email_id])
+
+    def retry_all(self) -> int:
+        """Put every dead letter back at once (commits); how many went back.
+
+        One set-based UPDATE however many there are (``retry()`` in a loop
+        would be a transaction each), then delivery starts as for ``retry()``.
+        In inline mode at most the inline queue's size is handed over at once;
+        the sweep delivers the rest.
+        """
+        ids = self._state().runtime().store.retry_all_failed()
+        self._deliver_retried(ids)
+        return len(ids)
+
+    def _deliver_retried(self, ids: list[int]) -> None:
+        """Start delivering rows just put back, as after a ``send()`` commit."""
+        state = self._state()
+        runtime = state.runtime()
+        if not ids:
+            return
         if runtime.synchronous:
             with state.app.app_context():
-                runtime.route.deliver_ids([email_id])
+                runtime.route.deliver_ids(ids)
         elif state.durable():
             if state.config.run_worker:
                 runtime.ensure_dispatcher().wake()
         else:
-            runtime.inline.submit([email_id])
+            runtime.inline.submit(ids[:runtime.inline.max_pending])
 
     @contextmanager
     def record_messages(self) -> Iterator[list[DeliveredMessage]]:
@@ -636,7 +664,13 @@ class OutboxMail:
         return make_blueprint(self, authorize, **options)
 
     def stats(self) -> dict[str, Any]:
-        """Counts per status, oldest queued age, dead letters, mode, last sweep, dispatcher."""
+        """Counts per status, oldest queued age, dead letters, mode, last sweep, dispatcher.
+
+        The shape ``flask outbox status --json`` prints (without
+        ``dispatcher``), listed field by field in the README. The last sweep
+        comes from the database, so it is the last of any process; the
+        dispatcher is this process's (None when it runs none).
+        """
         state = self._state()
         runtime = state.runtime()
         counts = runtime.store.counts()
@@ -654,6 +688,49 @@ class OutboxMail:
                 "listening": dispatcher.listening,
             },
         }
+
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "degraded", "reasons": [...], ...}`` for this app.
+
+        Degraded when an email has been due for longer than
+        ``OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS``, when dead letters grew in
+        the last 15 minutes, when this process's last dispatcher tick failed,
+        or when the database cannot be read (a reason, never an exception).
+        One indexed SQL statement; see the README for every field.
+        """
+        return _health.check(self._state())
+
+    def health_view(self, strict: bool = False) -> Response:
+        """A view for monitoring and load balancers: ``health()`` as JSON.
+
+        Opt in with ``app.add_url_rule("/healthz", view_func=mail.health_view)``.
+        The body lists every reason; the status is 503 only when this instance
+        cannot read the database (``database_unreachable``), 200 otherwise: the
+        other reasons are shared by every instance, and a load balancer that
+        drained them all would take the site down. ``strict=True`` answers 503
+        for any reason, for a monitor rather than a load balancer:
+        ``app.add_url_rule("/healthz/strict", "healthz_strict",
+        view_func=mail.health_view, defaults={"strict": True})``. The answer
+        holds counts, ages and reason codes, no addresses or settings.
+        """
+        return _health.response(self.health(), strict=strict)
+
+    def init_metrics(self, registry: Any = None, *, app: Flask | None = None) -> None:
+        """Register Prometheus metrics for ``app`` (default: the current app).
+
+        On ``registry`` (a ``prometheus_client.CollectorRegistry``; the default
+        ``REGISTRY`` otherwise), once per app: calling again is harmless. No
+        server is started; the app's own ``/metrics`` exposes them. Needs the
+        ``metrics`` extra (``prometheus_client``).
+        """
+        from . import _metrics
+
+        registered: _AppState | None = (self._state() if app is None
+                                        else app.extensions.get(EXTENSION_KEY))
+        if registered is None or registered.ext is not self:
+            raise RuntimeError("init_metrics(app=...): this OutboxMail is not registered on "
+                               "that app; call mail.init_app(app) first")
+        _metrics.install(registered, registry)
 
 
 def _is_postgres(session: Any) -> bool:
@@ -680,11 +757,21 @@ def _check_key(field: str, value: Any) -> None:
         raise InvalidMessage(field, "contains control characters")
 
 
+def _smtp_options(mail_options: tuple[str, ...], rcpt_options: tuple[str, ...]) -> str | None:
+    """The ``smtp_options`` column: NULL for the usual email without any."""
+    if not mail_options and not rcpt_options:
+        return None
+    return json.dumps({"mail": list(mail_options), "rcpt": list(rcpt_options)})
+
+
 def _due_at(send_after: Any) -> datetime | None:
     if send_after is None:
         return None
     if isinstance(send_after, timedelta):
-        return utcnow() + send_after
+        try:
+            return utcnow() + send_after
+        except OverflowError:
+            raise InvalidMessage("send_after", f"{send_after!r} is past the year 9999") from None
     if isinstance(send_after, datetime):
         if send_after.tzinfo is not None:
             return send_after.astimezone(timezone.utc).replace(tzinfo=None)

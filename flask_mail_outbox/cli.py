@@ -35,8 +35,8 @@ def _extension() -> OutboxMail:
 @outbox_cli.command("send-test")
 @click.option("--to", "to", required=True, metavar="ADDRESS", help="Recipient address.")
 @click.option("--subject", default="flask-mail-outbox test email", show_default=True)
-@click.option("--timeout", default=60.0, show_default=True,
-              help="Seconds to wait for the delivery.")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=60.0,
+              show_default=True, help="Seconds to wait for the delivery.")
 def send_test(to: str, subject: str, timeout: float) -> None:
     """Send one real email through the configured transport and report the outcome."""
     from ._models import email_table
@@ -48,7 +48,8 @@ def send_test(to: str, subject: str, timeout: float) -> None:
     try:
         email_id = mail.send(message)
     except InvalidMessage as exc:
-        raise click.BadParameter(str(exc), param_hint="--to") from exc
+        hint = "--subject" if exc.field == "subject" else "--to"
+        raise click.BadParameter(str(exc), param_hint=hint) from exc
     db.session.commit()
     idle = mail.wait_idle(timeout)
     row = db.session.execute(
@@ -171,10 +172,19 @@ def status(as_json: bool) -> None:
     """Rows per status, the oldest queued row's age, the mode and the last sweep."""
     import json
 
+    from sqlalchemy.exc import SQLAlchemyError
+
     mail = _extension()
-    stats = mail.stats()
+    try:
+        stats = mail.stats()
+    except SQLAlchemyError as exc:
+        # The type only: a driver's message may name hosts and users.
+        raise click.ClickException(
+            f"cannot read the outbox tables ({type(exc).__name__}): check the database "
+            "connection and that the tables exist (`flask db upgrade outbox@head`)") from exc
+    finally:
+        mail.stop()
     stats.pop("dispatcher", None)  # this CLI process runs none
-    mail.stop()
     if as_json:
         click.echo(json.dumps(stats, indent=2, sort_keys=True))
         return
@@ -218,22 +228,23 @@ def dlq_list(limit: int) -> None:
 
 
 @dlq.command("retry")
-@click.argument("ids", nargs=-1, type=int)
+@click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
 @click.option("--all", "retry_all", is_flag=True, help="Every dead letter.")
 def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
     """Put dead letters back in the queue (attempts reset, due now)."""
     if bool(ids) == retry_all:
         raise click.UsageError("give dead-letter ids, or --all (not both)")
     mail = _extension()
-    state = _state()
-    targets = list(ids) if ids else state.runtime().store.failed_ids()
     missing = []
-    for email_id in targets:
-        try:
-            mail.retry(email_id)
-        except LookupError:  # durability: ok unknown ids go to stderr with exit 1 below
-            missing.append(email_id)
-    done = len(targets) - len(missing)
+    if retry_all:
+        done = mail.retry_all()
+    else:
+        for email_id in ids:
+            try:
+                mail.retry(email_id)
+            except LookupError:  # durability: ok unknown ids go to stderr with exit 1 below
+                missing.append(email_id)
+        done = len(ids) - len(missing)
     mail.wait_idle(30)
     mail.stop()
     click.echo(f"{done} email(s) queued again")
@@ -244,7 +255,7 @@ def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
 
 @dlq.command("purge")
 @click.option("--older-than", "days", type=click.FloatRange(0), default=None,
-              help="Only dead letters created more than DAYS ago.")
+              help="Only emails dead-lettered more than DAYS ago.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def dlq_purge(days: float | None, yes: bool) -> None:
     """Delete dead letters for good."""
