@@ -8,7 +8,10 @@ through here (or logs at ERROR itself).
 
 An ongoing fault (the database is down, the SMTP server refuses connections)
 is coalesced: one ERROR when it starts, repeats only counted, and one summary
-when it ends, so an outage does not write a line per tick or per email.
+when it ends, so an outage does not write a line per tick or per email. A
+database outage hits every part of a process at once (dispatcher ticks, lease
+renewals, outcome writes, the LISTEN connection): a failure to reach the
+database is one fault, :data:`DATABASE`, whichever part reports it.
 """
 
 from __future__ import annotations
@@ -16,9 +19,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
 
 logger = logging.getLogger(__name__)
+
+#: The fault every "cannot reach the database" failure is reported under.
+DATABASE = "database"
+
+# SQLSTATEs of a connection that failed or was cut: connection exceptions
+# (class 08) and the server shutting down or not accepting connections yet
+# (57P01 admin_shutdown, 57P02 crash_shutdown, 57P03 cannot_connect_now). The
+# rest of class 57 is answered by a live server (57014 query_canceled is a
+# statement_timeout or a cancel): a fault of its own, not an outage.
+_UNREACHABLE_SQLSTATE_CLASS = "08"
+_UNREACHABLE_SQLSTATES = ("57P01", "57P02", "57P03")
 
 
 def report(what: str, *, consequence: str, fix: str,
@@ -28,11 +44,35 @@ def report(what: str, *, consequence: str, fix: str,
                  exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
 
 
+def database_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached (down, restarting, cut off).
+
+    Not for errors the database answered with (a deadlock, a missing table,
+    SQLite's "database is locked"): those are faults of their own.
+    """
+    if isinstance(exc, sa.exc.DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        return exc.orig is not None and database_unreachable(exc.orig)
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - only PostgreSQL is ever unreachable
+        return False
+    if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return False
+    sqlstate = exc.sqlstate
+    # No SQLSTATE: the client could not connect, or lost the connection.
+    return (sqlstate is None or sqlstate[:2] == _UNREACHABLE_SQLSTATE_CLASS
+            or sqlstate in _UNREACHABLE_SQLSTATES)
+
+
 @dataclass
 class _Ongoing:
     started: float
     repeats: int
     what: str
+    # The parts whose failures were folded into this one (the database fault).
+    parts: set[str] = field(default_factory=set)
 
 
 class FaultTracker:
@@ -49,21 +89,42 @@ class FaultTracker:
 
     def failing(self, fault: str, what: str, *, consequence: str, fix: str,
                 exc: BaseException | None = None) -> bool:
-        """Report ``fault``; returns True when this call logged (the fault is new)."""
+        """Report ``fault``; returns True when this call logged (the fault is new).
+
+        When ``exc`` says the database cannot be reached, the report is the
+        one :data:`DATABASE` fault, shared by every part of the process.
+        """
+        part = fault
+        if exc is not None and database_unreachable(exc):
+            fault = DATABASE
+            what = f"The database cannot be reached ({what})"
+            consequence = (f"{consequence}; every other part of this process that needs the "
+                           "database waits and retries with backoff too, counted here until "
+                           "the database answers again")
+            fix = "check that the database is up and reachable; the emails need nothing"
         with self._lock:
             ongoing = self._ongoing.get(fault)
             if ongoing is not None:
                 ongoing.repeats += 1
+                ongoing.parts.add(part)
                 return False
-            self._ongoing[fault] = _Ongoing(time.monotonic(), 0, what)
+            self._ongoing[fault] = _Ongoing(time.monotonic(), 0, what, {part})
         report(f"{what} (further occurrences are counted until it recovers)",
                consequence=consequence, fix=fix, exc=exc)
         return True
 
     def recovered(self, fault: str) -> None:
-        """Close ``fault`` if it was ongoing, with one summary line."""
+        """Close ``fault`` if it was ongoing, with one summary line.
+
+        A part that failed during a database outage and works again closes
+        the outage: the database answers.
+        """
         with self._lock:
             ongoing = self._ongoing.pop(fault, None)
+            if ongoing is None:
+                outage = self._ongoing.get(DATABASE)
+                if outage is not None and fault in outage.parts:
+                    ongoing = self._ongoing.pop(DATABASE)
         if ongoing is not None:
             # Recovery is not a degradation: INFO, so alerting on ERROR stays meaningful.
             logger.info(

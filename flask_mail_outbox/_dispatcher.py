@@ -26,9 +26,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import sqlalchemy as sa
+
 from . import _degrade
 from ._delivery import BatchReport, DeliveryRoute, new_owner
 from ._retry import RetryPolicy
+from ._store import ClaimedEmail, Reaped
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -48,9 +51,13 @@ class IdleBackoff:
 
     def after_tick(self, *, claimed: int, full: bool, failed: bool,
                    maximum: float | None = None) -> float:
-        """Seconds from the start of the tick that just ended to the next one."""
+        """Seconds from the start of the tick that just ended to the next one.
+
+        ``full``: more is due now (a full batch, or keys handed on), even when
+        this tick claimed nothing.
+        """
         cap = self.maximum if maximum is None else maximum
-        if failed or claimed == 0:
+        if failed or (claimed == 0 and not full):
             gap = min(self._idle_gap, cap)
             self._idle_gap = min(self._idle_gap * 2, cap)
             return gap
@@ -75,6 +82,8 @@ class Dispatcher:
         self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
         self.name = name
         self.listening = False  # set by the LISTEN thread while its connection is up
+        self.sizer = BatchSizer(config.batch_size,
+                                concurrency=getattr(route.transport, "concurrency", 1))
         self.rate_limiter: RateLimiter | None = (
             RateLimiter(config.rate_limit, clock=clock) if config.rate_limit else None)
         self._cond = threading.Condition()
@@ -212,31 +221,31 @@ class Dispatcher:
                 self._cond.wait(min(remaining, 0.5))
 
     def tick(self) -> tuple[BatchReport | None, bool]:
-        """Reap, claim, deliver; returns the batch report and whether the batch was full."""
-        limit = self.config.batch_size
+        """Reap, claim, deliver; returns the batch report and whether more is due now.
+
+        More is due when the batch was full, or when this tick made the next
+        emails of some keys their key's head (recording the batch, or on
+        PostgreSQL the promotions the claim did after it picked its rows).
+        """
+        limit = self.sizer.size
         if self.rate_limiter is not None:
             limit = self.rate_limiter.acquire(limit)
         owner = new_owner()
-        if self._conn is None:
-            self._conn = self.store.dispatch_connection()
-        try:
-            claimed, reaped = self.store.claim_due(
-                limit, owner=owner, lease_seconds=self.config.lease_seconds,
-                reap_max_attempts=self.config.max_attempts, conn=self._conn)
-        except BaseException:
-            # A broken connection is replaced at the next tick.
-            conn, self._conn = self._conn, None
-            conn.invalidate()
-            conn.close()
-            raise
+        before = self.store.promotions
+        claimed, reaped = self._claim_due(limit, owner)
         self.route.report_reaped(reaped)
         if not claimed:
-            return None, False
+            return None, self.store.promotions != before
         if self._stopping:
             self.store.release(claimed)
             return None, False
+        started = self.clock()
         with self.route.app.app_context():
             report = self.route.deliver_claimed(claimed, policy=self.policy)
+        self.sizer.after_batch(len(claimed), self.clock() - started)
+        # Recording handed keys to their next emails: those are due now, like
+        # the rest of a full batch.
+        promoted = self.store.promotions != before
         throttled = any(error.throttled for _, _, error in report.transient)
         if throttled and self.rate_limiter is None:
             # No configured rate, but the server says "too fast": start at half of
@@ -251,7 +260,64 @@ class Dispatcher:
                 fix="set OUTBOX_RATE_LIMIT to the rate your provider allows")
         if self.rate_limiter is not None:
             self.rate_limiter.feedback(throttled=throttled)
-        return report, len(claimed) >= limit
+        return report, len(claimed) >= limit or promoted
+
+    def _claim_due(self, limit: int, owner: str) -> tuple[list[ClaimedEmail], Reaped]:
+        """The tick's claim on the kept connection, or on a new one if it had died.
+
+        The connection is kept across ticks without a ping, so the first tick
+        after the database restarted finds it cut: the claim goes once more on
+        a fresh connection, under a new owner, instead of failing a tick and
+        reporting an outage that is over. (Should the cut claim have committed
+        after all, its rows are reaped when their lease expires, like a crashed
+        worker's.) Only the claim itself is retried: ``claim_due`` never raises
+        after its claim committed, so a claimed batch is never dropped.
+        """
+        kept = self._conn is not None
+        if self._conn is None:
+            self._conn = self.store.dispatch_connection()
+        try:
+            return self.store.claim_due(
+                limit, owner=owner, lease_seconds=self.config.lease_seconds,
+                reap_max_attempts=self.config.max_attempts, conn=self._conn)
+        except BaseException as exc:
+            # A broken connection is replaced (now, or at the next tick).
+            conn, self._conn = self._conn, None
+            conn.invalidate()
+            conn.close()
+            if kept and isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+                logger.info("The dispatcher's database connection was cut (%s); "
+                            "claiming again on a new one", exc.orig)
+                return self._claim_due(limit, new_owner())
+            raise
+
+
+class BatchSizer:
+    """How many rows the next claim takes: a batch the connections finish soon.
+
+    A claim is sent as one batch and the next claim waits for all of it, so a
+    big batch to a slow server leaves connections idle at its tail, and holds
+    rows that other workers could be sending meanwhile. The next claim is
+    what keeps each connection busy for about ``target`` seconds at the pace
+    the last batch went, between ``concurrency`` and ``OUTBOX_BATCH_SIZE``: a
+    fast server gets full batches, a slow one small ones.
+    """
+
+    def __init__(self, maximum: int, *, concurrency: int, target: float = 0.5) -> None:
+        self.maximum = maximum
+        self.concurrency = max(1, min(concurrency, maximum))
+        self.target = target
+        self.size = maximum
+
+    def after_batch(self, count: int, seconds: float) -> int:
+        """Record that a batch of ``count`` messages took ``seconds``; the next size."""
+        if count <= 0:
+            return self.size
+        # Seconds one connection spent per message.
+        per_message = seconds * min(self.concurrency, count) / count
+        per_connection = self.maximum if per_message <= 0 else int(self.target / per_message)
+        self.size = max(self.concurrency, min(self.maximum, per_connection * self.concurrency))
+        return self.size
 
 
 class RateLimiter:
