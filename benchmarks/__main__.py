@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 from . import RESULT_SCHEMA
 from ._harness import Context, Report, log, machine_info, write_results
 from ._registry import load_all
+from .goals import goals_table
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -77,11 +80,31 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(keep=args.keep, workdir=args.workdir)
     failed = False
     try:
+        # Scenarios that mostly wait (idle) start first and are collected last.
+        background: dict[str, Callable[[], Report]] = {}
         for name, scenario_args in plan:
-            log(f"scenario {name}: {vars(scenario_args)}")
-            t0 = time.monotonic()
+            start = scenarios[name].start
+            if len(plan) > 1 and start is not None:
+                log(f"scenario {name} (in the background): {vars(scenario_args)}")
+                try:
+                    background[name] = start(ctx, scenario_args)
+                except Exception:  # noqa: BLE001 - report, go on with the next scenario
+                    failed = True
+                    payload["scenarios"][name] = {"error": traceback.format_exc()}
+        t_start = time.monotonic()
+        in_order = ([(n, a) for n, a in plan if n not in background]
+                    + [(n, a) for n, a in plan if n in background])
+        for name, scenario_args in in_order:
+            if name in payload["scenarios"]:
+                continue
+            if name in background:
+                collect: Callable[[], Report] = background[name]
+            else:
+                log(f"scenario {name}: {vars(scenario_args)}")
+                collect = functools.partial(scenarios[name].run, ctx, scenario_args)
+            t0 = t_start if name in background else time.monotonic()
             try:
-                report: Report = scenarios[name].run(ctx, scenario_args)
+                report: Report = collect()
             except KeyboardInterrupt:
                 raise
             except Exception:  # noqa: BLE001 - report, go on with the next scenario
@@ -95,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                                                    if k not in ("out", "workdir")},
                                           **report.as_json()}
             print(f"\n== {name} ({report.seconds:.0f} s) ==\n{report.render()}\n", flush=True)
+        table, rows = goals_table(payload["scenarios"])
+        if args.scenario != "all":
+            keep = [i for i, row in enumerate(rows) if row["scenario"] == args.scenario]
+            table.rows = [table.rows[i] for i in keep]
+            rows = [rows[i] for i in keep]
+        payload["goals"] = rows
+        if rows:
+            print(f"\n== goals ==\n{table.render()}\n", flush=True)
         if ctx._pg is not None:
             payload["machine"]["postgresql"] = ctx._pg.server_version()
     finally:

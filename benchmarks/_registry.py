@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from ._harness import Context, Report
 
 #: Modules that register scenarios, in the order ``all`` runs them.
-SCENARIO_MODULES = ("benchmarks.idle", "benchmarks.drain", "benchmarks.latency")
+SCENARIO_MODULES = ("benchmarks.idle", "benchmarks.throughput", "benchmarks.enqueue",
+                    "benchmarks.history", "benchmarks.backlog", "benchmarks.request",
+                    "benchmarks.drain", "benchmarks.latency")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,9 @@ class Scenario:
     help: str
     run: Callable[[Context, argparse.Namespace], Report]
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    #: For scenarios that mostly wait: starts them and returns the function that
+    #: collects the report; ``all`` starts these first and collects them last.
+    start: Callable[[Context, argparse.Namespace], Callable[[], Report]] | None = None
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -38,12 +43,13 @@ SCENARIOS: dict[str, Scenario] = {}
 
 def scenario(name: str, help: str, *,
              add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+             start: Callable[..., Any] | None = None,
              ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``run`` under ``name``."""
     def register(run: Callable[..., Any]) -> Callable[..., Any]:
         if name in SCENARIOS:
             raise RuntimeError(f"scenario {name!r} registered twice")
-        SCENARIOS[name] = Scenario(name, help, run, add_arguments)
+        SCENARIOS[name] = Scenario(name, help, run, add_arguments, start)
         return run
     return register
 

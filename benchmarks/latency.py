@@ -2,7 +2,7 @@
 
 For each configuration a producer child process (``python -m benchmarks.latency
 --child SPEC``, an app of :mod:`benchmarks.bench_app` with the library's
-defaults otherwise) sends single emails spaced 1-2 s apart (uniform, seeded),
+defaults otherwise) sends single emails spaced 0.5-1 s apart (uniform, seeded),
 each in its own app context and transaction, so the delivery side is idle
 when each one arrives. It records ``time.time()`` just before ``commit()``
 and just after it returns; the sink process records ``time.time()`` when it
@@ -66,11 +66,11 @@ DEFAULT_CONFIGS = ["durable-sqlite", "durable-pg", "inline-sqlite", "worker-pg"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=None,
-                        help="measured emails per configuration (default 40; --quick 10)")
+                        help="measured emails per configuration (default 30; --quick 10)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="emails sent first and left out (default 2)")
-    parser.add_argument("--spacing", default="1,2",
-                        help="seconds between emails, uniform MIN,MAX (default 1,2)")
+    parser.add_argument("--spacing", default="0.5,1",
+                        help="seconds between emails, uniform MIN,MAX (default 0.5,1)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, from: {', '.join(CONFIGS)}")
     parser.add_argument("--seed", type=int, default=1)
@@ -85,7 +85,7 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown latency config(s): {', '.join(unknown)}")
-    n = args.n or (10 if args.quick else 40)
+    n = args.n or (10 if args.quick else 30)
     low, high = (float(x) for x in args.spacing.split(","))
     sink = ctx.aiosmtpd_sink()
     table = Table(f"Latency from just before commit() to the sink's receipt, {n} single "

@@ -226,7 +226,9 @@ class DeliveryRoute:
                          policy: RetryPolicy | None) -> BatchReport:
         report = BatchReport()
         envelopes = [Envelope(email_id=e.id, sender=e.sender, recipients=e.recipients,
-                              mime=e.mime, message_id=e.message_id) for e in claimed]
+                              mime=e.mime, message_id=e.message_id,
+                              mail_options=e.mail_options, rcpt_options=e.rcpt_options)
+                     for e in claimed]
         with self._send_lock:
             self._current = claimed
             try:
@@ -366,8 +368,8 @@ class DeliveryRoute:
         """
         for delay in (*self.record_retry_delays, None):
             try:
-                result = self.store.record(outcomes)
-            except Exception as exc:  # noqa: BLE001 - retried, then reported and re-raised
+                result = self.store.record(outcomes, scrub_sent=self.config.scrub_sent)
+            except Exception as exc:
                 if delay is None:
                     sent = sum(o.status is Status.SENT for o in outcomes)
                     _degrade.report(
@@ -397,14 +399,14 @@ class DeliveryRoute:
         message = DeliveredMessage(email_id=email.id, message_id=email.message_id,
                                    sender=email.sender, send_to=email.recipients, mime=email.mime)
         self._signal(email_sent, email_id=email.id, message_id=email.message_id,
-                     message=message)
+                     message=message, created_at=email.created_at)
 
     def _signal(self, signal: Any, **kwargs: Any) -> None:
         """Send a signal; a failing receiver is logged and never breaks delivery."""
         try:
             with self.app.app_context():
                 signal.send(self.app, **kwargs)
-        except Exception:  # noqa: BLE001 - the outcome is recorded already
+        except Exception:
             logger.exception("A receiver of the %s signal raised (email %s); the email's "
                              "outcome is recorded and delivery goes on", signal.name,
                              kwargs.get("email_id"))

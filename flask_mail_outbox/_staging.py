@@ -52,6 +52,8 @@ class StagedEmail:
     email_id: int
     due_now: bool
     publisher: Publisher
+    # Its insert ran pg_notify already: the commit needs no NOTIFY for it.
+    notified: bool = False
 
 
 def stage(session: Session, entry: StagedEmail) -> None:
@@ -90,7 +92,8 @@ def _before_commit(session: Session) -> None:
     publishers: dict[int, Publisher] = {}
     for entries in staged.values():
         for entry in entries:
-            publishers.setdefault(id(entry.publisher), entry.publisher)
+            if not entry.notified:
+                publishers.setdefault(id(entry.publisher), entry.publisher)
     for publisher in publishers.values():
         publisher.prepare_commit(session)
 

@@ -1,0 +1,221 @@
+"""The fast paths behind the benchmark figures keep the outbox's guarantees.
+
+``python -m benchmarks`` measures speed; these tests pin what the speed-ups
+must not change: a keyed backlog is drained tick after tick (no idle gap
+while the next email of a key is due), a dead letter put back below its
+key's head is still delivered by the dispatcher, and the prebuilt insert
+writes the same row as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import close_app, db, make_app, rows
+from flask import Flask
+from smtpserver import FaultSMTPServer
+from sqlalchemy import event as sa_event
+
+from flask_mail_outbox import Message, OutboxMail
+
+POLL = 5.0  # long enough that a gap of 0 can only come from "more is due now"
+
+
+@pytest.fixture
+def worker_app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
+    """Durable, no dispatcher thread: the test ticks the dispatcher by hand."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_POLL_INTERVAL=POLL,
+                   OUTBOX_POLL_MAX_INTERVAL=2 * POLL)
+    yield app
+    close_app(app, timeout=5)
+
+
+def _dispatcher(app: Flask) -> Any:
+    return app.extensions["mail_outbox"].runtime().ensure_dispatcher(start_thread=False)
+
+
+def _step(app: Flask) -> float:
+    gap: float = _dispatcher(app).step(wait=lambda deadline: None)
+    return gap
+
+
+def test_a_tick_that_hands_a_key_on_ticks_again_at_once(
+        worker_app: Flask, smtp_server: FaultSMTPServer) -> None:
+    mail: OutboxMail = worker_app.extensions["test_mail"]
+    with worker_app.app_context():
+        for i in range(3):
+            mail.send(Message(f"k{i}", recipients=["a@example.com"], body="x"), key="k")
+        db.session.commit()
+    # Each tick sends the key's head; recording it makes the next one due now.
+    assert [_step(worker_app) for _ in range(3)] == [0.0, 0.0, POLL]
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == ["k0", "k1", "k2"]
+
+
+def test_a_dead_letter_put_back_below_its_keys_head_is_still_delivered(
+        worker_app: Flask, smtp_server: FaultSMTPServer) -> None:
+    mail: OutboxMail = worker_app.extensions["test_mail"]
+    smtp_server.reply("data", 554, "5.6.0 rejected", times=1)
+    with worker_app.app_context():
+        first = mail.send(Message("first", recipients=["a@example.com"], body="x"), key="k")
+        for name in ("second", "third"):
+            mail.send(Message(name, recipients=["a@example.com"], body="x"), key="k")
+        db.session.commit()
+    _step(worker_app)  # "first" is dead-lettered and hands the key to "second"
+    assert [r["status"] for r in rows(worker_app)] == ["failed", "queued", "queued"]
+    with worker_app.app_context():
+        mail.retry(first)  # queued again, below the key's head, which has not started
+    for _ in range(4):
+        _step(worker_app)
+    # Id order: the one put back became the key's head (tests/test_key_order.py).
+    assert [r["status"] for r in rows(worker_app)] == ["sent", "sent", "sent"]
+    assert sorted(m.parsed["Subject"] for m in smtp_server.messages) == [
+        "first", "second", "third"]
+
+
+def test_an_email_without_key_is_stored_as_before(worker_app: Flask) -> None:
+    mail: OutboxMail = worker_app.extensions["test_mail"]
+    with worker_app.app_context():
+        email_id = mail.send(Message("plain", recipients=["a@example.com"], body="x"))
+        db.session.commit()
+    [row] = rows(worker_app)
+    assert row["id"] == email_id
+    assert (row["status"], row["attempts"], row["key"], row["key_head"]) == (
+        "queued", 0, None, False)
+    assert row["created_at"] is not None and row["due_at"] == row["created_at"]
+    assert row["subject"] == "plain" and row["size"] == len(row["mime"])
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # NOTIFY
+def test_the_insert_wakes_listeners_and_the_commit_sends_no_notify(db_url: str) -> None:
+    import psycopg
+    from sqlalchemy import event
+
+    from flask_mail_outbox._listen import CHANNEL, libpq_url
+
+    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                   OUTBOX_TRANSPORT="null")
+    mail: OutboxMail = app.extensions["test_mail"]
+    statements: list[str] = []
+    try:
+        with psycopg.connect(libpq_url(db_url), autocommit=True) as listener:
+            listener.execute(f"LISTEN {CHANNEL}")
+            with app.app_context():
+                assert mail.durable  # read (and cached) before counting
+                event.listen(db.engine, "before_cursor_execute",
+                             lambda _c, _cur, sql, *_: statements.append(sql))
+                for i in range(3):
+                    mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+                db.session.commit()
+            # One round trip per email, none added by the commit; one wake-up.
+            assert len(statements) == 3
+            assert all(s.startswith("INSERT") and "pg_notify" in s for s in statements)
+            assert len(list(listener.notifies(timeout=5, stop_after=2))) == 1
+    finally:
+        close_app(app)
+
+
+def test_batch_sizer_follows_the_pace_of_the_last_batch() -> None:
+    from flask_mail_outbox._dispatcher import BatchSizer
+
+    sizer = BatchSizer(100, concurrency=4, target=0.5)
+    assert sizer.size == 100
+    # 100 messages over 4 connections in 0.06 s: 2.4 ms each, full batches.
+    assert sizer.after_batch(100, 0.06) == 100
+    # 50 ms each: ten per connection fill half a second.
+    assert sizer.after_batch(100, 1.25) == 40
+    # A second each: one per connection, never fewer than the connections.
+    assert sizer.after_batch(40, 10.0) == 4
+    assert sizer.after_batch(3, 3.0) == 4
+    # Back to a fast server: back to full batches; an instant (fake clock) batch too.
+    assert sizer.after_batch(4, 0.004) == 100
+    assert sizer.after_batch(4, 0.0) == 100
+
+
+def test_a_slow_server_gets_smaller_claims(worker_app: Flask,
+                                           smtp_server: FaultSMTPServer) -> None:
+    mail: OutboxMail = worker_app.extensions["test_mail"]
+    smtp_server.delay("data", 0.1)  # at least 0.1 s per message and connection
+
+    def queue(count: int) -> None:
+        with worker_app.app_context():
+            for i in range(count):
+                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+
+    queue(30)
+    dispatcher = _dispatcher(worker_app)
+    _step(worker_app)
+    assert dispatcher.last_claimed == 30  # OUTBOX_BATCH_SIZE is 100: all of them
+    queue(30)
+    _step(worker_app)
+    # At >= 0.1 s per message, half a second is at most 5 per connection, 4 connections.
+    assert 4 <= dispatcher.last_claimed <= 20
+    assert smtp_server.wait_for(30 + dispatcher.last_claimed)
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # advisory locks
+def test_a_key_held_by_a_producer_is_handed_on_after_the_producer_commits(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    import sqlalchemy as sa
+
+    from flask_mail_outbox._store import key_lock
+
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_POLL_INTERVAL=POLL)
+    mail: OutboxMail = app.extensions["test_mail"]
+    engine = sa.create_engine(db_url)
+    try:
+        with app.app_context():
+            for name in ("head", "next"):
+                mail.send(Message(name, recipients=["a@example.com"], body="x"), key="k")
+            db.session.commit()
+        with engine.connect() as producer:
+            producer.execute(sa.select(key_lock("k")))  # a request mid-send() of key "k"
+            _step(app)  # "head" is sent; its key cannot be handed on yet
+            assert [(r["status"], r["key_head"]) for r in rows(app)] == [
+                ("sent", True), ("queued", False)]
+            producer.rollback()  # the request ends
+        for _ in range(3):  # the put-off promotion is retried at the next claims
+            _step(app)
+        assert [r["status"] for r in rows(app)] == ["sent", "sent"]
+        assert [m.parsed["Subject"] for m in smtp_server.messages] == ["head", "next"]
+    finally:
+        close_app(app, timeout=5)
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # SQLite's planner
+def test_the_sqlite_claim_reads_only_the_rows_that_may_go_now(worker_app: Flask) -> None:
+    """On a never-analysed table the claim must still read ``ix_outbox_email_due``.
+
+    Left to itself, SQLite's planner takes the dashboard's ``(status, id)``
+    index for ``status = 'queued'`` and reads and sorts every queued row on
+    each claim, keyed rows waiting behind their head included.
+    """
+    mail: OutboxMail = worker_app.extensions["test_mail"]
+    with worker_app.app_context():
+        for i in range(5):
+            mail.send(Message(f"k{i}", recipients=["a@example.com"], body="x"), key="k")
+        db.session.commit()
+    claims: list[tuple[str, Any]] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("UPDATE") and "LIMIT" in statement:
+            claims.append((statement, parameters))
+
+    store = worker_app.extensions["mail_outbox"].runtime().store
+    sa_event.listen(store.engine, "before_cursor_execute", capture)
+    try:
+        _step(worker_app)
+    finally:
+        sa_event.remove(store.engine, "before_cursor_execute", capture)
+    assert len(claims) == 1, claims
+    statement, parameters = claims[0]
+    with store.engine.connect() as conn:
+        plan = " | ".join(row[3] for row in conn.exec_driver_sql(
+            "EXPLAIN QUERY PLAN " + statement, parameters))
+    assert "USING INDEX ix_outbox_email_due" in plan, plan
+    assert "TEMP B-TREE" not in plan, plan
