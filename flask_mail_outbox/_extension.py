@@ -19,7 +19,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -297,7 +297,7 @@ class _AppState:
             for email_id in ids:
                 try:
                     email_queued.send(self.app, email_id=email_id)
-                except Exception:  # noqa: BLE001 - the commit succeeded; go on delivering
+                except Exception:
                     logger.exception("A receiver of the email_queued signal raised (email "
                                      "%s); delivery goes on", email_id)
         due = [e.email_id for e in entries if e.due_now]
@@ -383,7 +383,7 @@ def _restart_schedulers_in_child() -> None:
             state.scheduler = None
             try:
                 state.start_scheduler()
-            except Exception:  # noqa: BLE001 - the periodic sweep is a safety net
+            except Exception:
                 logger.exception("Could not start the outbox sweep jobs in a forked process")
 
 
@@ -391,7 +391,7 @@ def _stop_all() -> None:
     for state in list(_all_states):
         try:
             state.stop(timeout=10)
-        except Exception:  # noqa: BLE001 - interpreter exit; rows are safe in the database
+        except Exception:
             logger.exception("Stopping outbox delivery at exit failed")
 
 
@@ -774,7 +774,7 @@ def _due_at(send_after: Any) -> datetime | None:
             raise InvalidMessage("send_after", f"{send_after!r} is past the year 9999") from None
     if isinstance(send_after, datetime):
         if send_after.tzinfo is not None:
-            return send_after.astimezone(timezone.utc).replace(tzinfo=None)
+            return send_after.astimezone(UTC).replace(tzinfo=None)
         return send_after
     raise InvalidMessage("send_after",
                          f"expected a datetime or timedelta, got {type(send_after).__name__}")

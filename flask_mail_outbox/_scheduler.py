@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from ._store import utcnow
@@ -45,12 +45,12 @@ class SweepScheduler:
         from apscheduler.schedulers.background import BackgroundScheduler
 
         config = self.state.config
-        scheduler = BackgroundScheduler(daemon=True, timezone=timezone.utc)
+        scheduler = BackgroundScheduler(daemon=True, timezone=UTC)
         if config.sweep_on_startup:
             # A moment after start: an app that creates its tables right after
             # init_app (development) has done so by then.
             scheduler.add_job(self._startup_sweep, "date",
-                              run_date=datetime.now(timezone.utc) + timedelta(seconds=1),
+                              run_date=datetime.now(UTC) + timedelta(seconds=1),
                               id="outbox-startup-sweep", misfire_grace_time=None)
         else:
             self.startup_done.set()

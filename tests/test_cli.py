@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from flask import Flask
-
 from conftest import close_app, free_port, make_app
+from flask import Flask
 from smtpserver import FaultSMTPServer
 
 

@@ -6,16 +6,20 @@ import email.policy
 import json
 import logging
 import threading
-import time
 from email.parser import BytesParser
 from typing import Any
 
 import pytest
-from flask import Flask
-
 from conftest import User, close_app, db, free_port, make_app, rows, wait_rows
-from flask_mail_outbox import Message, OutboxMail, email_failed, email_queued, email_sent
+from flask import Flask
 from smtpserver import FaultSMTPServer
+
+from flask_mail_outbox import (
+    Message,
+    OutboxMail,
+    email_failed,
+    email_queued,
+)
 
 
 def test_view_returns_while_smtp_server_holds_the_message(

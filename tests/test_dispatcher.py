@@ -7,13 +7,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
 from conftest import MakeApps, close_app, db, make_app
+
 from flask_mail_outbox import Message, OutboxMail, PermanentError, TransientError
 from flask_mail_outbox._delivery import BatchReport
 from flask_mail_outbox._dispatcher import Dispatcher, IdleBackoff, RateLimiter
 from flask_mail_outbox._retry import RetryPolicy
-
 
 # -- the retry policy (pure) -------------------------------------------------------------
 

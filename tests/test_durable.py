@@ -8,12 +8,12 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from flask import Flask
-
 from conftest import close_app, db, make_app, rows, wait_rows
+from flask import Flask
+from smtpserver import FaultSMTPServer
+
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._models import email_table
-from smtpserver import FaultSMTPServer
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from flask import Flask, render_template, url_for
 from flask.testing import FlaskClient
 from markupsafe import escape
+from smtpserver import FaultSMTPServer, ReceivedMessage
 from werkzeug.test import TestResponse
 
 import example_app.views
@@ -36,7 +37,6 @@ from example_app.extensions import db, mail
 from flask_mail_outbox import InvalidMessage, Message
 from flask_mail_outbox._models import email_table
 from flask_mail_outbox._models import metadata as outbox_metadata
-from smtpserver import FaultSMTPServer, ReceivedMessage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS_DIR = REPO_ROOT / "migrations"

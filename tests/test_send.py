@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from flask import Flask
-
 from conftest import User, close_app, db, make_app, rows
+from flask import Flask
+from smtpserver import FaultSMTPServer
+
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
 from flask_mail_outbox._models import attachment_table
-from smtpserver import FaultSMTPServer
 
 
 def welcome(to: str = "user@example.com", **kwargs: Any) -> Message:

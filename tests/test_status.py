@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from conftest import MakeApps, db, free_port, rows, wait_rows
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
+from smtpserver import FaultSMTPServer
 
-from conftest import MakeApps, db, free_port, rows, wait_rows
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._models import email_table
-from smtpserver import FaultSMTPServer
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

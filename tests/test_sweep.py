@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from flask import Flask
-
 from conftest import MakeApps, db, free_port, rows
+from flask import Flask
+from smtpserver import FaultSMTPServer
+
 from flask_mail_outbox import Message
 from flask_mail_outbox._models import email_table
-from smtpserver import FaultSMTPServer
 
 
 def strand(make_apps: MakeApps, count: int, **config: Any) -> list[int]:

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flask import Flask
-
 from conftest import MakeApps, db, make_app
+from flask import Flask
+from smtpserver import FaultSMTPServer
+
 from flask_mail_outbox import Message, OutboxMail, PermanentError, TransientError
 from flask_mail_outbox._models import email_table
 from flask_mail_outbox.transports import Envelope, Transport
-from smtpserver import FaultSMTPServer
 
 
 def statuses(app: Flask) -> list[str]:
