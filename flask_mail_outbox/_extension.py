@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import difflib
+import ipaddress
 import json
 import logging
 import os
@@ -75,6 +76,32 @@ def _check_unknown_keys(config: Any) -> None:
             close = difflib.get_close_matches(key, _KNOWN_OUTBOX_KEYS, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(key, f"is not a flask-mail-outbox setting{hint}")
+
+
+def _warn_plaintext_login(config: OutboxConfig) -> None:
+    """Warn when the SMTP login would cross the network unencrypted.
+
+    Flask-Mail logs in whatever the connection, and so does the outbox (a
+    relay on the same host is a fair setup); to another host the password
+    travels in clear unless ``MAIL_USE_TLS`` or ``MAIL_USE_SSL`` is on.
+    """
+    s = config.smtp
+    if (config.transport != "smtp" or config.suppress_send or not s.username
+            or s.use_tls or s.use_ssl or _is_loopback(s.host)):
+        return
+    logger.warning(
+        "MAIL_USERNAME is set but neither MAIL_USE_TLS nor MAIL_USE_SSL is: the SMTP "
+        "login to %s:%s will send the password unencrypted. Set MAIL_USE_TLS=True "
+        "(STARTTLS) or MAIL_USE_SSL=True.", s.host, s.port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _refuse_memory_sqlite(uri: Any) -> None:
@@ -425,6 +452,7 @@ class OutboxMail:
         _check_unknown_keys(app.config)
         config = load_config(app.config, instance_path=app.instance_path,
                              testing=bool(app.config.get("TESTING")))
+        _warn_plaintext_login(config)
         state = _AppState(self, app, db, config)
         _prepare_sqlite(app, db)
         app.extensions[EXTENSION_KEY] = state

@@ -619,3 +619,23 @@ def test_the_package_builds_no_sql_from_values() -> None:
         if problems:
             found[name] = problems
     assert found == {}
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # configuration only
+@pytest.mark.parametrize(("server", "tls", "warned"), [
+    ("smtp.example.com", {}, True),
+    ("smtp.example.com", {"MAIL_USE_TLS": True}, False),
+    ("smtp.example.com", {"MAIL_USE_SSL": True, "MAIL_PORT": 465}, False),
+    ("127.0.0.1", {}, False),
+    ("localhost", {}, False),
+])
+def test_a_login_that_would_cross_the_network_in_clear_is_warned_about(
+        server: str, tls: dict[str, Any], warned: bool, make_apps: MakeApps,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    make_apps(MAIL_SERVER=server, MAIL_USERNAME=USER, MAIL_PASSWORD=SECRET, **tls)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name.startswith("flask_mail_outbox") and r.levelno == logging.WARNING
+                and "unencrypted" in r.getMessage()]
+    assert len(warnings) == int(warned), warnings
+    assert all(server in w and SECRET not in w for w in warnings)
