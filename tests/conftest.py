@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
@@ -151,15 +151,58 @@ def rows(app: Flask) -> list[dict[str, Any]]:
             email_table.select().order_by(email_table.c.id)).mappings()]
 
 
+_T = TypeVar("_T")
+
+
+def poll(fetch: Callable[[], _T], until: Callable[[_T], object] = bool, *,
+         timeout: float, interval: float = 0.05) -> _T:
+    """``fetch()`` every ``interval`` s until ``until`` holds for its result, or
+    ``timeout`` passed; returns the last result (the caller asserts on it).
+
+    The one polling loop of the tests: for state no event announces (rows in
+    the database, a process's log). The SMTP server has its own waits.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        current = fetch()
+        if until(current) or time.monotonic() > deadline:
+            return current
+        time.sleep(interval)
+
+
 def wait_rows(app: Flask, predicate: Callable[[list[dict[str, Any]]], bool],
               timeout: float, interval: float = 0.05) -> list[dict[str, Any]]:
     """``rows(app)`` once ``predicate`` holds for them, or as they are after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        current = rows(app)
-        if predicate(current) or time.monotonic() > deadline:
-            return current
-        time.sleep(interval)
+    return poll(lambda: rows(app), predicate, timeout=timeout, interval=interval)
+
+
+def query_plan(engine: sa.Engine, statement: str, parameters: Any) -> str:
+    """The plan of ``statement`` as it ran (captured with its bound parameters).
+
+    On PostgreSQL sequential scans are turned off first, so a plan that still
+    reads the whole table means no index matched the predicates.
+    """
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            return " | ".join(str(r[-1]) for r in conn.exec_driver_sql(
+                f"EXPLAIN QUERY PLAN {statement}", parameters))
+        conn.exec_driver_sql("SET enable_seqscan = off")
+        return " | ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {statement}",
+                                                               parameters))
+
+
+def drop_example_tables(url: str) -> None:
+    """PostgreSQL: the session's shared database must not keep the example's migrated schema."""
+    if sa.make_url(url).get_backend_name() != "postgresql":
+        return  # a new SQLite file per test
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            outbox_metadata.drop_all(conn)
+            conn.exec_driver_sql("DROP TABLE IF EXISTS users")
+            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
+    finally:
+        engine.dispose()
 
 
 def free_port() -> int:

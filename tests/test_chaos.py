@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pytest
 import sqlalchemy as sa
-from conftest import db, rows, wait_rows
+from conftest import db, poll, rows, wait_rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -68,18 +68,17 @@ def _pick_victim(app: Flask, workers: dict[str, Worker], rng: random.Random,
                  timeout: float) -> str | None:
     """A random one of the workers holding claimed rows (mid-batch); None after ``timeout``."""
     t = email_table
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def holding() -> list[str]:
         with app.app_context(), db.engine.connect() as conn:
             owners = conn.execute(sa.select(t.c.lease_owner).distinct().where(
                 t.c.status == "sending")).scalars().all()
         pids = {int(owner.split(":")[1]) for owner in owners if owner}
-        holding = sorted(name for name, w in workers.items()
-                         if w.pid in pids and w.proc.poll() is None)
-        if holding:
-            return rng.choice(holding)
-        time.sleep(0.02)
-    return None
+        return sorted(name for name, w in workers.items()
+                      if w.pid in pids and w.proc.poll() is None)
+
+    names = poll(holding, timeout=timeout, interval=0.02)
+    return rng.choice(names) if names else None
 
 
 def test_twenty_sigkills_during_a_drain_lose_nothing(

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import close_app, db, free_port, make_app
+from conftest import close_app, db, free_port, make_app, poll
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -210,16 +210,15 @@ def wait_leases_expired(app: Flask, timeout: float = WAIT) -> None:
     """Wait until no ``sending`` row has a live lease (on the clock the store compares with)."""
     engine = engine_of(app)
     t = email_table
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def live() -> int:
         with engine.connect() as conn:
-            live = conn.execute(sa.select(sa.func.count()).where(
+            return int(conn.execute(sa.select(sa.func.count()).where(
                 t.c.status == "sending",
-                t.c.lease_expires_at >= now_expr(engine.dialect.name))).scalar_one()
-        if not live:
-            return
-        assert time.monotonic() < deadline, f"{live} lease(s) still live after {timeout:g} s"
-        time.sleep(0.1)
+                t.c.lease_expires_at >= now_expr(engine.dialect.name))).scalar_one())
+
+    still = poll(live, lambda n: n == 0, timeout=timeout, interval=0.1)
+    assert still == 0, f"{still} lease(s) still live after {timeout:g} s"
 
 
 def copies(server: FaultSMTPServer, message_id: str) -> int:

@@ -33,6 +33,7 @@ from conftest import (
     close_app,
     empty_postgres,
     make_app,
+    query_plan,
     require_postgres,
     rows,
     wait_rows,
@@ -574,20 +575,13 @@ def test_the_chart_reads_the_sent_and_failed_rows_by_index(
     finally:
         sa.event.remove(store.engine, "before_cursor_execute", note)
     assert len(executed) == 2, executed
-    with store.engine.connect() as conn:
-        for statement, parameters in executed:  # as they ran, with their parameters
-            if backend == "sqlite":
-                plan = " ".join(str(r[-1]) for r in conn.exec_driver_sql(
-                    f"EXPLAIN QUERY PLAN {statement}", parameters))
-            else:
-                conn.exec_driver_sql("SET enable_seqscan = off")
-                plan = " ".join(r[0] for r in conn.exec_driver_sql(
-                    f"EXPLAIN {statement}", parameters))
-            # An index of one status's rows (which one is the planner's choice: SQLite's,
-            # on a table never analysed, takes ix_outbox_email_status_id), never the table.
-            assert re.search(r"(?:INDEX|using) ix_outbox_email_", plan), plan
-            assert not re.search(r"SCAN outbox_email(?! USING)", plan), plan
-            assert "Seq Scan" not in plan, plan
+    for statement, parameters in executed:  # as they ran, with their parameters
+        plan = query_plan(store.engine, statement, parameters)
+        # An index of one status's rows (which one is the planner's choice: SQLite's,
+        # on a table never analysed, takes ix_outbox_email_status_id), never the table.
+        assert re.search(r"(?:INDEX|using) ix_outbox_email_", plan), plan
+        assert not re.search(r"SCAN outbox_email(?! USING)", plan), plan
+        assert "Seq Scan" not in plan, plan
 
 
 def test_mode_toggle_switches_delivery_for_every_process(

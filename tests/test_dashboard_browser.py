@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +31,7 @@ from urllib.parse import urlsplit
 import flask_migrate  # type: ignore[import-untyped]
 import pytest
 import sqlalchemy as sa
+from conftest import drop_example_tables, poll
 from flask import Flask
 from playwright.sync_api import Dialog, sync_playwright
 from smtpserver import FaultSMTPServer
@@ -41,7 +41,6 @@ from example_app import create_app
 from example_app.extensions import db, mail
 from flask_mail_outbox import Message
 from flask_mail_outbox._models import email_table
-from flask_mail_outbox._models import metadata as outbox_metadata
 
 CHROMIUM = "/usr/bin/chromium"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -98,25 +97,8 @@ class Served:
                 sa.select(email_table.c.id, email_table.c.status))}
 
     def wait_status(self, email_id: int, status: str, timeout: float = 15) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.statuses().get(email_id) != status:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-
-def _drop_example_tables(url: str) -> None:
-    if sa.make_url(url).get_backend_name() != "postgresql":
-        return  # a new SQLite file per test
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as conn:
-            outbox_metadata.drop_all(conn)
-            conn.exec_driver_sql("DROP TABLE IF EXISTS users")
-            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
-    finally:
-        engine.dispose()
+        return poll(lambda: self.statuses().get(email_id), lambda s: s == status,
+                    timeout=timeout) == status
 
 
 @pytest.fixture
@@ -125,7 +107,7 @@ def served(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path,
     for name in list(os.environ):
         if name.startswith(("EXAMPLE_", "FLASK_")):
             monkeypatch.delenv(name)
-    _drop_example_tables(db_url)
+    drop_example_tables(db_url)
     app = create_app({
         "SQLALCHEMY_DATABASE_URI": db_url,
         "SECRET_KEY": "browser-test",
@@ -154,7 +136,7 @@ def served(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path,
             db.session.remove()
             for engine in db.engines.values():
                 engine.dispose()
-        _drop_example_tables(db_url)
+        drop_example_tables(db_url)
 
 
 def test_operator_finds_a_dead_letter_retries_it_and_nothing_hostile_runs(

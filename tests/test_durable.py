@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import close_app, db, make_app, rows, wait_rows
+from conftest import close_app, db, make_app, poll, rows, wait_rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -230,9 +230,7 @@ def test_commit_wakes_the_dispatcher_long_before_its_next_poll(
     mail: OutboxMail = app.extensions["test_mail"]
     try:
         dispatcher = app.extensions["mail_outbox"].runtime().ensure_dispatcher()
-        deadline = time.monotonic() + 10
-        while dispatcher.ticks < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        poll(lambda: dispatcher.ticks, timeout=10, interval=0.01)
         assert dispatcher.ticks == 1  # ticked once at start; the next poll is 60 s away
         with app.app_context():
             mail.send(Message("x", recipients=["a@example.com"], body="x"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from email.message import EmailMessage
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import flask_migrate  # type: ignore[import-untyped]
 import pytest
 import sqlalchemy as sa
+from conftest import drop_example_tables, poll
 from flask import Flask, render_template, url_for
 from flask.testing import FlaskClient
 from markupsafe import escape
@@ -36,7 +36,6 @@ from example_app import create_app
 from example_app.extensions import db, mail
 from flask_mail_outbox import InvalidMessage, Message
 from flask_mail_outbox._models import email_table
-from flask_mail_outbox._models import metadata as outbox_metadata
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
@@ -71,12 +70,7 @@ class Example:
     def wait_emails(self, predicate: Callable[[list[dict[str, Any]]], bool],
                     timeout: float = 15.0) -> list[dict[str, Any]]:
         """The email rows once ``predicate`` holds for them (or at ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            current = self.emails()
-            if predicate(current) or time.monotonic() > deadline:
-                return current
-            time.sleep(0.05)
+        return poll(self.emails, predicate, timeout=timeout)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """``mail.wait_idle`` (it needs the app's context)."""
@@ -92,20 +86,6 @@ class Example:
                     render_template("email/welcome.html", **context))
 
 
-def _drop_example_tables(url: str) -> None:
-    """PostgreSQL: the session's shared database must not keep a migrated schema."""
-    if sa.make_url(url).get_backend_name() != "postgresql":
-        return  # a new SQLite file per test
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as conn:
-            outbox_metadata.drop_all(conn)
-            conn.exec_driver_sql("DROP TABLE IF EXISTS users")
-            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture
 def example(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[Example]:
@@ -114,7 +94,7 @@ def example(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path,
     for name in list(os.environ):
         if name.startswith(("EXAMPLE_", "FLASK_")):
             monkeypatch.delenv(name)
-    _drop_example_tables(db_url)
+    drop_example_tables(db_url)
     app = create_app(
         {
             "SQLALCHEMY_DATABASE_URI": db_url,
@@ -141,7 +121,7 @@ def example(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path,
             db.session.remove()
             for engine in db.engines.values():
                 engine.dispose()
-        _drop_example_tables(db_url)
+        drop_example_tables(db_url)
 
 
 def _text(message: ReceivedMessage, subtype: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import MakeApps, db, free_port, wait_rows
+from conftest import MakeApps, db, free_port, query_plan, wait_rows
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 from smtpserver import FaultSMTPServer
@@ -275,15 +275,7 @@ def test_one_indexed_statement_per_check(make_apps: MakeApps, backend: str) -> N
     # The plan of the statement as it ran, with its bound parameters (a bound
     # status keeps SQLite off the partial indexes: literals would plan differently).
     statement, parameters = executed[-1]
-    with engine.connect() as conn:
-        if backend == "sqlite":
-            plan = " ".join(str(r[-1]) for r in conn.exec_driver_sql(
-                f"EXPLAIN QUERY PLAN {statement}", parameters))
-        else:
-            # Seq scans off: an index the predicates did not match could not be used.
-            conn.exec_driver_sql("SET enable_seqscan = off")
-            plan = " ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {statement}",
-                                                               parameters))
+    plan = query_plan(engine, statement, parameters)
     # Both subqueries read an index of the outbox (which one is the planner's choice);
     # neither reads the table through (SQLite "SCAN outbox_email" without an index,
     # PostgreSQL "Seq Scan").

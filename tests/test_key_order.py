@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import close_app, db, make_app, rows
+from conftest import close_app, db, make_app, poll, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -100,12 +99,10 @@ def test_a_producer_committing_while_the_promotion_takes_its_lock_is_promoted(
     assert "k" in store._unpromoted
 
     def release_when_the_promotion_waits() -> None:
-        deadline = time.monotonic() + 30
         with engine.connect() as conn:
-            while time.monotonic() < deadline and not conn.exec_driver_sql(
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-                    " AND NOT granted").scalar():
-                time.sleep(0.02)  # polling a condition with a deadline
+            poll(lambda: conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                " AND NOT granted").scalar(), timeout=30, interval=0.02)
         commit.set()
 
     watcher = threading.Thread(target=release_when_the_promotion_waits)

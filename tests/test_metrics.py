@@ -19,7 +19,7 @@ from typing import Any
 import prometheus_client
 import pytest
 import sqlalchemy as sa
-from conftest import MakeApps, db, wait_rows
+from conftest import MakeApps, db, query_plan, wait_rows
 from flask import Flask, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from smtpserver import FaultSMTPServer
@@ -256,15 +256,7 @@ def test_the_scrape_reads_indexes_only(smtp_app: tuple[Flask, OutboxMail], backe
         sa.event.remove(store.engine, "before_cursor_execute", note)
     # The plan of the statement as the scrape ran it, with its bound parameters.
     ((statement, parameters),) = executed
-    with store.engine.connect() as conn:
-        if backend == "sqlite":
-            plan = " ".join(str(r[-1]) for r in conn.exec_driver_sql(
-                f"EXPLAIN QUERY PLAN {statement}", parameters))
-        else:
-            # Seq scans off: an index the predicates did not match could not be used.
-            conn.exec_driver_sql("SET enable_seqscan = off")
-            plan = " ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {statement}",
-                                                               parameters))
+    plan = query_plan(store.engine, statement, parameters)
     # Five subqueries, each on an index of the outbox; no read of the whole table.
     assert len(re.findall(r"(?:INDEX|using) ix_outbox_email", plan)) == 5, plan
     assert not re.search(r"SCAN outbox_email(?! USING)", plan) and "Seq Scan" not in plan, plan

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import close_app, db, make_app, rows
+from conftest import close_app, db, make_app, query_plan, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 from sqlalchemy import event as sa_event
@@ -214,8 +214,6 @@ def test_the_sqlite_claim_reads_only_the_rows_that_may_go_now(worker_app: Flask)
         sa_event.remove(store.engine, "before_cursor_execute", capture)
     assert len(claims) == 1, claims
     statement, parameters = claims[0]
-    with store.engine.connect() as conn:
-        plan = " | ".join(row[3] for row in conn.exec_driver_sql(
-            "EXPLAIN QUERY PLAN " + statement, parameters))
+    plan = query_plan(store.engine, statement, parameters)
     assert "USING INDEX ix_outbox_email_due" in plan, plan
     assert "TEMP B-TREE" not in plan, plan

@@ -35,6 +35,7 @@ from conftest import (
     db,
     empty_postgres,
     make_app,
+    poll,
     require_postgres,
     rows,
     wait_rows,
@@ -134,15 +135,13 @@ class Worker:
 
     def wait_log(self, predicate: Callable[[Worker], bool], timeout: float,
                  what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate(self):
-            if self.proc.poll() is not None:
-                pytest.fail(f"worker {self.name} exited ({self.proc.returncode}) while "
-                            f"waiting for {what}:\n{self.log()[-4000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"worker {self.name}: no {what} within {timeout} s:\n"
-                            f"{self.log()[-4000:]}")
-            time.sleep(0.05)
+        if poll(lambda: predicate(self) or self.proc.poll() is not None, timeout=timeout):
+            if predicate(self):
+                return
+            pytest.fail(f"worker {self.name} exited ({self.proc.returncode}) while "
+                        f"waiting for {what}:\n{self.log()[-4000:]}")
+        pytest.fail(f"worker {self.name}: no {what} within {timeout} s:\n"
+                    f"{self.log()[-4000:]}")
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Until its dispatcher finished a first tick (signal handlers are installed)."""
