@@ -382,6 +382,8 @@ class _Handler:
         session.host_name = hostname
         if not owner._auth_is_required():
             responses = [r for r in responses if not r[4:].upper().startswith("AUTH")]
+        if owner.pipelining:
+            responses = [responses[0], "250-PIPELINING", *responses[1:]]
         return responses
 
     async def handle_HELO(
@@ -600,6 +602,7 @@ class FaultSMTPServer:
         server_hostname: str = "localhost",
         data_size_limit: int = DATA_SIZE_LIMIT,
         ready_timeout: float = 10.0,
+        pipelining: bool = True,
     ) -> None:
         """Configure (but do not start) the server.
 
@@ -611,6 +614,8 @@ class FaultSMTPServer:
         :param server_hostname: the name the server uses in its replies.
         :param data_size_limit: largest message accepted (SIZE), in bytes.
         :param ready_timeout: how long :meth:`start` waits for the server thread.
+        :param pipelining: advertise ``PIPELINING`` (RFC 2920) in the EHLO reply,
+            as real servers do; aiosmtpd reads commands in order either way.
         """
         self._host = host
         self._requested_port = port
@@ -619,6 +624,7 @@ class FaultSMTPServer:
         self._server_hostname = server_hostname
         self._data_size_limit = data_size_limit
         self._ready_timeout = ready_timeout
+        self.pipelining = pipelining
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)

@@ -23,6 +23,7 @@ import aiosmtplib
 
 from .._errors import PermanentError, TransientError, TransportError
 from ._base import Delivered, Envelope, Failed, NotAttempted, Result, Transport
+from ._pipeline import Pipe, Session, dot_stuffed, envelope_commands
 
 if TYPE_CHECKING:
     from .._config import OutboxConfig
@@ -79,7 +80,7 @@ class SMTPTransport(Transport):
         super().__init__(config)
         self.settings = config.smtp
         self.concurrency = max(1, concurrency)
-        self._idle: list[aiosmtplib.SMTP] = []
+        self._idle: list[Session] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -147,17 +148,17 @@ class SMTPTransport(Transport):
 
     async def _close_idle(self) -> None:
         idle, self._idle = self._idle, []
-        for client in idle:
+        for session in idle:
             try:
-                await client.quit()
+                await session.pipe.quit(self.settings.timeout)
             except Exception:  # noqa: BLE001 - the connection is going away anyway
-                client.close()
+                session.pipe.close()
         if idle:
             # A TLS transport closes its socket only after the close_notify
             # exchange; give it a few loop turns before the loop goes away.
             await asyncio.sleep(0.05)
 
-    async def _connect(self) -> aiosmtplib.SMTP:
+    async def _connect(self) -> Session:
         s = self.settings
         client = aiosmtplib.SMTP(
             hostname=s.host, port=s.port, use_tls=s.use_ssl,
@@ -171,10 +172,20 @@ class SMTPTransport(Transport):
             await client.connect()
             if s.username:
                 await client.login(s.username, s.password or "")
+            elif client.is_ehlo_or_helo_needed:
+                try:
+                    await client.ehlo()
+                except aiosmtplib.SMTPHeloError:
+                    if not client.is_connected:
+                        raise
+                    await client.helo()
+            session = Session(Pipe.take_over(client),
+                              pipelining=client.supports_extension("pipelining"),
+                              size=client.supports_extension("size"))
         except Exception as exc:
             client.close()
             raise _ConnectFailed(map_smtp_error(exc)) from exc
-        return client
+        return session
 
     async def _send_batch(self, envelopes: list[Envelope]) -> list[Result]:
         self._batch_ids = {e.email_id for e in envelopes}
@@ -191,7 +202,7 @@ class SMTPTransport(Transport):
 
     async def _worker(self, queue: asyncio.Queue[int], envelopes: list[Envelope],
                       results: list[Result | None], live: list[int]) -> None:
-        client: aiosmtplib.SMTP | None = self._idle.pop() if self._idle else None
+        client: Session | None = self._idle.pop() if self._idle else None
         reused = client is not None
         while not queue.empty() and not self._cancelled.is_set():
             if client is None:
@@ -205,61 +216,96 @@ class SMTPTransport(Transport):
                         while not queue.empty():
                             results[queue.get_nowait()] = Failed(exc.error)
                     return
-            index = queue.get_nowait()
+            try:
+                index = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                # Another connection took the last message while this one connected.
+                break
             envelope = envelopes[index]
             outcome, keep = await self._send_one(client, envelope)
             if outcome is None and reused:
                 # The server closed a pooled connection while it sat idle: reopen
                 # and send on the fresh one; the row is not charged for this.
-                client.close()
+                client.pipe.close()
                 client, reused = None, False
                 await queue.put(index)
                 continue
             results[index] = outcome or Failed(TransientError("connection lost before MAIL FROM"))
             reused = True
             if not keep:
-                client.close()
+                client.pipe.close()
                 client = None
         if client is not None and client.is_connected:
             self._idle.append(client)
 
-    async def _send_one(self, client: aiosmtplib.SMTP,
+    async def _send_one(self, session: Session,
                         envelope: Envelope) -> tuple[Result | None, bool]:
-        """Send on ``client``; returns (result, keep connection).
+        """Send on ``session``; returns (result, keep connection).
 
         A result of None means the connection was dead before the server saw
         anything of this message (safe to resend at once).
         """
+        pipe, timeout = session.pipe, self.settings.timeout
         started = False
         self._started.add(envelope.email_id)
         try:
             options = list(envelope.mail_options)
-            if client.supports_extension("size") and not any(
-                    o.upper().startswith("SIZE=") for o in options):
-                options.append(f"size={len(envelope.mime)}")
+            if session.size and not any(o.upper().startswith("SIZE=") for o in options):
+                options.append(f"SIZE={len(envelope.mime)}")
+            lines = envelope_commands(envelope.sender, envelope.recipients, options,
+                                      envelope.rcpt_options)
+            content = dot_stuffed(envelope.mime)
+            if pipe.discard_unsolicited():
+                return None, False
             try:
-                await client.mail(envelope.sender, options=options)
-            except (aiosmtplib.SMTPServerDisconnected, ConnectionError):
+                if session.pipelining:
+                    # MAIL, every RCPT and DATA in one write (RFC 2920).
+                    pipe.write(b"".join(lines) + b"DATA\r\n")
+                else:
+                    pipe.write(lines[0])
+                reply = await pipe.read(timeout)
+            except aiosmtplib.SMTPServerDisconnected:
                 return None, False
             started = True
+            if session.pipelining:
+                replies = [await pipe.read(timeout) for _ in envelope.recipients]
+                data_reply: aiosmtplib.SMTPResponse | None = await pipe.read(timeout)
+            else:
+                replies = []
+                if reply.code == 250:
+                    for line in lines[1:]:
+                        replies.append(await pipe.command(line, timeout))
+                data_reply = None
+            if reply.code != 250:
+                raise aiosmtplib.SMTPSenderRefused(reply.code, reply.message, envelope.sender)
             refused: dict[str, tuple[int, str]] = {}
             refusals: list[aiosmtplib.SMTPRecipientRefused] = []
-            for recipient in envelope.recipients:
-                try:
-                    await client.rcpt(recipient, options=list(envelope.rcpt_options))
-                except aiosmtplib.SMTPRecipientRefused as exc:
-                    refusals.append(exc)
-                    refused[recipient] = (exc.code, exc.message)
+            for recipient, answer in zip(envelope.recipients, replies):
+                if answer.code not in (250, 251):
+                    refusals.append(aiosmtplib.SMTPRecipientRefused(
+                        answer.code, answer.message, recipient))
+                    refused[recipient] = (answer.code, answer.message)
             if len(refusals) == len(envelope.recipients):
+                if data_reply is not None and data_reply.code == 354:
+                    # The server took DATA with nobody to deliver to: end it empty.
+                    await pipe.command(b".\r\n", timeout)
                 raise aiosmtplib.SMTPRecipientsRefused(refusals)
-            await client.data(envelope.mime)
+            if data_reply is None:
+                data_reply = await pipe.command(b"DATA\r\n", timeout)
+            if data_reply.code != 354:
+                raise aiosmtplib.SMTPDataError(data_reply.code, data_reply.message)
+            done = await pipe.command(content, timeout)
+            if done.code != 250:
+                raise aiosmtplib.SMTPDataError(done.code, done.message)
             return Delivered(refused=refused), True
         except Exception as exc:  # noqa: BLE001 - every error becomes a result
             error = map_smtp_error(exc)
-            keep = client.is_connected and isinstance(exc, aiosmtplib.SMTPResponseException)
+            keep = pipe.is_connected and isinstance(
+                exc, (aiosmtplib.SMTPResponseException, aiosmtplib.SMTPRecipientsRefused))
             if keep and started:
                 try:
-                    await client.rset()
+                    reset = await pipe.command(b"RSET\r\n", timeout)
+                    keep = reset.code == 250
                 except Exception:  # noqa: BLE001 - a failed RSET means a new connection
                     keep = False
             return Failed(error), keep
