@@ -180,6 +180,14 @@ def _insert_plain(session: Session, dialect: str, values: dict[str, Any],
     return int(conn.execute(stmt, values).scalar_one())
 
 
+_INSERT_CLAUSE = email_table.insert()
+
+
+def email_dialect(session: Session) -> str:
+    """The dialect name of the database ``session`` writes emails to."""
+    return str(session.get_bind(clause=_INSERT_CLAUSE).dialect.name)
+
+
 def insert_email(session: Session, values: dict[str, Any], attachments: Sequence[dict[str, Any]],
                  *, clock: Callable[[], datetime] = utcnow,
                  notify: bool = False) -> tuple[int, bool]:
@@ -196,7 +204,7 @@ def insert_email(session: Session, values: dict[str, Any], attachments: Sequence
     are serialized by a transaction-scoped advisory lock, so id order is
     commit order within a key.
     """
-    dialect = session.get_bind(clause=email_table.insert()).dialect.name
+    dialect = email_dialect(session)
     values = dict(values)
     values.update(search_values(values["recipients"], values["subject"]))
     if values.get("key") is None and values.get("idempotency_key") is None:
@@ -260,6 +268,7 @@ class Store:
         # How many rows this store ever made their key's head: a dispatcher whose
         # tick promoted some has due work waiting and ticks again at once.
         self.promotions = 0
+        self._pg_claims: dict[bool, Any] = {}
 
     # -- time -----------------------------------------------------------------
 
@@ -345,11 +354,10 @@ class Store:
                 return self.claim_due(limit, owner=owner, lease_seconds=lease_seconds,
                                       reap_max_attempts=reap_max_attempts, conn=own)
         t = email_table
-        pick: Any = (sa.select(t.c.id).where(self._claimable())
-                     .order_by(t.c.due_at, t.c.id).limit(limit))
-        if self.is_sqlite:
-            pick = self._sqlite_pick(limit)
         if not self.is_postgres:
+            pick: Any = (self._sqlite_pick(limit) if self.is_sqlite else
+                         sa.select(t.c.id).where(self._claimable())
+                         .order_by(t.c.due_at, t.c.id).limit(limit))
             if self.is_sqlite:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
             try:
@@ -367,7 +375,7 @@ class Store:
             conn.commit()
             return self._claimed(rows, owner), reaped
         rows, reaped, reaped_keys = self._claim_due_postgres(
-            conn, pick, limit, owner, lease_seconds, reap_max_attempts)
+            conn, limit, owner, lease_seconds, reap_max_attempts)
         if reaped_keys or self._has_unpromoted():
             self._promote_after_claim(reaped_keys)
         return self._claimed(rows, owner), reaped
@@ -395,32 +403,66 @@ class Store:
                 fix="nothing if the next tick succeeds; otherwise check the database "
                     "error below", exc=exc)
 
-    def _claim_due_postgres(self, conn: Connection, pick: sa.Select[Any], limit: int,
+    def _claim_due_postgres(self, conn: Connection, limit: int,
                             owner: str, lease_seconds: float,
                             reap_max_attempts: int | None
                             ) -> tuple[list[Any], Reaped, set[str]]:
         """The PostgreSQL claim; also returns the keys of the rows it reaped."""
-        t = email_table
-        due = pick.with_for_update(skip_locked=True).cte("due").prefix_with("MATERIALIZED")
-        claimed = (t.update().where(t.c.id == due.c.id, t.c.status == Status.QUEUED.value)
-                   .values(**self._claim_values(owner, lease_seconds))
-                   .returning(*_CLAIM_RETURNING).cte("claimed"))
-        stmt: Any = sa.select(sa.literal(Status.SENDING.value).label("outcome"), *claimed.c)
+        stmt = self._pg_claim_statement(reap=reap_max_attempts is not None)
+        params: dict[str, Any] = {"claim_limit": limit, "claim_owner": owner,
+                                  "claim_lease": timedelta(seconds=lease_seconds)}
         if reap_max_attempts is not None:
-            # The reap rides along in the same statement; the rows it frees are
-            # claimable from the next tick (one snapshot per statement).
-            reaped = self._reap_statement(reap_max_attempts, None).cte("reaped")
-            stmt = sa.union_all(stmt, sa.select(
-                reaped.c.status.label("outcome"), reaped.c.id,
-                *[sa.null().cast(col.type).label(col.name) for col in claimed.c
-                  if col.name not in ("id", "key", "error_history")],
-                reaped.c.key, sa.null().cast(sa.Text()).label("error_history")))
-        rows = conn.execute(stmt).all()
+            params["reap_max_attempts"] = reap_max_attempts
+        rows = conn.execute(stmt, params).all()
         conn.commit()  # a no-op in autocommit; ends SQLAlchemy's transaction marker
         return ([row for row in rows if row.outcome == Status.SENDING.value], Reaped(
             requeued=tuple(r.id for r in rows if r.outcome == Status.QUEUED.value),
             failed=tuple(r.id for r in rows if r.outcome == Status.FAILED.value)),
             {str(r.key) for r in rows if r.outcome != Status.SENDING.value and r.key is not None})
+
+    def _pg_claim_statement(self, *, reap: bool) -> Any:
+        """The claim (and reap) statement, built once: a tick only binds its values.
+
+        Built per tick it cost about as much Python as the database spent
+        running it (a claim of 20 key heads: 6 of 11 ms).
+        """
+        built = self._pg_claims.get(reap)
+        if built is None:
+            built = self._pg_claims[reap] = self._build_pg_claim(reap=reap)
+        return built
+
+    def _build_pg_claim(self, *, reap: bool) -> Any:
+        t = email_table
+        pick = (sa.select(t.c.id).where(self._claimable())
+                .order_by(t.c.due_at, t.c.id).limit(sa.bindparam("claim_limit", type_=sa.Integer)))
+        due = pick.with_for_update(skip_locked=True).cte("due").prefix_with("MATERIALIZED")
+        # ``id = ANY(ARRAY(...))`` and nothing else: a queue's statistics are always
+        # stale (the table was nearly empty at the last ANALYZE), and a join with
+        # ``due`` was planned as a nested loop over every queued row (380,000
+        # comparisons for a batch of 100 at a 4,000 backlog: 137 ms instead of 6),
+        # while a ``status = 'queued'`` recheck here matched the partial index of
+        # queued rows and scanned all of them. The recheck is not needed: ``due``
+        # locked each row FOR UPDATE after re-evaluating its conditions on the
+        # newest version, and the lock is held until this statement commits.
+        picked = sa.func.array(sa.select(due.c.id).scalar_subquery())
+        lease = sa.bindparam("claim_lease", type_=sa.Interval())
+        claimed = (t.update().where(t.c.id == sa.any_(picked))
+                   .values(status=Status.SENDING.value, attempts=t.c.attempts + 1,
+                           lease_owner=sa.bindparam("claim_owner", type_=sa.String()),
+                           lease_expires_at=self.now_expr() + lease)
+                   .returning(*_CLAIM_RETURNING).cte("claimed"))
+        stmt: Any = sa.select(sa.literal(Status.SENDING.value).label("outcome"), *claimed.c)
+        if reap:
+            # The reap rides along in the same statement; the rows it frees are
+            # claimable from the next tick (one snapshot per statement).
+            reaped = self._reap_statement(
+                sa.bindparam("reap_max_attempts", type_=sa.Integer), None).cte("reaped")
+            stmt = sa.union_all(stmt, sa.select(
+                reaped.c.status.label("outcome"), reaped.c.id,
+                *[sa.null().cast(col.type).label(col.name) for col in claimed.c
+                  if col.name not in ("id", "key", "error_history")],
+                reaped.c.key, sa.null().cast(sa.Text()).label("error_history")))
+        return stmt
 
     def dispatch_connection(self) -> Connection:
         """A connection for :meth:`claim_due` (autocommit on PostgreSQL: one statement)."""
@@ -444,7 +486,7 @@ class Store:
         with self.write() as conn:
             return self._reap(conn, max_attempts, ids)
 
-    def _reap_statement(self, max_attempts: int | None,
+    def _reap_statement(self, max_attempts: int | sa.BindParameter[int] | None,
                         ids: Sequence[int] | None) -> Any:
         """The guarded reap: expired leases back to queued (failed when spent)."""
         t = email_table
@@ -1030,9 +1072,13 @@ def _error_text(code: int, message: str) -> str:
     return f"{code} {message}" if code else message
 
 
-def search_values(recipients_json: str, subject: str) -> dict[str, str]:
-    """The dashboard's search columns for a row: first recipient and subject, normalised."""
-    recipients = json.loads(recipients_json)
+def search_values(recipients: str | Sequence[str], subject: str) -> dict[str, str]:
+    """The dashboard's search columns for a row: first recipient and subject, normalised.
+
+    ``recipients`` is the list, or the JSON the row stores.
+    """
+    if isinstance(recipients, str):
+        recipients = json.loads(recipients)
     first = recipients[0] if recipients else ""
     return {"search_recipient": search_key(first, SEARCH_RECIPIENT_LENGTH),
             "search_subject": search_key(subject, SEARCH_SUBJECT_LENGTH)}
