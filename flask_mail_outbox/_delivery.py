@@ -133,17 +133,25 @@ class Heartbeat:
     @contextmanager
     def tracking(self, owner: str, ids: Sequence[int]) -> Iterator[None]:
         """Keep the leases of ``ids`` alive while the block runs."""
+        self.track(owner, ids)
+        try:
+            yield
+        finally:
+            self.untrack(owner)
+
+    def track(self, owner: str, ids: Sequence[int]) -> None:
+        """Keep the leases of ``ids`` alive until :meth:`untrack` (or a tracking block ends)."""
         with self._lock:
             self._tracked[owner] = list(ids)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="outbox-heartbeat",
                                                 daemon=True)
                 self._thread.start()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._tracked.pop(owner, None)
+
+    def untrack(self, owner: str) -> None:
+        """Stop renewing the leases of ``owner``'s rows."""
+        with self._lock:
+            self._tracked.pop(owner, None)
 
     def _run(self) -> None:
         interval = self.lease_seconds / 3

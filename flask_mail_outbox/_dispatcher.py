@@ -13,6 +13,13 @@ waits:
 * :meth:`Dispatcher.wake` ends the wait at once; any number of wakes during a
   tick collapse into exactly one follow-up tick.
 
+While a full batch is being sent, the next batch is claimed beside it (a
+:class:`_Prefetch` thread, on the dispatcher's connection, its leases kept
+alive by the heartbeat), so the next tick starts sending at once: the claim
+no longer sits between two batches. Only after a full batch (more is surely
+due), never under a rate limit; a prefetched batch that is not sent is
+released when the loop stops.
+
 The scheduling rule is :class:`IdleBackoff`, a small pure class, and the loop
 takes an injectable clock and wait function, so tests can check the exact gap
 sequence on a fake clock.
@@ -94,6 +101,9 @@ class Dispatcher:
         # The dispatcher's own connection, kept across ticks: no pool checkout
         # (and pre-ping) per tick, so an idle tick is the claim and nothing else.
         self._conn: Connection | None = None
+        #: Claim the next batch while a full one is sent (see the module docstring).
+        self.prefetch = True
+        self._prefetched: _Prefetch | None = None
         self.ticks = 0
         self.last_claimed = 0
         self.last_tick_failed = False
@@ -170,7 +180,24 @@ class Dispatcher:
             while not self._stopping:
                 self.step()
         finally:
+            self.release_prefetched()
             self.close_connection()
+
+    def release_prefetched(self) -> int:
+        """Give back a batch claimed ahead that will not be sent now; returns how many."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None:
+            return 0
+        try:
+            claimed, _ = prefetched.result()
+        except Exception:  # noqa: BLE001 - a failed claim claimed nothing
+            return 0
+        if not claimed:
+            return 0
+        try:
+            return self.store.release(claimed)
+        finally:
+            self.route.heartbeat.untrack(claimed[0].owner)
 
     def step(self, wait: Callable[[float], None] | None = None) -> float:
         """One tick, then the wait before the next; returns the gap it chose."""
@@ -230,15 +257,21 @@ class Dispatcher:
         limit = self.sizer.size
         if self.rate_limiter is not None:
             limit = self.rate_limiter.acquire(limit)
-        owner = new_owner()
         before = self.store.promotions
-        claimed, reaped = self._claim_due(limit, owner)
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            claimed, reaped = prefetched.result()
+        else:
+            claimed, reaped = self._claim_due(limit, new_owner())
         self.route.report_reaped(reaped)
         if not claimed:
             return None, self.store.promotions != before
         if self._stopping:
             self.store.release(claimed)
+            self.route.heartbeat.untrack(claimed[0].owner)
             return None, False
+        if self.prefetch and len(claimed) >= limit and self.rate_limiter is None:
+            self._prefetched = _Prefetch(self._claim_ahead, limit)
         started = self.clock()
         with self.route.app.app_context():
             report = self.route.deliver_claimed(claimed, policy=self.policy)
@@ -261,6 +294,13 @@ class Dispatcher:
         if self.rate_limiter is not None:
             self.rate_limiter.feedback(throttled=throttled)
         return report, len(claimed) >= limit or promoted
+
+    def _claim_ahead(self, limit: int) -> tuple[list[ClaimedEmail], Reaped]:
+        """The next tick's claim, made while this tick sends; its leases kept alive."""
+        claimed, reaped = self._claim_due(limit, new_owner())
+        if claimed:
+            self.route.heartbeat.track(claimed[0].owner, [e.id for e in claimed])
+        return claimed, reaped
 
     def _claim_due(self, limit: int, owner: str) -> tuple[list[ClaimedEmail], Reaped]:
         """The tick's claim on the kept connection, or on a new one if it had died.
@@ -290,6 +330,34 @@ class Dispatcher:
                             "claiming again on a new one", exc.orig)
                 return self._claim_due(limit, new_owner())
             raise
+
+
+class _Prefetch:
+    """A claim running in a thread of its own; :meth:`result` waits for it."""
+
+    def __init__(self, claim: Callable[[int], tuple[list[ClaimedEmail], Reaped]],
+                 limit: int) -> None:
+        self._claim = claim
+        self._limit = limit
+        self._value: tuple[list[ClaimedEmail], Reaped] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="outbox-claim-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._claim(self._limit)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the tick that takes it
+            self._error = exc
+
+    def result(self) -> tuple[list[ClaimedEmail], Reaped]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._value is None:  # pragma: no cover - _run sets one or the other
+            raise RuntimeError("the claim ahead ended without a result")
+        return self._value
 
 
 class BatchSizer:

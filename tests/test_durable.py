@@ -302,6 +302,72 @@ def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
             close_app(app)
 
 
+def _claim_ahead_app(db_url: str, smtp_server: FaultSMTPServer) -> Flask:
+    return make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                    OUTBOX_DURABLE=True, OUTBOX_BATCH_SIZE=2, OUTBOX_LEASE_SECONDS=1,
+                    OUTBOX_POLL_INTERVAL=0.05, OUTBOX_POLL_MAX_INTERVAL=0.2)
+
+
+def test_the_next_batch_is_claimed_while_a_full_one_is_sent(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    from datetime import UTC, datetime
+
+    app = _claim_ahead_app(db_url, smtp_server)
+    try:
+        smtp_server.hold()
+        with app.app_context():
+            for i in range(4):
+                app.extensions["test_mail"].send(
+                    Message(f"n{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        assert smtp_server.wait_held(2)
+        # The first batch is held at the server, and the dispatcher thread waits
+        # for it; the next batch is claimed meanwhile, not after.
+        wait_rows(app, lambda r: [x["status"] for x in r] == ["sending"] * 4, timeout=5.0)
+        # Three leases later the batch claimed ahead still holds live leases:
+        # the heartbeat renews them while they wait their turn.
+        time.sleep(3)
+        waiting = rows(app)[2:]
+        now = datetime.now(UTC).replace(tzinfo=None)  # the rows' naive UTC
+        assert [r["status"] for r in waiting] == ["sending", "sending"]
+        assert all(r["lease_expires_at"] > now for r in waiting), (waiting, now)
+        assert smtp_server.held == 2 and smtp_server.data_attempts == 2
+        smtp_server.release()
+        assert smtp_server.wait_for(4)
+        done = wait_rows(app, lambda r: all(x["status"] == "sent" for x in r), timeout=20.0)
+        assert [r["attempts"] for r in done] == [1, 1, 1, 1]
+        assert sorted(smtp_server.message_ids()) == sorted(r["message_id"] for r in done)
+    finally:
+        close_app(app)
+
+
+def test_a_batch_claimed_ahead_is_given_back_at_stop(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    import threading
+
+    app = _claim_ahead_app(db_url, smtp_server)
+    try:
+        smtp_server.hold()
+        with app.app_context():
+            for i in range(4):
+                app.extensions["test_mail"].send(
+                    Message(f"n{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        assert smtp_server.wait_held(2)
+        wait_rows(app, lambda r: [x["status"] for x in r] == ["sending"] * 4, timeout=5.0)
+        stopper = threading.Thread(target=app.extensions["test_mail"].stop,
+                                   kwargs={"timeout": 20})
+        stopper.start()
+        smtp_server.release()
+        stopper.join(30)
+        assert not stopper.is_alive()
+        assert [(r["status"], r["attempts"]) for r in rows(app)] == [
+            ("sent", 1), ("sent", 1), ("queued", 0), ("queued", 0)]
+        assert smtp_server.data_attempts == 2
+    finally:
+        close_app(app)
+
+
 def test_only_the_head_of_a_key_is_ever_in_flight(durable_app: Flask,
                                                  smtp_server: FaultSMTPServer) -> None:
     mail: OutboxMail = durable_app.extensions["test_mail"]
