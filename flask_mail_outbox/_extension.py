@@ -38,7 +38,7 @@ from ._message import Message, prepare_message
 from ._models import Status, metadata
 from ._scheduler import SweepScheduler
 from ._signals import email_queued, email_sent
-from ._store import Store, insert_email, utcnow
+from ._store import Store, email_dialect, insert_email, utcnow
 from ._sweep import SweepReport, load_last_report, run_sweep
 from .transports import (
     ConsoleTransport,
@@ -762,7 +762,7 @@ class OutboxMail:
 
 
 def _is_postgres(session: Any) -> bool:
-    return bool(session.get_bind().dialect.name == "postgresql")
+    return email_dialect(session) == "postgresql"
 
 
 def _request_failed(sender: Flask, **_: Any) -> None:

@@ -13,6 +13,7 @@ tests read every shape back with ``email.parser.BytesParser``.
 from __future__ import annotations
 
 import binascii
+import functools
 import re
 import secrets
 import struct
@@ -55,6 +56,12 @@ _HIGH_BYTES = bytes(range(128, 256))
 # --------------------------------------------------------------------------- #
 
 
+@functools.lru_cache(maxsize=64)
+def _date_header(date: datetime) -> str:
+    # Every email of one second has the same Date: formatted once, not per email.
+    return format_datetime(date)
+
+
 def top_headers(
     sender: Addr,
     to: Sequence[Addr],
@@ -82,7 +89,7 @@ def top_headers(
     if reply_to:
         headers["reply-to"] = _address_header("Reply-To", reply_to)
     headers["subject"] = unstructured_header("Subject", subject)
-    headers["date"] = "Date: " + format_datetime(date)
+    headers["date"] = "Date: " + _date_header(date.replace(microsecond=0))
     headers["message-id"] = "Message-ID: " + message_id
     headers["mime-version"] = "MIME-Version: 1.0"
     lines = list(headers.values()) + body_headers
