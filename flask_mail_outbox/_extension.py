@@ -530,9 +530,11 @@ class OutboxMail:
             for index, info in enumerate(prepared.attachments)
         ]
         session = state.db.session()
+        dialect = email_dialect(session)
         # What prepare_commit() would NOTIFY at commit, the insert does itself.
-        notify = state.config.listen and _is_postgres(session) and state.durable()
-        email_id, created = insert_email(session, values, attachments, notify=notify)
+        notify = state.config.listen and dialect == "postgresql" and state.durable()
+        email_id, created = insert_email(session, values, attachments, notify=notify,
+                                         dialect=dialect, recipients=prepared.recipients)
         if created:
             _staging.stage(session, _staging.StagedEmail(
                 email_id=email_id, due_now=due_at is None or due_at <= utcnow(),

@@ -190,11 +190,14 @@ def email_dialect(session: Session) -> str:
 
 def insert_email(session: Session, values: dict[str, Any], attachments: Sequence[dict[str, Any]],
                  *, clock: Callable[[], datetime] = utcnow,
-                 notify: bool = False) -> tuple[int, bool]:
+                 notify: bool = False, dialect: str | None = None,
+                 recipients: Sequence[str] | None = None) -> tuple[int, bool]:
     """Insert one email row in the caller's ``session``; returns ``(id, created)``.
 
     With ``notify``, on PostgreSQL, the insert also wakes the listeners of
     other processes (see :func:`_returning`): the commit needs no NOTIFY.
+    ``dialect`` and ``recipients`` (the list ``values["recipients"]`` holds
+    as JSON) spare lookups the caller has made already.
 
     ``created_at`` (and ``due_at`` unless given) are "now" on the database's
     clock. With an ``idempotency_key`` already stored, nothing is inserted and
@@ -204,9 +207,11 @@ def insert_email(session: Session, values: dict[str, Any], attachments: Sequence
     are serialized by a transaction-scoped advisory lock, so id order is
     commit order within a key.
     """
-    dialect = email_dialect(session)
+    if dialect is None:
+        dialect = email_dialect(session)
     values = dict(values)
-    values.update(search_values(values["recipients"], values["subject"]))
+    values.update(search_values(values["recipients"] if recipients is None else recipients,
+                                values["subject"]))
     if values.get("key") is None and values.get("idempotency_key") is None:
         plain_id = _insert_plain(session, dialect, values, clock, notify)
         if attachments:
