@@ -10,8 +10,8 @@ SQLite file or PostgreSQL database and the throughput sink:
   claim and the record, and the wait for the batch's sends), with the time per
   phase (claim, send, record) at its head;
 * ``smtp-send.txt``: the outbox's SMTP transport sending N prebuilt messages,
-  its asyncio loop run in the profiled thread: the CPU one message costs in
-  aiosmtplib, which is also the ceiling scenario's whole cost.
+  its asyncio loop run in the profiled thread: the CPU one message costs once
+  aiosmtplib has opened the session and the transport pipelines (RFC 2920).
 
 pyinstrument samples one thread, so each part is profiled where it runs.
 """

@@ -46,13 +46,15 @@ class GroupServer:
 
     After EHLO it reads until it has a MAIL line, every RCPT line and the
     DATA line (the group RFC 2920 lets a client send together) before it
-    answers any of them; ``unsolicited`` makes it say ``421`` on an idle
-    connection after the first message, without closing it.
+    answers any of them. With ``chained=N`` it also holds the reply to each
+    of the first N-1 contents until the next message's whole envelope has
+    arrived. ``unsolicited`` makes it say ``421`` on an idle connection after
+    the first message, without closing it.
     """
 
-    def __init__(self, recipients: int = 1, *, unsolicited: bool = False) -> None:
-        self.recipients = recipients
+    def __init__(self, *, unsolicited: bool = False, chained: int = 0) -> None:
         self.unsolicited = unsolicited
+        self.chained = chained
         self.groups: list[list[bytes]] = []
         self.contents: list[bytes] = []
         self.connections = 0
@@ -79,18 +81,18 @@ class GroupServer:
         writer.write(b"220 group ready\r\n")
         await reader.readline()  # EHLO
         writer.write(b"250-group\r\n250-PIPELINING\r\n250 SIZE 1000000\r\n")
+        group: list[bytes] | None = None
         try:
             while True:
-                line = await reader.readline()
-                if not line or line.startswith(b"QUIT"):
-                    writer.write(b"221 bye\r\n")
-                    break
-                if line.startswith(b"RSET"):
-                    writer.write(b"250 reset\r\n")
-                    continue
-                group = [line]
-                while not group[-1].startswith(b"DATA"):
-                    group.append(await reader.readline())
+                if group is None:
+                    line = await reader.readline()
+                    if not line or line.startswith(b"QUIT"):
+                        writer.write(b"221 bye\r\n")
+                        break
+                    if line.startswith(b"RSET"):
+                        writer.write(b"250 reset\r\n")
+                        continue
+                    group = await self._rest_of_group(reader, line)
                 self.groups.append(group)
                 writer.write(b"250 sender ok\r\n" + b"250 rcpt ok\r\n" * (len(group) - 2)
                              + b"354 go on\r\n")
@@ -98,6 +100,10 @@ class GroupServer:
                 while not content.endswith(b"\r\n.\r\n"):
                     content += await reader.readline()
                 self.contents.append(bytes(content))
+                group = None
+                if len(self.contents) < self.chained:
+                    # Hold the content's reply until the next envelope is here.
+                    group = await self._rest_of_group(reader, await reader.readline())
                 writer.write(b"250 queued\r\n")
                 if self.unsolicited and len(self.contents) == 1:
                     await writer.drain()
@@ -105,6 +111,13 @@ class GroupServer:
             await writer.drain()
         finally:
             writer.close()
+
+    @staticmethod
+    async def _rest_of_group(reader: asyncio.StreamReader, first: bytes) -> list[bytes]:
+        group = [first]
+        while not group[-1].startswith(b"DATA"):
+            group.append(await reader.readline())
+        return group
 
     def __enter__(self) -> Self:
         self._thread.start()
@@ -137,6 +150,20 @@ def test_a_pipelining_server_gets_mail_rcpt_and_data_in_one_group() -> None:
     # The content arrives dot-stuffed and ended, exactly as DATA carries it.
     assert server.contents[0] == dot_stuffed(_envelope(1).mime)
     assert b"\r\n..leading dot\r\n" in server.contents[0]
+
+
+def test_the_next_envelope_travels_with_the_content_of_the_one_before() -> None:
+    with GroupServer(chained=3) as server:
+        transport = _transport(server.port, timeout=3)
+        try:
+            results = transport.send_many([_envelope(1), _envelope(2), _envelope(3)])
+        finally:
+            transport.close()
+    # A client that waited for the content's reply before the next MAIL FROM
+    # would have waited for a reply the server holds back, and timed out.
+    assert results == [Delivered(refused={})] * 3
+    assert server.contents == [dot_stuffed(_envelope(n).mime) for n in (1, 2, 3)]
+    assert server.connections == 1
 
 
 def test_an_unsolicited_reply_on_an_idle_connection_is_not_taken_for_an_answer() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiosmtplib
@@ -204,7 +204,9 @@ class SMTPTransport(Transport):
                       results: list[Result | None], live: list[int]) -> None:
         client: Session | None = self._idle.pop() if self._idle else None
         reused = client is not None
-        while not queue.empty() and not self._cancelled.is_set():
+        # The message whose MAIL/RCPT/DATA went out with the previous one's content.
+        ahead: int | None = None
+        while ahead is not None or (not queue.empty() and not self._cancelled.is_set()):
             if client is None:
                 try:
                     client = await self._connect()
@@ -216,56 +218,102 @@ class SMTPTransport(Transport):
                         while not queue.empty():
                             results[queue.get_nowait()] = Failed(exc.error)
                     return
-            try:
-                index = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                # Another connection took the last message while this one connected.
-                break
-            envelope = envelopes[index]
-            outcome, keep = await self._send_one(client, envelope)
-            if outcome is None and reused:
-                # The server closed a pooled connection while it sat idle: reopen
-                # and send on the fresh one; the row is not charged for this.
+            written = ahead is not None
+            if ahead is not None:
+                index, ahead = ahead, None
+            else:
+                try:
+                    index = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    # Another connection took the last message while this one connected.
+                    break
+            taken: list[int] = []
+
+            def take_follow() -> Envelope | None:
+                # Only what the other connections will not take next: a batch's
+                # tail is spread over every connection, not queued behind one.
+                if self._cancelled.is_set() or queue.qsize() < live[0]:
+                    return None
+                taken.append(queue.get_nowait())
+                return envelopes[taken[0]]
+
+            outcome, keep, follow_written = await self._send_one(
+                client, envelopes[index], written=written,
+                take_follow=take_follow if client.pipelining else None)
+            follow = taken[0] if taken else None
+            if follow is not None and not (follow_written and keep):
+                # Not written, or written on a connection that is now dropped: the
+                # server accepted nothing of it; it goes again on a live one.
+                queue.put_nowait(follow)
+            if outcome is None:
                 client.pipe.close()
-                client, reused = None, False
-                await queue.put(index)
+                client = None
+                if self._cancelled.is_set():
+                    break  # stopped before its content: never sent (NotAttempted)
+                if reused or written:
+                    # The connection was gone before the server saw anything of this
+                    # message (a pooled one closed while idle, or it died under the
+                    # envelope sent ahead): send on a fresh one, the row not charged.
+                    reused = False
+                    queue.put_nowait(index)
+                    continue
+                results[index] = Failed(TransientError("connection lost before MAIL FROM"))
                 continue
-            results[index] = outcome or Failed(TransientError("connection lost before MAIL FROM"))
+            results[index] = outcome
             reused = True
             if not keep:
                 client.pipe.close()
                 client = None
+            elif follow_written:
+                ahead = follow
         if client is not None and client.is_connected:
             self._idle.append(client)
 
-    async def _send_one(self, session: Session,
-                        envelope: Envelope) -> tuple[Result | None, bool]:
-        """Send on ``session``; returns (result, keep connection).
+    def _envelope_group(self, session: Session, envelope: Envelope) -> list[bytes]:
+        """MAIL FROM (with SIZE when offered) and the RCPT TO lines of ``envelope``."""
+        options = list(envelope.mail_options)
+        if session.size and not any(o.upper().startswith("SIZE=") for o in options):
+            options.append(f"SIZE={len(envelope.mime)}")
+        return envelope_commands(envelope.sender, envelope.recipients, options,
+                                 envelope.rcpt_options)
+
+    async def _send_one(self, session: Session, envelope: Envelope, *, written: bool = False,
+                        take_follow: Callable[[], Envelope | None] | None = None
+                        ) -> tuple[Result | None, bool, bool]:
+        """Send on ``session``; returns (result, keep connection, ``follow`` written).
 
         A result of None means the connection was dead before the server saw
-        anything of this message (safe to resend at once).
+        anything of this message (safe to resend at once). ``written``: this
+        message's MAIL, RCPTs and DATA went out already, after the previous
+        message's content; it counts as started (see :meth:`cancel_pending`)
+        only when its content goes, and a stop before that closes the
+        connection instead (nothing was accepted). ``take_follow``
+        (pipelining servers only) gives the next message, whose MAIL, RCPTs
+        and DATA go out with this one's content: one write and one round trip
+        per message (RFC 2920 allows the content first in a group); when it
+        was written, the caller sends it next on this connection, or again on
+        another one if this one is dropped.
         """
         pipe, timeout = session.pipe, self.settings.timeout
-        started = False
-        self._started.add(envelope.email_id)
+        started = finished = follow_written = False
+        if not written:
+            self._started.add(envelope.email_id)
         try:
-            options = list(envelope.mail_options)
-            if session.size and not any(o.upper().startswith("SIZE=") for o in options):
-                options.append(f"SIZE={len(envelope.mime)}")
-            lines = envelope_commands(envelope.sender, envelope.recipients, options,
-                                      envelope.rcpt_options)
+            lines = self._envelope_group(session, envelope)
             content = dot_stuffed(envelope.mime)
-            if pipe.discard_unsolicited():
-                return None, False
+            if not written and pipe.discard_unsolicited():
+                return None, False, False
             try:
-                if session.pipelining:
+                if written:
+                    pass
+                elif session.pipelining:
                     # MAIL, every RCPT and DATA in one write (RFC 2920).
                     pipe.write(b"".join(lines) + b"DATA\r\n")
                 else:
                     pipe.write(lines[0])
                 reply = await pipe.read(timeout)
             except aiosmtplib.SMTPServerDisconnected:
-                return None, False
+                return None, False, False
             started = True
             if session.pipelining:
                 replies = [await pipe.read(timeout) for _ in envelope.recipients]
@@ -294,18 +342,37 @@ class SMTPTransport(Transport):
                 data_reply = await pipe.command(b"DATA\r\n", timeout)
             if data_reply.code != 354:
                 raise aiosmtplib.SMTPDataError(data_reply.code, data_reply.message)
-            done = await pipe.command(content, timeout)
+            if envelope.email_id not in self._started:
+                if self._cancelled.is_set():
+                    # Its envelope went ahead, but delivery stops: after 354 only
+                    # closing the connection ends the transaction without a message.
+                    pipe.close()
+                    return None, False, False
+                self._started.add(envelope.email_id)
+            follow = take_follow() if take_follow is not None else None
+            group = b""
+            if follow is not None:
+                try:
+                    group = b"".join(self._envelope_group(session, follow)) + b"DATA\r\n"
+                except ValueError:
+                    group = b""  # it fails on its own turn, not inside this one
+            pipe.write(content + group)
+            follow_written = bool(group)
+            done = await pipe.read(timeout)
+            finished = True
             if done.code != 250:
                 raise aiosmtplib.SMTPDataError(done.code, done.message)
-            return Delivered(refused=refused), True
+            return Delivered(refused=refused), True, follow_written
         except Exception as exc:  # noqa: BLE001 - every error becomes a result
             error = map_smtp_error(exc)
             keep = pipe.is_connected and isinstance(
                 exc, (aiosmtplib.SMTPResponseException, aiosmtplib.SMTPRecipientsRefused))
-            if keep and started:
+            if keep and started and not finished:
+                # A transaction left open; none is open after the content's reply
+                # (and an RSET then would cancel the envelope sent ahead).
                 try:
                     reset = await pipe.command(b"RSET\r\n", timeout)
                     keep = reset.code == 250
                 except Exception:  # noqa: BLE001 - a failed RSET means a new connection
                     keep = False
-            return Failed(error), keep
+            return Failed(error), keep, follow_written
