@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from email.message import EmailMessage
 from email.parser import BytesParser
@@ -174,6 +174,36 @@ class Heartbeat:
                         exc=exc)
 
 
+class ClaimAhead:
+    """A claim running in a thread of its own while a batch is sent; :meth:`result` waits.
+
+    The claimer is expected to put the rows it claims under the heartbeat,
+    so their leases live while they wait their turn.
+    """
+
+    def __init__(self, claim: Callable[[], tuple[list[ClaimedEmail], Reaped]]) -> None:
+        self._claim = claim
+        self._value: tuple[list[ClaimedEmail], Reaped] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="outbox-claim-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._claim()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self._error = exc
+
+    def result(self) -> tuple[list[ClaimedEmail], Reaped]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._value is None:  # pragma: no cover - _run sets one or the other
+            raise RuntimeError("the claim ahead ended without a result")
+        return self._value
+
+
 class DeliveryRoute:
     """claim -> send -> record, for one app in one process."""
 
@@ -203,14 +233,42 @@ class DeliveryRoute:
         self._released_early.update(e.id for e in unstarted)
         return self.store.release(unstarted)
 
-    def deliver_ids(self, ids: Sequence[int]) -> BatchReport:
-        """Claim those of ``ids`` that are due, send them, record the outcomes (inline)."""
-        owner = new_owner()
-        claimed = self.store.claim_ids(ids, owner=owner, lease_seconds=self.config.lease_seconds)
+    def deliver_ids(self, ids: Sequence[int],
+                    claimed: Sequence[ClaimedEmail] | None = None) -> BatchReport:
+        """Claim those of ``ids`` that are due, send them, record the outcomes (inline).
+
+        ``claimed``: the rows of ``ids`` claimed already (see :meth:`claim_ahead`).
+        """
+        if claimed is None:
+            claimed = self.store.claim_ids(ids, owner=new_owner(),
+                                           lease_seconds=self.config.lease_seconds)
         report = self.deliver_claimed(claimed)
         got = {email.id for email in claimed}
         report.not_claimed = [i for i in ids if i not in got]
         return report
+
+    def claim_ahead(self, ids: Sequence[int]) -> ClaimAhead:
+        """Claim ``ids`` in a thread while another batch is sent, leases kept alive."""
+        def claim() -> tuple[list[ClaimedEmail], Reaped]:
+            claimed = self.store.claim_ids(ids, owner=new_owner(),
+                                           lease_seconds=self.config.lease_seconds)
+            if claimed:
+                self.heartbeat.track(claimed[0].owner, [e.id for e in claimed])
+            return claimed, Reaped()
+        return ClaimAhead(claim)
+
+    def release_ahead(self, ahead: ClaimAhead) -> int:
+        """Give back rows claimed ahead that will not be sent now; returns how many."""
+        try:
+            claimed, _ = ahead.result()
+        except Exception:  # noqa: BLE001 - a failed claim claimed nothing
+            return 0
+        if not claimed:
+            return 0
+        try:
+            return self.store.release(claimed)
+        finally:
+            self.heartbeat.untrack(claimed[0].owner)
 
     def deliver_claimed(self, claimed: Sequence[ClaimedEmail], *,
                         policy: RetryPolicy | None = None) -> BatchReport:
@@ -530,23 +588,59 @@ class InlineDelivery:
                 waits = [due - now for due, _ in self._retries.values()]
                 self._cond.wait(min(waits) if waits else None)
 
+    def _take_ahead(self) -> list[int] | None:
+        """The next batch, without waiting, when ids wait beyond a full batch."""
+        with self._cond:
+            if self._stopping or not self.claim_ahead or len(self._pending) < 2:
+                return None
+            batch = list(itertools.islice(self._pending, self.config.batch_size))
+            for email_id in batch:
+                del self._pending[email_id]
+            return batch
+
+    #: Claim the next batch while one is sent (as the durable dispatcher does).
+    claim_ahead = True
+
     def _run(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            try:
-                self._deliver(batch)
-            finally:
+        ahead: tuple[list[int], ClaimAhead] | None = None
+        try:
+            while True:
+                claimed: Sequence[ClaimedEmail] | None = None
+                if ahead is not None:
+                    (batch, claiming), ahead = ahead, None
+                    if self._stopping:
+                        self.route.release_ahead(claiming)
+                        return
+                    try:
+                        claimed = claiming.result()[0]
+                    except Exception:  # noqa: BLE001 - durability: ok nothing was claimed; _deliver claims again and reports
+                        claimed = None
+                else:
+                    next_batch = self._next_batch()
+                    if next_batch is None:
+                        return
+                    batch = next_batch
+                more = self._take_ahead() if len(batch) >= self.config.batch_size else None
+                if more:
+                    ahead = (more, self.route.claim_ahead(more))
+                try:
+                    self._deliver(batch, claimed)
+                finally:
+                    with self._cond:
+                        self._busy = ahead is not None
+                        self._cond.notify_all()
+        finally:
+            if ahead is not None:
+                self.route.release_ahead(ahead[1])
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _deliver(self, batch: list[int]) -> None:
+    def _deliver(self, batch: list[int], claimed: Sequence[ClaimedEmail] | None = None) -> None:
         retry_numbers = {i: self._retries.get(i, (0.0, 0))[1] for i in batch}
         try:
             with self.route.app.app_context():
-                report = self.route.deliver_ids(batch)
+                report = self.route.deliver_ids(batch, claimed)
             self.route.faults.recovered("inline-drain")
         except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
             with self._cond:

@@ -14,7 +14,7 @@ waits:
   tick collapse into exactly one follow-up tick.
 
 While a full batch is being sent, the next batch is claimed beside it (a
-:class:`_Prefetch` thread, on the dispatcher's connection, its leases kept
+:class:`ClaimAhead` thread, on the dispatcher's connection, its leases kept
 alive by the heartbeat), so the next tick starts sending at once: the claim
 no longer sits between two batches. Only after a full batch (more is surely
 due), never under a rate limit; a prefetched batch that is not sent is
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from . import _degrade
-from ._delivery import BatchReport, DeliveryRoute, new_owner
+from ._delivery import BatchReport, ClaimAhead, DeliveryRoute, new_owner
 from ._retry import RetryPolicy
 from ._store import ClaimedEmail, Reaped
 
@@ -103,7 +103,7 @@ class Dispatcher:
         self._conn: Connection | None = None
         #: Claim the next batch while a full one is sent (see the module docstring).
         self.prefetch = True
-        self._prefetched: _Prefetch | None = None
+        self._prefetched: ClaimAhead | None = None
         self.ticks = 0
         self.last_claimed = 0
         self.last_tick_failed = False
@@ -271,7 +271,7 @@ class Dispatcher:
             self.route.heartbeat.untrack(claimed[0].owner)
             return None, False
         if self.prefetch and len(claimed) >= limit and self.rate_limiter is None:
-            self._prefetched = _Prefetch(self._claim_ahead, limit)
+            self._prefetched = ClaimAhead(lambda: self._claim_ahead(limit))
         started = self.clock()
         with self.route.app.app_context():
             report = self.route.deliver_claimed(claimed, policy=self.policy)
@@ -330,34 +330,6 @@ class Dispatcher:
                             "claiming again on a new one", exc.orig)
                 return self._claim_due(limit, new_owner())
             raise
-
-
-class _Prefetch:
-    """A claim running in a thread of its own; :meth:`result` waits for it."""
-
-    def __init__(self, claim: Callable[[int], tuple[list[ClaimedEmail], Reaped]],
-                 limit: int) -> None:
-        self._claim = claim
-        self._limit = limit
-        self._value: tuple[list[ClaimedEmail], Reaped] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="outbox-claim-ahead",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._claim(self._limit)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the tick that takes it
-            self._error = exc
-
-    def result(self) -> tuple[list[ClaimedEmail], Reaped]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        if self._value is None:  # pragma: no cover - _run sets one or the other
-            raise RuntimeError("the claim ahead ended without a result")
-        return self._value
 
 
 class BatchSizer:

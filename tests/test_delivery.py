@@ -385,3 +385,63 @@ def test_stop_releases_claimed_rows_not_yet_handed_to_the_server(
     smtp_server.release()
     assert smtp_server.wait_for(4)
     assert not smtp_server.wait_for(5, timeout=0.5)
+
+
+def _claim_ahead_inline_app(db_url: str, smtp_server: FaultSMTPServer) -> Flask:
+    return make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                    OUTBOX_BATCH_SIZE=2, OUTBOX_LEASE_SECONDS=1)
+
+
+def test_inline_claims_the_next_batch_while_a_full_one_is_sent(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    import time
+    from datetime import UTC, datetime
+
+    app = _claim_ahead_inline_app(db_url, smtp_server)
+    try:
+        smtp_server.hold()
+        with app.app_context():
+            for i in range(4):
+                app.extensions["test_mail"].send(
+                    Message(f"n{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        assert smtp_server.wait_held(2)
+        # The first batch is held at the server; the next one is claimed meanwhile.
+        wait_rows(app, lambda r: [x["status"] for x in r] == ["sending"] * 4, timeout=5.0)
+        time.sleep(3)  # three leases: the heartbeat keeps the waiting batch's alive
+        waiting = rows(app)[2:]
+        now = datetime.now(UTC).replace(tzinfo=None)
+        assert all(r["lease_expires_at"] > now for r in waiting), (waiting, now)
+        assert smtp_server.data_attempts == 2
+        smtp_server.release()
+        assert smtp_server.wait_for(4)
+        done = wait_rows(app, lambda r: all(x["status"] == "sent" for x in r), timeout=10.0)
+        assert [(r["status"], r["attempts"]) for r in done] == [("sent", 1)] * 4
+        assert len(set(smtp_server.message_ids())) == 4
+    finally:
+        close_app(app)
+
+
+def test_inline_gives_back_a_batch_claimed_ahead_at_stop(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    app = _claim_ahead_inline_app(db_url, smtp_server)
+    try:
+        smtp_server.hold()
+        with app.app_context():
+            for i in range(4):
+                app.extensions["test_mail"].send(
+                    Message(f"n{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        assert smtp_server.wait_held(2)
+        wait_rows(app, lambda r: [x["status"] for x in r] == ["sending"] * 4, timeout=5.0)
+        stopper = threading.Thread(target=app.extensions["test_mail"].stop,
+                                   kwargs={"timeout": 20})
+        stopper.start()
+        smtp_server.release()
+        stopper.join(30)
+        assert not stopper.is_alive()
+        assert [(r["status"], r["attempts"]) for r in rows(app)] == [
+            ("sent", 1), ("sent", 1), ("queued", 0), ("queued", 0)]
+        assert smtp_server.data_attempts == 2
+    finally:
+        close_app(app)

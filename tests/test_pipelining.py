@@ -298,7 +298,7 @@ def test_many_messages_over_one_reused_connection(server: FaultSMTPServer) -> No
     (b"a\r\nb\r\n", b"a\r\nb\r\n.\r\n"),
     (b"a\r\nb", b"a\r\nb\r\n.\r\n"),
     (b"a\nb\rc\r\n", b"a\r\nb\r\nc\r\n.\r\n"),
-    (b".a\r\n.\r\nb.\r\n..c\r\n", b"..a\r\n..\r\n" b"b.\r\n...c\r\n.\r\n"),
+    (b".a\r\n.\r\nb.\r\n..c\r\n", b"..a\r\n..\r\nb.\r\n...c\r\n.\r\n"),
     (b"x\n.y\n", b"x\r\n..y\r\n.\r\n"),
     (b"", b"\r\n.\r\n"),
 ])

@@ -229,7 +229,7 @@ class SMTPTransport(Transport):
                     break
             taken: list[int] = []
 
-            def take_follow() -> Envelope | None:
+            def take_follow(taken: list[int] = taken) -> Envelope | None:
                 # Only what the other connections will not take next: a batch's
                 # tail is spread over every connection, not queued behind one.
                 if self._cancelled.is_set() or queue.qsize() < live[0]:
