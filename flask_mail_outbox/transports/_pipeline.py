@@ -5,15 +5,14 @@ is security-sensitive and its code is well tried. It then waits for a reply
 after every command, four round trips per message (MAIL, RCPT, DATA, the
 content), and its protocol object keeps one reply at a time, so it cannot
 read the replies of commands sent together. Once the session is open, the
-transport is handed to :class:`Pipe`, which queues every reply it parses,
-and :func:`send_message` writes a message's MAIL, RCPTs and DATA as one
-group when the server offers ``PIPELINING`` (one command at a time when it
-does not), then the content. Two round trips per message, and the content
-of one message travels with the envelope of the next
-(:func:`send_message`'s ``then``): the only command RFC 2920 allows after the
-content in one group is the next transaction's.
+transport is handed to :class:`Pipe`, which queues every reply it parses.
+:class:`~flask_mail_outbox.transports._smtp.SMTPTransport` then writes a
+message's MAIL, RCPTs and DATA as one group when the server offers
+``PIPELINING`` (one command at a time when it does not), in the same write
+as the previous message's content (RFC 2920 lets the content open a group):
+one write and one round trip per message.
 
-Errors are aiosmtplib's exception types, so :func:`map_smtp_error` maps them
+Errors are aiosmtplib's exception types, so ``map_smtp_error`` maps them
 as before.
 """
 
@@ -23,7 +22,7 @@ import asyncio
 import collections
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiosmtplib
 from aiosmtplib import SMTPResponse
@@ -188,8 +187,6 @@ class Session:
     pipe: Pipe
     pipelining: bool
     size: bool
-    #: The content of the last message, written but not yet answered (see ``then``).
-    pending: bool = field(default=False)
 
     @property
     def is_connected(self) -> bool:
