@@ -608,13 +608,13 @@ class InlineDelivery:
                 claimed: Sequence[ClaimedEmail] | None = None
                 if ahead is not None:
                     (batch, claiming), ahead = ahead, None
-                    if self._stopping:
-                        self.route.release_ahead(claiming)
-                        return
                     try:
                         claimed = claiming.result()[0]
                     except Exception:  # noqa: BLE001 - durability: ok nothing was claimed; _deliver claims again and reports
                         claimed = None
+                    if self._stopping:  # read after the claim: stop() may have come meanwhile
+                        self.route.release_ahead(claiming)
+                        return
                 else:
                     next_batch = self._next_batch()
                     if next_batch is None:
@@ -632,9 +632,9 @@ class InlineDelivery:
         finally:
             if ahead is not None:
                 self.route.release_ahead(ahead[1])
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
     def _deliver(self, batch: list[int], claimed: Sequence[ClaimedEmail] | None = None) -> None:
         retry_numbers = {i: self._retries.get(i, (0.0, 0))[1] for i in batch}

@@ -192,6 +192,10 @@ class Dispatcher:
             claimed, _ = prefetched.result()
         except Exception:  # noqa: BLE001 - a failed claim claimed nothing
             return 0
+        return self._give_back(claimed)
+
+    def _give_back(self, claimed: list[ClaimedEmail]) -> int:
+        """Release claimed rows unsent (queued, attempt returned); stop renewing them."""
         if not claimed:
             return 0
         try:
@@ -261,14 +265,17 @@ class Dispatcher:
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             claimed, reaped = prefetched.result()
+            if claimed and self.rate_limiter is not None:
+                # The server said "too many" since it was claimed: the limiter decides.
+                self._give_back(claimed)
+                claimed = self._claim_due(limit, new_owner())[0]
         else:
             claimed, reaped = self._claim_due(limit, new_owner())
         self.route.report_reaped(reaped)
         if not claimed:
             return None, self.store.promotions != before
         if self._stopping:
-            self.store.release(claimed)
-            self.route.heartbeat.untrack(claimed[0].owner)
+            self._give_back(claimed)
             return None, False
         if self.prefetch and len(claimed) >= limit and self.rate_limiter is None:
             self._prefetched = ClaimAhead(lambda: self._claim_ahead(limit))

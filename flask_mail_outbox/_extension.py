@@ -243,7 +243,9 @@ class _Runtime:
             self.listener.stop()
         self.inline.stop(timeout)
         if self.dispatcher is not None and not self.dispatcher.running:
-            self.dispatcher.close_connection()  # ticked by hand (`worker --once`, tests)
+            # Ticked by hand (`worker --once`, tests): give back a batch claimed ahead.
+            self.dispatcher.release_prefetched()
+            self.dispatcher.close_connection()
         if self.inline.alive() or (self.dispatcher is not None and self.dispatcher.running):
             # A batch is still being sent past the timeout: let it finish and
             # record its outcomes in its daemon thread; closing the transport or

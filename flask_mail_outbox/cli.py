@@ -94,14 +94,17 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
         state.start_scheduler()  # the startup sweep, as in any serving process
     if once:
         delivered = 0
-        while True:
-            report, full = dispatcher.tick()
-            if report is None:
-                break
-            delivered += report.count
-            if not full and report.count == 0:
-                break
-        dispatcher.close_connection()
+        try:
+            while True:
+                report, full = dispatcher.tick()
+                if report is None:
+                    break
+                delivered += report.count
+                if not full and report.count == 0:
+                    break
+        finally:
+            dispatcher.release_prefetched()
+            dispatcher.close_connection()
         click.echo(f"worker --once: {delivered} email(s) handled")
         state.stop(shutdown_timeout)
         return

@@ -49,12 +49,15 @@ class GroupServer:
     answers any of them. With ``chained=N`` it also holds the reply to each
     of the first N-1 contents until the next message's whole envelope has
     arrived. ``unsolicited`` makes it say ``421`` on an idle connection after
-    the first message, without closing it.
+    the first message, without closing it; ``drop_at_group=N`` answers the
+    N-th envelope's MAIL and then closes the connection.
     """
 
-    def __init__(self, *, unsolicited: bool = False, chained: int = 0) -> None:
+    def __init__(self, *, unsolicited: bool = False, chained: int = 0,
+                 drop_at_group: int = 0) -> None:
         self.unsolicited = unsolicited
         self.chained = chained
+        self.drop_at_group = drop_at_group
         self.groups: list[list[bytes]] = []
         self.contents: list[bytes] = []
         self.connections = 0
@@ -94,6 +97,10 @@ class GroupServer:
                         continue
                     group = await self._rest_of_group(reader, line)
                 self.groups.append(group)
+                if len(self.groups) == self.drop_at_group:
+                    writer.write(b"250 sender ok\r\n")  # then the line goes dead
+                    await writer.drain()
+                    break
                 writer.write(b"250 sender ok\r\n" + b"250 rcpt ok\r\n" * (len(group) - 2)
                              + b"354 go on\r\n")
                 content = bytearray()
@@ -164,6 +171,21 @@ def test_the_next_envelope_travels_with_the_content_of_the_one_before() -> None:
     assert results == [Delivered(refused={})] * 3
     assert server.contents == [dot_stuffed(_envelope(n).mime) for n in (1, 2, 3)]
     assert server.connections == 1
+
+
+def test_a_message_whose_envelope_went_ahead_is_resent_uncharged_if_the_line_dies() -> None:
+    with GroupServer(drop_at_group=2) as server:
+        transport = _transport(server.port, timeout=3)
+        try:
+            results = transport.send_many([_envelope(1), _envelope(2)])
+        finally:
+            transport.close()
+    # The second envelope went with the first content; the server took its MAIL
+    # and hung up before any content: it is sent again on a new connection, and
+    # delivered, not failed (a failure would charge the row an attempt).
+    assert results == [Delivered(refused={}), Delivered(refused={})]
+    assert server.connections == 2
+    assert server.contents == [dot_stuffed(_envelope(n).mime) for n in (1, 2)]
 
 
 def test_an_unsolicited_reply_on_an_idle_connection_is_not_taken_for_an_answer() -> None:

@@ -154,7 +154,7 @@ class Pipe(asyncio.Protocol):
 
         The connection is then closed; what it said answers no command of ours.
         """
-        if self._replies:
+        if self._replies or self._buffer or self._lines:
             self.close()
             return True
         return False

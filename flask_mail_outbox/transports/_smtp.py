@@ -196,8 +196,12 @@ class SMTPTransport(Transport):
             queue.put_nowait(index)
         workers = min(self.concurrency, len(envelopes))
         live = [workers]
-        await asyncio.gather(*(self._worker(queue, envelopes, results, live)
-                               for _ in range(workers)))
+        try:
+            await asyncio.gather(*(self._worker(queue, envelopes, results, live)
+                                   for _ in range(workers)))
+        finally:
+            # A later cancel_pending() must not answer with this batch's ids.
+            self._batch_ids, self._started = set(), set()
         return [r if r is not None else Failed(NotAttempted()) for r in results]
 
     async def _worker(self, queue: asyncio.Queue[int], envelopes: list[Envelope],
@@ -297,6 +301,10 @@ class SMTPTransport(Transport):
         pipe, timeout = session.pipe, self.settings.timeout
         started = finished = follow_written = False
         if not written:
+            if self._cancelled.is_set():
+                # Stopped while this connection opened: reported never sent, so it
+                # must not start now (decided in the same step as the add below).
+                return None, True, False
             self._started.add(envelope.email_id)
         try:
             lines = self._envelope_group(session, envelope)
@@ -316,8 +324,19 @@ class SMTPTransport(Transport):
                 return None, False, False
             started = True
             if session.pipelining:
-                replies = [await pipe.read(timeout) for _ in envelope.recipients]
-                data_reply: aiosmtplib.SMTPResponse | None = await pipe.read(timeout)
+                try:
+                    replies = [await pipe.read(timeout) for _ in envelope.recipients]
+                    data_reply: aiosmtplib.SMTPResponse | None = await pipe.read(timeout)
+                except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
+                    if written:
+                        # Its envelope went ahead and its content never did: resend
+                        # it on a fresh connection, uncharged.
+                        return None, False, False
+                    raise
+                if reply.code != 250 and data_reply is not None and data_reply.code == 354:
+                    # A server that took DATA after refusing MAIL: end it, so that
+                    # the RSET below is read as a command, not as content.
+                    await pipe.command(b".\r\n", timeout)
             else:
                 replies = []
                 if reply.code == 250:
