@@ -14,6 +14,7 @@ batches and retries transient failures a few times in process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -247,15 +248,15 @@ class DeliveryRoute:
         report.not_claimed = [i for i in ids if i not in got]
         return report
 
-    def claim_ahead(self, ids: Sequence[int]) -> ClaimAhead:
-        """Claim ``ids`` in a thread while another batch is sent, leases kept alive."""
-        def claim() -> tuple[list[ClaimedEmail], Reaped]:
-            claimed = self.store.claim_ids(ids, owner=new_owner(),
-                                           lease_seconds=self.config.lease_seconds)
+    def claim_ahead(self, claim: Callable[[], tuple[list[ClaimedEmail], Reaped]]
+                    ) -> ClaimAhead:
+        """Run ``claim`` in a thread while another batch is sent; its rows' leases kept alive."""
+        def claim_and_track() -> tuple[list[ClaimedEmail], Reaped]:
+            claimed, reaped = claim()
             if claimed:
                 self.heartbeat.track(claimed[0].owner, [e.id for e in claimed])
-            return claimed, Reaped()
-        return ClaimAhead(claim)
+            return claimed, reaped
+        return ClaimAhead(claim_and_track)
 
     def release_ahead(self, ahead: ClaimAhead) -> int:
         """Give back rows claimed ahead that will not be sent now; returns how many."""
@@ -263,6 +264,10 @@ class DeliveryRoute:
             claimed, _ = ahead.result()
         except Exception:  # noqa: BLE001 - a failed claim claimed nothing
             return 0
+        return self.give_back(claimed)
+
+    def give_back(self, claimed: Sequence[ClaimedEmail]) -> int:
+        """Release claimed rows unsent (queued, attempt returned); stop renewing their leases."""
         if not claimed:
             return 0
         try:
@@ -601,6 +606,11 @@ class InlineDelivery:
     #: Claim the next batch while one is sent (as the durable dispatcher does).
     claim_ahead = True
 
+    def _claim_ids(self, ids: Sequence[int]) -> tuple[list[ClaimedEmail], Reaped]:
+        claimed = self.route.store.claim_ids(ids, owner=new_owner(),
+                                             lease_seconds=self.config.lease_seconds)
+        return claimed, Reaped()
+
     def _run(self) -> None:
         ahead: tuple[list[int], ClaimAhead] | None = None
         try:
@@ -622,7 +632,8 @@ class InlineDelivery:
                     batch = next_batch
                 more = self._take_ahead() if len(batch) >= self.config.batch_size else None
                 if more:
-                    ahead = (more, self.route.claim_ahead(more))
+                    ahead = (more, self.route.claim_ahead(functools.partial(
+                        self._claim_ids, more)))
                 try:
                     self._deliver(batch, claimed)
                 finally:

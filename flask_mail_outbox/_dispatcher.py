@@ -188,20 +188,7 @@ class Dispatcher:
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is None:
             return 0
-        try:
-            claimed, _ = prefetched.result()
-        except Exception:  # noqa: BLE001 - a failed claim claimed nothing
-            return 0
-        return self._give_back(claimed)
-
-    def _give_back(self, claimed: list[ClaimedEmail]) -> int:
-        """Release claimed rows unsent (queued, attempt returned); stop renewing them."""
-        if not claimed:
-            return 0
-        try:
-            return self.store.release(claimed)
-        finally:
-            self.route.heartbeat.untrack(claimed[0].owner)
+        return self.route.release_ahead(prefetched)
 
     def step(self, wait: Callable[[float], None] | None = None) -> float:
         """One tick, then the wait before the next; returns the gap it chose."""
@@ -267,7 +254,7 @@ class Dispatcher:
             claimed, reaped = prefetched.result()
             if claimed and self.rate_limiter is not None:
                 # The server said "too many" since it was claimed: the limiter decides.
-                self._give_back(claimed)
+                self.route.give_back(claimed)
                 claimed = self._claim_due(limit, new_owner())[0]
         else:
             claimed, reaped = self._claim_due(limit, new_owner())
@@ -275,10 +262,11 @@ class Dispatcher:
         if not claimed:
             return None, self.store.promotions != before
         if self._stopping:
-            self._give_back(claimed)
+            self.route.give_back(claimed)
             return None, False
         if self.prefetch and len(claimed) >= limit and self.rate_limiter is None:
-            self._prefetched = ClaimAhead(lambda: self._claim_ahead(limit))
+            self._prefetched = self.route.claim_ahead(
+                lambda: self._claim_due(limit, new_owner()))
         started = self.clock()
         with self.route.app.app_context():
             report = self.route.deliver_claimed(claimed, policy=self.policy)
@@ -301,13 +289,6 @@ class Dispatcher:
         if self.rate_limiter is not None:
             self.rate_limiter.feedback(throttled=throttled)
         return report, len(claimed) >= limit or promoted
-
-    def _claim_ahead(self, limit: int) -> tuple[list[ClaimedEmail], Reaped]:
-        """The next tick's claim, made while this tick sends; its leases kept alive."""
-        claimed, reaped = self._claim_due(limit, new_owner())
-        if claimed:
-            self.route.heartbeat.track(claimed[0].owner, [e.id for e in claimed])
-        return claimed, reaped
 
     def _claim_due(self, limit: int, owner: str) -> tuple[list[ClaimedEmail], Reaped]:
         """The tick's claim on the kept connection, or on a new one if it had died.

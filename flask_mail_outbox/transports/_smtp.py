@@ -307,7 +307,8 @@ class SMTPTransport(Transport):
                 return None, True, False
             self._started.add(envelope.email_id)
         try:
-            lines = self._envelope_group(session, envelope)
+            # An envelope that went ahead was built and written with the last content.
+            lines = [] if written else self._envelope_group(session, envelope)
             content = dot_stuffed(envelope.mime)
             if not written and pipe.discard_unsolicited():
                 return None, False, False

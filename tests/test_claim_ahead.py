@@ -1,0 +1,79 @@
+"""Claiming the next batch while a full one is sent, inline and durable.
+
+Proved by the order of events: the server holds the first batch's replies,
+and the next batch is already ``sending`` meanwhile. Its leases stay alive
+while it waits (three leases pass), and a stop gives it back unsent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime
+
+import pytest
+from conftest import close_app, db, make_app, rows, wait_rows
+from flask import Flask
+from smtpserver import FaultSMTPServer
+
+from flask_mail_outbox import Message
+
+MODES = ["inline", "durable"]
+
+
+def _held_app(mode: str, db_url: str, smtp_server: FaultSMTPServer) -> Flask:
+    """Four emails committed in batches of two; the first batch held at the server."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=mode == "durable", OUTBOX_BATCH_SIZE=2,
+                   OUTBOX_LEASE_SECONDS=1, OUTBOX_POLL_INTERVAL=0.05,
+                   OUTBOX_POLL_MAX_INTERVAL=0.2)
+    smtp_server.hold()
+    with app.app_context():
+        for i in range(4):
+            app.extensions["test_mail"].send(
+                Message(f"n{i}", recipients=["a@example.com"], body="x"))
+        db.session.commit()
+    assert smtp_server.wait_held(2)
+    # The sender waits for the held batch; the next one is claimed meanwhile, not after.
+    wait_rows(app, lambda r: [x["status"] for x in r] == ["sending"] * 4, timeout=5.0)
+    return app
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_next_batch_is_claimed_while_a_full_one_is_sent(
+        mode: str, db_url: str, smtp_server: FaultSMTPServer) -> None:
+    app = _held_app(mode, db_url, smtp_server)
+    try:
+        # Three leases later the batch claimed ahead still holds live leases:
+        # the heartbeat renews them while they wait their turn.
+        time.sleep(3)
+        waiting = rows(app)[2:]
+        now = datetime.now(UTC).replace(tzinfo=None)  # the rows' naive UTC
+        assert [r["status"] for r in waiting] == ["sending", "sending"]
+        assert all(r["lease_expires_at"] > now for r in waiting), (waiting, now)
+        assert smtp_server.held == 2 and smtp_server.data_attempts == 2
+        smtp_server.release()
+        assert smtp_server.wait_for(4)
+        done = wait_rows(app, lambda r: all(x["status"] == "sent" for x in r), timeout=20.0)
+        assert [r["attempts"] for r in done] == [1, 1, 1, 1]
+        assert sorted(smtp_server.message_ids()) == sorted(r["message_id"] for r in done)
+    finally:
+        close_app(app)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_claimed_ahead_is_given_back_at_stop(
+        mode: str, db_url: str, smtp_server: FaultSMTPServer) -> None:
+    app = _held_app(mode, db_url, smtp_server)
+    try:
+        stopper = threading.Thread(target=app.extensions["test_mail"].stop,
+                                   kwargs={"timeout": 20})
+        stopper.start()
+        smtp_server.release()
+        stopper.join(30)
+        assert not stopper.is_alive()
+        assert [(r["status"], r["attempts"]) for r in rows(app)] == [
+            ("sent", 1), ("sent", 1), ("queued", 0), ("queued", 0)]
+        assert smtp_server.data_attempts == 2
+    finally:
+        close_app(app)
