@@ -187,6 +187,37 @@ def test_a_key_held_by_a_producer_is_handed_on_after_the_producer_commits(
         engine.dispose()
 
 
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # advisory locks
+def test_a_keyed_tick_takes_one_claim_and_two_statements_to_record_on_postgresql(
+        worker_app: Flask, smtp_server: FaultSMTPServer) -> None:
+    """A keyed drain pays its per-tick statements once per email of each key.
+
+    The record marks the batch sent and tries its keys' locks in one
+    statement; the hand-on to each key's next email is the second.
+    """
+    mail: OutboxMail = worker_app.extensions["test_mail"]
+    with worker_app.app_context():
+        for i in range(4):
+            mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"), key=f"k{i % 2}")
+        db.session.commit()
+    engine = worker_app.extensions["mail_outbox"].runtime().engine
+    _dispatcher(worker_app)  # its connection is opened outside the count
+    statements: list[str] = []
+    listener = (lambda _c, _cur, sql, *_: statements.append(" ".join(sql.split()[:3])))
+    sa_event.listen(engine, "before_cursor_execute", listener)
+    try:
+        _step(worker_app)
+    finally:
+        sa_event.remove(engine, "before_cursor_execute", listener)
+    assert statements == ["WITH due AS", "WITH locks AS", "WITH c AS"]
+    assert [(r["subject"], r["status"], r["key_head"]) for r in rows(worker_app)] == [
+        ("m0", "sent", True), ("m1", "sent", True),
+        ("m2", "queued", True), ("m3", "queued", True)]
+    _step(worker_app)
+    subjects = [m.parsed["Subject"] for m in smtp_server.messages]
+    assert sorted(subjects[:2]) == ["m0", "m1"] and sorted(subjects[2:]) == ["m2", "m3"]
+
+
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # SQLite's planner
 def test_the_sqlite_claim_reads_only_the_rows_that_may_go_now(worker_app: Flask) -> None:
     """On a never-analysed table the claim must still read ``ix_outbox_email_due``.
