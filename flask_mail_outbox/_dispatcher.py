@@ -2,8 +2,9 @@
 
 A tick is: reap expired leases once, claim up to a batch of due rows (one
 short transaction, :meth:`Store.claim_due`), deliver them through the
-:class:`DeliveryRoute` with the retry policy. Between ticks the dispatcher
-waits:
+:class:`DeliveryRoute` with the retry policy. (While ticks keep finding work,
+the reap rides along once every :data:`BUSY_REAP_INTERVAL` seconds only.)
+Between ticks the dispatcher waits:
 
 * a tick that claimed nothing (or failed) doubles the gap, from
   ``OUTBOX_POLL_INTERVAL`` up to ``OUTBOX_POLL_MAX_INTERVAL`` (or up to
@@ -28,6 +29,7 @@ sequence on a fake clock.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +48,9 @@ if TYPE_CHECKING:
     from ._config import OutboxConfig
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between reaps while every tick finds work (see :meth:`Dispatcher._reap_now`).
+BUSY_REAP_INTERVAL = 1.0
 
 
 class IdleBackoff:
@@ -106,6 +111,7 @@ class Dispatcher:
         self._prefetched: ClaimAhead | None = None
         self.ticks = 0
         self.last_claimed = 0
+        self._last_reap = -math.inf
         self.last_tick_failed = False
         self.last_tick_at: float | None = None
 
@@ -290,7 +296,23 @@ class Dispatcher:
             self.rate_limiter.feedback(throttled=throttled)
         return report, len(claimed) >= limit or promoted
 
-    def _claim_due(self, limit: int, owner: str) -> tuple[list[ClaimedEmail], Reaped]:
+    def _reap_now(self) -> bool:
+        """Whether the next claim also reaps expired leases.
+
+        A claim after a tick that found nothing always does. While ticks keep
+        finding work (a drain: dozens of ticks a second), once every
+        :data:`BUSY_REAP_INTERVAL` seconds: a reap reads the index entries of
+        every 'sending' row version since the last VACUUM, and a lease that
+        expired is taken back at most that much later.
+        """
+        now = self.clock()
+        if self.last_claimed == 0 or now - self._last_reap >= BUSY_REAP_INTERVAL:
+            self._last_reap = now
+            return True
+        return False
+
+    def _claim_due(self, limit: int, owner: str, *,
+                   reap: bool | None = None) -> tuple[list[ClaimedEmail], Reaped]:
         """The tick's claim on the kept connection, or on a new one if it had died.
 
         The connection is kept across ticks without a ping, so the first tick
@@ -301,13 +323,15 @@ class Dispatcher:
         worker's.) Only the claim itself is retried: ``claim_due`` never raises
         after its claim committed, so a claimed batch is never dropped.
         """
+        if reap is None:
+            reap = self._reap_now()
         kept = self._conn is not None
         if self._conn is None:
             self._conn = self.store.dispatch_connection()
         try:
             return self.store.claim_due(
                 limit, owner=owner, lease_seconds=self.config.lease_seconds,
-                reap_max_attempts=self.config.max_attempts, conn=self._conn)
+                reap_max_attempts=self.config.max_attempts if reap else None, conn=self._conn)
         except BaseException as exc:
             # A broken connection is replaced (now, or at the next tick).
             conn, self._conn = self._conn, None
@@ -316,7 +340,7 @@ class Dispatcher:
             if kept and isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
                 logger.info("The dispatcher's database connection was cut (%s); "
                             "claiming again on a new one", exc.orig)
-                return self._claim_due(limit, new_owner())
+                return self._claim_due(limit, new_owner(), reap=reap)
             raise
 
 

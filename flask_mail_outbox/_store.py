@@ -501,7 +501,12 @@ class Store:
         t = email_table
         spent: Any = (t.c.attempts >= max_attempts if max_attempts is not None
                       else sa.false())
-        where: list[Any] = [t.c.status == Status.SENDING.value,
+        # 'sending' written literally, as ix_outbox_email_lease's WHERE is: a
+        # bound value does not prove the partial index applies, and the
+        # planner took the (status, id) index instead, walking the entries
+        # every row's 'sending' version leaves behind until VACUUM (1.7 ms of
+        # each claim, 4,000 rows into a keyed drain).
+        where: list[Any] = [t.c.status == sa.literal_column(f"'{Status.SENDING.value}'"),
                             t.c.lease_expires_at < self.now_expr()]
         if ids is not None:
             where.append(t.c.id.in_(list(ids)))
@@ -1076,6 +1081,13 @@ class Store:
         its own search-and-update after it: the locks are still taken in an
         earlier statement than the search that depends on them (see
         ``_LOCK_KEYS_PG``).
+
+        The guard (still ``sending``, under this claim) is written inside a
+        CASE so that it cannot steer the plan: a plain ``status = 'sending'``
+        matches ``ix_outbox_email_lease``'s WHERE, and with a queue's stale
+        statistics the planner read that index, walking every dead 'sending'
+        entry (1,000 heap pages, 1.5 ms, 4,000 rows into a keyed drain),
+        instead of fetching the batch's ids from the primary key.
         """
         stmt = self._record_sent_statements.get(scrub)
         if stmt is None:
@@ -1097,8 +1109,9 @@ class Store:
                 " done AS (UPDATE outbox_email SET status = 'sent',"
                 "  sent_at = timezone('UTC', now()), lease_owner = NULL,"
                 f"  lease_expires_at = NULL{scrub_sql}"
-                "  WHERE id = ANY(CAST(:ids AS bigint[])) AND status = 'sending'"
-                "  AND lease_owner = :owner RETURNING id, key_head)"
+                "  WHERE id = ANY(CAST(:ids AS bigint[]))"
+                "  AND CASE WHEN status = 'sending' THEN lease_owner = :owner END"
+                "  RETURNING id, key_head)"
                 " SELECT id, key_head, CAST(NULL AS varchar) AS key, CAST(NULL AS boolean)"
                 "  AS locked FROM done"
                 " UNION ALL SELECT NULL, NULL, key, locked FROM locks"

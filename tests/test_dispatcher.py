@@ -276,6 +276,39 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
         close_app(app)
 
 
+def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
+        db_url: str) -> None:
+    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
+                   OUTBOX_RUN_WORKER=False)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        with app.app_context():
+            for i in range(8):
+                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        runtime = app.extensions["mail_outbox"].runtime()
+        dispatcher = runtime.ensure_dispatcher(start_thread=False)
+        dispatcher.prefetch = False  # one claim per tick, at the tick's time
+        now = [100.0]
+        dispatcher.clock = lambda: now[0]
+        seen: list[str] = []
+        sa.event.listen(runtime.engine, "before_cursor_execute",
+                        lambda _c, _cur, statement, *_: seen.append(statement))
+        reaps, claimed = [], []
+        for _ in range(7):
+            seen.clear()
+            dispatcher.step(wait=lambda deadline: None)
+            reaps.append(any("lease_expires_at <" in s for s in seen))
+            claimed.append(dispatcher.last_claimed)
+            now[0] += 0.3
+        # t = 0, 0.3, ... 1.8 s: the first tick reaps; then, while ticks find
+        # work, once a second has passed (t = 1.2); then at every idle tick.
+        assert claimed == [2, 2, 2, 2, 0, 0, 0]
+        assert reaps == [True, False, False, False, True, True, True]
+    finally:
+        close_app(app)
+
+
 def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:
     app = make_app(db_url, OUTBOX_TRANSPORT="null")
     mail: OutboxMail = app.extensions["test_mail"]

@@ -19,6 +19,7 @@ from smtpserver import FaultSMTPServer
 from sqlalchemy import event as sa_event
 
 from flask_mail_outbox import Message, OutboxMail
+from flask_mail_outbox._models import Status
 
 POLL = 5.0  # long enough that a gap of 0 can only come from "more is due now"
 
@@ -248,3 +249,49 @@ def test_the_sqlite_claim_reads_only_the_rows_that_may_go_now(worker_app: Flask)
     plan = query_plan(store.engine, statement, parameters)
     assert "USING INDEX ix_outbox_email_due" in plan, plan
     assert "TEMP B-TREE" not in plan, plan
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # its planner
+def test_the_record_fetches_its_batch_by_primary_key_on_a_queue_with_stale_statistics(
+        worker_app: Flask) -> None:
+    """A drain leaves a dead index entry for every row's 'sending' version.
+
+    Until VACUUM, ``ix_outbox_email_lease`` holds one for each email sent
+    since, while the statistics still describe the table as it was at the last
+    ANALYZE (here: empty). The record must fetch its batch by primary key, not
+    walk those entries.
+    """
+    from flask_mail_outbox._store import Outcome
+
+    engine = worker_app.extensions["mail_outbox"].runtime().engine
+    store = worker_app.extensions["mail_outbox"].runtime().store
+    with engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE outbox_email")
+        conn.exec_driver_sql(
+            "INSERT INTO outbox_email (status, created_at, due_at, message_id, attempts,"
+            " sender, recipients, subject, size, key_head, lease_owner, lease_expires_at)"
+            " SELECT 'sending', now(), now(), 'm' || i, 1, 'a@example.com', '[]', '', 0,"
+            " false, 'gone', now() + interval '1 hour' FROM generate_series(1, 3000) AS i")
+        conn.exec_driver_sql("UPDATE outbox_email SET status = 'sent', lease_owner = NULL,"
+                             " lease_expires_at = NULL")
+        conn.exec_driver_sql(
+            "INSERT INTO outbox_email (status, created_at, due_at, message_id, attempts,"
+            " sender, recipients, subject, size, key_head)"
+            " SELECT 'queued', now(), now(), 'q' || i, 0, 'a@example.com',"
+            " '[\"b@example.com\"]', '', 0, false FROM generate_series(1, 20) AS i")
+    ran: list[tuple[str, Any]] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        ran.append((statement, parameters))
+
+    sa_event.listen(engine, "before_cursor_execute", capture)
+    try:
+        claimed, _ = store.claim_due(100, owner="o", lease_seconds=60, reap_max_attempts=5)
+        store.record([Outcome(email, Status.SENT) for email in claimed])
+    finally:
+        sa_event.remove(engine, "before_cursor_execute", capture)
+    assert len(claimed) == 20
+    record_plan = query_plan(engine, *next(p for p in ran
+                                           if p[0].lstrip().startswith("WITH locks")))
+    assert "pk_outbox_email" in record_plan and "ix_outbox_email_lease" not in record_plan, (
+        record_plan)
