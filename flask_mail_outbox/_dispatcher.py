@@ -112,6 +112,7 @@ class Dispatcher:
         self.ticks = 0
         self.last_claimed = 0
         self._last_reap = -math.inf
+        self._last_claim_empty = True  # what the last claim (its own, or ahead) found
         self.last_tick_failed = False
         self.last_tick_at: float | None = None
 
@@ -261,7 +262,8 @@ class Dispatcher:
             if claimed and self.rate_limiter is not None:
                 # The server said "too many" since it was claimed: the limiter decides.
                 self.route.give_back(claimed)
-                claimed = self._claim_due(limit, new_owner())[0]
+                claimed, more = self._claim_due(limit, new_owner())
+                reaped = Reaped(reaped.requeued + more.requeued, reaped.failed + more.failed)
         else:
             claimed, reaped = self._claim_due(limit, new_owner())
         self.route.report_reaped(reaped)
@@ -299,14 +301,16 @@ class Dispatcher:
     def _reap_now(self) -> bool:
         """Whether the next claim also reaps expired leases.
 
-        A claim after a tick that found nothing always does. While ticks keep
-        finding work (a drain: dozens of ticks a second), once every
-        :data:`BUSY_REAP_INTERVAL` seconds: a reap reads the index entries of
-        every 'sending' row version since the last VACUUM, and a lease that
-        expired is taken back at most that much later.
+        A claim after one that found nothing always does (so does the first).
+        While claims keep finding work (a drain: dozens a second), only the
+        first claim at least :data:`BUSY_REAP_INTERVAL` seconds after the last
+        reap does: a reap reads the index entries of every 'sending' row
+        version since the last VACUUM. An expired lease is then taken back
+        by the first claim a second after the last reap, or by the next idle
+        one, rather than by the very next claim.
         """
         now = self.clock()
-        if self.last_claimed == 0 or now - self._last_reap >= BUSY_REAP_INTERVAL:
+        if self._last_claim_empty or now - self._last_reap >= BUSY_REAP_INTERVAL:
             self._last_reap = now
             return True
         return False
@@ -329,9 +333,11 @@ class Dispatcher:
         if self._conn is None:
             self._conn = self.store.dispatch_connection()
         try:
-            return self.store.claim_due(
+            result = self.store.claim_due(
                 limit, owner=owner, lease_seconds=self.config.lease_seconds,
                 reap_max_attempts=self.config.max_attempts if reap else None, conn=self._conn)
+            self._last_claim_empty = not result[0]
+            return result
         except BaseException as exc:
             # A broken connection is replaced (now, or at the next tick).
             conn, self._conn = self._conn, None

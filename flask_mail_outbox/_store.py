@@ -355,6 +355,8 @@ class Store:
           each other nor take one row twice. An idle tick is one round trip.
         * SQLite: ``BEGIN IMMEDIATE``, the reap, the claim: three statements.
 
+        ``reap_max_attempts`` None: no reap at this claim (unlike
+        :meth:`reap_expired`, where None means "reap, never dead-letter").
         ``conn`` is the dispatcher's own long-lived connection (no pool
         checkout and pre-ping per tick). Returns ``(claimed, reaped)``.
         """
@@ -1007,10 +1009,12 @@ class Store:
         plain_sent = [o for o in outcomes if o.status is Status.SENT and not o.error_message]
         others = [o for o in outcomes if not (o.status is Status.SENT and not o.error_message)]
         rewound: set[str | None] = set()
-        # The keys whose next email may be promoted below: on PostgreSQL their
-        # locks are tried by the first update, which saves the promotion a
-        # statement (see _record_sent).
-        lock_keys = sorted({o.email.key for o in outcomes if o.email.key is not None})
+        # The keys a finished email may hand on: on PostgreSQL the first
+        # sent-update, if there is one, tries their locks, which saves the
+        # promotion a statement (see _record_sent). A key found rewound below
+        # is locked by the promotion itself.
+        lock_keys = sorted({o.email.key for o in outcomes
+                            if o.email.key is not None and o.status is not Status.QUEUED})
         tried: dict[str, bool] = {}
         with self.write() as conn:
             now = self.now_expr()

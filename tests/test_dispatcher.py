@@ -292,15 +292,21 @@ def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
         now = [100.0]
         dispatcher.clock = lambda: now[0]
         seen: list[str] = []
-        sa.event.listen(runtime.engine, "before_cursor_execute",
-                        lambda _c, _cur, statement, *_: seen.append(statement))
+
+        def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            seen.append(statement)
+
+        sa.event.listen(runtime.engine, "before_cursor_execute", before)
         reaps, claimed = [], []
-        for _ in range(7):
-            seen.clear()
-            dispatcher.step(wait=lambda deadline: None)
-            reaps.append(any("lease_expires_at <" in s for s in seen))
-            claimed.append(dispatcher.last_claimed)
-            now[0] += 0.3
+        try:
+            for _ in range(7):
+                seen.clear()
+                dispatcher.step(wait=lambda deadline: None)
+                reaps.append(any("lease_expires_at <" in s for s in seen))
+                claimed.append(dispatcher.last_claimed)
+                now[0] += 0.3
+        finally:
+            sa.event.remove(runtime.engine, "before_cursor_execute", before)
         # t = 0, 0.3, ... 1.8 s: the first tick reaps; then, while ticks find
         # work, once a second has passed (t = 1.2); then at every idle tick.
         assert claimed == [2, 2, 2, 2, 0, 0, 0]

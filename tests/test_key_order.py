@@ -120,6 +120,59 @@ def test_a_producer_committing_while_the_promotion_takes_its_lock_is_promoted(
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_producer_committing_while_the_record_takes_its_lock_is_handed_the_key(
+        app: Flask, db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """The record tries its keys' locks in its first statement (see Store._record_sent).
+
+    Made to wait there until a producer of the key commits, the promotion (a
+    later statement) still sees the producer's email and makes it the head at
+    once: nothing is put off.
+    """
+    engine = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.exec_driver_sql(
+            "CREATE OR REPLACE FUNCTION outbox_test_waiting_lock(k bigint) RETURNS boolean"
+            " LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock(k); RETURN true;"
+            " END $$")
+    _send(app, "head")
+    mail: OutboxMail = app.extensions["test_mail"]
+    inserted, commit = threading.Event(), threading.Event()
+
+    def producer() -> None:  # a request in the middle of send(key="k") ... commit()
+        with app.app_context():
+            mail.send(Message("next", recipients=["a@example.com"], body="x"), key="k")
+            inserted.set()
+            commit.wait(30)
+            db.session.commit()
+
+    def release_when_the_record_waits() -> None:
+        with engine.connect() as conn:
+            poll(lambda: conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                " AND NOT granted").scalar(), timeout=30, interval=0.02)
+        commit.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    assert inserted.wait(10)
+    watcher = threading.Thread(target=release_when_the_record_waits)
+    watcher.start()
+    with _Rewrite(LOCK_CALL, "outbox_test_waiting_lock(hashtextextended(k.key, 0))",
+                  prefix="WITH locks") as rw:
+        _step(app)  # "head" is sent; its record waits for the key until "next" commits
+    watcher.join()
+    thread.join()
+    assert rw.hits == 1
+    store = _dispatcher(app).store
+    assert "k" not in store._unpromoted
+    assert [(r["subject"], r["status"], r["key_head"]) for r in rows(app)] == [
+        ("head", "sent", True), ("next", "queued", True)]
+    _step(app)
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == ["head", "next"]
+    engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_a_failed_promotion_after_the_claim_keeps_the_batch(
         app: Flask, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
     for subject in ("m1", "m2"):
@@ -127,8 +180,9 @@ def test_a_failed_promotion_after_the_claim_keeps_the_batch(
     store = _dispatcher(app).store
     with store._unpromoted_lock:
         store._unpromoted.add("ghost")  # a put-off promotion: the claim's follow-up runs
-    # A real statement error from the database in the follow-up promotion
-    # (its statement of locks alone; recording the batch tries no key's lock).
+    # A real statement error from the database in the follow-up promotion:
+    # its statement of locks alone. The prefix is needed: recording the batch
+    # runs a statement whose text holds the same lock call (with no keys here).
     with caplog.at_level(logging.ERROR), _Rewrite(LOCK_CALL, "1/0 = 1",
                                                   prefix="SELECT k.key") as rw:
         _step(app)
