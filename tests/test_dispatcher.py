@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -311,6 +312,45 @@ def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
         # work, once a second has passed (t = 1.2); then at every idle tick.
         assert claimed == [2, 2, 2, 2, 0, 0, 0]
         assert reaps == [True, False, False, False, True, True, True]
+    finally:
+        close_app(app)
+
+
+def test_a_batch_claimed_ahead_and_given_back_to_a_rate_limit_keeps_the_reap_of_its_reclaim(
+        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
+                   OUTBOX_RUN_WORKER=False)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+
+        def queue(*subjects: str) -> list[int]:
+            with app.app_context():
+                ids = [mail.send(Message(s, recipients=["a@example.com"], body="x"))
+                       for s in subjects]
+                db.session.commit()
+            return ids
+
+        queue("m0", "m1", "m2", "m3")
+        runtime = app.extensions["mail_outbox"].runtime()
+        dispatcher = runtime.ensure_dispatcher(start_thread=False)
+        now = [100.0]
+        dispatcher.clock = lambda: now[0]
+        dispatcher.tick()  # sends m0, m1 and claims m2, m3 ahead
+        assert dispatcher._prefetched is not None
+        assert len(dispatcher._prefetched.result()[0]) == 2
+        # A row whose sender died: its lease is already over.
+        [orphan] = queue("orphan")
+        [dead] = runtime.store.claim_due(1, owner="dead", lease_seconds=0)[0]
+        assert dead.id == orphan
+        # The server throttled meanwhile: the batch claimed ahead is given back
+        # and claimed again under the limiter; that claim's reap finds the orphan.
+        dispatcher.rate_limiter = RateLimiter(1000.0, clock=lambda: now[0],
+                                              sleep=lambda s: None)
+        now[0] += 2  # a second after the last reap
+        with caplog.at_level(logging.ERROR, logger="flask_mail_outbox"):
+            dispatcher.tick()
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert any(f"[{orphan}] had an expired lease" in m for m in errors), errors
     finally:
         close_app(app)
 
