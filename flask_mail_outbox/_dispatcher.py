@@ -339,6 +339,9 @@ class Dispatcher:
             self._last_claim_empty = not result[0]
             return result
         except BaseException as exc:
+            # The claim after a failed one reaps, whenever it comes: leases may
+            # have run out meanwhile (a database outage).
+            self._last_claim_empty = True
             # A broken connection is replaced (now, or at the next tick).
             conn, self._conn = self._conn, None
             conn.invalidate()

@@ -316,6 +316,43 @@ def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
         close_app(app)
 
 
+def test_the_claim_after_a_failed_one_reaps(db_url: str) -> None:
+    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
+                   OUTBOX_RUN_WORKER=False)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        with app.app_context():
+            for i in range(6):
+                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        runtime = app.extensions["mail_outbox"].runtime()
+        dispatcher = runtime.ensure_dispatcher(start_thread=False)
+        dispatcher.prefetch = False
+        now = [100.0]
+        dispatcher.clock = lambda: now[0]
+        store = dispatcher.store
+        reaps: list[bool] = []
+        real_claim_due = store.claim_due
+        outage = [False]
+
+        def claim_due(*args: Any, **kwargs: Any) -> Any:
+            reaps.append(kwargs.get("reap_max_attempts") is not None)
+            if outage[0]:
+                raise sa.exc.OperationalError("claim", {}, Exception("the database is down"))
+            return real_claim_due(*args, **kwargs)
+
+        store.claim_due = claim_due  # type: ignore[method-assign]
+        for down in (False, True, False, False):
+            outage[0] = down
+            dispatcher.step(wait=lambda deadline: None)
+            now[0] += 0.3
+        # The first claim reaps; the second, 0.3 s into a drain, does not (and
+        # fails); the one after the failure reaps again; the next does not.
+        assert reaps == [True, False, True, False]
+    finally:
+        close_app(app)
+
+
 def test_a_batch_claimed_ahead_and_given_back_to_a_rate_limit_keeps_the_reap_of_its_reclaim(
         db_url: str, caplog: pytest.LogCaptureFixture) -> None:
     app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
