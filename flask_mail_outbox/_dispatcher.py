@@ -257,8 +257,17 @@ class Dispatcher:
             limit = self.rate_limiter.acquire(limit)
         before = self.store.promotions
         prefetched, self._prefetched = self._prefetched, None
+        claimed: list[ClaimedEmail] | None = None
         if prefetched is not None:
-            claimed, reaped = prefetched.result()
+            try:
+                claimed, reaped = prefetched.result()
+            except Exception as exc:  # noqa: BLE001 - claimed nothing; claimed again below
+                # It failed while the batch before was sent (say, the database
+                # went away then). That is old news now: raising it would fail
+                # this tick, and report an outage, even after the database came
+                # back. The claim made now tells the current state.
+                logger.info("The claim made ahead failed (%s); claiming now", exc)
+        if claimed is not None:
             if claimed and self.rate_limiter is not None:
                 # The server said "too many" since it was claimed: the limiter decides.
                 self.route.give_back(claimed)

@@ -316,6 +316,47 @@ def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
         close_app(app)
 
 
+def test_a_claim_ahead_that_failed_meanwhile_is_made_again_not_raised(
+        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A claim ahead fails while its batch's predecessor is sent (the database went away).
+
+    By the next tick the database may be back: that tick claims afresh
+    instead of failing on the old error, and nothing is reported at ERROR
+    (an outage report would open after the outage had ended).
+    """
+    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
+                   OUTBOX_RUN_WORKER=False)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        with app.app_context():
+            for i in range(4):
+                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        dispatcher = app.extensions["mail_outbox"].runtime().ensure_dispatcher(
+            start_thread=False)
+        store = dispatcher.store
+        real_claim_due = store.claim_due
+        calls = [0]
+
+        def claim_due(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 2:  # the claim ahead, made while m0 and m1 are sent
+                raise sa.exc.OperationalError("claim", {}, Exception("the database is down"))
+            return real_claim_due(*args, **kwargs)
+
+        store.claim_due = claim_due  # type: ignore[method-assign]
+        with caplog.at_level(logging.INFO, logger="flask_mail_outbox"):
+            first, _ = dispatcher.tick()
+            second, _ = dispatcher.tick()
+        assert first is not None and second is not None
+        assert len(first.sent) == 2 and len(second.sent) == 2
+        assert calls[0] == 4  # tick 2 claimed afresh, and (a full batch) ahead again
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert any("claim made ahead failed" in r.getMessage() for r in caplog.records)
+    finally:
+        close_app(app)
+
+
 def test_the_claim_after_a_failed_one_reaps(db_url: str) -> None:
     app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
                    OUTBOX_RUN_WORKER=False)
