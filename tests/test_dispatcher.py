@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -277,160 +278,134 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
         close_app(app)
 
 
-def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
-        db_url: str) -> None:
-    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
-                   OUTBOX_RUN_WORKER=False)
-    try:
-        mail: OutboxMail = app.extensions["test_mail"]
-        with app.app_context():
-            for i in range(8):
-                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+class _Drain:
+    """A durable app sending through the null transport in batches of 2.
+
+    Its dispatcher is ticked by hand, on a fake clock (``now[0]``, seconds).
+    """
+
+    def __init__(self, db_url: str) -> None:
+        self.app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null",
+                            OUTBOX_BATCH_SIZE=2, OUTBOX_RUN_WORKER=False)
+        self.mail: OutboxMail = self.app.extensions["test_mail"]
+        self.runtime = self.app.extensions["mail_outbox"].runtime()
+        self.dispatcher = self.runtime.ensure_dispatcher(start_thread=False)
+        self.now = [100.0]
+        self.dispatcher.clock = lambda: self.now[0]
+
+    def queue(self, *subjects: str) -> list[int]:
+        with self.app.app_context():
+            ids = [self.mail.send(Message(s, recipients=["a@example.com"], body="x"))
+                   for s in subjects]
             db.session.commit()
-        runtime = app.extensions["mail_outbox"].runtime()
-        dispatcher = runtime.ensure_dispatcher(start_thread=False)
-        dispatcher.prefetch = False  # one claim per tick, at the tick's time
-        now = [100.0]
-        dispatcher.clock = lambda: now[0]
-        seen: list[str] = []
+        return ids
 
-        def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-            seen.append(statement)
+    def fail_claims(self, failing: Callable[[int], bool]) -> list[bool]:
+        """Make claim number n (from 1) raise an outage when ``failing(n)``.
 
-        sa.event.listen(runtime.engine, "before_cursor_execute", before)
-        reaps, claimed = [], []
-        try:
-            for _ in range(7):
-                seen.clear()
-                dispatcher.step(wait=lambda deadline: None)
-                reaps.append(any("lease_expires_at <" in s for s in seen))
-                claimed.append(dispatcher.last_claimed)
-                now[0] += 0.3
-        finally:
-            sa.event.remove(runtime.engine, "before_cursor_execute", before)
-        # t = 0, 0.3, ... 1.8 s: the first tick reaps; then, while ticks find
-        # work, once a second has passed (t = 1.2); then at every idle tick.
-        assert claimed == [2, 2, 2, 2, 0, 0, 0]
-        assert reaps == [True, False, False, False, True, True, True]
+        Returns the list each claim appends to: whether it was asked to reap.
+        """
+        store = self.dispatcher.store
+        real_claim_due = store.claim_due
+        reaps: list[bool] = []
+
+        def claim_due(*args: Any, **kwargs: Any) -> Any:
+            reaps.append(kwargs.get("reap_max_attempts") is not None)
+            if failing(len(reaps)):
+                raise sa.exc.OperationalError("claim", {}, Exception("the database is down"))
+            return real_claim_due(*args, **kwargs)
+
+        store.claim_due = claim_due  # type: ignore[method-assign]
+        return reaps
+
+
+@pytest.fixture
+def drain(db_url: str) -> Iterator[_Drain]:
+    drain = _Drain(db_url)
+    yield drain
+    close_app(drain.app)
+
+
+def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
+        drain: _Drain) -> None:
+    drain.queue(*(f"m{i}" for i in range(8)))
+    drain.dispatcher.prefetch = False  # one claim per tick, at the tick's time
+    engine = drain.runtime.engine
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", before)
+    reaps, claimed = [], []
+    try:
+        for _ in range(7):
+            seen.clear()
+            drain.dispatcher.step(wait=lambda deadline: None)
+            reaps.append(any("lease_expires_at <" in s for s in seen))
+            claimed.append(drain.dispatcher.last_claimed)
+            drain.now[0] += 0.3
     finally:
-        close_app(app)
+        sa.event.remove(engine, "before_cursor_execute", before)
+    # t = 0, 0.3, ... 1.8 s: the first tick reaps; then, while ticks find
+    # work, once a second has passed (t = 1.2); then at every idle tick.
+    assert claimed == [2, 2, 2, 2, 0, 0, 0]
+    assert reaps == [True, False, False, False, True, True, True]
 
 
 def test_a_claim_ahead_that_failed_meanwhile_is_made_again_not_raised(
-        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+        drain: _Drain, caplog: pytest.LogCaptureFixture) -> None:
     """A claim ahead fails while its batch's predecessor is sent (the database went away).
 
     By the next tick the database may be back: that tick claims afresh
     instead of failing on the old error, and nothing is reported at ERROR
     (an outage report would open after the outage had ended).
     """
-    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
-                   OUTBOX_RUN_WORKER=False)
-    try:
-        mail: OutboxMail = app.extensions["test_mail"]
-        with app.app_context():
-            for i in range(4):
-                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
-            db.session.commit()
-        dispatcher = app.extensions["mail_outbox"].runtime().ensure_dispatcher(
-            start_thread=False)
-        store = dispatcher.store
-        real_claim_due = store.claim_due
-        calls = [0]
-
-        def claim_due(*args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 2:  # the claim ahead, made while m0 and m1 are sent
-                raise sa.exc.OperationalError("claim", {}, Exception("the database is down"))
-            return real_claim_due(*args, **kwargs)
-
-        store.claim_due = claim_due  # type: ignore[method-assign]
-        with caplog.at_level(logging.INFO, logger="flask_mail_outbox"):
-            first, _ = dispatcher.tick()
-            second, _ = dispatcher.tick()
-        assert first is not None and second is not None
-        assert len(first.sent) == 2 and len(second.sent) == 2
-        assert calls[0] == 4  # tick 2 claimed afresh, and (a full batch) ahead again
-        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-        assert any("claim made ahead failed" in r.getMessage() for r in caplog.records)
-    finally:
-        close_app(app)
+    drain.queue("m0", "m1", "m2", "m3")
+    # Claim 2 is the claim ahead, made while m0 and m1 are sent.
+    claims = drain.fail_claims(lambda n: n == 2)
+    with caplog.at_level(logging.INFO, logger="flask_mail_outbox"):
+        first, _ = drain.dispatcher.tick()
+        second, _ = drain.dispatcher.tick()
+    assert first is not None and second is not None
+    assert len(first.sent) == 2 and len(second.sent) == 2
+    assert len(claims) == 4  # tick 2 claimed afresh, and (a full batch) ahead again
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("claim made ahead failed" in r.getMessage() for r in caplog.records)
 
 
-def test_the_claim_after_a_failed_one_reaps(db_url: str) -> None:
-    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
-                   OUTBOX_RUN_WORKER=False)
-    try:
-        mail: OutboxMail = app.extensions["test_mail"]
-        with app.app_context():
-            for i in range(6):
-                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
-            db.session.commit()
-        runtime = app.extensions["mail_outbox"].runtime()
-        dispatcher = runtime.ensure_dispatcher(start_thread=False)
-        dispatcher.prefetch = False
-        now = [100.0]
-        dispatcher.clock = lambda: now[0]
-        store = dispatcher.store
-        reaps: list[bool] = []
-        real_claim_due = store.claim_due
-        outage = [False]
-
-        def claim_due(*args: Any, **kwargs: Any) -> Any:
-            reaps.append(kwargs.get("reap_max_attempts") is not None)
-            if outage[0]:
-                raise sa.exc.OperationalError("claim", {}, Exception("the database is down"))
-            return real_claim_due(*args, **kwargs)
-
-        store.claim_due = claim_due  # type: ignore[method-assign]
-        for down in (False, True, False, False):
-            outage[0] = down
-            dispatcher.step(wait=lambda deadline: None)
-            now[0] += 0.3
-        # The first claim reaps; the second, 0.3 s into a drain, does not (and
-        # fails); the one after the failure reaps again; the next does not.
-        assert reaps == [True, False, True, False]
-    finally:
-        close_app(app)
+def test_the_claim_after_a_failed_one_reaps(drain: _Drain) -> None:
+    drain.queue(*(f"m{i}" for i in range(6)))
+    drain.dispatcher.prefetch = False
+    reaps = drain.fail_claims(lambda n: n == 2)
+    for _ in range(4):
+        drain.dispatcher.step(wait=lambda deadline: None)
+        drain.now[0] += 0.3
+    # The first claim reaps; the second, 0.3 s into a drain, does not (and
+    # fails); the one after the failure reaps again; the next does not.
+    assert reaps == [True, False, True, False]
 
 
 def test_a_batch_claimed_ahead_and_given_back_to_a_rate_limit_keeps_the_reap_of_its_reclaim(
-        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=2,
-                   OUTBOX_RUN_WORKER=False)
-    try:
-        mail: OutboxMail = app.extensions["test_mail"]
-
-        def queue(*subjects: str) -> list[int]:
-            with app.app_context():
-                ids = [mail.send(Message(s, recipients=["a@example.com"], body="x"))
-                       for s in subjects]
-                db.session.commit()
-            return ids
-
-        queue("m0", "m1", "m2", "m3")
-        runtime = app.extensions["mail_outbox"].runtime()
-        dispatcher = runtime.ensure_dispatcher(start_thread=False)
-        now = [100.0]
-        dispatcher.clock = lambda: now[0]
-        dispatcher.tick()  # sends m0, m1 and claims m2, m3 ahead
-        assert dispatcher._prefetched is not None
-        assert len(dispatcher._prefetched.result()[0]) == 2
-        # A row whose sender died: its lease is already over.
-        [orphan] = queue("orphan")
-        [dead] = runtime.store.claim_due(1, owner="dead", lease_seconds=0)[0]
-        assert dead.id == orphan
-        # The server throttled meanwhile: the batch claimed ahead is given back
-        # and claimed again under the limiter; that claim's reap finds the orphan.
-        dispatcher.rate_limiter = RateLimiter(1000.0, clock=lambda: now[0],
-                                              sleep=lambda s: None)
-        now[0] += 2  # a second after the last reap
-        with caplog.at_level(logging.ERROR, logger="flask_mail_outbox"):
-            dispatcher.tick()
-        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-        assert any(f"[{orphan}] had an expired lease" in m for m in errors), errors
-    finally:
-        close_app(app)
+        drain: _Drain, caplog: pytest.LogCaptureFixture) -> None:
+    drain.queue("m0", "m1", "m2", "m3")
+    dispatcher = drain.dispatcher
+    dispatcher.tick()  # sends m0, m1 and claims m2, m3 ahead
+    assert dispatcher._prefetched is not None
+    assert len(dispatcher._prefetched.result()[0]) == 2
+    # A row whose sender died: its lease is already over.
+    [orphan] = drain.queue("orphan")
+    [dead] = drain.runtime.store.claim_due(1, owner="dead", lease_seconds=0)[0]
+    assert dead.id == orphan
+    # The server throttled meanwhile: the batch claimed ahead is given back
+    # and claimed again under the limiter; that claim's reap finds the orphan.
+    dispatcher.rate_limiter = RateLimiter(1000.0, clock=lambda: drain.now[0],
+                                          sleep=lambda s: None)
+    drain.now[0] += 2  # a second after the last reap
+    with caplog.at_level(logging.ERROR, logger="flask_mail_outbox"):
+        dispatcher.tick()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(f"[{orphan}] had an expired lease" in m for m in errors), errors
 
 
 def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:

@@ -69,54 +69,76 @@ class _Rewrite:
         sa.event.remove(sa.engine.Engine, "before_cursor_execute", self)
 
 
+WAITING_LOCK_CALL = "outbox_test_waiting_lock(hashtextextended(k.key, 0))"
+
+
+class _ProducerMidSend:
+    """A request in the middle of ``send(key="k")`` ... ``commit()``, holding the key's lock.
+
+    :meth:`commit_when_a_lock_waits` lets it commit as soon as some other
+    transaction waits for an advisory lock: with :data:`LOCK_CALL` rewritten
+    to :data:`WAITING_LOCK_CALL`, delivery's try-lock waits for the producer,
+    so the lock is granted only after the producer committed, as when it
+    commits in that instant.
+    """
+
+    def __init__(self, app: Flask, db_url: str) -> None:
+        self.engine = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql(
+                "CREATE OR REPLACE FUNCTION outbox_test_waiting_lock(k bigint) RETURNS boolean"
+                " LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock(k); RETURN true;"
+                " END $$")
+        mail: OutboxMail = app.extensions["test_mail"]
+        inserted, self._commit = threading.Event(), threading.Event()
+
+        def produce() -> None:
+            with app.app_context():
+                mail.send(Message("next", recipients=["a@example.com"], body="x"), key="k")
+                inserted.set()
+                self._commit.wait(30)
+                db.session.commit()
+
+        self._thread = threading.Thread(target=produce)
+        self._thread.start()
+        assert inserted.wait(10)
+        self._watcher: threading.Thread | None = None
+
+    def commit_when_a_lock_waits(self) -> None:
+        def release() -> None:
+            with self.engine.connect() as conn:
+                poll(lambda: conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND NOT granted").scalar(), timeout=30, interval=0.02)
+            self._commit.set()
+
+        self._watcher = threading.Thread(target=release)
+        self._watcher.start()
+
+    def join(self) -> None:
+        if self._watcher is not None:
+            self._watcher.join()
+        self._thread.join()
+        self.engine.dispose()
+
+
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_a_producer_committing_while_the_promotion_takes_its_lock_is_promoted(
         app: Flask, db_url: str, smtp_server: FaultSMTPServer) -> None:
-    engine = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        # The promotion's try-lock, made to wait: the lock is granted only after
-        # the producer committed, as when it commits in that instant.
-        conn.exec_driver_sql(
-            "CREATE OR REPLACE FUNCTION outbox_test_waiting_lock(k bigint) RETURNS boolean"
-            " LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock(k); RETURN true;"
-            " END $$")
     _send(app, "head")
-    mail: OutboxMail = app.extensions["test_mail"]
-    inserted, commit = threading.Event(), threading.Event()
-
-    def producer() -> None:  # a request in the middle of send(key="k") ... commit()
-        with app.app_context():
-            mail.send(Message("next", recipients=["a@example.com"], body="x"), key="k")
-            inserted.set()
-            commit.wait(30)
-            db.session.commit()
-
-    thread = threading.Thread(target=producer)
-    thread.start()
-    assert inserted.wait(10)
+    producer = _ProducerMidSend(app, db_url)
     _step(app)  # "head" is sent; its key's lock is busy, so the promotion is put off
     store = _dispatcher(app).store
     assert "k" in store._unpromoted
-
-    def release_when_the_promotion_waits() -> None:
-        with engine.connect() as conn:
-            poll(lambda: conn.exec_driver_sql(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-                " AND NOT granted").scalar(), timeout=30, interval=0.02)
-        commit.set()
-
-    watcher = threading.Thread(target=release_when_the_promotion_waits)
-    watcher.start()
-    with _Rewrite(LOCK_CALL, "outbox_test_waiting_lock(hashtextextended(k.key, 0))") as rw:
+    producer.commit_when_a_lock_waits()
+    with _Rewrite(LOCK_CALL, WAITING_LOCK_CALL) as rw:
         _step(app)  # the put-off promotion runs; the producer commits while it waits
-    watcher.join()
-    thread.join()
+    producer.join()
     assert rw.hits >= 1
     for _ in range(2):
         _step(app)
     assert [(r["subject"], r["status"]) for r in rows(app)] == [
         ("head", "sent"), ("next", "sent")]
-    engine.dispose()
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
@@ -128,40 +150,12 @@ def test_a_producer_committing_while_the_record_takes_its_lock_is_handed_the_key
     later statement) still sees the producer's email and makes it the head at
     once: nothing is put off.
     """
-    engine = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.exec_driver_sql(
-            "CREATE OR REPLACE FUNCTION outbox_test_waiting_lock(k bigint) RETURNS boolean"
-            " LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock(k); RETURN true;"
-            " END $$")
     _send(app, "head")
-    mail: OutboxMail = app.extensions["test_mail"]
-    inserted, commit = threading.Event(), threading.Event()
-
-    def producer() -> None:  # a request in the middle of send(key="k") ... commit()
-        with app.app_context():
-            mail.send(Message("next", recipients=["a@example.com"], body="x"), key="k")
-            inserted.set()
-            commit.wait(30)
-            db.session.commit()
-
-    def release_when_the_record_waits() -> None:
-        with engine.connect() as conn:
-            poll(lambda: conn.exec_driver_sql(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-                " AND NOT granted").scalar(), timeout=30, interval=0.02)
-        commit.set()
-
-    thread = threading.Thread(target=producer)
-    thread.start()
-    assert inserted.wait(10)
-    watcher = threading.Thread(target=release_when_the_record_waits)
-    watcher.start()
-    with _Rewrite(LOCK_CALL, "outbox_test_waiting_lock(hashtextextended(k.key, 0))",
-                  prefix="WITH locks") as rw:
+    producer = _ProducerMidSend(app, db_url)
+    producer.commit_when_a_lock_waits()
+    with _Rewrite(LOCK_CALL, WAITING_LOCK_CALL, prefix="WITH locks") as rw:
         _step(app)  # "head" is sent; its record waits for the key until "next" commits
-    watcher.join()
-    thread.join()
+    producer.join()
     assert rw.hits == 1
     store = _dispatcher(app).store
     assert "k" not in store._unpromoted
@@ -169,7 +163,6 @@ def test_a_producer_committing_while_the_record_takes_its_lock_is_handed_the_key
         ("head", "sent", True), ("next", "queued", True)]
     _step(app)
     assert [m.parsed["Subject"] for m in smtp_server.messages] == ["head", "next"]
-    engine.dispose()
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
