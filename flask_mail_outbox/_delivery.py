@@ -35,7 +35,7 @@ from ._errors import PermanentError, TransientError
 from ._models import Status
 from ._retry import RetryPolicy
 from ._signals import email_failed, email_sent
-from ._store import ClaimedEmail, Outcome, Reaped, Store
+from ._store import ClaimedEmail, HandOn, Outcome, Reaped, Store
 from .transports import Delivered, Envelope, Failed, Transport
 from .transports._base import NotAttempted
 
@@ -132,13 +132,20 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     @contextmanager
-    def tracking(self, owner: str, ids: Sequence[int]) -> Iterator[None]:
-        """Keep the leases of ``ids`` alive while the block runs."""
-        self.track(owner, ids)
+    def tracking(self, claimed: Sequence[ClaimedEmail]) -> Iterator[None]:
+        """Keep the leases of ``claimed`` alive while the block runs.
+
+        A batch may hold rows of two claims (rows handed on by the last
+        record, and the tick's own claim): each owner's rows are renewed.
+        """
+        owners = _by_owner(claimed)
+        for owner, ids in owners.items():
+            self.track(owner, ids)
         try:
             yield
         finally:
-            self.untrack(owner)
+            for owner in owners:
+                self.untrack(owner)
 
     def track(self, owner: str, ids: Sequence[int]) -> None:
         """Keep the leases of ``ids`` alive until :meth:`untrack` (or a tracking block ends)."""
@@ -173,6 +180,13 @@ class Heartbeat:
                         fix="check the database connection; raise OUTBOX_LEASE_SECONDS if the "
                             "database is slow",
                         exc=exc)
+
+
+def _by_owner(claimed: Sequence[ClaimedEmail]) -> dict[str, list[int]]:
+    owners: dict[str, list[int]] = {}
+    for email in claimed:
+        owners.setdefault(email.owner, []).append(email.id)
+    return owners
 
 
 class ClaimAhead:
@@ -273,16 +287,21 @@ class DeliveryRoute:
         try:
             return self.store.release(claimed)
         finally:
-            self.heartbeat.untrack(claimed[0].owner)
+            for owner in _by_owner(claimed):
+                self.heartbeat.untrack(owner)
 
     def deliver_claimed(self, claimed: Sequence[ClaimedEmail], *,
-                        policy: RetryPolicy | None = None) -> BatchReport:
+                        policy: RetryPolicy | None = None,
+                        hand_on: HandOn | None = None) -> BatchReport:
         """Send rows this process has claimed and record what happened.
 
         Without a ``policy`` (inline mode) a transient failure puts the row
         back to ``queued``, due now, and the caller decides about retrying in
         process. With one (durable mode) the policy sets the next due time or
-        dead-letters the row.
+        dead-letters the row. With ``hand_on`` the record also claims the
+        emails the batch hands its keys on to (see :class:`HandOn`); their
+        leases are kept alive from then on, until the caller sends them
+        (:meth:`deliver_claimed`) or gives them back (:meth:`give_back`).
         """
         if not claimed:
             return BatchReport()
@@ -290,11 +309,14 @@ class DeliveryRoute:
         # thread-safe, and batching is where the throughput comes from anyway.
         # Leases are renewed from here until the outcomes are recorded: waiting for
         # the send lock, sending, and retrying the record all count.
-        with self.heartbeat.tracking(claimed[0].owner, [e.id for e in claimed]):
-            return self._send_and_record(claimed, policy)
+        with self.heartbeat.tracking(claimed):
+            report = self._send_and_record(claimed, policy, hand_on)
+        if hand_on is not None and hand_on.claimed:
+            self.heartbeat.track(hand_on.owner, [e.id for e in hand_on.claimed])
+        return report
 
     def _send_and_record(self, claimed: Sequence[ClaimedEmail],
-                         policy: RetryPolicy | None) -> BatchReport:
+                         policy: RetryPolicy | None, hand_on: HandOn | None) -> BatchReport:
         report = BatchReport()
         envelopes = [Envelope(email_id=e.id, sender=e.sender, recipients=e.recipients,
                               mime=e.mime, message_id=e.message_id,
@@ -355,7 +377,7 @@ class DeliveryRoute:
                         error_message=result.error.message,
                         due_in=decision.delay,
                         give_back_attempt=not decision.charge))
-        recorded, lost = self._record(outcomes)
+        recorded, lost = self._record(outcomes, hand_on)
         errors = {e.id: r.error for e, r in zip(claimed, results) if isinstance(r, Failed)}
         for outcome in recorded:
             email = outcome.email
@@ -430,7 +452,8 @@ class DeliveryRoute:
     #: Seconds between attempts to record outcomes while the database refuses.
     record_retry_delays = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
-    def _record(self, outcomes: list[Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+    def _record(self, outcomes: list[Outcome], hand_on: HandOn | None = None
+                ) -> tuple[list[Outcome], list[Outcome]]:
         """Record outcomes, retrying while the database is briefly unavailable.
 
         The messages were handed to the server already: giving up here means
@@ -439,7 +462,8 @@ class DeliveryRoute:
         """
         for delay in (*self.record_retry_delays, None):
             try:
-                result = self.store.record(outcomes, scrub_sent=self.config.scrub_sent)
+                result = self.store.record(outcomes, scrub_sent=self.config.scrub_sent,
+                                           hand_on=hand_on)
             except Exception as exc:
                 if delay is None:
                     sent = sum(o.status is Status.SENT for o in outcomes)

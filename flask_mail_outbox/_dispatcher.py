@@ -21,6 +21,16 @@ no longer sits between two batches. Only after a full batch (more is surely
 due), never under a rate limit; a prefetched batch that is not sent is
 released when the loop stops.
 
+When a batch finishes an email of an ordering key, recording it makes the
+key's next email its head and, if that one is due, claims it in the same
+statement (:class:`~flask_mail_outbox._store.HandOn`): a key's emails go out
+batch after batch without a claim between them. The next tick sends the
+handed-on rows and claims fresh rows beside them only when more may be due:
+when the last fresh claim was full, a wake came, a promotion was put off, or
+:data:`BUSY_REAP_INTERVAL` seconds passed since the last fresh claim. So rows
+that fall due by the clock (``send_after``, retries) wait at most that long
+behind a keyed drain.
+
 The scheduling rule is :class:`IdleBackoff`, a small pure class, and the loop
 takes an injectable clock and wait function, so tests can check the exact gap
 sequence on a fake clock.
@@ -40,7 +50,7 @@ import sqlalchemy as sa
 from . import _degrade
 from ._delivery import BatchReport, ClaimAhead, DeliveryRoute, new_owner
 from ._retry import RetryPolicy
-from ._store import ClaimedEmail, Reaped
+from ._store import ClaimedEmail, HandOn, Reaped
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -109,6 +119,15 @@ class Dispatcher:
         #: Claim the next batch while a full one is sent (see the module docstring).
         self.prefetch = True
         self._prefetched: ClaimAhead | None = None
+        #: Claim the emails a batch hands its keys on to while recording it.
+        self.hand_on = True
+        self._handed: list[ClaimedEmail] = []
+        # When rows are handed on, whether the tick claims fresh rows too (see
+        # _fresh_claim_due): the last fresh claim's time and fullness, and any
+        # wake since.
+        self._last_fresh_claim = -math.inf
+        self._last_claim_full = True
+        self._woken = False
         self.ticks = 0
         self.last_claimed = 0
         self._last_reap = -math.inf
@@ -136,6 +155,7 @@ class Dispatcher:
         """Tick as soon as possible (now if waiting; once more after a running tick)."""
         with self._cond:
             self._wake_pending = True
+            self._woken = True
             self._cond.notify_all()
 
     def close_connection(self) -> None:
@@ -191,11 +211,13 @@ class Dispatcher:
             self.close_connection()
 
     def release_prefetched(self) -> int:
-        """Give back a batch claimed ahead that will not be sent now; returns how many."""
+        """Give back rows claimed ahead or handed on that will not be sent now; how many."""
+        handed, self._handed = self._handed, []
+        released = self.route.give_back(handed)
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is None:
-            return 0
-        return self.route.release_ahead(prefetched)
+            return released
+        return released + self.route.release_ahead(prefetched)
 
     def step(self, wait: Callable[[float], None] | None = None) -> float:
         """One tick, then the wait before the next; returns the gap it chose."""
@@ -256,6 +278,16 @@ class Dispatcher:
         if self.rate_limiter is not None:
             limit = self.rate_limiter.acquire(limit)
         before = self.store.promotions
+        # Rows the last record claimed for their keys (see HandOn): this tick's
+        # fresh claim, if it makes one, takes their owner, so one owner records
+        # the batch (a claim ahead, or a claim retried on a new connection,
+        # brings its own).
+        handed, self._handed = self._handed, []
+        if handed and self.rate_limiter is not None:
+            # The server said "too many" since they were claimed: the limiter decides.
+            self.route.give_back(handed)
+            handed = []
+        owner = handed[0].owner if handed else new_owner()
         prefetched, self._prefetched = self._prefetched, None
         claimed: list[ClaimedEmail] | None = None
         if prefetched is not None:
@@ -267,14 +299,23 @@ class Dispatcher:
                 # this tick, and report an outage, even after the database came
                 # back. The claim made now tells the current state.
                 logger.info("The claim made ahead failed (%s); claiming now", exc)
-        if claimed is not None:
-            if claimed and self.rate_limiter is not None:
-                # The server said "too many" since it was claimed: the limiter decides.
-                self.route.give_back(claimed)
-                claimed, more = self._claim_due(limit, new_owner())
-                reaped = Reaped(reaped.requeued + more.requeued, reaped.failed + more.failed)
-        else:
-            claimed, reaped = self._claim_due(limit, new_owner())
+        try:
+            if claimed is not None:
+                if claimed and self.rate_limiter is not None:
+                    # The server said "too many" since it was claimed: the limiter decides.
+                    self.route.give_back(claimed)
+                    claimed, more = self._claim_due(limit, new_owner())
+                    reaped = Reaped(reaped.requeued + more.requeued,
+                                    reaped.failed + more.failed)
+            elif handed and not self._fresh_claim_due():
+                claimed, reaped = [], Reaped()
+            else:
+                claimed, reaped = self._claim_due(max(1, limit - len(handed)), owner)
+        except BaseException:
+            # Not lost: sent at the next tick (or given back at the loop's end).
+            self._handed = handed
+            raise
+        claimed = handed + claimed
         self.route.report_reaped(reaped)
         if not claimed:
             return None, self.store.promotions != before
@@ -284,9 +325,15 @@ class Dispatcher:
         if self.prefetch and len(claimed) >= limit and self.rate_limiter is None:
             self._prefetched = self.route.claim_ahead(
                 lambda: self._claim_due(limit, new_owner()))
+        # Under a rate limit the limiter decides how many go next, so nothing is
+        # claimed in advance.
+        hand_on = (HandOn(new_owner(), self.config.lease_seconds)
+                   if self.hand_on and self.rate_limiter is None else None)
         started = self.clock()
         with self.route.app.app_context():
-            report = self.route.deliver_claimed(claimed, policy=self.policy)
+            report = self.route.deliver_claimed(claimed, policy=self.policy, hand_on=hand_on)
+        if hand_on is not None:
+            self._handed = hand_on.claimed
         self.sizer.after_batch(len(claimed), self.clock() - started)
         # Recording handed keys to their next emails: those are due now, like
         # the rest of a full batch.
@@ -324,6 +371,18 @@ class Dispatcher:
             return True
         return False
 
+    def _fresh_claim_due(self) -> bool:
+        """Whether a tick that has rows handed on claims fresh rows beside them.
+
+        Only when more may be due than the handed-on rows: the last fresh
+        claim came back full, a wake came since (a commit, a NOTIFY), a
+        promotion was put off (it is retried at a claim), or
+        :data:`BUSY_REAP_INTERVAL` seconds passed since the last fresh claim
+        (rows due by the clock, and the busy reap).
+        """
+        return (self._last_claim_full or self._woken or self.store.has_unpromoted()
+                or self.clock() - self._last_fresh_claim >= BUSY_REAP_INTERVAL)
+
     def _claim_due(self, limit: int, owner: str, *,
                    reap: bool | None = None) -> tuple[list[ClaimedEmail], Reaped]:
         """The tick's claim on the kept connection, or on a new one if it had died.
@@ -341,11 +400,14 @@ class Dispatcher:
         kept = self._conn is not None
         if self._conn is None:
             self._conn = self.store.dispatch_connection()
+        self._woken = False
+        self._last_fresh_claim = self.clock()
         try:
             result = self.store.claim_due(
                 limit, owner=owner, lease_seconds=self.config.lease_seconds,
                 reap_max_attempts=self.config.max_attempts if reap else None, conn=self._conn)
             self._last_claim_empty = not result[0]
+            self._last_claim_full = len(result[0]) >= limit
             return result
         except BaseException as exc:
             # The claim after a failed one reaps, whenever it comes: leases may

@@ -100,6 +100,24 @@ class Reaped:
         return len(self.requeued) + len(self.failed)
 
 
+@dataclasses.dataclass
+class HandOn:
+    """A dispatcher's request that recording its batch also claim what the batch hands on.
+
+    When an email of a key finishes, its key's next email becomes the head
+    (the promotion). With a ``HandOn``, a promoted email that is due is also
+    claimed in that same UPDATE, under ``owner`` with a lease of
+    ``lease_seconds``: the dispatcher sends it in its next batch without a
+    claim statement of its own, and the row gets one version fewer. After a
+    successful :meth:`Store.record`, ``claimed`` holds those rows (empty
+    otherwise: only a committed record claims).
+    """
+
+    owner: str
+    lease_seconds: float
+    claimed: list[ClaimedEmail] = dataclasses.field(default_factory=list)
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """What to record for one claimed row.
@@ -387,7 +405,7 @@ class Store:
             return self._claimed(rows, owner), reaped
         rows, reaped, reaped_keys = self._claim_due_postgres(
             conn, limit, owner, lease_seconds, reap_max_attempts)
-        if reaped_keys or self._has_unpromoted():
+        if reaped_keys or self.has_unpromoted():
             self._promote_after_claim(reaped_keys)
         return self._claimed(rows, owner), reaped
 
@@ -482,7 +500,8 @@ class Store:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
         return conn
 
-    def _has_unpromoted(self) -> bool:
+    def has_unpromoted(self) -> bool:
+        """Whether some key's promotion was put off (a producer held its lock)."""
         with self._unpromoted_lock:
             return bool(self._unpromoted)
 
@@ -541,7 +560,8 @@ class Store:
 
     def _promote(self, conn: Connection, keys: set[str],
                  after: dict[str, int] | None = None,
-                 tried: dict[str, bool] | None = None) -> None:
+                 tried: dict[str, bool] | None = None,
+                 hand_on: HandOn | None = None) -> list[Any]:
         """Make the oldest unfinished email of each key its head.
 
         On PostgreSQL the key's advisory lock is only tried: a producer holds
@@ -562,23 +582,31 @@ class Store:
         ``tried`` maps the keys whose lock an earlier statement of this
         transaction tried already to whether it got it (see
         :meth:`_record_sent`), which spares the first.
+
+        With ``hand_on``, a promoted email that is queued and due is claimed
+        by the same update; returns those rows (with the claim's columns).
         """
         hints = after or {}
         starts = {key: hints.get(key, 0) for key in sorted(keys)}
         tried = dict(tried or {})
-        promoted, busy, none_open = self._promote_heads(conn, starts, tried)
+        promoted, busy, none_open, claimed = self._promote_heads(conn, starts, tried, hand_on)
         # Nothing open past the hint: a dead letter put back below it may still
         # wait, so search from the start. (A key whose next email is head
         # already keeps that head: searching again could make a second one.)
         rest = {key: 0 for key in none_open if starts[key]}
-        promoted.update(self._promote_heads(conn, rest, tried)[0])
+        more = self._promote_heads(conn, rest, tried, hand_on)
+        promoted.update(more[0])
+        claimed += more[3]
+        handed = {int(row.id) for row in claimed}
         promoted_ids = list(promoted.values())
         with self._unpromoted_lock:
             self._unpromoted.difference_update(keys - busy)
             self._unpromoted.update(busy)
-            self._promoted.extend(promoted_ids)
+            # Claimed already: not for inline delivery to offer.
+            self._promoted.extend(i for i in promoted_ids if i not in handed)
             self.promotions += len(promoted_ids)
             del self._promoted[:-10_000]
+        return claimed
 
     # The key locks are taken in an earlier statement than the promotion's
     # search (this one, or the record's update): in READ COMMITTED a statement
@@ -605,12 +633,39 @@ class Store:
     ).columns(sa.column("key", sa.String()), sa.column("id", sa.BigInteger()),
               sa.column("promoted", sa.Boolean()))
 
+    # The same, handing on (see HandOn): a promoted email that is queued and
+    # due is claimed by the promotion's own update. Every SET term reads the
+    # row as it was, so the CASEs agree; a row is ours when its lease owner is
+    # the claim's (unique) owner.
+    _HAND_ON_DUE = "e.status = 'queued' AND e.due_at <= timezone('UTC', now())"
+    _PROMOTE_CLAIM_PG = sa.text(
+        "WITH c AS MATERIALIZED ("
+        " SELECT v.key, (SELECT min(o.id) FROM outbox_email o WHERE o.key = v.key"
+        "  AND o.status IN ('queued', 'sending') AND o.id > v.after) AS id"
+        " FROM unnest(CAST(:keys AS varchar[]), CAST(:afters AS bigint[])) AS v(key, after)),"
+        " heads AS (UPDATE outbox_email e SET key_head = true,"
+        f"  status = CASE WHEN {_HAND_ON_DUE} THEN 'sending' ELSE e.status END,"
+        f"  attempts = CASE WHEN {_HAND_ON_DUE} THEN e.attempts + 1 ELSE e.attempts END,"
+        f"  lease_owner = CASE WHEN {_HAND_ON_DUE} THEN :owner ELSE e.lease_owner END,"
+        f"  lease_expires_at = CASE WHEN {_HAND_ON_DUE}"
+        "   THEN timezone('UTC', now()) + CAST(:lease AS interval) ELSE e.lease_expires_at END"
+        "  FROM c WHERE e.id = c.id AND e.key_head IS false"
+        "  RETURNING e.id, e.lease_owner, e.attempts, e.sender, e.recipients, e.mime,"
+        "  e.message_id, e.created_at, e.smtp_options, e.error_history)"
+        " SELECT c.key, c.id, h.id IS NOT NULL AS promoted, h.lease_owner, h.attempts,"
+        " h.sender, h.recipients, h.mime, h.message_id, h.created_at, h.smtp_options,"
+        " h.error_history FROM c LEFT JOIN heads h ON h.id = c.id"
+    ).columns(sa.column("key", sa.String()), sa.column("id", sa.BigInteger()),
+              sa.column("promoted", sa.Boolean()), email_table.c.lease_owner,
+              *[col for col in _CLAIM_RETURNING if col.name not in ("id", "key")])
+
     def _promote_heads(self, conn: Connection, starts: dict[str, int],
-                       tried: dict[str, bool]) -> tuple[dict[str, int], set[str], set[str]]:
+                       tried: dict[str, bool], hand_on: HandOn | None = None
+                       ) -> tuple[dict[str, int], set[str], set[str], list[Any]]:
         """Make each key's oldest open email past ``starts[key]`` its head.
 
         Returns ``({key: promoted id}, keys whose lock was busy, keys with no
-        open email past their start)``. On PostgreSQL two statements of the
+        open email past their start, rows claimed for hand_on)``. On PostgreSQL two statements of the
         same text for any number of keys (the driver prepares them once; built
         per key, a statement cost more to construct than to run): the locks,
         then the search and update, which sees every producer that committed
@@ -619,7 +674,7 @@ class Store:
         search and update per key (writers are serialized there).
         """
         if not starts:
-            return {}, set(), set()
+            return {}, set(), set(), []
         if self.is_postgres:
             untried = [key for key in starts if key not in tried]
             if untried:
@@ -628,25 +683,44 @@ class Store:
             busy = {key for key in starts if not tried[key]}
             locked = {key: start for key, start in starts.items() if key not in busy}
             if not locked:
-                return {}, busy, set()
-            rows = conn.execute(self._PROMOTE_PG, {"keys": list(locked),
-                                                   "afters": list(locked.values())}).all()
+                return {}, busy, set(), []
+            params: dict[str, Any] = {"keys": list(locked), "afters": list(locked.values())}
+            if hand_on is None:
+                rows = conn.execute(self._PROMOTE_PG, params).all()
+            else:
+                params.update(owner=hand_on.owner,
+                              lease=timedelta(seconds=hand_on.lease_seconds))
+                rows = conn.execute(self._PROMOTE_CLAIM_PG, params).all()
             return ({str(row.key): int(row.id) for row in rows if row.promoted},
-                    busy, {str(row.key) for row in rows if row.id is None})
+                    busy, {str(row.key) for row in rows if row.id is None},
+                    [row for row in rows if hand_on is not None and row.promoted
+                     and row.lease_owner == hand_on.owner])
         t = email_table
         promoted: dict[str, int] = {}
         none_open: set[str] = set()
+        claimed: list[Any] = []
+        promote = t.update().values(key_head=True)
+        if hand_on is not None:
+            due = sa.and_(t.c.status == Status.QUEUED.value, t.c.due_at <= self.now_expr())
+            promote = promote.values(
+                status=sa.case((due, Status.SENDING.value), else_=t.c.status),
+                attempts=sa.case((due, t.c.attempts + 1), else_=t.c.attempts),
+                lease_owner=sa.case((due, hand_on.owner), else_=t.c.lease_owner),
+                lease_expires_at=sa.case((due, self.later_expr(hand_on.lease_seconds)),
+                                         else_=t.c.lease_expires_at))
         for key, start in starts.items():
             oldest = conn.execute(sa.select(sa.func.min(t.c.id)).where(
                 t.c.key == key, t.c.status.in_(_OPEN), t.c.id > start)).scalar()
             if oldest is None:
                 none_open.add(key)
                 continue
-            head = conn.execute(t.update().where(t.c.id == oldest, t.c.key_head.is_(False))
-                                .values(key_head=True).returning(t.c.id)).scalar()
+            head = conn.execute(promote.where(t.c.id == oldest, t.c.key_head.is_(False))
+                                .returning(t.c.lease_owner, *_CLAIM_RETURNING)).first()
             if head is not None:
-                promoted[key] = int(head)
-        return promoted, set(), none_open
+                promoted[key] = int(head.id)
+                if hand_on is not None and head.lease_owner == hand_on.owner:
+                    claimed.append(head)
+        return promoted, set(), none_open, claimed
 
     def take_promoted(self) -> list[int]:
         """Ids that became their key's head since the last call (this process's promotions).
@@ -974,25 +1048,27 @@ class Store:
             )
             return result.rowcount
 
-    def record(self, outcomes: Sequence[Outcome], *,
-               scrub_sent: bool = False) -> tuple[list[Outcome], list[Outcome]]:
+    def record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False,
+               hand_on: HandOn | None = None) -> tuple[list[Outcome], list[Outcome]]:
         """Write outcomes in one transaction; returns ``(recorded, lost)``.
 
         See :meth:`_record`. On PostgreSQL a deadlock between the key locks of
         this transaction and a producer's is retried: the guarded updates make
-        a second run equivalent to the first.
+        a second run equivalent to the first. With ``hand_on``, the emails the
+        batch makes their key's head are also claimed when due (see
+        :class:`HandOn`).
         """
         tries = 0
         while True:
             try:
-                return self._record(outcomes, scrub_sent=scrub_sent)
+                return self._record(outcomes, scrub_sent=scrub_sent, hand_on=hand_on)
             except sa.exc.OperationalError as exc:
                 tries += 1
                 if getattr(exc.orig, "sqlstate", None) != "40P01" or tries >= 3:
                     raise
 
-    def _record(self, outcomes: Sequence[Outcome], *,
-                scrub_sent: bool = False) -> tuple[list[Outcome], list[Outcome]]:
+    def _record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False,
+                hand_on: HandOn | None = None) -> tuple[list[Outcome], list[Outcome]]:
         """Write outcomes in one transaction; returns ``(recorded, lost)``.
 
         Every update is guarded by ``status = 'sending' AND lease_owner =
@@ -1016,8 +1092,13 @@ class Store:
         lock_keys = sorted({o.email.key for o in outcomes
                             if o.email.key is not None and o.status is not Status.QUEUED})
         tried: dict[str, bool] = {}
+        if hand_on is not None:
+            hand_on.claimed = []
+        handed: list[Any] = []
         with self.write() as conn:
-            now = self.now_expr()
+            # Built only when needed: a function construct costs a few percent of
+            # a batch that is all sent.
+            now = self.now_expr() if others else None
             by_owner: dict[str, list[Outcome]] = {}
             for outcome in plain_sent:
                 by_owner.setdefault(outcome.email.owner, []).append(outcome)
@@ -1069,8 +1150,10 @@ class Store:
             finished = {o.email.key: o.email.id for o in recorded
                         if o.email.key is not None and o.status is not Status.QUEUED}
             after = {key: start for key, start in finished.items() if key not in rewound}
-            self._promote(conn, set(finished) | {str(key) for key in rewound}, after=after,
-                          tried=tried)
+            handed = self._promote(conn, set(finished) | {str(key) for key in rewound},
+                                   after=after, tried=tried, hand_on=hand_on)
+        if hand_on is not None:
+            hand_on.claimed = self._claimed(handed, hand_on.owner)
         return recorded, lost
 
     def _record_sent(self, conn: Connection, owner: str, ids: list[int], *, scrub: bool,

@@ -240,6 +240,18 @@ def app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
 
 
 @pytest.fixture
+def hand_ticked_app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
+    """Durable over SMTP to ``smtp_server``, with no dispatcher thread and no LISTEN.
+
+    The test ticks the dispatcher by hand, and nothing else wakes it.
+    """
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
+    yield app
+    close_app(app, timeout=5)
+
+
+@pytest.fixture
 def mail(app: Flask) -> OutboxMail:
     """The app's extension."""
     mail: OutboxMail = app.extensions["test_mail"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import MakeApps, close_app, db, make_app
+from conftest import MakeApps, close_app, db, make_app, rows
 
 from flask_mail_outbox import Message, OutboxMail, PermanentError, TransientError
 from flask_mail_outbox._delivery import BatchReport
@@ -284,21 +284,27 @@ class _Drain:
     Its dispatcher is ticked by hand, on a fake clock (``now[0]``, seconds).
     """
 
-    def __init__(self, db_url: str) -> None:
-        self.app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null",
-                            OUTBOX_BATCH_SIZE=2, OUTBOX_RUN_WORKER=False)
+    def __init__(self, db_url: str, **config: Any) -> None:
+        self.app = make_app(db_url, **{"OUTBOX_DURABLE": True, "OUTBOX_TRANSPORT": "null",
+                                       "OUTBOX_BATCH_SIZE": 2, "OUTBOX_RUN_WORKER": False,
+                                       **config})
         self.mail: OutboxMail = self.app.extensions["test_mail"]
         self.runtime = self.app.extensions["mail_outbox"].runtime()
         self.dispatcher = self.runtime.ensure_dispatcher(start_thread=False)
         self.now = [100.0]
         self.dispatcher.clock = lambda: self.now[0]
 
-    def queue(self, *subjects: str) -> list[int]:
+    def queue(self, *subjects: str, keys: int = 0) -> list[int]:
+        """Queue one email per subject; with ``keys``, email i has key ``k{i % keys}``."""
         with self.app.app_context():
-            ids = [self.mail.send(Message(s, recipients=["a@example.com"], body="x"))
-                   for s in subjects]
+            ids = [self.mail.send(Message(s, recipients=["a@example.com"], body="x"),
+                                  key=f"k{i % keys}" if keys else None)
+                   for i, s in enumerate(subjects)]
             db.session.commit()
         return ids
+
+    def statuses(self) -> list[str]:
+        return [str(r["status"]) for r in rows(self.app)]
 
     def fail_claims(self, failing: Callable[[int], bool]) -> list[bool]:
         """Make claim number n (from 1) raise an outage when ``failing(n)``.
@@ -406,6 +412,59 @@ def test_a_batch_claimed_ahead_and_given_back_to_a_rate_limit_keeps_the_reap_of_
         dispatcher.tick()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any(f"[{orphan}] had an expired lease" in m for m in errors), errors
+
+
+# -- rows handed on (see HandOn): a key's next email claimed as its predecessor is recorded --
+
+def test_rows_handed_on_are_given_back_when_the_dispatcher_stops(drain: _Drain) -> None:
+    drain.queue("m0", "m1", "m2", "m3", keys=2)
+    drain.dispatcher.step(wait=lambda deadline: None)
+    assert drain.statuses() == ["sent", "sent", "sending", "sending"]
+    drain.mail.stop(timeout=5)
+    assert [(r["status"], r["attempts"]) for r in rows(drain.app)][2:] == [
+        ("queued", 0), ("queued", 0)]
+
+
+def test_rows_handed_on_wait_out_a_failed_claim(drain: _Drain) -> None:
+    drain.queue("m0", "m1", "m2", "m3", keys=2)
+    drain.dispatcher.prefetch = False  # one claim per tick: the tick's own
+    drain.dispatcher.step(wait=lambda deadline: None)  # m2, m3 handed on
+    drain.fail_claims(lambda n: n == 1)
+    drain.dispatcher.wake()  # so the next tick claims beside them, and that fails
+    drain.dispatcher.step(wait=lambda deadline: None)
+    assert drain.dispatcher.last_tick_failed
+    drain.dispatcher.step(wait=lambda deadline: None)
+    assert drain.statuses() == ["sent"] * 4
+
+
+def test_rows_handed_on_are_given_back_to_a_rate_limit(drain: _Drain) -> None:
+    """Under a rate limit the limiter decides how many go: handed-on rows go back first."""
+    drain.queue("m0", "m1", "m2", "m3", keys=2)
+    drain.dispatcher.prefetch = False  # one claim per tick: the tick's own
+    drain.dispatcher.step(wait=lambda deadline: None)  # m2, m3 handed on
+    # The server throttled meanwhile: one email per tick from now on.
+    drain.dispatcher.rate_limiter = RateLimiter(1.0, clock=lambda: drain.now[0],
+                                                sleep=lambda s: None)
+    drain.dispatcher.step(wait=lambda deadline: None)
+    assert drain.statuses() == ["sent", "sent", "sent", "queued"]
+
+
+def test_the_leases_of_rows_handed_on_are_kept_alive(db_url: str) -> None:
+    """Handed on, a row's lease is renewed until its batch is sent, like a claim ahead's."""
+    import time
+
+    drain = _Drain(db_url, OUTBOX_LEASE_SECONDS=2)
+    try:
+        drain.queue("m0", "m1", "m2", "m3", keys=2)
+        drain.dispatcher.step(wait=lambda deadline: None)
+        assert drain.statuses() == ["sent", "sent", "sending", "sending"]
+        time.sleep(5)  # two and a half leases; the heartbeat renews every 2/3 s
+        assert len(drain.runtime.store.reap_expired(None)) == 0
+        drain.dispatcher.step(wait=lambda deadline: None)
+        assert drain.statuses() == ["sent"] * 4
+        assert [r["attempts"] for r in rows(drain.app)] == [1] * 4
+    finally:
+        close_app(drain.app)
 
 
 def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:

@@ -64,6 +64,9 @@ def test_a_dead_letter_put_back_below_its_keys_head_is_still_delivered(
         for name in ("second", "third"):
             mail.send(Message(name, recipients=["a@example.com"], body="x"), key="k")
         db.session.commit()
+    # A head that has not started (claimed as the key is handed on, it would be
+    # a head being sent: tests/test_key_order.py).
+    _dispatcher(worker_app).hand_on = False
     _step(worker_app)  # "first" is dead-lettered and hands the key to "second"
     assert [r["status"] for r in rows(worker_app)] == ["failed", "queued", "queued"]
     with worker_app.app_context():
@@ -188,37 +191,105 @@ def test_a_key_held_by_a_producer_is_handed_on_after_the_producer_commits(
         engine.dispose()
 
 
+def _frozen_dispatcher(app: Flask) -> Any:
+    """The app's dispatcher (its connection opened outside any count), its clock stopped."""
+    dispatcher = _dispatcher(app)
+    dispatcher.clock = lambda: 1000.0
+    return dispatcher
+
+
+def _statements(app: Flask) -> Any:
+    engine = app.extensions["mail_outbox"].runtime().engine
+    statements: list[str] = []
+
+    class Counting:
+        def __enter__(self) -> list[str]:
+            sa_event.listen(engine, "before_cursor_execute", self.listener)
+            return statements
+
+        def __exit__(self, *exc: object) -> None:
+            sa_event.remove(engine, "before_cursor_execute", self.listener)
+
+        @staticmethod
+        def listener(_c: Any, _cur: Any, sql: str, *_: Any) -> None:
+            statements.append(" ".join(sql.split()[:3]))
+
+    return Counting()
+
+
+def _queue_keyed(app: Flask, n: int, keys: int = 2) -> None:
+    mail: OutboxMail = app.extensions["test_mail"]
+    with app.app_context():
+        for i in range(n):
+            mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"),
+                      key=f"k{i % keys}")
+        db.session.commit()
+
+
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # advisory locks
-def test_a_keyed_tick_takes_one_claim_and_two_statements_to_record_on_postgresql(
-        worker_app: Flask, smtp_server: FaultSMTPServer) -> None:
-    """A keyed drain pays a tick's statements for each email of a key.
+def test_a_keyed_drain_claims_once_and_records_in_two_statements_on_postgresql(
+        hand_ticked_app: Flask, smtp_server: FaultSMTPServer) -> None:
+    """A keyed drain pays two statements per batch after its first claim.
 
     The record marks the batch sent and tries its keys' locks in one
-    statement; the hand-on to each key's next email is the second. (That the
-    answers of those locks are honoured is the business of
+    statement; the second hands each key on to its next email and claims it
+    (see HandOn), so the next tick sends those at once, with no claim of its
+    own: its last fresh claim was not full, nothing woke it, and less than
+    BUSY_REAP_INTERVAL passed (the clock stands still here). (That the answers
+    of those locks are honoured is the business of
     test_a_key_held_by_a_producer_is_handed_on_after_the_producer_commits.)
     """
-    mail: OutboxMail = worker_app.extensions["test_mail"]
-    with worker_app.app_context():
-        for i in range(4):
-            mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"), key=f"k{i % 2}")
-        db.session.commit()
-    engine = worker_app.extensions["mail_outbox"].runtime().engine
-    _dispatcher(worker_app)  # its connection is opened outside the count
-    statements: list[str] = []
-    listener = (lambda _c, _cur, sql, *_: statements.append(" ".join(sql.split()[:3])))
-    sa_event.listen(engine, "before_cursor_execute", listener)
-    try:
-        _step(worker_app)
-    finally:
-        sa_event.remove(engine, "before_cursor_execute", listener)
-    assert statements == ["WITH due AS", "WITH locks AS", "WITH c AS"]
-    assert [(r["subject"], r["status"], r["key_head"]) for r in rows(worker_app)] == [
-        ("m0", "sent", True), ("m1", "sent", True),
-        ("m2", "queued", True), ("m3", "queued", True)]
-    _step(worker_app)
+    _queue_keyed(hand_ticked_app, 6)
+    _frozen_dispatcher(hand_ticked_app)
+    with _statements(hand_ticked_app) as statements:
+        _step(hand_ticked_app)
+        assert statements == ["WITH due AS", "WITH locks AS", "WITH c AS"]
+        assert [(r["subject"], r["status"], r["key_head"]) for r in rows(hand_ticked_app)] == [
+            ("m0", "sent", True), ("m1", "sent", True),
+            ("m2", "sending", True), ("m3", "sending", True),
+            ("m4", "queued", False), ("m5", "queued", False)]
+        del statements[:]
+        _step(hand_ticked_app)
+        assert statements == ["WITH locks AS", "WITH c AS"]
+    _step(hand_ticked_app)
+    assert [r["status"] for r in rows(hand_ticked_app)] == ["sent"] * 6
     subjects = [m.parsed["Subject"] for m in smtp_server.messages]
-    assert sorted(subjects[:2]) == ["m0", "m1"] and sorted(subjects[2:]) == ["m2", "m3"]
+    assert [sorted(subjects[i:i + 2]) for i in (0, 2, 4)] == [
+        ["m0", "m1"], ["m2", "m3"], ["m4", "m5"]]
+
+
+@pytest.mark.parametrize("why", ["nothing", "a wake", "a second passed",
+                                 "the last claim was full"])
+def test_a_tick_with_rows_handed_on_claims_beside_them_only_when_more_may_be_due(
+        hand_ticked_app: Flask, make_apps: Any, smtp_server: FaultSMTPServer, why: str) -> None:
+    """Rows handed on do not hide other due work for long (see Dispatcher._fresh_claim_due).
+
+    A keyless email queued by another process (LISTEN off: nothing tells this
+    one) after the first tick goes out with the handed-on ones when something
+    says more may be due; with nothing, it waits for the tick after.
+    """
+    _queue_keyed(hand_ticked_app, 4)
+    dispatcher = _frozen_dispatcher(hand_ticked_app)
+    dispatcher.prefetch = False  # one claim per tick: the tick's own
+    if why == "the last claim was full":
+        dispatcher.sizer.size = 2  # the 2 key heads fill the first claim
+    _step(hand_ticked_app)  # m0, m1 sent; m2, m3 handed on
+    other, other_mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                                  OUTBOX_LISTEN=False)
+    with other.app_context():
+        other_mail.send(Message("plain", recipients=["a@example.com"], body="x"))
+        db.session.commit()
+    if why == "a wake":
+        dispatcher.wake()
+    elif why == "a second passed":
+        dispatcher.clock = lambda: 1001.0
+    _step(hand_ticked_app)
+    subjects = [m.parsed["Subject"] for m in smtp_server.messages]
+    assert sorted(subjects[2:]) == (["m2", "m3"] if why == "nothing"
+                                    else ["m2", "m3", "plain"])
+    _step(hand_ticked_app)
+    assert sorted(m.parsed["Subject"] for m in smtp_server.messages) == [
+        "m0", "m1", "m2", "m3", "plain"]
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # SQLite's planner
