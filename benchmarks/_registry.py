@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from ._harness import Context, Report
 
 #: Modules that register scenarios, in the order ``all`` runs them.
-SCENARIO_MODULES = ("benchmarks.idle", "benchmarks.throughput", "benchmarks.enqueue",
-                    "benchmarks.history", "benchmarks.backlog", "benchmarks.request",
-                    "benchmarks.drain", "benchmarks.latency")
+SCENARIO_MODULES = ("benchmarks.idle", "benchmarks.throughput", "benchmarks.transport",
+                    "benchmarks.enqueue", "benchmarks.history", "benchmarks.backlog",
+                    "benchmarks.request", "benchmarks.drain", "benchmarks.latency")
 
 
 @dataclasses.dataclass(frozen=True)
