@@ -310,10 +310,7 @@ class DeliveryRoute:
         # Leases are renewed from here until the outcomes are recorded: waiting for
         # the send lock, sending, and retrying the record all count.
         with self.heartbeat.tracking(claimed):
-            report = self._send_and_record(claimed, policy, hand_on)
-        if hand_on is not None and hand_on.claimed:
-            self.heartbeat.track(hand_on.owner, [e.id for e in hand_on.claimed])
-        return report
+            return self._send_and_record(claimed, policy, hand_on)
 
     def _send_and_record(self, claimed: Sequence[ClaimedEmail],
                          policy: RetryPolicy | None, hand_on: HandOn | None) -> BatchReport:
@@ -378,6 +375,10 @@ class DeliveryRoute:
                         due_in=decision.delay,
                         give_back_attempt=not decision.charge))
         recorded, lost = self._record(outcomes, hand_on)
+        if hand_on is not None and hand_on.claimed:
+            # At once, before any signal receiver or report runs: however long
+            # those take, the rows handed on keep their lease.
+            self.heartbeat.track(hand_on.owner, [e.id for e in hand_on.claimed])
         errors = {e.id: r.error for e, r in zip(claimed, results) if isinstance(r, Failed)}
         for outcome in recorded:
             email = outcome.email

@@ -122,6 +122,8 @@ class Dispatcher:
         #: Claim the emails a batch hands its keys on to while recording it.
         self.hand_on = True
         self._handed: list[ClaimedEmail] = []
+        self._handed_at = -math.inf  # when the last record claimed them (self.clock)
+        self._delivering = False  # the tick has handed its batch to deliver_claimed
         # When rows are handed on, whether the tick claims fresh rows too (see
         # _fresh_claim_due): the last fresh claim's time and fullness, and any
         # wake since.
@@ -207,17 +209,28 @@ class Dispatcher:
             while not self._stopping:
                 self.step()
         finally:
-            self.release_prefetched()
-            self.close_connection()
+            try:
+                self.release_held()
+            finally:
+                self.close_connection()
+                with self._cond:
+                    if self._thread is current:
+                        # A foreground loop that ended no longer runs (stop()
+                        # then closes the transport and the engine).
+                        self._thread = None
 
-    def release_prefetched(self) -> int:
-        """Give back rows claimed ahead or handed on that will not be sent now; how many."""
+    def release_held(self) -> int:
+        """Give back the rows held for a next tick that will not come (claimed ahead,
+        or handed on by the last record); returns how many."""
         handed, self._handed = self._handed, []
-        released = self.route.give_back(handed)
         prefetched, self._prefetched = self._prefetched, None
-        if prefetched is None:
-            return released
-        return released + self.route.release_ahead(prefetched)
+        released = 0
+        try:
+            released += self.route.give_back(handed)
+        finally:
+            if prefetched is not None:
+                released += self.route.release_ahead(prefetched)
+        return released
 
     def step(self, wait: Callable[[float], None] | None = None) -> float:
         """One tick, then the wait before the next; returns the gap it chose."""
@@ -278,16 +291,57 @@ class Dispatcher:
         if self.rate_limiter is not None:
             limit = self.rate_limiter.acquire(limit)
         before = self.store.promotions
-        # Rows the last record claimed for their keys (see HandOn): this tick's
-        # fresh claim, if it makes one, takes their owner, so one owner records
-        # the batch (a claim ahead, or a claim retried on a new connection,
-        # brings its own).
+        # Rows the last record claimed for their keys (see HandOn). Until this
+        # tick hands them to deliver_claimed they stay in self._handed, where
+        # the heartbeat renews them and stop() gives them back: whatever raises
+        # before then puts them back there.
+        handed_at = self._handed_at
+        handed = self._take_handed()
+        try:
+            return self._tick(limit, before, handed)
+        except BaseException:
+            if handed and not self._delivering:
+                self._handed, self._handed_at = handed + self._handed, handed_at
+            raise
+        finally:
+            self._delivering = False
+
+    def _take_handed(self) -> list[ClaimedEmail]:
+        """The rows handed on by the last record that are still this process's to send.
+
+        Within a third of a lease of their claim they are (their lease cannot
+        have run out). Later (a failed tick, a long wait), their lease may have
+        expired and another claim taken them: they are renewed under their
+        owner first, and only the rows that renewal still finds are sent.
+        """
         handed, self._handed = self._handed, []
-        if handed and self.rate_limiter is not None:
+        if not handed:
+            return []
+        if self.rate_limiter is not None:
             # The server said "too many" since they were claimed: the limiter decides.
             self.route.give_back(handed)
-            handed = []
-        owner = handed[0].owner if handed else new_owner()
+            return []
+        if self.clock() - self._handed_at < self.config.lease_seconds / 3:
+            return handed
+        try:
+            held = self.store.renew_held(handed[0].owner, [e.id for e in handed],
+                                         self.config.lease_seconds)
+        except BaseException:
+            self._handed = handed
+            raise
+        kept = [e for e in handed if e.id in held]
+        if len(kept) < len(handed):
+            logger.info("Emails %s, handed on to this dispatcher, were taken back before it "
+                        "sent them (their lease had expired); they are not sent from here",
+                        [e.id for e in handed if e.id not in held])
+            if kept:
+                self.route.heartbeat.track(kept[0].owner, [e.id for e in kept])
+            else:
+                self.route.heartbeat.untrack(handed[0].owner)
+        return kept
+
+    def _tick(self, limit: int, before: int, handed: list[ClaimedEmail]
+              ) -> tuple[BatchReport | None, bool]:
         prefetched, self._prefetched = self._prefetched, None
         claimed: list[ClaimedEmail] | None = None
         if prefetched is not None:
@@ -299,41 +353,50 @@ class Dispatcher:
                 # this tick, and report an outage, even after the database came
                 # back. The claim made now tells the current state.
                 logger.info("The claim made ahead failed (%s); claiming now", exc)
-        try:
-            if claimed is not None:
-                if claimed and self.rate_limiter is not None:
-                    # The server said "too many" since it was claimed: the limiter decides.
-                    self.route.give_back(claimed)
-                    claimed, more = self._claim_due(limit, new_owner())
-                    reaped = Reaped(reaped.requeued + more.requeued,
-                                    reaped.failed + more.failed)
-            elif handed and not self._fresh_claim_due():
-                claimed, reaped = [], Reaped()
-            else:
-                claimed, reaped = self._claim_due(max(1, limit - len(handed)), owner)
-        except BaseException:
-            # Not lost: sent at the next tick (or given back at the loop's end).
-            self._handed = handed
-            raise
+        if claimed is not None:
+            if claimed and self.rate_limiter is not None:
+                # The server said "too many" since it was claimed: the limiter decides.
+                self.route.give_back(claimed)
+                claimed, more = self._claim_due(limit, new_owner())
+                reaped = Reaped(reaped.requeued + more.requeued, reaped.failed + more.failed)
+        elif handed and not self._fresh_claim_due():
+            claimed, reaped = [], Reaped()
+        else:
+            # At least one row, so that the reap and the claim of rows due by the
+            # clock still come while rows handed on fill the batch. (A batch may
+            # so hold the handed-on rows on top of a claim of its own.)
+            claimed, reaped = self._claim_due(max(1, limit - len(handed)), new_owner())
         claimed = handed + claimed
         self.route.report_reaped(reaped)
         if not claimed:
             return None, self.store.promotions != before
         if self._stopping:
+            self._delivering = True  # given back: no longer held
             self.route.give_back(claimed)
             return None, False
         if self.prefetch and len(claimed) >= limit and self.rate_limiter is None:
             self._prefetched = self.route.claim_ahead(
                 lambda: self._claim_due(limit, new_owner()))
         # Under a rate limit the limiter decides how many go next, so nothing is
-        # claimed in advance.
+        # claimed in advance; nor when the loop is stopping.
         hand_on = (HandOn(new_owner(), self.config.lease_seconds)
-                   if self.hand_on and self.rate_limiter is None else None)
+                   if self.hand_on and self.rate_limiter is None and not self._stopping
+                   else None)
         started = self.clock()
-        with self.route.app.app_context():
-            report = self.route.deliver_claimed(claimed, policy=self.policy, hand_on=hand_on)
-        if hand_on is not None:
-            self._handed = hand_on.claimed
+        try:
+            with self.route.app.app_context():
+                # From here the batch's rows are deliver_claimed's: sent and
+                # recorded, or left to their lease if that fails.
+                self._delivering = True
+                report = self.route.deliver_claimed(claimed, policy=self.policy,
+                                                    hand_on=hand_on)
+        finally:
+            # The rows this record claimed are held even if something raised
+            # after it (a signal receiver, an app-context teardown). Their lease
+            # began after `started`, so within a third of a lease of it the next
+            # tick may send them unchecked (see _take_handed).
+            if hand_on is not None and hand_on.claimed:
+                self._handed, self._handed_at = hand_on.claimed, started
         self.sizer.after_batch(len(claimed), self.clock() - started)
         # Recording handed keys to their next emails: those are due now, like
         # the rest of a full batch.
@@ -413,6 +476,7 @@ class Dispatcher:
             # The claim after a failed one reaps, whenever it comes: leases may
             # have run out meanwhile (a database outage).
             self._last_claim_empty = True
+            self._last_claim_full = True  # nothing is known: the next tick claims
             # A broken connection is replaced (now, or at the next tick).
             conn, self._conn = self._conn, None
             conn.invalidate()

@@ -4,8 +4,11 @@ The write side (:meth:`Store.insert_email`) runs in the caller's session and
 transaction. The delivery side runs on the store's own engine, in short
 transactions that never span a network call to the mail server:
 
-* :meth:`Store.claim_ids` is the compare-and-set ``queued -> sending`` with a
-  lease, the single gate every delivery route goes through;
+* the claim is the compare-and-set ``queued -> sending`` with a lease, the
+  single gate every delivery route goes through: :meth:`Store.claim_ids` and
+  :meth:`Store.claim_due`, and the promotion a dispatcher's record makes with
+  a :class:`HandOn` (the same compare-and-set, in the UPDATE that makes a
+  key's next email its head);
 * :meth:`Store.renew_leases` is the heartbeat of rows still being sent;
 * :meth:`Store.record` writes outcomes, guarded: it only changes a row that is
   still ``sending`` under the claim's owner token, so a sender that lost its
@@ -111,6 +114,13 @@ class HandOn:
     claim statement of its own, and the row gets one version fewer. After a
     successful :meth:`Store.record`, ``claimed`` holds those rows (empty
     otherwise: only a committed record claims).
+
+    ``owner`` is one claim's, as every owner token is: the record that hands
+    on never shares it with the batch it records nor with the next tick's own
+    claim, so the record's guard still pins the attempt. (Should a record's
+    commit succeed on the server but fail in the client, its retry finds those
+    rows claimed already and hands nothing on: they wait out their lease and
+    are reaped and sent by the next claim, their attempt charged.)
     """
 
     owner: str
@@ -573,10 +583,9 @@ class Store:
         ``after`` maps a key to its head that just finished: every older email
         of the key is finished too (a head with an email put back below it
         loses its flag and gets no hint, see :meth:`_rehead`), so the search
-        starts past it. Searched from
-        the start, it walks the index entries finished rows leave behind until
-        VACUUM, a few milliseconds per key deep in a backlog (``python -m
-        benchmarks backlog``). A key with nothing open past its hint is searched
+        starts past it. Searched from the start, it walks the index entries
+        finished rows leave behind until VACUUM, a few milliseconds per key
+        deep in a backlog (``python -m benchmarks backlog``). A key with nothing open past its hint is searched
         from the start (a dead letter put back by ``retry()`` may sit below).
         All keys take two statements on PostgreSQL (the locks, then the update);
         ``tried`` maps the keys whose lock an earlier statement of this
@@ -665,9 +674,10 @@ class Store:
         """Make each key's oldest open email past ``starts[key]`` its head.
 
         Returns ``({key: promoted id}, keys whose lock was busy, keys with no
-        open email past their start, rows claimed for hand_on)``. On PostgreSQL two statements of the
-        same text for any number of keys (the driver prepares them once; built
-        per key, a statement cost more to construct than to run): the locks,
+        open email past their start, rows claimed for hand_on)``. On
+        PostgreSQL two statements of the same text for any number of keys (the
+        driver prepares them once; built per key, a statement cost more to
+        construct than to run): the locks,
         then the search and update, which sees every producer that committed
         before its lock was granted. The locks of keys in ``tried`` are not
         tried again (and ``tried`` learns the rest). On SQLite one small
@@ -700,7 +710,9 @@ class Store:
         none_open: set[str] = set()
         claimed: list[Any] = []
         promote = t.update().values(key_head=True)
+        returning: tuple[Any, ...] = (t.c.id,)
         if hand_on is not None:
+            returning = (t.c.lease_owner, *_CLAIM_RETURNING)
             due = sa.and_(t.c.status == Status.QUEUED.value, t.c.due_at <= self.now_expr())
             promote = promote.values(
                 status=sa.case((due, Status.SENDING.value), else_=t.c.status),
@@ -715,7 +727,7 @@ class Store:
                 none_open.add(key)
                 continue
             head = conn.execute(promote.where(t.c.id == oldest, t.c.key_head.is_(False))
-                                .returning(t.c.lease_owner, *_CLAIM_RETURNING)).first()
+                                .returning(*returning)).first()
             if head is not None:
                 promoted[key] = int(head.id)
                 if hand_on is not None and head.lease_owner == hand_on.owner:
@@ -1036,17 +1048,27 @@ class Store:
 
     def renew_leases(self, owner: str, ids: Sequence[int], lease_seconds: float) -> int:
         """Extend the lease of rows still ``sending`` under ``owner``; returns how many."""
+        return len(self.renew_held(owner, ids, lease_seconds))
+
+    def renew_held(self, owner: str, ids: Sequence[int], lease_seconds: float) -> set[int]:
+        """Extend the lease of rows still ``sending`` under ``owner``; returns their ids.
+
+        A lease that ran out but that no reap took yet is ``owner``'s again:
+        the update and a reap are compare-and-sets on the same row, and
+        whichever commits first wins.
+        """
         if not ids:
-            return 0
+            return set()
         t = email_table
         with self.write() as conn:
-            result = conn.execute(
+            rows = conn.execute(
                 t.update()
                 .where(t.c.id.in_(list(ids)), t.c.lease_owner == owner,
                        t.c.status == Status.SENDING.value)
                 .values(lease_expires_at=self.later_expr(lease_seconds))
-            )
-            return result.rowcount
+                .returning(t.c.id)
+            ).all()
+        return {int(row.id) for row in rows}
 
     def record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False,
                hand_on: HandOn | None = None) -> tuple[list[Outcome], list[Outcome]]:

@@ -5,15 +5,23 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from conftest import MakeApps, close_app, db, make_app, rows
 
-from flask_mail_outbox import Message, OutboxMail, PermanentError, TransientError
+from flask_mail_outbox import (
+    Message,
+    OutboxMail,
+    PermanentError,
+    TransientError,
+    email_sent,
+)
 from flask_mail_outbox._delivery import BatchReport
 from flask_mail_outbox._dispatcher import Dispatcher, IdleBackoff, RateLimiter
+from flask_mail_outbox._models import email_table
 from flask_mail_outbox._retry import RetryPolicy
 
 # -- the retry policy (pure) -------------------------------------------------------------
@@ -293,6 +301,7 @@ class _Drain:
         self.dispatcher = self.runtime.ensure_dispatcher(start_thread=False)
         self.now = [100.0]
         self.dispatcher.clock = lambda: self.now[0]
+        self.claim_limits: list[int] = []  # of the claims made since fail_claims()
 
     def queue(self, *subjects: str, keys: int = 0) -> list[int]:
         """Queue one email per subject; with ``keys``, email i has key ``k{i % keys}``."""
@@ -317,6 +326,7 @@ class _Drain:
 
         def claim_due(*args: Any, **kwargs: Any) -> Any:
             reaps.append(kwargs.get("reap_max_attempts") is not None)
+            self.claim_limits.append(args[0])
             if failing(len(reaps)):
                 raise sa.exc.OperationalError("claim", {}, Exception("the database is down"))
             return real_claim_due(*args, **kwargs)
@@ -447,6 +457,94 @@ def test_rows_handed_on_are_given_back_to_a_rate_limit(drain: _Drain) -> None:
                                                 sleep=lambda s: None)
     drain.dispatcher.step(wait=lambda deadline: None)
     assert drain.statuses() == ["sent", "sent", "sent", "queued"]
+
+
+@pytest.mark.parametrize("meanwhile", ["taken by another claim", "expired, not yet taken"])
+def test_rows_handed_on_a_third_of_a_lease_ago_are_sent_only_if_still_held(
+        drain: _Drain, meanwhile: str) -> None:
+    """Their lease may have run out since (say, a long failed tick): checked before sending.
+
+    Renewed under their owner first, a row another claim took is left to it;
+    one whose lease merely expired is held again, so the tick's own reap and
+    claim do not take it too (it would be sent twice).
+    """
+    _, _, m2, m3 = drain.queue("m0", "m1", "m2", "m3", keys=2)
+    drain.dispatcher.prefetch = False
+    drain.dispatcher.step(wait=lambda deadline: None)  # m2, m3 handed on
+    with drain.app.app_context(), db.engine.begin() as conn:
+        values: dict[str, Any] = ({"lease_owner": "another"}
+                                  if meanwhile == "taken by another claim"
+                                  else {"lease_expires_at": datetime(2000, 1, 1)})
+        conn.execute(email_table.update().where(email_table.c.id == m2).values(**values))
+    drain.now[0] += 10.0  # a third of the 30 s lease
+    report, _ = drain.dispatcher.tick()
+    assert report is not None and report.lost == []
+    if meanwhile == "taken by another claim":
+        assert report.sent == [m3]
+        assert drain.statuses() == ["sent", "sent", "sending", "sent"]
+    else:
+        assert sorted(report.sent) == [m2, m3]
+        assert [(r["status"], r["attempts"]) for r in rows(drain.app)] == [("sent", 1)] * 4
+
+
+def test_rows_handed_on_keep_their_lease_while_signal_receivers_run(db_url: str) -> None:
+    """The record's hand-on is under the heartbeat before any receiver of email_sent runs."""
+    import time
+
+    drain = _Drain(db_url, OUTBOX_LEASE_SECONDS=2)
+    calls: list[int] = []
+
+    def slow_receiver(sender: object, **extra: Any) -> None:
+        calls.append(extra["email_id"])
+        if len(calls) == 1:
+            time.sleep(3)  # a lease and a half; the heartbeat renews every 2/3 s
+
+    email_sent.connect(slow_receiver, drain.app)
+    try:
+        drain.queue("m0", "m1", "m2", "m3", keys=2)
+        drain.dispatcher.step(wait=lambda deadline: None)
+        assert len(calls) == 2
+        assert len(drain.runtime.store.reap_expired(None)) == 0
+        assert drain.statuses() == ["sent", "sent", "sending", "sending"]
+    finally:
+        email_sent.disconnect(slow_receiver, drain.app)
+        close_app(drain.app)
+
+
+def test_rows_handed_on_are_kept_when_the_app_context_teardown_raises(drain: _Drain) -> None:
+    drain.queue("m0", "m1", "m2", "m3", keys=2)
+    raised: list[bool] = []
+
+    @drain.app.teardown_appcontext
+    def teardown_once(exc: BaseException | None) -> None:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("a teardown of the application's")
+
+    drain.dispatcher.step(wait=lambda deadline: None)
+    assert raised and drain.dispatcher.last_tick_failed
+    assert drain.statuses() == ["sent", "sent", "sending", "sending"]
+    drain.dispatcher.step(wait=lambda deadline: None)
+    assert drain.statuses() == ["sent"] * 4
+
+
+def test_a_claim_ahead_that_failed_is_made_again_beside_rows_handed_on(drain: _Drain) -> None:
+    """The claim after a failed one (here, a claim ahead) claims and reaps, handed-on rows or not."""
+    drain.queue(*(f"m{i}" for i in range(6)), keys=2)
+    reaps = drain.fail_claims(lambda n: n == 3)
+    drain.dispatcher.tick()  # claims m0, m1 (full: claims ahead, finds nothing); hands on m2, m3
+    drain.dispatcher.tick()  # sends m2, m3 (full: claims ahead: fails); hands on m4, m5
+    drain.dispatcher.tick()  # claims beside m4, m5 (1 row), sends them; claims ahead
+    assert reaps == [True, False, True, True, True]
+    assert drain.claim_limits == [2, 2, 2, 1, 2]
+    assert drain.statuses() == ["sent"] * 6
+
+
+def test_a_foreground_loop_that_ended_no_longer_counts_as_running(drain: _Drain) -> None:
+    """So stopping the app afterwards closes the transport and the engine."""
+    drain.dispatcher.request_stop()
+    drain.dispatcher.run()
+    assert not drain.dispatcher.running
 
 
 def test_the_leases_of_rows_handed_on_are_kept_alive(db_url: str) -> None:

@@ -188,21 +188,28 @@ def test_switching_modes_strands_nothing(db_url: str, smtp_server: FaultSMTPServ
         close_app(app)
 
 
-def test_worker_once_delivers_what_is_due(db_url: str, smtp_server: FaultSMTPServer) -> None:
+@pytest.mark.parametrize("keys", [0, 3], ids=["keyless", "3 keys"])
+def test_worker_once_delivers_what_is_due(db_url: str, smtp_server: FaultSMTPServer,
+                                          keys: int) -> None:
+    """With keys, each batch hands its keys on to their next emails: --once sends them all."""
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                    OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True, OUTBOX_BATCH_SIZE=7)
     mail: OutboxMail = app.extensions["test_mail"]
     try:
         with app.app_context():
             for i in range(20):
-                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"),
+                          key=f"k{i % keys}" if keys else None)
             db.session.commit()
         assert not smtp_server.wait_for(1, timeout=0.5)  # nobody runs a dispatcher yet
         result = app.test_cli_runner().invoke(args=["outbox", "worker", "--once"])
         assert result.exit_code == 0, result.output
         assert "20 email(s)" in result.output
         assert smtp_server.wait_for(20)
-        assert {r["status"] for r in rows(app)} == {"sent"}
+        assert [(r["status"], r["attempts"]) for r in rows(app)] == [("sent", 1)] * 20
+        arrived = [int(m.parsed["Subject"][1:]) for m in smtp_server.messages]
+        for k in range(keys):
+            assert [i for i in arrived if i % keys == k] == list(range(k, 20, keys))
     finally:
         close_app(app)
 
