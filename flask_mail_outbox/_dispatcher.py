@@ -26,7 +26,7 @@ key's next email its head and, if that one is due, claims it in the same
 statement (:class:`~flask_mail_outbox._store.HandOn`): a key's emails go out
 batch after batch without a claim between them. The next tick sends the
 handed-on rows and claims fresh rows beside them only when more may be due:
-when the last fresh claim was full, a wake came, a promotion was put off, or
+when the last fresh claim was full or failed, a wake came, a promotion was put off, or
 :data:`BUSY_REAP_INTERVAL` seconds passed since the last fresh claim. So rows
 that fall due by the clock (``send_after``, retries) wait at most that long
 behind a keyed drain.
@@ -124,6 +124,7 @@ class Dispatcher:
         self._handed: list[ClaimedEmail] = []
         self._handed_at = -math.inf  # when the last record claimed them (self.clock)
         self._delivering = False  # the tick has handed its batch to deliver_claimed
+        self._claimed_now: list[ClaimedEmail] = []  # what the tick claimed (or ahead)
         # When rows are handed on, whether the tick claims fresh rows too (see
         # _fresh_claim_due): the last fresh claim's time and fullness, and any
         # wake since.
@@ -140,11 +141,14 @@ class Dispatcher:
     # -- control ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Run the loop in a daemon thread (idempotent)."""
+        """Run the loop in a daemon thread (idempotent; a stopped dispatcher stays stopped).
+
+        (A stop may come while the process still winds down: the scheduler
+        asking for a dispatcher then must not start a new loop that claims.)
+        """
         with self._cond:
-            if self._thread is not None and self._thread.is_alive():
+            if self._stopping or (self._thread is not None and self._thread.is_alive()):
                 return
-            self._stopping = False
             self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
             self._thread.start()
 
@@ -291,20 +295,32 @@ class Dispatcher:
         if self.rate_limiter is not None:
             limit = self.rate_limiter.acquire(limit)
         before = self.store.promotions
-        # Rows the last record claimed for their keys (see HandOn). Until this
-        # tick hands them to deliver_claimed they stay in self._handed, where
-        # the heartbeat renews them and stop() gives them back: whatever raises
-        # before then puts them back there.
+        # Rows the last record claimed for their keys (see HandOn), still under
+        # the heartbeat. If anything raises before this tick hands its batch to
+        # deliver_claimed, they go back to self._handed (sent by the next tick,
+        # or given back by stop()), and the rows this tick claimed are given
+        # back at once: none is left sending for nobody.
         handed_at = self._handed_at
         handed = self._take_handed()
         try:
             return self._tick(limit, before, handed)
         except BaseException:
-            if handed and not self._delivering:
-                self._handed, self._handed_at = handed + self._handed, handed_at
+            if not self._delivering:
+                if handed:
+                    self._handed, self._handed_at = handed + self._handed, handed_at
+                self._give_back_quietly(self._claimed_now)
             raise
         finally:
             self._delivering = False
+            self._claimed_now = []
+
+    def _give_back_quietly(self, claimed: list[ClaimedEmail]) -> None:
+        """Give back rows on the way out of a failing tick (its own error is the one raised)."""
+        try:
+            self.route.give_back(claimed)
+        except Exception as exc:  # noqa: BLE001 - the tick's error is reported; these are reaped
+            logger.info("Could not give back %d claimed email(s) (%s); they are queued "
+                        "again when their lease expires", len(claimed), exc)
 
     def _take_handed(self) -> list[ClaimedEmail]:
         """The rows handed on by the last record that are still this process's to send.
@@ -366,6 +382,7 @@ class Dispatcher:
             # clock still come while rows handed on fill the batch. (A batch may
             # so hold the handed-on rows on top of a claim of its own.)
             claimed, reaped = self._claim_due(max(1, limit - len(handed)), new_owner())
+        self._claimed_now = claimed
         claimed = handed + claimed
         self.route.report_reaped(reaped)
         if not claimed:
@@ -377,8 +394,8 @@ class Dispatcher:
         if self.prefetch and len(claimed) >= limit and self.rate_limiter is None:
             self._prefetched = self.route.claim_ahead(
                 lambda: self._claim_due(limit, new_owner()))
-        # Under a rate limit the limiter decides how many go next, so nothing is
-        # claimed in advance; nor when the loop is stopping.
+        # Nothing is handed on under a rate limit (the limiter decides how many
+        # go next), nor when the loop is stopping.
         hand_on = (HandOn(new_owner(), self.config.lease_seconds)
                    if self.hand_on and self.rate_limiter is None and not self._stopping
                    else None)
@@ -438,8 +455,8 @@ class Dispatcher:
         """Whether a tick that has rows handed on claims fresh rows beside them.
 
         Only when more may be due than the handed-on rows: the last fresh
-        claim came back full, a wake came since (a commit, a NOTIFY), a
-        promotion was put off (it is retried at a claim), or
+        claim came back full or failed, a wake came since (a commit, a NOTIFY),
+        a promotion was put off (it is retried at a claim), or
         :data:`BUSY_REAP_INTERVAL` seconds passed since the last fresh claim
         (rows due by the clock, and the busy reap).
         """

@@ -243,9 +243,11 @@ class _Runtime:
             self.listener.stop()
         self.inline.stop(timeout)
         if self.dispatcher is not None and not self.dispatcher.running:
-            # Ticked by hand (`worker --once`, tests): give back a batch claimed ahead.
-            self.dispatcher.release_held()
-            self.dispatcher.close_connection()
+            # Ticked by hand (`worker --once`, tests): give back what it holds.
+            try:
+                self.dispatcher.release_held()
+            finally:
+                self.dispatcher.close_connection()
         if self.inline.alive() or (self.dispatcher is not None and self.dispatcher.running):
             # A batch is still being sent past the timeout: let it finish and
             # record its outcomes in its daemon thread; closing the transport or

@@ -103,8 +103,10 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
                 if not full and report.count == 0:
                     break
         finally:
-            dispatcher.release_held()
-            dispatcher.close_connection()
+            try:
+                dispatcher.release_held()
+            finally:
+                dispatcher.close_connection()
         click.echo(f"worker --once: {delivered} email(s) handled")
         state.stop(shutdown_timeout)
         return

@@ -511,21 +511,82 @@ def test_rows_handed_on_keep_their_lease_while_signal_receivers_run(db_url: str)
         close_app(drain.app)
 
 
-def test_rows_handed_on_are_kept_when_the_app_context_teardown_raises(drain: _Drain) -> None:
-    drain.queue("m0", "m1", "m2", "m3", keys=2)
-    raised: list[bool] = []
+@pytest.mark.parametrize("tick", [1, 2])
+def test_rows_handed_on_are_kept_when_the_app_context_teardown_raises(
+        drain: _Drain, tick: int) -> None:
+    """After a batch was recorded, an error of the app's (here, a teardown) loses nothing.
+
+    The rows its record handed on are sent by the next tick; the rows it sent
+    (tick 2: themselves handed on) are not sent again.
+    """
+    drain.queue(*(f"m{i}" for i in range(6)), keys=2)
+    drain.dispatcher.prefetch = False
+    ticks = [0]
 
     @drain.app.teardown_appcontext
-    def teardown_once(exc: BaseException | None) -> None:
-        if not raised:
-            raised.append(True)
-            raise RuntimeError("a teardown of the application's")
+    def teardown(exc: BaseException | None) -> None:
+        if drain.dispatcher._delivering:
+            ticks[0] += 1
+            if ticks[0] == tick:
+                raise RuntimeError("a teardown of the application's")
 
+    for _ in range(tick):
+        drain.dispatcher.step(wait=lambda deadline: None)
+    assert drain.dispatcher.last_tick_failed
+    assert drain.statuses()[2 * tick:2 * tick + 2] == ["sending", "sending"]
+    report, _ = drain.dispatcher.tick()
+    assert report is not None and report.lost == []
+    assert report.sent == [2 * tick + 1, 2 * tick + 2]
+
+
+@pytest.mark.parametrize("rows_of", ["its own claim", "a claim ahead"])
+def test_a_tick_that_fails_before_sending_gives_its_claimed_rows_back(
+        drain: _Drain, rows_of: str) -> None:
+    """Nothing claimed is left sending for nobody (here, reporting the reap raises)."""
+    ids = drain.queue(*(f"m{i}" for i in range(2 if rows_of == "its own claim" else 4)))
+    if rows_of == "a claim ahead":
+        drain.dispatcher.tick()  # sends m0, m1; claims m2, m3 ahead
+    route = drain.dispatcher.route
+    real_report = route.report_reaped
+    calls: list[int] = []
+
+    def report_reaped(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("reporting failed")
+        real_report(*args)
+
+    route.report_reaped = report_reaped  # type: ignore[method-assign]
     drain.dispatcher.step(wait=lambda deadline: None)
-    assert raised and drain.dispatcher.last_tick_failed
-    assert drain.statuses() == ["sent", "sent", "sending", "sending"]
+    assert drain.dispatcher.last_tick_failed
+    assert [(r["status"], r["attempts"]) for r in rows(drain.app)][-2:] == [
+        ("queued", 0), ("queued", 0)]
+    drain.dispatcher.release_held()  # the next claim ahead, if one runs
+    report, _ = drain.dispatcher.tick()
+    assert report is not None and report.sent == ids[-2:]
+
+
+def test_rows_handed_on_wait_out_a_failed_renewal(drain: _Drain) -> None:
+    drain.queue("m0", "m1", "m2", "m3", keys=2)
+    drain.dispatcher.prefetch = False
+    drain.dispatcher.step(wait=lambda deadline: None)  # m2, m3 handed on
+    store = drain.dispatcher.store
+    real_renew = store.renew_held
+    calls: list[int] = []
+
+    def renew_held(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise sa.exc.OperationalError("renew", {}, Exception("the database is down"))
+        return real_renew(*args, **kwargs)
+
+    store.renew_held = renew_held  # type: ignore[method-assign]
+    drain.now[0] += 11.0  # past a third of the 30 s lease: renewed before sending
     drain.dispatcher.step(wait=lambda deadline: None)
-    assert drain.statuses() == ["sent"] * 4
+    assert drain.dispatcher.last_tick_failed
+    drain.dispatcher.step(wait=lambda deadline: None)
+    assert len(calls) == 2
+    assert [(r["status"], r["attempts"]) for r in rows(drain.app)] == [("sent", 1)] * 4
 
 
 def test_a_claim_ahead_that_failed_is_made_again_beside_rows_handed_on(drain: _Drain) -> None:
@@ -541,9 +602,12 @@ def test_a_claim_ahead_that_failed_is_made_again_beside_rows_handed_on(drain: _D
 
 
 def test_a_foreground_loop_that_ended_no_longer_counts_as_running(drain: _Drain) -> None:
-    """So stopping the app afterwards closes the transport and the engine."""
+    """So stopping the app afterwards closes the transport and the engine; and, stopped,
+    nothing (the scheduler asking for a dispatcher) starts it again."""
     drain.dispatcher.request_stop()
     drain.dispatcher.run()
+    assert not drain.dispatcher.running
+    drain.dispatcher.start()
     assert not drain.dispatcher.running
 
 
