@@ -36,6 +36,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ._harness import (
@@ -237,19 +238,31 @@ def _prebuilt(n: int) -> list[tuple[str, list[str], bytes]]:
 def _ceiling(n: int, connections: int) -> None:
     import os
 
+    send_over_aiosmtplib(int(os.environ["BENCH_SMTP_PORT"]), _prebuilt(n), connections,
+                         on_start=_announce_start)
+
+
+def send_over_aiosmtplib(port: int, messages: list[tuple[str, list[str], bytes]],
+                         connections: int, *,
+                         on_start: Callable[[], None] | None = None) -> float:
+    """Send ``messages`` with aiosmtplib's ``sendmail()`` over ``connections`` connections.
+
+    The connections are opened (and EHLO said) before the clock starts; each
+    sends its share back to back. Returns the seconds from the first message to
+    the last reply; ``on_start`` runs when the clock starts.
+    """
     import aiosmtplib
 
-    messages = _prebuilt(n)
-    port = int(os.environ["BENCH_SMTP_PORT"])
-
-    async def main() -> None:
+    async def main() -> float:
         clients = [aiosmtplib.SMTP(hostname="127.0.0.1", port=port, start_tls=False,
                                    local_hostname="bench", timeout=30)
                    for _ in range(connections)]
         for client in clients:
             await client.connect()
             await client.ehlo()
-        _announce_start()
+        if on_start is not None:
+            on_start()
+        started = time.perf_counter()
 
         async def share(client: aiosmtplib.SMTP, part: list[tuple[str, list[str], bytes]]
                         ) -> None:
@@ -258,10 +271,12 @@ def _ceiling(n: int, connections: int) -> None:
 
         await asyncio.gather(*(share(c, messages[i::connections])
                                for i, c in enumerate(clients)))
+        elapsed = time.perf_counter() - started
         for client in clients:
             await client.quit()
+        return elapsed
 
-    asyncio.run(main())
+    return asyncio.run(main())
 
 
 def _flask_mail(n: int, *, connect: bool) -> None:

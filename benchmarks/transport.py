@@ -21,7 +21,6 @@ by its own transport plus the claim and the record.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -79,12 +78,10 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
 
 
 def child_main(spec: dict[str, Any]) -> None:
-    import aiosmtplib
-
     from flask_mail_outbox._config import load_config
     from flask_mail_outbox.transports import Envelope, SMTPTransport
 
-    from .throughput import _prebuilt
+    from .throughput import _prebuilt, send_over_aiosmtplib
 
     n, port = spec["n"], spec["port"]
     messages = _prebuilt(n)
@@ -104,31 +101,10 @@ def child_main(spec: dict[str, Any]) -> None:
             raise RuntimeError(f"send_many returned {len(results)} results for {n}")
         return elapsed
 
-    def aiosmtplib_k(connections: int) -> float:
-        async def main() -> float:
-            clients = [aiosmtplib.SMTP(hostname="127.0.0.1", port=port, start_tls=False,
-                                       local_hostname="bench", timeout=30)
-                       for _ in range(connections)]
-            for client in clients:
-                await client.connect()
-                await client.ehlo()
-            started = time.perf_counter()
-
-            async def share(client: aiosmtplib.SMTP, part: list[Any]) -> None:
-                for sender, rcpts, mime in part:
-                    await client.sendmail(sender, rcpts, mime)
-
-            await asyncio.gather(*(share(c, messages[i::connections])
-                                   for i, c in enumerate(clients)))
-            elapsed = time.perf_counter() - started
-            for client in clients:
-                await client.quit()
-            return elapsed
-        return asyncio.run(main())
-
     runs: dict[str, Callable[[], float]] = {
-        "outbox-transport": outbox, "aiosmtplib-4": lambda: aiosmtplib_k(4),
-        "aiosmtplib-8": lambda: aiosmtplib_k(8)}
+        "outbox-transport": outbox,
+        "aiosmtplib-4": lambda: send_over_aiosmtplib(port, messages, 4),
+        "aiosmtplib-8": lambda: send_over_aiosmtplib(port, messages, 8)}
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(spec["rounds"]):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]

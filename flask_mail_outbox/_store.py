@@ -631,11 +631,15 @@ class Store:
         " FROM unnest(CAST(:keys AS varchar[])) AS k(key)"
     ).columns(sa.column("key", sa.String()), sa.column("locked", sa.Boolean()))
 
-    _PROMOTE_PG = sa.text(
+    # Each key's oldest open email past its hint: what both promotions update.
+    _PROMOTE_SEARCH_PG = (
         "WITH c AS MATERIALIZED ("
         " SELECT v.key, (SELECT min(o.id) FROM outbox_email o WHERE o.key = v.key"
         "  AND o.status IN ('queued', 'sending') AND o.id > v.after) AS id"
-        " FROM unnest(CAST(:keys AS varchar[]), CAST(:afters AS bigint[])) AS v(key, after)),"
+        " FROM unnest(CAST(:keys AS varchar[]), CAST(:afters AS bigint[])) AS v(key, after)),")
+
+    _PROMOTE_PG = sa.text(
+        _PROMOTE_SEARCH_PG +
         " heads AS (UPDATE outbox_email e SET key_head = true FROM c"
         "  WHERE e.id = c.id AND e.key_head IS false RETURNING e.id)"
         " SELECT c.key, c.id, c.id IN (SELECT id FROM heads) AS promoted FROM c"
@@ -648,10 +652,7 @@ class Store:
     # the claim's (unique) owner.
     _HAND_ON_DUE = "e.status = 'queued' AND e.due_at <= timezone('UTC', now())"
     _PROMOTE_CLAIM_PG = sa.text(
-        "WITH c AS MATERIALIZED ("
-        " SELECT v.key, (SELECT min(o.id) FROM outbox_email o WHERE o.key = v.key"
-        "  AND o.status IN ('queued', 'sending') AND o.id > v.after) AS id"
-        " FROM unnest(CAST(:keys AS varchar[]), CAST(:afters AS bigint[])) AS v(key, after)),"
+        _PROMOTE_SEARCH_PG +
         " heads AS (UPDATE outbox_email e SET key_head = true,"
         f"  status = CASE WHEN {_HAND_ON_DUE} THEN 'sending' ELSE e.status END,"
         f"  attempts = CASE WHEN {_HAND_ON_DUE} THEN e.attempts + 1 ELSE e.attempts END,"
