@@ -24,12 +24,12 @@ import aiosmtplib
 from .._errors import PermanentError, TransientError, TransportError
 from ._base import Delivered, Envelope, Failed, NotAttempted, Result, Transport
 from ._pipeline import Pipe, Session, dot_stuffed, envelope_commands
+from ._replies import ReplyClass, classify_reply
 
 if TYPE_CHECKING:
     from .._config import OutboxConfig
 
 _T = TypeVar("_T")
-_THROTTLE_WORDS = ("too many", "rate", "try again later", "throttl", "slow down")
 
 
 def _local_hostname() -> str:
@@ -40,8 +40,7 @@ def _local_hostname() -> str:
 
 
 def _is_throttle(code: int, text: str) -> bool:
-    lowered = text.lower()
-    return code in (421, 450, 451, 452) and any(word in lowered for word in _THROTTLE_WORDS)
+    return classify_reply(code, text) is ReplyClass.THROTTLED
 
 
 def map_smtp_error(exc: BaseException) -> TransportError:
@@ -54,7 +53,13 @@ def map_smtp_error(exc: BaseException) -> TransportError:
         text = "; ".join(f"{err.recipient}: {err.code} {err.message}" for err in exc.recipients)
         if all(code >= 500 for code in codes):
             return PermanentError(f"every recipient refused: {text}", code=max(codes))
-        return TransientError(f"every recipient refused: {text}", code=min(codes))
+        # Throttled only when every temporary refusal says so (Gmail's 450 4.2.1
+        # "receiving mail at a rate" comes at RCPT): one greylisting recipient
+        # means the attempt counts.
+        temporary = [err for err in exc.recipients if err.code < 500]
+        return TransientError(f"every recipient refused: {text}", code=min(codes),
+                              throttled=all(_is_throttle(err.code, err.message)
+                                            for err in temporary))
     if isinstance(exc, aiosmtplib.SMTPResponseException):
         if isinstance(exc, aiosmtplib.SMTPConnectResponseError) or exc.code < 500:
             return TransientError(exc.message, code=exc.code,
