@@ -159,3 +159,163 @@ def test_alembic_revisions_are_not_checked(tmp_path: Path) -> None:
     result = run_checker("--root", str(package))
     assert result.returncode == 0, result.stdout
     assert "checked 0 seams in 2 files: 0 violations" in result.stdout
+
+
+# --- the helper itself: `_degrade`'s reporters must log at ERROR ----------------------------
+
+# Every call that logs at ERROR or above, as the issue's mutation rewrites it.
+ERROR_CALL = re.compile(r"\.(?:error|exception|critical)\(")
+
+
+def copy_package(tmp_path: Path) -> Path:
+    """A copy of the real package under ``tmp_path``, checked with ``--root``."""
+    copy = tmp_path / "flask_mail_outbox"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def _reporter_def(source: str, name: str) -> ast.FunctionDef:
+    """The definition of ``name`` in ``_degrade``'s source (module level or in a class)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"_degrade.py defines no {name}()")
+
+
+def _error_call_lines(source: str, name: str) -> list[int]:
+    """The lines of ``name``'s calls that log at ERROR or above (``.error(`` and kin)."""
+    return [n.lineno for n in ast.walk(_reporter_def(source, name)) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in {"error", "exception", "critical"}]
+
+
+def test_every_error_turned_into_warning_fails_on_the_helper(tmp_path: Path) -> None:
+    copy = copy_package(tmp_path)
+    helper = copy / "_degrade.py"
+    report_lines = _error_call_lines(helper.read_text(encoding="utf-8"), "report")
+    assert report_lines, "_degrade.report() logs nothing at ERROR in the real package"
+    for path in copy.rglob("*.py"):
+        source = path.read_text(encoding="utf-8")
+        path.write_text(ERROR_CALL.sub(".warning(", source), encoding="utf-8")
+
+    result = run_checker("--root", str(copy))
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    for line in report_lines:
+        assert re.search(rf"^{re.escape(str(helper))}:{line}: .*report\(\).*logs at WARNING",
+                         result.stdout, re.MULTILINE), result.stdout
+    assert not re.search(r"checked \d+ seams in \d+ files: 0 violations", result.stdout)
+
+
+def _rewrite_reporter(helper: Path, name: str, body: str | None = None) -> int:
+    """Turn ``name``'s ERROR calls into WARNING, or replace its body by ``body``; its line."""
+    source = helper.read_text(encoding="utf-8")
+    node = _reporter_def(source, name)
+    lines = source.splitlines(keepends=True)
+    first, last = node.body[0].lineno - 1, node.end_lineno or node.lineno
+    if body is None:
+        lines[first:last] = [ERROR_CALL.sub(".warning(", line) for line in lines[first:last]]
+    else:
+        indent = " " * node.body[0].col_offset
+        lines[first:last] = [f"{indent}{body}\n"]
+    helper.write_text("".join(lines), encoding="utf-8")
+    return node.lineno
+
+
+def test_helper_report_at_warning_fails_and_its_callers_are_not_loud(tmp_path: Path) -> None:
+    copy = copy_package(tmp_path)
+    helper = copy / "_degrade.py"
+    lines = _error_call_lines(helper.read_text(encoding="utf-8"), "report")
+    _rewrite_reporter(helper, "report")
+
+    result = run_checker("--root", str(copy))
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(rf"^{re.escape(str(helper))}:{lines[0]}: .*report\(\).*logs at WARNING",
+                     result.stdout, re.MULTILINE), result.stdout
+    # failing() reports through report(): it is not loud either, nor is any handler using them.
+    assert re.search(rf"^{re.escape(str(helper))}:\d+: .*failing\(\)", result.stdout,
+                     re.MULTILINE), result.stdout
+    assert re.search(r"^\S+:\d+: except around .*_degrade\.report\(\) is not loud",
+                     result.stdout, re.MULTILINE), result.stdout
+
+
+@pytest.mark.parametrize(("reporter", "body"), [
+    ("report", "return None"),
+    ("failing", "return True"),
+])
+def test_helper_reporter_that_logs_nothing_fails(tmp_path: Path, reporter: str,
+                                                 body: str) -> None:
+    copy = copy_package(tmp_path)
+    helper = copy / "_degrade.py"
+    line = _rewrite_reporter(helper, reporter, body)
+
+    result = run_checker("--root", str(copy))
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(rf"^{re.escape(str(helper))}:{line}: .*{reporter}\(\) never logs at ERROR",
+                     result.stdout, re.MULTILINE), result.stdout
+
+
+def test_unmutated_copy_of_the_package_passes(tmp_path: Path) -> None:
+    result = run_checker("--root", str(copy_package(tmp_path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"checked [1-9]\d* seams in \d+ files: 0 violations", result.stdout)
+    assert "_degrade.py" not in result.stdout
+
+
+GOOD_HELPER = """\
+    import logging
+    logger = logging.getLogger(__name__)
+
+    def report(what, *, consequence, fix, exc=None):
+        logger.log(logging.ERROR, "%s. %s. %s.", what, consequence, fix)
+
+    class FaultTracker:
+        def failing(self, fault, what, *, consequence, fix, exc=None):
+            report(what, consequence=consequence, fix=fix, exc=exc)
+            return True
+
+        def recovered(self, fault):
+            logger.info("Recovered: %s", fault)  # not a report: INFO is fine
+    """
+REPORTING_WORKER = """\
+    from . import _degrade
+
+    def drain(store, faults, ids):
+        try:
+            store.claim_ids(ids, owner='o', lease_seconds=30)
+        except Exception as exc:
+            _degrade.report('claim failed', consequence='c', fix='f', exc=exc)
+        try:
+            store.claim_ids(ids, owner='o', lease_seconds=30)
+        except Exception as exc:
+            faults.failing('claim', 'claim failed', consequence='c', fix='f', exc=exc)
+    """
+
+
+def test_reporters_of_a_helper_that_logs_at_error_are_loud(tmp_path: Path) -> None:
+    package = write_package(tmp_path, {"_degrade.py": GOOD_HELPER, "worker.py": REPORTING_WORKER})
+    result = run_checker("--root", str(package))
+    assert result.returncode == 0, result.stdout
+    assert "checked 2 seams in 3 files: 0 violations, 0 opted out" in result.stdout
+
+
+@pytest.mark.parametrize(("helper", "says"), [
+    (None, "there is no _degrade.py"),
+    ("import logging\n", "defines no report()"),
+    (GOOD_HELPER.replace("def report(", "def notify("), "defines no report()"),
+], ids=["no-helper", "empty-helper", "report-renamed"])
+def test_reporters_are_not_accepted_by_name_alone(tmp_path: Path, helper: str | None,
+                                                  says: str) -> None:
+    files = {"worker.py": REPORTING_WORKER} if helper is None else {
+        "_degrade.py": helper, "worker.py": REPORTING_WORKER}
+    package = write_package(tmp_path, files)
+    result = run_checker("--root", str(package))
+    assert result.returncode == 1, result.stdout
+    worker = package / "worker.py"
+    assert f"{worker}:6: except around claim_ids() neither re-raises nor reports at ERROR " \
+        "(_degrade.report() is not loud: " in result.stdout
+    assert f"{worker}:10: except around claim_ids() neither re-raises nor reports at ERROR " \
+        "(failing() is not loud: " in result.stdout
+    assert says in result.stdout
