@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import ConfigError
+from ._retry import RetryPolicy
 
 _MIB = 1024 * 1024
 
@@ -33,10 +34,14 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_TRANSPORT": "smtp",
     "OUTBOX_FILE_PATH": None,
     "OUTBOX_DURABLE": False,
-    "OUTBOX_MAX_ATTEMPTS": 5,
+    # 1 min, 2, 4, ... capped at an hour: a greylisting server (5-15 min) is
+    # passed by the 4th or 5th attempt, and 30 attempts keep trying for about a
+    # day, so a provider outage of hours dead-letters nothing (README's table).
+    "OUTBOX_MAX_ATTEMPTS": 30,
     "OUTBOX_INLINE_RETRIES": 3,
-    "OUTBOX_RETRY_BASE_SECONDS": 2.0,
+    "OUTBOX_RETRY_BASE_SECONDS": 60.0,
     "OUTBOX_RETRY_MAX_SECONDS": 3600.0,
+    "OUTBOX_MAX_THROTTLE_DEFERRALS": 10,
     "OUTBOX_LEASE_SECONDS": 30.0,
     "OUTBOX_BATCH_SIZE": 100,
     "OUTBOX_POLL_INTERVAL": 0.5,
@@ -95,6 +100,7 @@ class OutboxConfig:
     inline_retries: int
     retry_base_seconds: float
     retry_max_seconds: float
+    max_throttle_deferrals: int
     lease_seconds: float
     batch_size: int
     poll_interval: float
@@ -116,6 +122,11 @@ class OutboxConfig:
     scrub_sent: bool
     health_max_queued_age_seconds: float
     run_scheduler: bool = True
+
+    def retry_policy(self) -> RetryPolicy:
+        """The retry policy these settings describe (both modes use it)."""
+        return RetryPolicy(self.retry_base_seconds, self.retry_max_seconds, self.max_attempts,
+                           max_throttle_deferrals=self.max_throttle_deferrals)
 
     def sweep_interval_for(self, durable: bool) -> float | None:
         """The periodic sweep interval in force for a delivery mode."""
@@ -277,6 +288,9 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
                                integer=True),
         retry_base_seconds=base,
         retry_max_seconds=retry_max,
+        max_throttle_deferrals=_number("OUTBOX_MAX_THROTTLE_DEFERRALS",
+                                       get("OUTBOX_MAX_THROTTLE_DEFERRALS"), minimum=0,
+                                       integer=True),
         lease_seconds=_number("OUTBOX_LEASE_SECONDS", get("OUTBOX_LEASE_SECONDS"), minimum=1),
         batch_size=_number("OUTBOX_BATCH_SIZE", get("OUTBOX_BATCH_SIZE"), minimum=1, integer=True),
         poll_interval=poll,

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from email.message import EmailMessage
 from email.parser import BytesParser
@@ -230,6 +230,7 @@ class DeliveryRoute:
         self.transport = transport
         self.faults = faults
         self.heartbeat = Heartbeat(store, config.lease_seconds, faults)
+        self.policy = config.retry_policy()
         self._send_lock = threading.Lock()
         self._current: Sequence[ClaimedEmail] = ()
         self._released_early: set[int] = set()
@@ -249,15 +250,18 @@ class DeliveryRoute:
         return self.store.release(unstarted)
 
     def deliver_ids(self, ids: Sequence[int],
-                    claimed: Sequence[ClaimedEmail] | None = None) -> BatchReport:
+                    claimed: Sequence[ClaimedEmail] | None = None, *,
+                    retry_now: Collection[int] = ()) -> BatchReport:
         """Claim those of ``ids`` that are due, send them, record the outcomes (inline).
 
         ``claimed``: the rows of ``ids`` claimed already (see :meth:`claim_ahead`).
+        ``retry_now``: ids the caller retries in process after a transient
+        failure; they are due again at once instead of after their backoff.
         """
         if claimed is None:
             claimed = self.store.claim_ids(ids, owner=new_owner(),
                                            lease_seconds=self.config.lease_seconds)
-        report = self.deliver_claimed(claimed)
+        report = self.deliver_claimed(claimed, retry_now=retry_now)
         got = {email.id for email in claimed}
         report.not_claimed = [i for i in ids if i not in got]
         return report
@@ -292,13 +296,15 @@ class DeliveryRoute:
 
     def deliver_claimed(self, claimed: Sequence[ClaimedEmail], *,
                         policy: RetryPolicy | None = None,
-                        hand_on: HandOn | None = None) -> BatchReport:
+                        hand_on: HandOn | None = None,
+                        retry_now: Collection[int] = ()) -> BatchReport:
         """Send rows this process has claimed and record what happened.
 
-        Without a ``policy`` (inline mode) a transient failure puts the row
-        back to ``queued``, due now, and the caller decides about retrying in
-        process. With one (durable mode) the policy sets the next due time or
-        dead-letters the row. With ``hand_on`` the record also claims the
+        The retry policy (``policy``, else the configured one) decides every
+        failure in both modes: a transient one sets the row's next due time,
+        or dead-letters it on its last allowed attempt; a throttled one gives
+        the attempt back a bounded number of times. Rows in ``retry_now``
+        (inline mode's in-process retries) are due again at once. With ``hand_on`` the record also claims the
         emails the batch hands its keys on to (see :class:`HandOn`); their
         leases are kept alive from then on, until the caller sends them
         (:meth:`deliver_claimed`) or gives them back (:meth:`give_back`).
@@ -310,10 +316,10 @@ class DeliveryRoute:
         # Leases are renewed from here until the outcomes are recorded: waiting for
         # the send lock, sending, and retrying the record all count.
         with self.heartbeat.tracking(claimed):
-            return self._send_and_record(claimed, policy, hand_on)
+            return self._send_and_record(claimed, policy or self.policy, hand_on, retry_now)
 
-    def _send_and_record(self, claimed: Sequence[ClaimedEmail],
-                         policy: RetryPolicy | None, hand_on: HandOn | None) -> BatchReport:
+    def _send_and_record(self, claimed: Sequence[ClaimedEmail], policy: RetryPolicy,
+                         hand_on: HandOn | None, retry_now: Collection[int]) -> BatchReport:
         report = BatchReport()
         envelopes = [Envelope(email_id=e.id, sender=e.sender, recipients=e.recipients,
                               mime=e.mime, message_id=e.message_id,
@@ -358,13 +364,8 @@ class DeliveryRoute:
             elif isinstance(result.error, NotAttempted):
                 outcomes.append(Outcome(email, Status.QUEUED, give_back_attempt=True))
             else:
-                throttled = isinstance(result.error, TransientError) and result.error.throttled
-                if policy is None:
-                    outcomes.append(Outcome(email, Status.QUEUED, error_code=result.error.code,
-                                            error_message=result.error.message,
-                                            give_back_attempt=throttled))
-                    continue
-                decision = policy.decide(email.attempt, result.error)
+                decision = policy.decide(email.attempt, result.error,
+                                         deferrals=email.throttle_deferrals)
                 if decision.dead:
                     outcomes.append(Outcome(email, Status.FAILED, error_code=result.error.code,
                                             error_message=result.error.message))
@@ -372,8 +373,8 @@ class DeliveryRoute:
                     outcomes.append(Outcome(
                         email, Status.QUEUED, error_code=result.error.code,
                         error_message=result.error.message,
-                        due_in=decision.delay,
-                        give_back_attempt=not decision.charge))
+                        due_in=None if email.id in retry_now else decision.delay,
+                        give_back_attempt=not decision.charge, deferred=decision.deferral))
         recorded, lost = self._record(outcomes, hand_on)
         if hand_on is not None and hand_on.claimed:
             # At once, before any signal receiver or report runs: however long
@@ -396,7 +397,8 @@ class DeliveryRoute:
                 report.failed.append(email.id)
                 error = errors[email.id]
                 why = ("failed permanently" if isinstance(error, PermanentError)
-                       else "failed for the last allowed time (OUTBOX_MAX_ATTEMPTS)")
+                       else f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
+                            f"{policy.max_attempts})")
                 _degrade.report(
                     f"Email {email.id} ({email.message_id}) {why} on attempt "
                     f"{email.attempt}: {error}",
@@ -674,9 +676,12 @@ class InlineDelivery:
 
     def _deliver(self, batch: list[int], claimed: Sequence[ClaimedEmail] | None = None) -> None:
         retry_numbers = {i: self._retries.get(i, (0.0, 0))[1] for i in batch}
+        # Rows this process will retry in a moment stay due now; the others
+        # get the retry policy's backoff and are left to the periodic sweep.
+        retry_now = {i for i, n in retry_numbers.items() if n < self.config.inline_retries}
         try:
             with self.route.app.app_context():
-                report = self.route.deliver_ids(batch, claimed)
+                report = self.route.deliver_ids(batch, claimed, retry_now=retry_now)
             self.route.faults.recovered("inline-drain")
         except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
             with self._cond:
@@ -698,19 +703,24 @@ class InlineDelivery:
                 self._retries.pop(email_id, None)
             for email_id, attempt, error in report.transient:
                 retry = retry_numbers.get(email_id, 0) + 1
-                if retry <= self.config.inline_retries and not self._stopping:
+                if email_id in retry_now and not self._stopping:
                     self._retries[email_id] = (time.monotonic() + inline_backoff(retry), retry)
                     continue
                 self._retries.pop(email_id, None)
+                policy = self.route.policy
+                when = ("due again now: this process stopped before retrying it"
+                        if email_id in retry_now else
+                        "due again after its retry backoff, OUTBOX_RETRY_BASE_SECONDS doubling "
+                        "per attempt up to OUTBOX_RETRY_MAX_SECONDS")
                 _degrade.report(
                     f"Email {email_id} could not be delivered after {attempt} attempt(s): "
                     f"{error}",
-                    consequence="it stays queued; this process will not retry it; the periodic "
-                                "sweep (every OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable "
-                                "dispatcher will take it",
+                    consequence=f"it stays queued ({when}); the periodic sweep (every "
+                                "OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes "
+                                "it when due, and it is dead-lettered if attempt "
+                                f"{policy.max_attempts} (OUTBOX_MAX_ATTEMPTS) fails too",
                     fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
-                        "`flask outbox sweep` retries at once, and durable mode "
-                        "(`flask outbox durable on`) retries with backoff")
+                        "`flask outbox status` shows what waits")
         try:
             self.route.store.retry_promotions()
         except Exception as exc:  # noqa: BLE001 - reported; the next claim or sweep retries

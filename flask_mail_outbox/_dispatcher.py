@@ -98,8 +98,7 @@ class Dispatcher:
         self.route = route
         self.store = route.store
         self.config = config
-        self.policy = policy or RetryPolicy(config.retry_base_seconds, config.retry_max_seconds,
-                                            config.max_attempts)
+        self.policy = policy or config.retry_policy()
         self.clock = clock
         self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
         self.name = name
@@ -427,8 +426,10 @@ class Dispatcher:
             _degrade.report(
                 f"The SMTP server is throttling this process ({len(report.transient)} "
                 "email(s) refused with 'too many'/'rate')",
-                consequence="those emails are queued again without losing an attempt, and "
-                            "this process now paces itself below the server's limit",
+                consequence="those emails are queued again, their attempt given back at most "
+                            f"OUTBOX_MAX_THROTTLE_DEFERRALS ({self.policy.max_throttle_deferrals}) "
+                            "times each, and this process now paces itself below the "
+                            "server's limit",
                 fix="set OUTBOX_RATE_LIMIT to the rate your provider allows")
         if self.rate_limiter is not None:
             self.rate_limiter.feedback(throttled=throttled)

@@ -29,7 +29,7 @@ from flask import Flask, Response, current_app, got_request_exception
 from sqlalchemy import event
 
 from . import _degrade, _health, _staging
-from ._config import BUILTIN_TRANSPORTS, OutboxConfig, load_config
+from ._config import _DEFAULTS, BUILTIN_TRANSPORTS, OutboxConfig, load_config
 from ._delivery import DeliveredMessage, DeliveryRoute, InlineDelivery
 from ._dispatcher import Dispatcher
 from ._errors import ConfigError, InvalidMessage
@@ -55,18 +55,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXTENSION_KEY = "mail_outbox"
-_KNOWN_OUTBOX_KEYS = frozenset({
-    "OUTBOX_TRANSPORT", "OUTBOX_FILE_PATH", "OUTBOX_DURABLE", "OUTBOX_MAX_ATTEMPTS",
-    "OUTBOX_INLINE_RETRIES", "OUTBOX_RETRY_BASE_SECONDS", "OUTBOX_RETRY_MAX_SECONDS",
-    "OUTBOX_LEASE_SECONDS", "OUTBOX_BATCH_SIZE", "OUTBOX_POLL_INTERVAL",
-    "OUTBOX_POLL_MAX_INTERVAL", "OUTBOX_LISTEN", "OUTBOX_LISTEN_URL",
-    "OUTBOX_LISTEN_BACKSTOP_SECONDS", "OUTBOX_RUN_WORKER", "OUTBOX_RATE_LIMIT",
-    "OUTBOX_SWEEP_ON_STARTUP", "OUTBOX_SWEEP_MIN_AGE_SECONDS", "OUTBOX_SWEEP_BATCH",
-    "OUTBOX_SWEEP_INTERVAL_SECONDS", "OUTBOX_SETTINGS_TTL_SECONDS", "OUTBOX_MAX_MESSAGE_BYTES",
-    "OUTBOX_ALLOW_LOCAL_ADDRESSES", "OUTBOX_MESSAGE_ID_DOMAIN", "OUTBOX_TLS_VERIFY",
-    "OUTBOX_TLS_CA_FILE", "OUTBOX_RETENTION_DAYS", "OUTBOX_SCRUB_SENT",
-    "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS", "OUTBOX_RUN_SCHEDULER",
-})
+# One table of keys: the defaults in _config (a key added there is known here).
+_KNOWN_OUTBOX_KEYS = frozenset(key for key in _DEFAULTS if key.startswith("OUTBOX_"))
 _MAX_KEY_LENGTH = 255
 
 

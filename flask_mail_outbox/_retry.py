@@ -1,6 +1,15 @@
 """The retry policy: a pure function from (attempt, error) to a decision.
 
 No database, no clock: the caller turns ``Decision.delay`` into a due time.
+
+Nothing is retried without bound. A transient failure charges an attempt and
+waits ``min(max, base * 2**(attempt-1))`` seconds (±20 %); the attempt
+numbered ``max_attempts`` dead-letters the row. A throttled reply (the server
+says this client is too fast) gives its attempt back and waits
+:data:`THROTTLE_DELAY_SECONDS`, but only ``max_throttle_deferrals`` times per
+row: past that a throttled reply is an ordinary transient failure.
+:func:`schedule` and :func:`longest_unfinished` turn a configuration into the
+documented table and bound.
 """
 
 from __future__ import annotations
@@ -27,6 +36,11 @@ class Decision:
     delay: float = 0.0
     charge: bool = True
 
+    @property
+    def deferral(self) -> bool:
+        """A throttle deferral: due again without spending an attempt."""
+        return not self.dead and not self.charge
+
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
@@ -35,6 +49,7 @@ class RetryPolicy:
     base_seconds: float
     max_seconds: float
     max_attempts: int
+    max_throttle_deferrals: int = 10
     jitter: float = 0.2
     rand: Callable[[], float] = random.random
 
@@ -46,13 +61,73 @@ class RetryPolicy:
         capped = min(self.max_seconds, raw)
         return capped * (1.0 + self.jitter * (2.0 * self.rand() - 1.0))
 
-    def decide(self, attempt: int, error: TransportError) -> Decision:
-        """The fate of a row whose attempt number ``attempt`` failed with ``error``."""
+    def decide(self, attempt: int, error: TransportError, *, deferrals: int = 0) -> Decision:
+        """The fate of a row whose attempt number ``attempt`` failed with ``error``.
+
+        ``deferrals``: how many throttle deferrals the row has had already.
+        """
         if isinstance(error, PermanentError):
             return Decision(dead=True)
-        if isinstance(error, TransientError) and error.throttled:
+        if (isinstance(error, TransientError) and error.throttled
+                and deferrals < self.max_throttle_deferrals):
             # The server asked us to slow down: not the message's fault.
             return Decision(dead=False, delay=THROTTLE_DELAY_SECONDS, charge=False)
         if attempt >= self.max_attempts:
             return Decision(dead=True)
         return Decision(dead=False, delay=self.delay(attempt))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One row of the retry schedule: after failed attempt ``attempt``, wait ``delay``."""
+
+    attempt: int
+    delay: float
+    elapsed: float
+
+
+def schedule(base_seconds: float, max_seconds: float, max_attempts: int) -> list[Step]:
+    """The retry schedule without jitter: attempt -> delay -> time since the first attempt.
+
+    ``elapsed`` is when the next attempt starts (the last row's is when the
+    last attempt starts, after which the row is ``sent`` or ``failed``).
+    """
+    policy = RetryPolicy(base_seconds, max_seconds, max_attempts, jitter=0.0)
+    steps: list[Step] = []
+    elapsed = 0.0
+    for attempt in range(1, max_attempts):
+        delay = policy.delay(attempt)
+        elapsed += delay
+        steps.append(Step(attempt, delay, elapsed))
+    return steps
+
+
+def longest_unfinished(*, base_seconds: float, max_seconds: float, max_attempts: int,
+                       max_throttle_deferrals: int, lease_seconds: float,
+                       pickup_seconds: float, jitter: float = 0.2) -> float:
+    """The longest an email can stay unfinished (queued or sending) once it is due.
+
+    Every attempt waits for the most its path allows, then for
+    ``pickup_seconds`` before something takes it (a dispatcher's longest idle
+    wait, or the inline mode's sweep interval): each transient failure its
+    full backoff with jitter at its top, each throttle deferral its delay, and
+    the last attempt a lost lease (the reap takes it a lease later and
+    dead-letters it). A lost lease on an earlier attempt costs less than the
+    backoff it replaces (the reaped row is due at once), so it never makes
+    the bound longer while ``lease_seconds`` is below the first backoff.
+    """
+    policy = RetryPolicy(base_seconds, max_seconds, max_attempts, jitter=0.0)
+    backoff = sum(max(policy.delay(a) * (1 + jitter), lease_seconds) + pickup_seconds
+                  for a in range(1, max_attempts))
+    throttled = max_throttle_deferrals * (THROTTLE_DELAY_SECONDS + pickup_seconds)
+    last = pickup_seconds + lease_seconds + pickup_seconds
+    return backoff + throttled + last
+
+
+def human_seconds(seconds: float) -> str:
+    """A duration as a person reads it: ``"45 s"``, ``"7 min"``, ``"1.1 h"``."""
+    if seconds < 60:
+        return f"{round(seconds, 1):g} s"
+    if seconds < 3600:
+        return f"{round(seconds / 60, 1):g} min"
+    return f"{round(seconds / 3600, 1):g} h"

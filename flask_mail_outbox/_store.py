@@ -91,6 +91,11 @@ class ClaimedEmail:
     mail_options: tuple[str, ...] = ()
     rcpt_options: tuple[str, ...] = ()
 
+    @property
+    def throttle_deferrals(self) -> int:
+        """Throttled attempts given back so far (the retry policy bounds them)."""
+        return sum(1 for entry in self.error_history if entry.get("deferred"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Reaped:
@@ -135,7 +140,9 @@ class Outcome:
     ``status`` is the row's next status: ``sent``, ``failed``, or ``queued``
     (a transient failure, due again ``due_in`` seconds from now on the
     database clock, or at once; or a release with
-    ``give_back_attempt`` when the send never started).
+    ``give_back_attempt`` when the send never started). ``deferred``: a
+    throttle deferral, marked so in the error history (see
+    :attr:`ClaimedEmail.throttle_deferrals`).
     """
 
     email: ClaimedEmail
@@ -144,6 +151,7 @@ class Outcome:
     error_message: str | None = None
     due_in: float | None = None
     give_back_attempt: bool = False
+    deferred: bool = False
 
 
 def now_expr(dialect: str, clock: Callable[[], datetime] = utcnow) -> sa.ColumnElement[datetime]:
@@ -520,7 +528,8 @@ class Store:
         """Return ``sending`` rows whose lease expired to ``queued``.
 
         With ``max_attempts``, rows that used them all become ``failed``
-        (durable mode); inline mode passes None and never dead-letters. With
+        (both modes' sweeps pass ``OUTBOX_MAX_ATTEMPTS``); None never
+        dead-letters. With
         ``ids``, only those rows are considered (the sweep's candidates).
         """
         with self.write() as conn:
@@ -1151,10 +1160,13 @@ class Store:
                 if outcome.error_message is not None:
                     values["last_error"] = _error_text(outcome.error_code, outcome.error_message)
                     history = list(outcome.email.error_history)
-                    history.append({"code": outcome.error_code,
-                                    "message": outcome.error_message,
-                                    "at": self.clock().isoformat(timespec="seconds") + "Z",
-                                    "attempt": outcome.email.attempt})
+                    entry: dict[str, Any] = {
+                        "code": outcome.error_code, "message": outcome.error_message,
+                        "at": self.clock().isoformat(timespec="seconds") + "Z",
+                        "attempt": outcome.email.attempt}
+                    if outcome.deferred:
+                        entry["deferred"] = True
+                    history.append(entry)
                     values["error_history"] = json.dumps(history)
                 hit = conn.execute(
                     t.update()

@@ -107,8 +107,8 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
             return report
         _log(report, state)
         return report
-    # Inline mode never dead-letters; durable mode's reap rule spends attempts.
-    reaped = (store.reap_expired(config.max_attempts if durable else None, ids=expired)
+    # Both modes spend attempts on a lost lease: no row is retried without bound.
+    reaped = (store.reap_expired(config.max_attempts, ids=expired)
               if expired else None)
     if reaped is not None:
         runtime.route.report_reaped(reaped)
@@ -126,7 +126,10 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
                              skipped=len(expired) - requeued - failed_now,
                              duration_seconds=time.monotonic() - started)
     else:
-        sent = failed = skipped = 0
+        # Dead-lettered by the reap: counted as failed, not offered for delivery.
+        spent = set(reaped.failed) if reaped is not None else set()
+        ids = [email_id for email_id in ids if email_id not in spent]
+        sent, failed, skipped = 0, len(spent), 0
         for start in range(0, len(ids), config.batch_size):
             chunk = ids[start:start + config.batch_size]
             with state.app.app_context():

@@ -65,6 +65,10 @@ def create_app(db_url: str, smtp_port: int, name: str) -> Flask:
         OUTBOX_BATCH_SIZE=5,
         OUTBOX_POLL_INTERVAL=0.05,
         OUTBOX_POLL_MAX_INTERVAL=0.2,
+        # The tests' fast retry schedule (2 s doubling, 5 attempts), kept
+        # explicitly: the library's defaults wait a minute and try for a day.
+        OUTBOX_RETRY_BASE_SECONDS=2.0,
+        OUTBOX_MAX_ATTEMPTS=5,
     )
     db.init_app(app)
     mail = OutboxMail(app, db=db)

@@ -115,6 +115,10 @@ def make_app(db_url: str, **config: Any) -> Flask:
         MAIL_DEFAULT_SENDER="Sender <sender@example.com>",
         MAIL_TIMEOUT=5,
         SECRET_KEY="test",
+        # The tests' fast retry schedule (2 s doubling, 5 attempts), kept
+        # explicitly: the library's defaults wait a minute and try for a day.
+        OUTBOX_RETRY_BASE_SECONDS=2.0,
+        OUTBOX_MAX_ATTEMPTS=5,
     )
     # Sweep jobs only where a test asks for them.
     app.config["OUTBOX_RUN_SCHEDULER"] = False

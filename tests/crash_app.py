@@ -144,6 +144,10 @@ def create_app() -> Flask:
         MAIL_SUPPRESS_SEND=False,
         MAIL_TIMEOUT=30.0,
         OUTBOX_RUN_SCHEDULER=_flag(os.environ.get("CRASH_RUN_SCHEDULER", "0")),
+        # The tests' fast retry schedule (2 s doubling, 5 attempts), kept
+        # explicitly: the library's defaults wait a minute and try for a day.
+        OUTBOX_RETRY_BASE_SECONDS=2.0,
+        OUTBOX_MAX_ATTEMPTS=5,
     )
     for env, (key, kind) in _ENV_KEYS.items():
         if os.environ.get(env):

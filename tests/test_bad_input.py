@@ -282,7 +282,9 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_MAX_ATTEMPTS", 2.5),
     ("OUTBOX_INLINE_RETRIES", -1),
     ("OUTBOX_RETRY_BASE_SECONDS", -1),
-    ("OUTBOX_RETRY_MAX_SECONDS", 1),  # below the base (2)
+    ("OUTBOX_RETRY_MAX_SECONDS", 1),  # below the default base (60)
+    ("OUTBOX_MAX_THROTTLE_DEFERRALS", -1),
+    ("OUTBOX_MAX_THROTTLE_DEFERRALS", 1.5),
     ("OUTBOX_LEASE_SECONDS", 0.5),
     ("OUTBOX_BATCH_SIZE", 0),
     ("OUTBOX_POLL_INTERVAL", 0),

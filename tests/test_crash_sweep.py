@@ -181,9 +181,12 @@ def children(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path) -> Itera
 
 @pytest.fixture
 def local(db_url: str) -> Iterator[Flask]:
-    """The test process's app: creates the tables, reads rows; its SMTP server is unreachable."""
+    """The test process's app: creates the tables, reads rows; its SMTP server is unreachable.
+
+    No backoff (``OUTBOX_RETRY_BASE_SECONDS=0``): what its failed tries leave is due at once.
+    """
     app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(),
-                   OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2)
+                   OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2, OUTBOX_RETRY_BASE_SECONDS=0)
     yield app
     close_app(app, timeout=5)
 

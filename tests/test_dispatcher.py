@@ -22,7 +22,7 @@ from flask_mail_outbox import (
 from flask_mail_outbox._delivery import BatchReport
 from flask_mail_outbox._dispatcher import Dispatcher, IdleBackoff, RateLimiter
 from flask_mail_outbox._models import email_table
-from flask_mail_outbox._retry import RetryPolicy
+from flask_mail_outbox._retry import RetryPolicy, human_seconds, longest_unfinished, schedule
 
 # -- the retry policy (pure) -------------------------------------------------------------
 
@@ -45,6 +45,30 @@ def test_retry_decisions() -> None:
     assert policy.decide(1, PermanentError("no", code=550)).dead is True
     throttled = policy.decide(3, TransientError("421 too many", code=421, throttled=True))
     assert throttled.dead is False and throttled.charge is False
+
+
+def test_throttle_deferrals_are_bounded_then_count_as_transient_failures() -> None:
+    policy = RetryPolicy(2, 3600, 3, max_throttle_deferrals=2, rand=lambda: 0.5)
+    throttled = TransientError("454 Throttling failure", code=454, throttled=True)
+    given_back = [policy.decide(1, throttled, deferrals=n) for n in (0, 1)]
+    assert all(d.deferral and d.delay == 5.0 for d in given_back)
+    charged = policy.decide(1, throttled, deferrals=2)
+    assert not charged.deferral and charged.charge and charged.delay == 2
+    assert policy.decide(3, throttled, deferrals=2).dead is True
+
+
+def test_the_schedule_and_the_bound_are_computed_from_the_settings() -> None:
+    steps = schedule(60, 3600, 9)
+    assert [(s.attempt, s.delay, s.elapsed) for s in steps] == [
+        (1, 60, 60), (2, 120, 180), (3, 240, 420), (4, 480, 900), (5, 960, 1860),
+        (6, 1920, 3780), (7, 3600, 7380), (8, 3600, 10980)]
+    # Three attempts, base 10 s: backoffs 12 + 24 (jitter at the top), a pickup of 1 s
+    # before each attempt, two deferrals of 5 s, and a lost lease of 7 s on the last.
+    bound = longest_unfinished(base_seconds=10, max_seconds=100, max_attempts=3,
+                               max_throttle_deferrals=2, lease_seconds=7, pickup_seconds=1)
+    assert bound == pytest.approx((12 + 1) + (24 + 1) + 2 * (5 + 1) + (1 + 7 + 1))
+    assert [human_seconds(x) for x in (45, 60, 420, 3780, 86580)] == [
+        "45 s", "1 min", "7 min", "1.1 h", "24.1 h"]
 
 
 # -- the idle backoff (pure) -------------------------------------------------------------

@@ -17,9 +17,13 @@ from flask_mail_outbox._models import email_table
 
 
 def strand(make_apps: MakeApps, count: int, **config: Any) -> list[int]:
-    """Rows left queued by a process whose SMTP server was unreachable."""
+    """Rows left queued by a process whose SMTP server was unreachable.
+
+    With no backoff (``OUTBOX_RETRY_BASE_SECONDS=0``) they are due again at once,
+    so a sweep may take them as soon as the test wants.
+    """
     app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
-                          MAIL_TIMEOUT=2, **config)
+                          MAIL_TIMEOUT=2, OUTBOX_RETRY_BASE_SECONDS=0, **config)
     with app.app_context():
         ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
                for i in range(count)]
@@ -85,7 +89,7 @@ def test_exactly_a_full_batch_is_not_truncated(make_apps: MakeApps,
 def test_sweep_respects_due_times_and_key_order(make_apps: MakeApps,
                                                 smtp_server: FaultSMTPServer) -> None:
     app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
-                          MAIL_TIMEOUT=2)
+                          MAIL_TIMEOUT=2, OUTBOX_RETRY_BASE_SECONDS=0)
     with app.app_context():
         mail.send(Message("later", recipients=["a@example.com"], body="x"),
                   send_after=timedelta(hours=1))
@@ -214,11 +218,12 @@ def test_drain_failure_error_text_is_pinned(make_apps: MakeApps,
     text = error.getMessage()
     assert text.startswith(f"Email {email_id} could not be delivered after 1 attempt(s): ")
     assert text.endswith(
-        ". Consequence: it stays queued; this process will not retry it; the periodic sweep "
-        "(every OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher will take it. "
+        ". Consequence: it stays queued (due again after its retry backoff, "
+        "OUTBOX_RETRY_BASE_SECONDS doubling per attempt up to OUTBOX_RETRY_MAX_SECONDS); the "
+        "periodic sweep (every OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it "
+        "when due, and it is dead-lettered if attempt 5 (OUTBOX_MAX_ATTEMPTS) fails too. "
         "Fix: check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
-        "`flask outbox sweep` retries at once, and durable mode (`flask outbox durable on`) "
-        "retries with backoff.")
+        "`flask outbox status` shows what waits.")
 
 
 # -- the commands ---------------------------------------------------------------------------
