@@ -30,7 +30,7 @@ from email.policy import default as default_policy
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from . import _degrade
+from . import _degrade, _retry
 from ._errors import PermanentError, TransientError
 from ._models import Status
 from ._retry import RetryPolicy
@@ -373,7 +373,9 @@ class DeliveryRoute:
                     outcomes.append(Outcome(
                         email, Status.QUEUED, error_code=result.error.code,
                         error_message=result.error.message,
-                        due_in=None if email.id in retry_now else decision.delay,
+                        # A deferral waits its few seconds even when retried in process.
+                        due_in=(None if email.id in retry_now and decision.charge
+                                else decision.delay),
                         give_back_attempt=not decision.charge, deferred=decision.deferral))
         recorded, lost = self._record(outcomes, hand_on)
         if hand_on is not None and hand_on.claimed:
@@ -704,14 +706,18 @@ class InlineDelivery:
             for email_id, attempt, error in report.transient:
                 retry = retry_numbers.get(email_id, 0) + 1
                 if email_id in retry_now and not self._stopping:
-                    self._retries[email_id] = (time.monotonic() + inline_backoff(retry), retry)
+                    # A throttling server asked for a pause: retry when the row is due
+                    # again, not in a quarter of a second.
+                    pause = _retry.THROTTLE_DELAY_SECONDS if error.throttled else inline_backoff(retry)
+                    self._retries[email_id] = (time.monotonic() + pause, retry)
                     continue
                 self._retries.pop(email_id, None)
                 policy = self.route.policy
                 when = ("due again now: this process stopped before retrying it"
                         if email_id in retry_now else
                         "due again after its retry backoff, OUTBOX_RETRY_BASE_SECONDS doubling "
-                        "per attempt up to OUTBOX_RETRY_MAX_SECONDS")
+                        "per attempt up to OUTBOX_RETRY_MAX_SECONDS, or in a few seconds with "
+                        "its attempt given back if the server was throttling")
                 _degrade.report(
                     f"Email {email_id} could not be delivered after {attempt} attempt(s): "
                     f"{error}",

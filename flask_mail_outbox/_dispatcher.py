@@ -417,15 +417,16 @@ class Dispatcher:
         # Recording handed keys to their next emails: those are due now, like
         # the rest of a full batch.
         promoted = self.store.promotions != before
-        throttled = any(error.throttled for _, _, error in report.transient)
+        throttled_count = sum(error.throttled for _, _, error in report.transient)
+        throttled = throttled_count > 0
         if throttled and self.rate_limiter is None:
             # No configured rate, but the server says "too fast": start at half of
             # what this tick tried, and let feedback find the server's pace.
             self.rate_limiter = RateLimiter(float(self.config.batch_size) * 10, clock=self.clock)
             self.rate_limiter.current = max(1.0, len(claimed) / 2)
             _degrade.report(
-                f"The SMTP server is throttling this process ({len(report.transient)} "
-                "email(s) refused with 'too many'/'rate')",
+                f"The SMTP server is throttling this process ({throttled_count} "
+                "email(s) refused with a reply that says it is sending too fast)",
                 consequence="those emails are queued again, their attempt given back at most "
                             f"OUTBOX_MAX_THROTTLE_DEFERRALS ({self.policy.max_throttle_deferrals}) "
                             "times each, and this process now paces itself below the "

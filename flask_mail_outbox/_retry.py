@@ -104,24 +104,27 @@ def schedule(base_seconds: float, max_seconds: float, max_attempts: int) -> list
 
 def longest_unfinished(*, base_seconds: float, max_seconds: float, max_attempts: int,
                        max_throttle_deferrals: int, lease_seconds: float,
-                       pickup_seconds: float, jitter: float = 0.2) -> float:
+                       pickup_seconds: float, send_seconds: float = 0.0,
+                       jitter: float = 0.2) -> float:
     """The longest an email can stay unfinished (queued or sending) once it is due.
 
-    Every attempt waits for the most its path allows, then for
-    ``pickup_seconds`` before something takes it (a dispatcher's longest idle
-    wait, or the inline mode's sweep interval): each transient failure its
-    full backoff with jitter at its top, each throttle deferral its delay, and
-    the last attempt a lost lease (the reap takes it a lease later and
-    dead-letters it). A lost lease on an earlier attempt costs less than the
-    backoff it replaces (the reaped row is due at once), so it never makes
-    the bound longer while ``lease_seconds`` is below the first backoff.
+    Each wait at its worst: ``pickup_seconds`` before anything takes a due
+    row (a dispatcher's longest idle wait, or the inline sweep's interval);
+    between two attempts, the longer of a transient failure's backoff with
+    its jitter at the top and a lost lease (the lease runs out, a reap comes,
+    then a claim); each throttle deferral's delay; and after the last attempt,
+    a lost lease that the reap dead-letters. ``send_seconds`` is what one SMTP
+    conversation may take (each operation is bounded by ``MAIL_TIMEOUT``);
+    the documented figures leave it at 0, as they leave out waiting behind a
+    backlog deeper than one batch.
     """
     policy = RetryPolicy(base_seconds, max_seconds, max_attempts, jitter=0.0)
-    backoff = sum(max(policy.delay(a) * (1 + jitter), lease_seconds) + pickup_seconds
+    lost_lease = lease_seconds + 2 * pickup_seconds
+    between = sum(max(policy.delay(a) * (1 + jitter) + pickup_seconds, lost_lease)
                   for a in range(1, max_attempts))
     throttled = max_throttle_deferrals * (THROTTLE_DELAY_SECONDS + pickup_seconds)
-    last = pickup_seconds + lease_seconds + pickup_seconds
-    return backoff + throttled + last
+    sends = (max_attempts + max_throttle_deferrals) * send_seconds
+    return pickup_seconds + between + throttled + lease_seconds + pickup_seconds + sends
 
 
 def human_seconds(seconds: float) -> str:

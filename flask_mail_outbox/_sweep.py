@@ -165,8 +165,13 @@ def _log(report: SweepReport, state: _AppState) -> None:
     if report.failed:
         _degrade.report(
             f"The sweep could not deliver {report.failed} email(s)",
-            consequence=("they stay queued (transient failure) or were dead-lettered "
-                         f"(permanent); queued ones are retried by {when}"),
+            consequence=("they were dead-lettered (a permanent failure, or their "
+                         "OUTBOX_MAX_ATTEMPTS spent) or stay queued after a transient failure; "
+                         "queued ones are retried once their backoff has passed (at most "
+                         "OUTBOX_RETRY_MAX_SECONDS), by "
+                         + ("the dispatcher" if report.mode == "durable"
+                            else f"the periodic sweep (every {interval:g} s)"
+                            if interval else "the next `flask outbox sweep`")),
             fix="see the ERROR lines above for each email's cause; `flask outbox dlq list` "
                 "shows dead letters")
     if report.truncated:

@@ -62,11 +62,14 @@ def test_the_schedule_and_the_bound_are_computed_from_the_settings() -> None:
     assert [(s.attempt, s.delay, s.elapsed) for s in steps] == [
         (1, 60, 60), (2, 120, 180), (3, 240, 420), (4, 480, 900), (5, 960, 1860),
         (6, 1920, 3780), (7, 3600, 7380), (8, 3600, 10980)]
-    # Three attempts, base 10 s: backoffs 12 + 24 (jitter at the top), a pickup of 1 s
-    # before each attempt, two deferrals of 5 s, and a lost lease of 7 s on the last.
+    # Three attempts, base 10 s, pickup 1 s, lease 20 s, 0.5 s per SMTP conversation:
+    # picked up (1); attempt 1 to 2: a lost lease (20 + 2 pickups) beats a backoff of
+    # 12 + 1; attempt 2 to 3: the backoff 24 + 1 beats it; two deferrals of 5 + 1; the
+    # last attempt's lease lost and reaped (20 + 1); five conversations.
     bound = longest_unfinished(base_seconds=10, max_seconds=100, max_attempts=3,
-                               max_throttle_deferrals=2, lease_seconds=7, pickup_seconds=1)
-    assert bound == pytest.approx((12 + 1) + (24 + 1) + 2 * (5 + 1) + (1 + 7 + 1))
+                               max_throttle_deferrals=2, lease_seconds=20, pickup_seconds=1,
+                               send_seconds=0.5)
+    assert bound == pytest.approx(1 + 22 + 25 + 2 * (5 + 1) + (20 + 1) + 5 * 0.5)
     assert [human_seconds(x) for x in (45, 60, 420, 3780, 86580)] == [
         "45 s", "1 min", "7 min", "1.1 h", "24.1 h"]
 

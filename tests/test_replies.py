@@ -85,6 +85,12 @@ REAL_REPLIES: list[tuple[int, str, ReplyClass, str]] = [
     (452, "4.3.1 Insufficient system resources", G, "Exchange Server, back pressure"),
     (452, "4.5.3 Too many recipients", G,
      "RFC 5321 section 4.5.3.1.10: about this message, not the client's rate"),
+    (421, "4.4.2 mx.example.com Error: timeout exceeded", G,
+     "Postfix smtpd, smtpd_timeout: 'exceeded' about a timeout"),
+    (421, "4.7.0 mx.example.com Error: too many errors", G,
+     "Postfix smtpd, smtpd_hard_error_limit: our commands, not our pace"),
+    (450, "4.2.0 <bob@example.org>: Recipient address rejected: quota exceeded", G,
+     "Postfix with a quota policy service: a full mailbox without 4.2.2"),
     (451, "4.4.1 Please separate the recipients and generate a new session", G,
      "'rate' only inside other words: not throttling"),
     # -- permanent: never retried --------------------------------------------------------
@@ -109,7 +115,9 @@ def test_real_replies_are_classified(code: int, text: str, expected: ReplyClass,
     ("4.7.500 Server busy", "4.7.500"),
     ("Throttling failure", None),
     ("version 1.2.3.4 of something", None),
-    ("<bob@example.org>: 4.2.2 mailbox full", "4.2.2"),
+    ("<bob@example.org>: 4.2.2 mailbox full", None),  # not at the start
+    ("4.7.28 first line\n4.7.28 second line", "4.7.28"),
+    ("mx.example.com\n4.7.0 Error: too many connections", "4.7.0"),
 ])
 def test_enhanced_status_code_is_read_from_the_text(text: str, expected: str | None) -> None:
     assert enhanced_code(text) == expected

@@ -140,6 +140,25 @@ def test_inline_mode_dead_letters_a_server_that_always_greylists(
     assert smtp_server.data_attempts == 3
 
 
+def test_inline_mode_waits_out_a_throttle_deferral_before_its_in_process_retry(
+        db_url: str, smtp_server: FaultSMTPServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_retry, "THROTTLE_DELAY_SECONDS", 1.0)
+    smtp_server.reply("data", 454, THROTTLED, times=1)
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    try:
+        _send(app)
+        deferred = poll(lambda: rows(app)[0], lambda r: r["error_history"], timeout=10.0)
+        # Recorded as due a second from now, not at once: the server asked for a pause.
+        assert (deferred["due_at"] - utcnow()).total_seconds() > 0.5
+        # And the in-process retry came when it was due (a retry in a quarter of a
+        # second would have found it not due and left it to the sweep).
+        [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", timeout=10.0)
+    finally:
+        close_app(app)
+    assert row["attempts"] == 1 and smtp_server.data_attempts == 2
+    assert [h.get("deferred") for h in json.loads(row["error_history"])] == [True]
+
+
 # -- the schedule and the bound on a fake clock -----------------------------------------
 
 class FakeClock:
@@ -272,6 +291,52 @@ def test_fake_clock_lease_lost_path_spends_an_attempt_per_lease(
     assert total == pytest.approx(max_attempts * (lease + 0.001))
     assert total <= _bound()
     assert smtp_server.data_attempts == 0
+
+
+def test_fake_clock_worst_case_walk_stays_within_the_bound(
+        tmp_path: Path, smtp_server: FaultSMTPServer) -> None:
+    """Every path at its worst in one email: the bound is an upper bound, and a close one.
+
+    Each due row waits the longest pickup (the PostgreSQL LISTEN backstop) before a
+    tick takes it; attempt 1 loses its lease; then every throttle deferral is spent;
+    then a greylisting server to the last attempt, jitter at its top.
+    """
+    pickup = _DEFAULTS["OUTBOX_LISTEN_BACKSTOP_SECONDS"]
+    lease = _DEFAULTS["OUTBOX_LEASE_SECONDS"]
+    smtp_server.reply("data", 454, THROTTLED, times=_DEFAULTS["OUTBOX_MAX_THROTTLE_DEFERRALS"])
+    smtp_server.reply("data", 451, GREYLISTED)
+    clock = FakeClock()
+    app, dispatcher = _hand_ticked(tmp_path, smtp_server, clock)
+    dispatcher.rate_limiter = RateLimiter(1000.0, sleep=lambda seconds: None)
+    try:
+        _send(app)
+        clock.now = start = rows(app)[0]["due_at"]
+        clock.now += timedelta(seconds=pickup)
+        claimed, _ = dispatcher.store.claim_due(1, owner="dies", lease_seconds=lease)
+        assert len(claimed) == 1
+        clock.now += timedelta(seconds=lease + 0.001 + pickup)
+        for _ in range(100):
+            dispatcher.tick()
+            [row] = rows(app)
+            if row["status"] == "failed":
+                break
+            clock.now = row["due_at"] + timedelta(seconds=pickup)
+    finally:
+        close_app(app)
+    assert (row["status"], row["attempts"]) == ("failed", 30)
+    assert smtp_server.data_attempts == 29 + 10
+    total = (clock.now - start).total_seconds()
+    bound = _bound(pickup=pickup)
+    assert total <= bound
+    # Exactly the walk: a pickup, the lost lease and the pickup after its reap, ten
+    # deferrals, then each backoff from attempt 2 on at the top of its jitter.
+    backoffs = [step.delay * 1.2 + pickup for step in schedule(
+        _DEFAULTS["OUTBOX_RETRY_BASE_SECONDS"], _DEFAULTS["OUTBOX_RETRY_MAX_SECONDS"],
+        _DEFAULTS["OUTBOX_MAX_ATTEMPTS"])][1:]
+    assert total == pytest.approx(pickup + (lease + 0.001 + pickup)
+                                  + 10 * (_retry.THROTTLE_DELAY_SECONDS + pickup)
+                                  + sum(backoffs), abs=0.01)
+    assert bound - total < 300  # the bound is close: under 5 minutes slack on 30 hours
 
 
 # -- what the README states ------------------------------------------------------------

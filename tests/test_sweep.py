@@ -219,7 +219,8 @@ def test_drain_failure_error_text_is_pinned(make_apps: MakeApps,
     assert text.startswith(f"Email {email_id} could not be delivered after 1 attempt(s): ")
     assert text.endswith(
         ". Consequence: it stays queued (due again after its retry backoff, "
-        "OUTBOX_RETRY_BASE_SECONDS doubling per attempt up to OUTBOX_RETRY_MAX_SECONDS); the "
+        "OUTBOX_RETRY_BASE_SECONDS doubling per attempt up to OUTBOX_RETRY_MAX_SECONDS, or in "
+        "a few seconds with its attempt given back if the server was throttling); the "
         "periodic sweep (every OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it "
         "when due, and it is dead-lettered if attempt 5 (OUTBOX_MAX_ATTEMPTS) fails too. "
         "Fix: check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "

@@ -47,24 +47,32 @@ THROTTLE_ENHANCED = frozenset({
 #: Enhanced status codes that are never throttling, whatever the words: a full
 #: mailbox says "quota exceeded" about the recipient, not about the sender's rate.
 NEVER_THROTTLE_ENHANCED = frozenset({
-    "4.2.2",  # mailbox full / over quota
-    "4.5.3",  # too many recipients in this message (RFC 5321 4.5.3.1.10)
+    "4.2.0", "4.2.2", "4.2.3", "4.2.4",  # the mailbox: unavailable, full, too large, list
+    "4.4.1", "4.4.2", "4.4.3", "4.4.4", "4.4.5", "4.4.6", "4.4.7",  # network and routing
+    "4.5.0", "4.5.1", "4.5.2", "4.5.3", "4.5.4", "4.5.5", "4.5.6",  # protocol; 4.5.3: too
+    # many recipients in this message (RFC 5321 4.5.3.1.10)
 })
 
 # "rate" as a word ("sending rate", "rate limited", "ratelimit"), not inside
-# "separate" or "generate"; the other phrases are what throttling servers write.
+# "separate" or "generate"; "too many" only of connections, sessions or
+# messages ("too many errors" is about our commands, "too many recipients"
+# about this message); "exceeded" only of a rate, a limit or connections
+# ("timeout exceeded" and "quota exceeded" are not about our pace).
 _THROTTLE_WORDS = re.compile(
-    r"\brate\b|\brate[- ]?limit|too many|too much mail|throttl|slow down|exceeded"
-    r"|unexpected volume|\btss04\b",
+    r"\brate\b|\brate[- ]?limit|throttl|slow down|too much mail|unexpected volume|\btss04\b"
+    r"|too many (?:\w+ ){0,2}(?:connections|sessions|messages|mails?|emails?)\b"
+    r"|(?:rate|limit|connections?)\b[^.;]*\bexceeded|\bexceeded\b[^.;]*\b(?:rate|limit)",
     re.IGNORECASE)
 # Greylisting is a deliberate "come back in a few minutes", and "too many
 # recipients" is about the message: never throttling, whatever else they say.
 _NEVER_THROTTLE_WORDS = re.compile(r"gr[ae]ylist|too many recipients", re.IGNORECASE)
-_ENHANCED = re.compile(r"(?<![\d.])([245])\.(\d{1,3})\.(\d{1,3})(?![\d.])")
+# At the start of the text or of one of its lines (RFC 3463 section 2; a
+# multi-line reply repeats it on each line).
+_ENHANCED = re.compile(r"(?:^|\n)[ \t]*([245])\.(\d{1,3})\.(\d{1,3})(?![\d.])")
 
 
 def enhanced_code(text: str) -> str | None:
-    """The RFC 3463 enhanced status code in a reply text (``"4.7.28"``), if any."""
+    """The RFC 3463 enhanced status code that starts a reply text or line (``"4.7.28"``)."""
     match = _ENHANCED.search(text)
     if match is None:
         return None
