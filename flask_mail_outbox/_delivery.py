@@ -267,6 +267,9 @@ class DeliveryRoute:
         self._released_early.update(e.id for e in unstarted)
         released = self.store.release_ids(unstarted)
         self.note_given_back(released)
+        logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) of the batch "
+                    "in flight not yet handed to the server; %d in flight may still finish",
+                    os.getpid(), len(released), len(current) - len(unstarted))
         return len(released)
 
     def note_given_back(self, ids: list[int]) -> None:
