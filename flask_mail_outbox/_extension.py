@@ -688,8 +688,13 @@ class OutboxMail:
     def stop(self, timeout: float = 10) -> None:
         """Stop this process's delivery threads for every app; idempotent.
 
-        Sends in flight get ``timeout`` seconds to finish; rows not finished
-        stay ``sending`` until their lease expires and the sweep takes them.
+        Sends in flight get ``timeout`` seconds to finish (after half of it,
+        messages not yet handed to the server are given back). What this
+        process gives back, or had been handed after a commit and never
+        claimed, is ``queued`` and marked so the next sweep of any process
+        takes it whatever its age; rows still being sent past the timeout
+        stay ``sending`` until their lease expires and a sweep takes them.
+        Logs at INFO what it gave back and what takes it.
         """
         for state in list(_all_states):
             if state.ext is self:
