@@ -431,7 +431,7 @@ class _AppState:
             return
         try:
             self.start_scheduler()
-        except Exception:  # noqa: BLE001 - delivery after commit goes on without the jobs
+        except Exception:  # delivery after commit goes on without the jobs
             logger.exception("Could not start the outbox sweep jobs in pid %d; sweeps and the "
                              "start-up dispatcher do not run in this process", os.getpid())
 

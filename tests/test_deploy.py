@@ -264,8 +264,8 @@ def test_a_graceful_restart_mid_batch_delivers_everything_within_ten_seconds(
         assert smtp_server.wait_until(
             lambda: expected <= set(smtp_server.message_ids()),
             timeout=max(0.0, second.started + 10.0 - time.monotonic())), \
-            (f"{len(expected - set(smtp_server.message_ids()))} email(s) not delivered within "
-             f"10 s of the restart", second.log()[-3000:])
+            ((f"{len(expected - set(smtp_server.message_ids()))} email(s) not delivered "
+              "within 10 s of the restart"), second.log()[-3000:])
         all_delivered = time.monotonic() - second.started
         counts = Counter(smtp_server.message_ids())
         assert set(counts) == expected and max(counts.values()) == 1, counts

@@ -17,16 +17,15 @@ import sqlalchemy as sa
 from conftest import MakeApps, db, poll, rows
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox import Message
+from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._store import GIVEN_BACK
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
 
-def _queue(mail: object, count: int, subject: str = "m") -> list[int]:
-    send = getattr(mail, "send")
-    ids = [send(Message(f"{subject}{i}", recipients=["a@example.com"], body="x"))
+def _queue(mail: OutboxMail, count: int, subject: str = "m") -> list[int]:
+    ids = [mail.send(Message(f"{subject}{i}", recipients=["a@example.com"], body="x"))
            for i in range(count)]
     db.session.commit()
     return ids
@@ -98,8 +97,8 @@ def test_a_serving_process_starts_its_jobs_on_first_use_not_at_import(
         make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
     """init_app outside a command (a WSGI server importing the app, perhaps a master
     that will fork) starts nothing; the first request does."""
-    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                          OUTBOX_RUN_SCHEDULER=True)
+    app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                       OUTBOX_RUN_SCHEDULER=True)
     state = app.extensions["mail_outbox"]
     assert state.serving and state.scheduler is None and state.current_runtime() is None
 
