@@ -613,6 +613,11 @@ class InlineDelivery:
                 self._thread.start()
             self._cond.notify_all()
 
+    @property
+    def started(self) -> bool:
+        """Whether the worker thread ever ran in this process."""
+        return self._thread is not None
+
     def alive(self) -> bool:
         """Whether the worker thread is still running (a batch may be in flight)."""
         thread = self._thread

@@ -276,8 +276,12 @@ class _Runtime:
                  f"(OUTBOX_LEASE_SECONDS, {config.lease_seconds:g} s) and a sweep takes them"
                  if in_flight else "")
         if not ids:
-            logger.info("Outbox delivery stopped (pid %d): nothing given back%s", pid,
-                        still or ", nothing in flight")
+            # INFO where the app is served or delivery threads ran (a clean stop
+            # is worth a line); a command that only read or swept stays quiet.
+            ran = self.state.serving or self.inline.started or self.dispatcher is not None
+            logger.log(logging.INFO if ran or in_flight else logging.DEBUG,
+                       "Outbox delivery stopped (pid %d): nothing given back%s", pid,
+                       still or ", nothing in flight")
             return
         try:
             marked = self.store.mark_given_back(ids)

@@ -281,7 +281,8 @@ def test_a_graceful_restart_mid_batch_delivers_everything_within_ten_seconds(
         assert owners.unknown == 0
         second_stop = second.stop()
         quiet = [m for _, level, m in second.lines() if m.startswith("Outbox delivery stopped")]
-        assert len(quiet) == 2 and all("nothing given back" in m for m in quiet), quiet
+        assert len(quiet) == 2 and all("nothing given back, nothing in flight" in m
+                                       for m in quiet), quiet
     finally:
         close_app(helper)
     with capsys.disabled():
