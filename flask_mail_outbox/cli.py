@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 from flask import current_app
@@ -34,14 +35,16 @@ def _log_level_option(command: _F) -> _F:
     the app's handlers stay in charge and only the library's level is set
     when the option is given.
     """
-    def configure(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
-        _configure_logging(value)
+    # In the command's body, so after the app (and whatever logging it sets up) loaded.
+    @functools.wraps(command)
+    def configured(*args: Any, log_level: str | None = None, **kwargs: Any) -> Any:
+        _configure_logging(log_level)
+        return command(*args, **kwargs)
 
-    return click.option(
+    return cast(_F, click.option(
         "--log-level", type=click.Choice(_LOG_LEVELS, case_sensitive=False), default=None,
-        expose_value=False, callback=configure, is_eager=True,
         help="Level of the outbox's log lines (default info, to stderr when the app "
-             "configures no logging).")(command)
+             "configures no logging).")(configured))
 
 
 def _configure_logging(level: str | None) -> None:
