@@ -121,7 +121,8 @@ def test_durable_without_startup_sweep_runs_its_dispatcher_from_the_start(
                           OUTBOX_POLL_MAX_INTERVAL=0.5)
     app.extensions["mail_outbox"].ensure_started()  # as the first request does
     with app.app_context():
-        stats = poll(mail.stats, lambda s: s["dispatcher"] is not None, timeout=10)
+        stats = poll(mail.stats, lambda s: s["dispatcher"] is not None
+                     and s["dispatcher"]["running"], timeout=10)
     assert stats["dispatcher"] is not None and stats["dispatcher"]["running"]
     script, script_mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                                     OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
