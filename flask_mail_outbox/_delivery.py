@@ -234,6 +234,25 @@ class DeliveryRoute:
         self._send_lock = threading.Lock()
         self._current: Sequence[ClaimedEmail] = ()
         self._released_early: set[int] = set()
+        #: Set by the runtime's stop(): from then on, ids given back are kept in
+        #: :attr:`given_back` so stop() can mark them for the next sweep.
+        self.stopping = False
+        self.given_back: list[int] = []
+        #: Set once stop() marked what it knew of: a batch that ends in the
+        #: background afterwards marks what it gives back itself.
+        self.mark_at_once = False
+        self._given_lock = threading.Lock()
+
+    def take_given_back(self) -> list[int]:
+        """The ids given back so far at stop; later ones are marked as they come."""
+        with self._given_lock:
+            self.mark_at_once = True
+            ids, self.given_back = sorted(set(self.given_back)), []
+            return ids
+
+    def in_flight(self) -> Sequence[ClaimedEmail]:
+        """The rows of the batch being sent now (empty between batches)."""
+        return self._current
 
     def release_unstarted(self) -> int:
         """At shutdown: give back the rows of the batch in flight that will never start.
@@ -247,7 +266,34 @@ class DeliveryRoute:
             return 0
         unstarted = [e for e in current if e.id in never]
         self._released_early.update(e.id for e in unstarted)
-        return self.store.release(unstarted)
+        released = self.store.release_ids(unstarted)
+        self.note_given_back(released)
+        logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) of the batch "
+                    "in flight not yet handed to the server; %d in flight may still finish",
+                    os.getpid(), len(released), len(current) - len(unstarted))
+        return len(released)
+
+    def note_given_back(self, ids: list[int]) -> None:
+        """Keep ids given back at stop for stop()'s mark, or mark them now if it is past."""
+        if not ids:
+            return
+        with self._given_lock:
+            if not self.mark_at_once:
+                self.given_back.extend(ids)
+                return
+        try:
+            marked = self.store.mark_given_back(ids)
+        except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
+            _degrade.report(
+                f"Could not mark {len(ids)} email(s) {ids[:20]} given back after stop",
+                consequence="they stay queued and a sweep takes them only "
+                            "OUTBOX_SWEEP_MIN_AGE_SECONDS after they were created",
+                fix="check the database connection; once every process that could hold "
+                    "them has stopped, `flask outbox sweep --min-age 0` sends them now",
+                exc=exc)
+            return
+        logger.info("Outbox delivery gave back %d more unsent email(s) %s after stop, "
+                    "marked for the next sweep of any process", marked, ids[:20])
 
     def deliver_ids(self, ids: Sequence[int],
                     claimed: Sequence[ClaimedEmail] | None = None, *,
@@ -289,7 +335,10 @@ class DeliveryRoute:
         if not claimed:
             return 0
         try:
-            return self.store.release(claimed)
+            released = self.store.release_ids(claimed)
+            if self.stopping:
+                self.note_given_back(released)
+            return len(released)
         finally:
             for owner in _by_owner(claimed):
                 self.heartbeat.untrack(owner)
@@ -568,6 +617,11 @@ class InlineDelivery:
                 self._thread.start()
             self._cond.notify_all()
 
+    @property
+    def started(self) -> bool:
+        """Whether the worker thread ever ran in this process."""
+        return self._thread is not None
+
     def alive(self) -> bool:
         """Whether the worker thread is still running (a batch may be in flight)."""
         thread = self._thread
@@ -593,6 +647,9 @@ class InlineDelivery:
         """Stop taking work; wait up to ``timeout`` for the batch in flight."""
         with self._cond:
             self._stopping = True
+            # Handed over after commit (or waiting for an in-process retry) and
+            # not claimed: queued in the database and in flight nowhere.
+            self.route.note_given_back([*self._pending, *self._retries])
             self._pending.clear()
             self._retries.clear()
             self._cond.notify_all()
@@ -718,6 +775,10 @@ class InlineDelivery:
                         "due again after its retry backoff, OUTBOX_RETRY_BASE_SECONDS doubling "
                         "per attempt up to OUTBOX_RETRY_MAX_SECONDS, or in a few seconds with "
                         "its attempt given back if the server was throttling")
+                if self._stopping and email_id in retry_now:
+                    # Due now and not retried here because this process stops: stop()
+                    # marks it for the next sweep of any process.
+                    self.route.note_given_back([email_id])
                 _degrade.report(
                     f"Email {email_id} could not be delivered after {attempt} attempt(s): "
                     f"{error}",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -150,6 +151,7 @@ class Dispatcher:
                 return
             self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
             self._thread.start()
+        logger.info("Outbox dispatcher started (pid %d)", os.getpid())
 
     @property
     def running(self) -> bool:

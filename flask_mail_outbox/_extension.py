@@ -15,6 +15,7 @@ import ipaddress
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -227,6 +228,7 @@ class _Runtime:
                                        or dispatcher.idle())
 
     def stop(self, timeout: float) -> None:
+        self.route.stopping = True
         if self.dispatcher is not None:
             self.dispatcher.stop(timeout)
         if self.listener is not None:
@@ -238,15 +240,57 @@ class _Runtime:
                 self.dispatcher.release_held()
             finally:
                 self.dispatcher.close_connection()
-        if self.inline.alive() or (self.dispatcher is not None and self.dispatcher.running):
+        in_flight = self.inline.alive() or (self.dispatcher is not None
+                                            and self.dispatcher.running)
+        self._mark_given_back(in_flight=len(self.route.in_flight()) if in_flight else 0)
+        if in_flight:
             # A batch is still being sent past the timeout: let it finish and
             # record its outcomes in its daemon thread; closing the transport or
             # the engine under it would leave its rows sending.
-            logger.info("Outbox delivery stopped taking work; a batch still in flight "
-                        "finishes in the background")
             return
         self.transport.close()
         self.engine.dispose()
+
+    def _mark_given_back(self, *, in_flight: int) -> None:
+        """Mark what this process gave back for the next sweep, and say what happens next.
+
+        Those rows are queued and provably in flight nowhere (this process
+        held them and lets go), so any process's next sweep takes them at once
+        instead of after OUTBOX_SWEEP_MIN_AGE_SECONDS.
+        """
+        config = self.state.config
+        ids = self.route.take_given_back()
+        pid = os.getpid()
+        still = (f"; {in_flight} email(s) still being sent finish in the background, or, if "
+                 f"this process exits first, stay sending until their lease expires "
+                 f"(OUTBOX_LEASE_SECONDS, {config.lease_seconds:g} s) and a sweep takes them"
+                 if in_flight else "")
+        if not ids:
+            # INFO where the app is served or delivery threads ran (a clean stop
+            # is worth a line); a command that only read or swept stays quiet.
+            ran = self.state.serving or self.inline.started or self.dispatcher is not None
+            logger.log(logging.INFO if ran or in_flight else logging.DEBUG,
+                       "Outbox delivery stopped (pid %d): nothing given back%s", pid,
+                       still or ", nothing in flight")
+            return
+        try:
+            marked = self.store.mark_given_back(ids)
+        except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
+            _degrade.report(
+                f"Could not mark {len(ids)} email(s) {ids[:20]} given back at stop",
+                consequence="they stay queued and wait for the age gate: a sweep takes them "
+                            f"OUTBOX_SWEEP_MIN_AGE_SECONDS ({config.sweep_min_age_seconds:g} s) "
+                            "after they were created",
+                fix="check the database connection; once every process that could hold them "
+                    "has stopped or restarted, `flask outbox sweep --min-age 0` sends them now",
+                exc=exc)
+            return
+        interval = config.sweep_interval_for(False)
+        logger.info(
+            "Outbox delivery stopped (pid %d): gave back %d unsent email(s) %s, queued and "
+            "marked so the next sweep of any process takes them whatever their age (the "
+            "startup sweep of the next start, or a running process's periodic sweep%s)%s",
+            pid, marked, ids[:20], f" within {interval:g} s" if interval else "", still)
 
 
 class _AppState:
@@ -263,6 +307,12 @@ class _AppState:
         self._lock = threading.Lock()
         self._durable_cache: tuple[bool, float] | None = None
         self.scheduler: SweepScheduler | None = None
+        #: This app is served by this process or by workers forked from it: the
+        #: background jobs start in the process that serves (ensure_started()).
+        self.serving = False
+        #: What this process's workers share when a master forked them (see
+        #: _deployment_of_worker); None for a process that is no such worker.
+        self.deployment: str | None = None
 
     def runtime(self) -> _Runtime:
         """This process's runtime, created on first use and after a fork."""
@@ -322,6 +372,7 @@ class _AppState:
                     logger.exception("A receiver of the email_queued signal raised (email "
                                      "%s); delivery goes on", email_id)
         due = [e.email_id for e in entries if e.due_now]
+        self.ensure_started()
         try:
             runtime = self.runtime()
             if runtime.synchronous:
@@ -346,14 +397,37 @@ class _AppState:
                     "`flask outbox sweep` delivers them once fixed",
                 exc=exc)
 
-    def start_scheduler(self) -> SweepScheduler:
-        """Start this process's sweep jobs (once per process, again after a fork)."""
+    def start_scheduler(self, *, start_dispatcher: bool = True) -> SweepScheduler:
+        """Start this process's sweep jobs (once per process, again after a fork).
+
+        ``start_dispatcher``: also start the dispatcher at once in durable mode
+        (``flask outbox worker`` runs its own in the foreground).
+        """
         with self._lock:
             scheduler = self.scheduler
             if scheduler is None or scheduler.pid != os.getpid():
-                scheduler = self.scheduler = SweepScheduler(self)
+                self.deployment = _deployment_of_worker()
+                scheduler = self.scheduler = SweepScheduler(
+                    self, start_dispatcher=start_dispatcher)
                 scheduler.start()
             return scheduler
+
+    def ensure_started(self) -> None:
+        """In a serving process, start the background jobs on first use (cheap after that).
+
+        Called by the first request, the first commit that queues email and
+        ``wait_sweep()``: a process that only imports the app and forks
+        workers (gunicorn's master with ``--preload``, uWSGI's master) never
+        gets here, so it runs no scheduler, dispatcher or SMTP connection.
+        """
+        scheduler = self.scheduler
+        if not self.serving or (scheduler is not None and scheduler.pid == os.getpid()):
+            return
+        try:
+            self.start_scheduler()
+        except Exception:  # delivery after commit goes on without the jobs
+            logger.exception("Could not start the outbox sweep jobs in pid %d; sweeps and the "
+                             "start-up dispatcher do not run in this process", os.getpid())
 
     def stop(self, timeout: float) -> None:
         with self._lock:
@@ -394,13 +468,52 @@ def _serving_process(app: Flask) -> bool:
     return not reload or os.environ.get("WERKZEUG_RUN_MAIN") == "true"
 
 
+def _start_at_once(app: Flask) -> bool:
+    """Whether a serving process starts its background jobs in init_app.
+
+    `flask run` serves in this process, and so does a worker forked by a
+    master running the same command (gunicorn or uWSGI without preloading,
+    the reloader's child). Any other process (a WSGI server's master
+    importing the app before it forks, a single-process server, a script)
+    starts them on first use instead: first request, first commit, or
+    after a fork in the child.
+    """
+    ctx = click.get_current_context(silent=True)
+    return (ctx is not None and ctx.command.name == "run") or _deployment_of_worker() is not None
+
+
+def _deployment_of_worker() -> str | None:
+    """``host:master pid:master start`` when a master running this same command forked
+    this process (a gunicorn or uWSGI worker); None otherwise, or where ``/proc`` is missing.
+
+    Workers of one deployment share it, a restarted master gives a new one.
+    """
+    ppid = os.getppid()
+    try:
+        with open("/proc/self/cmdline", "rb") as own_file:
+            own = own_file.read()
+        with open(f"/proc/{ppid}/cmdline", "rb") as parent_file:
+            parent = parent_file.read()
+        with open(f"/proc/{ppid}/stat", "rb") as stat_file:
+            stat = stat_file.read()
+    except OSError:
+        return None
+    if not own or own != parent:
+        return None
+    # Field 22, the start time; fields are counted after the ")" that ends the name.
+    started = stat.rsplit(b")", 1)[-1].split()[19].decode()
+    return f"{socket.gethostname()}:{ppid}:{started}"
+
+
 def _restart_schedulers_in_child() -> None:
     # Only the forking thread survives: a lock another thread held at the
     # fork would stay locked forever, so each state gets a fresh one. The
-    # parent's scheduler thread is gone too.
+    # parent's scheduler thread is gone too. A serving app starts its jobs
+    # in the child: a master that forks workers (gunicorn --preload) is
+    # where the app was imported, the child is where it is served.
     for state in list(_all_states):
         state._lock = threading.Lock()
-        if state.scheduler is not None:
+        if state.scheduler is not None or state.serving:
             state.scheduler = None
             try:
                 state.start_scheduler()
@@ -464,7 +577,10 @@ class OutboxMail:
             os.register_at_fork(after_in_child=_restart_schedulers_in_child)
             _atexit_registered = True
         if config.run_scheduler and _serving_process(app):
-            state.start_scheduler()
+            state.serving = True
+            app.before_request(state.ensure_started)
+            if _start_at_once(app):
+                state.start_scheduler()
 
     # -- state --------------------------------------------------------------------
 
@@ -566,8 +682,13 @@ class OutboxMail:
     def stop(self, timeout: float = 10) -> None:
         """Stop this process's delivery threads for every app; idempotent.
 
-        Sends in flight get ``timeout`` seconds to finish; rows not finished
-        stay ``sending`` until their lease expires and the sweep takes them.
+        Sends in flight get ``timeout`` seconds to finish (after half of it,
+        messages not yet handed to the server are given back). What this
+        process gives back, or had been handed after a commit and never
+        claimed, is ``queued`` and marked so the next sweep of any process
+        takes it whatever its age; rows still being sent past the timeout
+        stay ``sending`` until their lease expires and a sweep takes them.
+        Logs at INFO what it gave back and what takes it.
         """
         for state in list(_all_states):
             if state.ext is self:
@@ -670,6 +791,7 @@ class OutboxMail:
     def wait_sweep(self, timeout: float) -> SweepReport | None:
         """Wait for this process's startup sweep; its report, or None (not run, failed)."""
         state = self._state()
+        state.ensure_started()
         scheduler = state.scheduler
         if scheduler is None:
             return None

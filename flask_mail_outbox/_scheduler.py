@@ -12,6 +12,7 @@ scheduler.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -32,8 +33,9 @@ logger = logging.getLogger(__name__)
 class SweepScheduler:
     """Startup and periodic sweeps for one app in one process."""
 
-    def __init__(self, state: _AppState) -> None:
+    def __init__(self, state: _AppState, *, start_dispatcher: bool = True) -> None:
         self.state = state
+        self.start_dispatcher = start_dispatcher
         self.pid = os.getpid()
         self.startup_done = threading.Event()
         self.startup_report: SweepReport | None = None
@@ -46,6 +48,11 @@ class SweepScheduler:
 
         config = self.state.config
         scheduler = BackgroundScheduler(daemon=True, timezone=UTC)
+        if config.run_worker and self.start_dispatcher:
+            # Its own job, at once: the dispatcher never waits for (or on) a sweep.
+            scheduler.add_job(self._start_dispatcher_if_durable, "date",
+                              run_date=datetime.now(UTC), id="outbox-start-dispatcher",
+                              misfire_grace_time=None)
         if config.sweep_on_startup:
             # A moment after start: an app that creates its tables right after
             # init_app (development) has done so by then.
@@ -60,6 +67,7 @@ class SweepScheduler:
                           misfire_grace_time=None)
         scheduler.start()
         self._scheduler = scheduler
+        logger.info("Outbox sweep jobs started (pid %d)", self.pid)
 
     def stop(self) -> None:
         """Shut the scheduler down without waiting for a running job."""
@@ -70,15 +78,36 @@ class SweepScheduler:
 
     def _startup_sweep(self) -> None:
         try:
-            self._start_dispatcher_if_durable()
-            self.startup_report = self._sweep("startup")
+            if self._first_of_deployment():
+                self.startup_report = self._sweep("startup")
         finally:
             self.startup_done.set()
 
+    def _first_of_deployment(self) -> bool:
+        """Whether this process runs its deployment's one startup sweep.
+
+        The workers a master forked (gunicorn, uWSGI) share a deployment (see
+        ``_deployment_of_worker``): the first to ask runs the sweep, the others
+        skip it (it is idempotent: one is enough). A process that is no such
+        worker always runs its own.
+        """
+        deployment = self.state.deployment
+        if deployment is None:
+            return True
+        digest = hashlib.sha1(deployment.encode()).hexdigest()
+        try:
+            first = self.state.runtime().store.claim_startup_sweep(digest)
+        except Exception as exc:  # noqa: BLE001 - durability: ok the sweep runs, and reports its own failure
+            logger.info("Could not claim the deployment's startup sweep (%s); this process "
+                        "runs one", type(exc).__name__)
+            return True
+        if not first:
+            logger.info("Outbox startup sweep skipped in pid %d: another worker of this "
+                        "deployment (master pid %d) runs it", os.getpid(), os.getppid())
+        return first
+
     def _start_dispatcher_if_durable(self) -> None:
         """A serving process in durable mode runs its dispatcher from the start."""
-        if not self.state.config.run_worker:
-            return
         try:
             if self.state.durable():
                 self.state.runtime().ensure_dispatcher().wake()
@@ -118,7 +147,7 @@ class SweepScheduler:
 
     def _sweep(self, kind: str, *, heal: bool = True) -> SweepReport | None:
         try:
-            report = run_sweep(self.state, heal=heal, periodic=kind == "periodic")
+            report = run_sweep(self.state, heal=heal, kind=kind)
         except Exception as exc:  # noqa: BLE001 - reported; a sweep never kills the app
             self.state.faults.failing("sweep", **self._failure(kind), exc=exc)
             return None

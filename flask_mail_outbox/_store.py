@@ -52,6 +52,12 @@ from ._models import (
 logger = logging.getLogger(__name__)
 
 _OPEN = (Status.QUEUED.value, Status.SENDING.value)
+
+#: ``lease_owner`` of a ``queued`` row that a stopping process gave back, or
+#: had been handed after a commit and never claimed: provably in flight
+#: nowhere, so the sweep takes it whatever its age. No claim owner looks like
+#: it (those are ``host:pid:n:hex``), and a claim overwrites it.
+GIVEN_BACK = "given-back"
 # Delivery tries a key's lock (see key_lock()) and never waits for it: a
 # producer holds it for its whole request. In SQL over ``unnest(...) AS k(key)``.
 _TRY_KEY_LOCK_PG = "pg_try_advisory_xact_lock(hashtextextended(k.key, 0))"
@@ -792,6 +798,66 @@ class Store:
         recorded, _ = self.record(outcomes)
         return len(recorded)
 
+    def release_ids(self, claimed: Sequence[ClaimedEmail]) -> list[int]:
+        """:meth:`release`, returning the ids given back."""
+        outcomes = [Outcome(email, Status.QUEUED, give_back_attempt=True) for email in claimed]
+        recorded, _ = self.record(outcomes)
+        return [outcome.email.id for outcome in recorded]
+
+    def mark_given_back(self, ids: Sequence[int]) -> int:
+        """Mark ``queued`` rows of ``ids`` as given back (see :data:`GIVEN_BACK`); how many.
+
+        Only unleased queued rows change: one another process claimed meanwhile
+        is its business.
+        """
+        t = email_table
+        marked = 0
+        unique = sorted(set(ids))
+        with self.write() as conn:
+            for start in range(0, len(unique), 500):
+                chunk = unique[start:start + 500]
+                marked += conn.execute(
+                    t.update().where(t.c.id.in_(chunk), t.c.status == Status.QUEUED.value,
+                                     t.c.lease_owner.is_(None))
+                    .values(lease_owner=GIVEN_BACK)).rowcount
+        return marked
+
+    def age_gated(self, *, min_age_seconds: float) -> tuple[int, datetime | None, datetime]:
+        """Due queued rows the age gate keeps from a sweep: (count, oldest created_at, now).
+
+        Rows marked :data:`GIVEN_BACK` are not gated. Reads the sweep's partial index.
+        """
+        t = email_table
+        cutoff = self._sweep_cutoff(min_age_seconds)
+        with self.read() as conn:
+            row = conn.execute(
+                sa.select(sa.func.count(), sa.func.min(t.c.created_at))
+                .where(self._claimable(), t.c.created_at > cutoff,
+                       sa.or_(t.c.lease_owner.is_(None), t.c.lease_owner != GIVEN_BACK))
+            ).one()
+            now = conn.execute(sa.select(self.now_expr())).scalar_one()
+        return int(row[0]), row[1], now
+
+    def claim_startup_sweep(self, deployment: str) -> bool:
+        """Whether this process runs the startup sweep of ``deployment`` (the first asks wins).
+
+        An insert of a setting named after the deployment: the primary key
+        lets one process in. Claims older than a day are deleted meanwhile.
+        """
+        t = setting_table
+        name = "startup_sweep:" + deployment
+        with self.write() as conn:
+            conn.execute(t.delete().where(
+                t.c.name.startswith("startup_sweep:", autoescape=True),
+                t.c.updated_at < self.later_expr(-86400)))
+        try:
+            with self.write() as conn:
+                conn.execute(t.insert().values(name=name, value=json.dumps(True),
+                                               updated_at=self.now_expr()))
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
     def retry_failed(self, email_id: int) -> bool:
         """Put a dead letter back: ``queued``, attempts 0, due now. False if not failed.
 
@@ -922,24 +988,34 @@ class Store:
         """
         t = email_table
         now = self.now_expr()
-        if self.is_postgres:
-            cutoff: Any = now - sa.literal(timedelta(seconds=min_age_seconds), sa.Interval())
-        else:
-            cutoff = sa.literal(self.clock() - timedelta(seconds=min_age_seconds),
-                                sa.DateTime())
+        cutoff = self._sweep_cutoff(min_age_seconds)
         queued = (sa.select(t.c.id, t.c.status, t.c.created_at)
                   .where(self._claimable(), t.c.created_at <= cutoff)
                   .order_by(t.c.created_at, t.c.id).limit(limit))
+        # Given back by a stopping process: in flight nowhere, so not age-gated.
+        # They are few and young: the scan reads the queued rows' partial index.
+        given_back = (sa.select(t.c.id, t.c.status, t.c.created_at)
+                      .where(self._claimable(), t.c.created_at > cutoff,
+                             t.c.lease_owner == GIVEN_BACK)
+                      .order_by(t.c.created_at, t.c.id).limit(limit))
         expired = (sa.select(t.c.id, t.c.status, t.c.created_at)
                    .where(t.c.status == Status.SENDING.value, t.c.lease_expires_at < now)
                    .order_by(t.c.created_at, t.c.id).limit(limit))
-        both = sa.union_all(queued.subquery().select(), expired.subquery().select()).subquery()
+        both = sa.union_all(queued.subquery().select(), given_back.subquery().select(),
+                            expired.subquery().select()).subquery()
         with self.read() as conn:
             rows = conn.execute(
                 sa.select(both.c.id, both.c.status)
                 .order_by(both.c.created_at, both.c.id).limit(limit)
             ).all()
         return [(int(row.id), str(row.status)) for row in rows]
+
+    def _sweep_cutoff(self, min_age_seconds: float) -> Any:
+        """The age gate: rows created at or before this are old enough for a sweep."""
+        if self.is_postgres:
+            return self.now_expr() - sa.literal(timedelta(seconds=min_age_seconds),
+                                                sa.Interval())
+        return sa.literal(self.clock() - timedelta(seconds=min_age_seconds), sa.DateTime())
 
     def delete_sent(self, *, older_than: datetime, batch: int, dry_run: bool = False) -> int:
         """Delete up to ``batch`` ``sent`` rows sent before ``older_than``; returns how many."""

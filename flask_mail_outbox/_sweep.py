@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from . import _degrade
@@ -41,7 +42,10 @@ class SweepReport:
     (durable mode); ``sent``; ``failed``: could not be delivered in this sweep
     (dead-lettered, or left queued after a transient failure); ``skipped``:
     taken but owned by another delivery; ``truncated``: more rows were waiting
-    beyond the batch.
+    beyond the batch; ``kind``: ``startup``, ``periodic`` or ``manual``;
+    ``age_gated``: due queued rows left alone because they are younger than the
+    age gate (they may be in flight in another process), and
+    ``age_gated_until``: when the oldest of them becomes eligible.
     """
 
     scanned: int = 0
@@ -54,6 +58,9 @@ class SweepReport:
     dry_run: bool = False
     started_at: str = ""
     duration_seconds: float = 0.0
+    kind: str = "manual"
+    age_gated: int = 0
+    age_gated_until: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain JSON-able values."""
@@ -67,13 +74,14 @@ class SweepReport:
 
 
 def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | None = None,
-              dry_run: bool = False, heal: bool = True, periodic: bool = False) -> SweepReport:
+              dry_run: bool = False, heal: bool = True, kind: str = "manual") -> SweepReport:
     """One sweep for ``state``'s app in this process; raises if the database fails.
 
     ``heal`` also gives keys left without a head (a promotion lost with its
-    process) their oldest email as head. A ``periodic`` sweep that finds
-    nothing stays quiet: no INFO line, no stored report, so an idle process
-    costs only the sweep's one query.
+    process) their oldest email as head. Every sweep but a dry run stores its
+    report (one that found nothing too: status shows when sweeps last ran). A
+    ``periodic`` sweep that finds nothing logs at DEBUG only and does not
+    count the rows under the age gate.
     """
     config = state.config
     min_age = config.sweep_min_age_seconds if min_age is None else min_age
@@ -99,10 +107,15 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
     ids = [email_id for email_id, _ in candidates]
     expired = [email_id for email_id, status in candidates if status == Status.SENDING.value]
     fields: dict[str, Any] = {"scanned": len(ids), "truncated": truncated, "mode": mode,
-                              "dry_run": dry_run, "started_at": started_at}
+                              "dry_run": dry_run, "started_at": started_at, "kind": kind}
+    quiet = kind == "periodic" and not ids
+    if not quiet:
+        fields.update(_age_gated(state, float(min_age)))
     if dry_run or not ids:
-        report = SweepReport(**fields, duration_seconds=time.monotonic() - started)
-        if periodic and not ids:
+        report = SweepReport(**fields, duration_seconds=_elapsed(started))
+        if not dry_run:
+            _store_report(state, report)
+        if quiet:
             logger.debug("Periodic outbox sweep: nothing to take")
             return report
         _log(report, state)
@@ -124,7 +137,7 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
         report = SweepReport(**fields, requeued=len(ids) - len(expired) + requeued,
                              failed=failed_now,
                              skipped=len(expired) - requeued - failed_now,
-                             duration_seconds=time.monotonic() - started)
+                             duration_seconds=_elapsed(started))
     else:
         # Dead-lettered by the reap: counted as failed, not offered for delivery.
         spent = set(reaped.failed) if reaped is not None else set()
@@ -140,22 +153,47 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
         # Keys advanced by this sweep: their next emails go out now, not next sweep.
         runtime.inline.submit(store.take_promoted())
         report = SweepReport(**fields, sent=sent, failed=failed, skipped=skipped,
-                             duration_seconds=time.monotonic() - started)
-    try:
-        store.set_setting(LAST_SWEEP_SETTING, report.as_dict())
-    except Exception as exc:  # noqa: BLE001 - the report is for status output only
-        logger.error("Could not store the sweep report (status will show an older one): %s",
-                     exc)
+                             duration_seconds=_elapsed(started))
+    _store_report(state, report)
     _log(report, state)
     return report
 
 
+def _elapsed(started: float) -> float:
+    """Seconds since ``started``, to the millisecond (a person reads it)."""
+    return round(time.monotonic() - started, 3)
+
+
+def _age_gated(state: _AppState, min_age: float) -> dict[str, Any]:
+    """The report's ``age_gated`` fields: what the age gate kept from this sweep."""
+    count, oldest, now = state.runtime().store.age_gated(min_age_seconds=min_age)
+    if not count or oldest is None:
+        return {"age_gated": 0, "age_gated_until": None}
+    eligible = max(oldest + timedelta(seconds=min_age), now)
+    return {"age_gated": count,
+            "age_gated_until": eligible.isoformat(timespec="seconds") + "Z"}
+
+
+def _store_report(state: _AppState, report: SweepReport) -> None:
+    try:
+        state.runtime().store.set_setting(LAST_SWEEP_SETTING, report.as_dict())
+    except Exception as exc:  # noqa: BLE001 - the report is for status output only
+        logger.error("Could not store the sweep report (status will show an older one): %s",
+                     exc)
+
+
 def _log(report: SweepReport, state: _AppState) -> None:
+    gated = ""
+    if report.age_gated:
+        gated = (f"; left {report.age_gated} younger queued email(s) to the age gate "
+                 "(they may be in flight in another process), the oldest eligible at "
+                 f"{report.age_gated_until}")
     logger.info(
-        "Outbox sweep (%s%s): scanned=%d requeued=%d sent=%d failed=%d skipped=%d "
-        "truncated=%s in %.2f s", report.mode, ", dry run" if report.dry_run else "",
+        "Outbox sweep (%s, %s%s): scanned=%d requeued=%d sent=%d failed=%d skipped=%d "
+        "truncated=%s in %.3f s%s", report.kind, report.mode,
+        ", dry run" if report.dry_run else "",
         report.scanned, report.requeued, report.sent, report.failed, report.skipped,
-        report.truncated, report.duration_seconds)
+        report.truncated, report.duration_seconds, gated)
     if report.dry_run:
         return
     interval = state.config.sweep_interval_for(report.mode == "durable")

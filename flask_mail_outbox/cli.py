@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 from flask import current_app
@@ -21,6 +23,57 @@ if TYPE_CHECKING:
 
 outbox_cli = AppGroup("outbox", help="Inspect and operate the email outbox.")
 
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _log_level_option(command: _F) -> _F:
+    """``--log-level``: a CLI command is an entry point, so it may set up logging.
+
+    When the root logger has no handler (the app configures no logging), the
+    library's records at that level (default INFO) go to stderr; otherwise
+    the app's handlers stay in charge and only the library's level is set
+    when the option is given.
+    """
+    # In the command's body, so after the app (and whatever logging it sets up) loaded.
+    @functools.wraps(command)
+    def configured(*args: Any, log_level: str | None = None, **kwargs: Any) -> Any:
+        _configure_logging(log_level)
+        return command(*args, **kwargs)
+
+    return cast(_F, click.option(
+        "--log-level", type=click.Choice(_LOG_LEVELS, case_sensitive=False), default=None,
+        help="Level of the outbox's log lines (default info, to stderr when the app "
+             "configures no logging).")(configured))
+
+
+def _configure_logging(level: str | None) -> None:
+    library = logging.getLogger("flask_mail_outbox")
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"))
+        root.addHandler(handler)
+        library.setLevel((level or "info").upper())
+    elif level is not None:
+        library.setLevel(level.upper())
+
+
+def _log_start(command: str, *, mode: str, concurrency: int | None = None) -> None:
+    """One INFO line: which database, transport, mode and concurrency (no password)."""
+    state = current_app.extensions["mail_outbox"]
+    with current_app.app_context():
+        url = state.db.engine.url.render_as_string(hide_password=True)
+    config = state.config
+    transport = "memory (MAIL_SUPPRESS_SEND)" if config.suppress_send else config.transport
+    if transport == "smtp":
+        transport = f"smtp {config.smtp.host}:{config.smtp.port}"
+    logging.getLogger("flask_mail_outbox.cli").info(
+        "flask outbox %s (pid %d): database %s, transport %s, mode %s%s", command,
+        os.getpid(), url, transport, mode,
+        "" if concurrency is None else f", concurrency {concurrency}")
+
 
 def _extension() -> OutboxMail:
     state = current_app.extensions.get("mail_outbox")
@@ -33,6 +86,7 @@ def _extension() -> OutboxMail:
 
 
 @outbox_cli.command("send-test")
+@_log_level_option
 @click.option("--to", "to", required=True, metavar="ADDRESS", help="Recipient address.")
 @click.option("--subject", default="flask-mail-outbox test email", show_default=True)
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=60.0,
@@ -71,6 +125,7 @@ def _state() -> Any:
 
 
 @outbox_cli.command("worker")
+@_log_level_option
 @click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True,
               help="Concurrent SMTP connections (sends in flight) in this process.")
 @click.option("--once", is_flag=True, help="Deliver what is due now, then exit 0.")
@@ -90,8 +145,11 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
     runtime = state.runtime()
     dispatcher = runtime.ensure_dispatcher(start_thread=False)
     log = logging.getLogger("flask_mail_outbox.worker")
+    _log_start("worker" + (" --once" if once else ""), mode="durable (a worker always is)",
+               concurrency=state.concurrency)
     if not once and state.config.run_scheduler:
-        state.start_scheduler()  # the startup sweep, as in any serving process
+        # The startup sweep, as in any serving process; the dispatcher is this loop.
+        state.start_scheduler(start_dispatcher=False)
     if once:
         delivered = 0
         try:
@@ -132,6 +190,7 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
 
 
 @outbox_cli.command("durable")
+@_log_level_option
 @click.argument("action", type=click.Choice(["on", "off", "status"]))
 def durable(action: str) -> None:
     """Switch every process sharing the database to durable (on) or inline (off) delivery."""
@@ -153,6 +212,7 @@ def _print_report(report: Any) -> None:
 
 
 @outbox_cli.command("sweep")
+@_log_level_option
 @click.option("--min-age", type=click.FloatRange(0), default=None,
               help="Seconds a queued row must have waited (default OUTBOX_SWEEP_MIN_AGE_SECONDS).")
 @click.option("--limit", type=click.IntRange(1), default=None,
@@ -161,6 +221,9 @@ def _print_report(report: Any) -> None:
 def sweep(min_age: float | None, limit: int | None, dry_run: bool) -> None:
     """Take rows left behind by a crash or a failed hand-over; exit 1 if any failed."""
     mail = _extension()
+    _log_start("sweep" + (" --dry-run" if dry_run else ""),
+               mode="durable" if mail.durable else "inline",
+               concurrency=_state().concurrency)
     try:
         report = mail.sweep(min_age=min_age, limit=limit, dry_run=dry_run)
     finally:
@@ -172,6 +235,7 @@ def sweep(min_age: float | None, limit: int | None, dry_run: bool) -> None:
 
 
 @outbox_cli.command("status")
+@_log_level_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(as_json: bool) -> None:
     """Rows per status, the oldest queued row's age, the mode and the last sweep."""
@@ -202,10 +266,13 @@ def status(as_json: bool) -> None:
     if last is None:
         click.echo("last sweep: never")
     else:
-        click.echo(f"last sweep: {last['started_at']} ({last['mode']}): scanned "
+        kind = f", {last['kind']}" if last.get("kind") else ""
+        gated = (f", {last['age_gated']} younger under the age gate until "
+                 f"{last['age_gated_until']}" if last.get("age_gated") else "")
+        click.echo(f"last sweep: {last['started_at']} ({last['mode']}{kind}): scanned "
                    f"{last['scanned']}, requeued {last['requeued']}, sent {last['sent']}, "
                    f"failed {last['failed']}, skipped {last['skipped']}, truncated "
-                   f"{last['truncated']}")
+                   f"{last['truncated']}{gated}")
 
 
 @outbox_cli.group("dlq")
@@ -214,6 +281,7 @@ def dlq() -> None:
 
 
 @dlq.command("list")
+@_log_level_option
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
 def dlq_list(limit: int) -> None:
     """The newest dead letters with their last error."""
@@ -233,6 +301,7 @@ def dlq_list(limit: int) -> None:
 
 
 @dlq.command("retry")
+@_log_level_option
 @click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
 @click.option("--all", "retry_all", is_flag=True, help="Every dead letter.")
 def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
@@ -259,6 +328,7 @@ def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
 
 
 @dlq.command("purge")
+@_log_level_option
 @click.option("--older-than", "days", type=click.FloatRange(0), default=None,
               help="Only emails dead-lettered more than DAYS ago.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
@@ -279,6 +349,7 @@ def dlq_purge(days: float | None, yes: bool) -> None:
 
 
 @outbox_cli.command("purge")
+@_log_level_option
 @click.option("--older-than", "days", type=click.FloatRange(0, min_open=True), required=True,
               help="Delete sent emails sent more than DAYS ago.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")

@@ -245,7 +245,7 @@ class _FaultSMTP(SMTP):
         """Count the session (once; STARTTLS calls this again) and start it."""
         if not self._registered:
             self._registered = True
-            self._owner._session_opened(self)
+            self._owner._session_opened(self, transport.get_extra_info("peername"))
         super().connection_made(transport)
 
     def connection_lost(self, error: Exception | None) -> None:
@@ -642,6 +642,8 @@ class FaultSMTPServer:
         self._data_attempts = 0
         self._auth_attempts = 0
         self._sessions: set[_FaultSMTP] = set()
+        self._peers: list[tuple[str, int]] = []
+        self._on_connect: Callable[[tuple[str, int]], None] | None = None
 
         # scripting
         self._rules: dict[Phase, list[_Rule]] = {}
@@ -1023,7 +1025,25 @@ class FaultSMTPServer:
             authenticator=handler.authenticate,
         )
 
-    def _session_opened(self, session: _FaultSMTP) -> None:
+    def on_connect(self, callback: Callable[[tuple[str, int]], None] | None) -> None:
+        """Call ``callback(peer)`` at each new connection, in the server's thread, while
+        the client's socket is certainly open (e.g. to find which process opened it)."""
+        with self._cond:
+            self._on_connect = callback
+
+    @property
+    def peers(self) -> list[tuple[str, int]]:
+        """The client address and port of every connection, in order."""
+        with self._cond:
+            return list(self._peers)
+
+    def _session_opened(self, session: _FaultSMTP, peer: Any = None) -> None:
+        with self._cond:
+            callback = self._on_connect
+            if peer is not None:
+                self._peers.append((str(peer[0]), int(peer[1])))
+        if callback is not None and peer is not None:
+            callback((str(peer[0]), int(peer[1])))
         with self._cond:
             self._sessions.add(session)
             self._connections += 1

@@ -30,7 +30,8 @@ REPO = TESTS.parent
 
 STATUS_FIELDS = {"counts", "oldest_queued_age_seconds", "dead_letters", "mode", "last_sweep"}
 SWEEP_FIELDS = {"scanned", "requeued", "sent", "failed", "skipped", "truncated", "mode",
-                "dry_run", "started_at", "duration_seconds"}
+                "dry_run", "started_at", "duration_seconds", "kind", "age_gated",
+                "age_gated_until"}
 DISPATCHER_FIELDS = {"running", "ticks", "last_tick_failed", "listening"}
 
 

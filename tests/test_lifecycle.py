@@ -1,0 +1,202 @@
+"""Issue 15 in one process: what stop() gives back, the lazy start, the start-up dispatcher,
+the stored empty sweep, the CLI's logging and start line, rounded figures.
+
+The gunicorn deployments themselves are in tests/test_deploy.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from conftest import MakeApps, db, poll, rows
+from smtpserver import FaultSMTPServer
+
+from flask_mail_outbox import Message, OutboxMail
+from flask_mail_outbox._store import GIVEN_BACK
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def _queue(mail: OutboxMail, count: int, subject: str = "m") -> list[int]:
+    ids = [mail.send(Message(f"{subject}{i}", recipients=["a@example.com"], body="x"))
+           for i in range(count)]
+    db.session.commit()
+    return ids
+
+
+def test_stop_gives_back_what_it_held_and_the_next_sweep_takes_it_at_once(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rows handed over after commit and never claimed are marked at stop(); the
+    next sweep, with the 300 s age gate, sends them; a row no process gave back
+    stays under the gate, and the sweep's line says how many and until when."""
+    caplog.set_level(logging.INFO, logger="flask_mail_outbox")
+    smtp_server.hold()
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_BATCH_SIZE=1)
+    with app.app_context():
+        ids = _queue(mail, 3)
+        assert smtp_server.wait_held(1)  # the first is in DATA; two wait in memory
+        mail.stop(timeout=1)
+    # The third waited in memory: given back by stop(). The second was claimed ahead
+    # beside the batch in flight: given back when that batch ends, after stop().
+    [stop_line] = [r for r in caplog.records
+                   if r.getMessage().startswith("Outbox delivery stopped")]
+    assert stop_line.levelno == logging.INFO
+    assert f"gave back 1 unsent email(s) [{ids[2]}]" in stop_line.getMessage()
+    assert "1 email(s) still being sent" in stop_line.getMessage()
+    smtp_server.release()
+    assert smtp_server.wait_for(1)
+    current = poll(lambda: rows(app), lambda rs: rs[1]["lease_owner"] == GIVEN_BACK,
+                   timeout=10)
+    assert [(r["status"], r["lease_owner"]) for r in current] == [
+        ("sent", None), ("queued", GIVEN_BACK), ("queued", GIVEN_BACK)]
+    assert any(f"gave back 1 more unsent email(s) [{ids[1]}] after stop" in r.getMessage()
+               for r in caplog.records)
+
+    # A row nobody gave back (its process died, or it still holds it in memory).
+    other, other_mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    with other.app_context():
+        db.session.execute(sa.text(
+            "UPDATE outbox_email SET lease_owner = NULL WHERE id = :id"), {"id": ids[2]})
+        db.session.commit()
+        caplog.clear()
+        report = other_mail.sweep()  # the default age gate, 300 s
+        assert other_mail.wait_idle(10)
+    assert (report.scanned, report.sent, report.age_gated) == (1, 1, 1)
+    assert report.age_gated_until is not None
+    assert [r["status"] for r in rows(app)] == ["sent", "sent", "queued"]
+    [line] = [r.getMessage() for r in caplog.records
+              if r.getMessage().startswith("Outbox sweep (manual")]
+    assert "left 1 younger queued email(s) to the age gate" in line
+    assert report.age_gated_until in line
+
+
+def test_stop_with_nothing_held_says_so_at_info(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="flask_mail_outbox")
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    with app.app_context():
+        _queue(mail, 2)
+        assert smtp_server.wait_for(2) and mail.wait_idle(10)
+    mail.stop()
+    lines = [r for r in caplog.records if r.getMessage().startswith("Outbox delivery stopped")]
+    assert [(r.levelno, "nothing given back, nothing in flight" in r.getMessage())
+            for r in lines] == [(logging.INFO, True)]
+
+
+def test_a_serving_process_starts_its_jobs_on_first_use_not_at_import(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    """init_app outside a command (a WSGI server importing the app, perhaps a master
+    that will fork) starts nothing; the first request does."""
+    app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                       OUTBOX_RUN_SCHEDULER=True)
+    state = app.extensions["mail_outbox"]
+    assert state.serving and state.scheduler is None and state.current_runtime() is None
+
+    @app.get("/ping")
+    def ping() -> str:
+        return "pong"
+
+    with app.test_client() as client:
+        assert client.get("/ping").get_data(as_text=True) == "pong"
+    assert state.scheduler is not None and state.scheduler.pid == os.getpid()
+
+
+def test_durable_without_startup_sweep_runs_its_dispatcher_from_the_start(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    """A row committed by another process (here: another app, no NOTIFY) is delivered
+    by this serving process's dispatcher with no local commit and no sweep."""
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_RUN_SCHEDULER=True, OUTBOX_SWEEP_ON_STARTUP=False,
+                          OUTBOX_DURABLE=True, OUTBOX_LISTEN=False,
+                          OUTBOX_POLL_MAX_INTERVAL=0.5)
+    app.extensions["mail_outbox"].ensure_started()  # as the first request does
+    with app.app_context():
+        stats = poll(mail.stats, lambda s: s["dispatcher"] is not None
+                     and s["dispatcher"]["running"], timeout=10)
+    assert stats["dispatcher"] is not None and stats["dispatcher"]["running"]
+    script, script_mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                                    OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                                    OUTBOX_LISTEN=False)
+    with script.app_context():
+        _queue(script_mail, 2, "from a script ")
+    assert smtp_server.wait_for(2, timeout=20)
+    assert poll(lambda: rows(app), lambda rs: {r["status"] for r in rs} == {"sent"},
+                timeout=10)
+    with app.app_context():
+        assert mail.stats()["last_sweep"] is None  # no sweep took them
+
+
+def test_a_sweep_that_found_nothing_is_stored_and_shown(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_RUN_SCHEDULER=True)
+    with app.app_context():
+        report = mail.wait_sweep(20)  # the startup sweep, which finds nothing
+        assert report is not None and report.scanned == 0 and report.kind == "startup"
+        assert mail.stats()["last_sweep"] == report.as_dict()
+    result = app.test_cli_runner().invoke(args=["outbox", "status"])
+    assert result.exit_code == 0, result.output
+    last = result.output.splitlines()[-1]
+    assert last.startswith(f"last sweep: {report.started_at} (inline, startup): scanned 0")
+    assert report.duration_seconds == round(report.duration_seconds, 3)
+
+
+def test_a_periodic_sweep_that_found_nothing_is_stored_too(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    from flask_mail_outbox._sweep import run_sweep
+
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    report = run_sweep(app.extensions["mail_outbox"], kind="periodic")
+    with app.app_context():
+        assert mail.stats()["last_sweep"] == report.as_dict()
+    assert report.kind == "periodic" and report.scanned == 0
+
+
+def _flask(db_url: str, smtp_port: int, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{REPO}",
+           "DEPLOY_DB_URL": db_url, "DEPLOY_SMTP_PORT": str(smtp_port)}
+    return subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "gunicorn_app:create_app", "outbox", *args],
+        env=env, cwd=str(TESTS), capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_cli_commands_log_a_start_line_without_the_password(
+        backend: str, make_apps: MakeApps, db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """An app that configures no logging: the worker still says what it runs."""
+    # The tables, and one email this process leaves to the worker.
+    app, mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False)
+    with app.app_context():
+        _queue(mail, 1)
+    url = db_url
+    if backend == "postgresql":
+        url = sa.make_url(db_url).set(password="s3cret-pw").render_as_string(
+            hide_password=False)
+    done = _flask(url, smtp_server.port, "worker", "--once")
+    assert done.returncode == 0, done.stderr
+    assert smtp_server.wait_for(1)
+    start = [line for line in done.stderr.splitlines() if "flask outbox worker --once (pid" in line]
+    assert len(start) == 1, done.stderr
+    assert " INFO flask_mail_outbox.cli " in start[0]
+    assert f"transport smtp 127.0.0.1:{smtp_server.port}" in start[0]
+    assert "mode durable" in start[0] and "concurrency 4" in start[0]
+    assert "s3cret-pw" not in done.stderr and "s3cret-pw" not in done.stdout
+    if backend == "postgresql":
+        assert ":***@" in start[0]
+    else:
+        assert f"database {db_url}" in start[0]
+
+    quiet = _flask(url, smtp_server.port, "sweep", "--log-level", "warning")
+    assert quiet.returncode == 0, quiet.stderr
+    assert " INFO " not in quiet.stderr and "scanned" in quiet.stdout
+    loud = _flask(url, smtp_server.port, "sweep")
+    assert "Outbox sweep (manual, inline)" in loud.stderr, loud.stderr
