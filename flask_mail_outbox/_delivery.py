@@ -273,6 +273,24 @@ class DeliveryRoute:
                     os.getpid(), len(released), len(current) - len(unstarted))
         return len(released)
 
+    def mark_given_back(self, ids: list[int], *, when: str) -> int | None:
+        """Mark ``ids`` given back for any process's next sweep; how many, None if it failed.
+
+        A failure is reported here: the rows are queued either way, only later.
+        """
+        try:
+            return self.store.mark_given_back(ids)
+        except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
+            _degrade.report(
+                f"Could not mark {len(ids)} email(s) {ids[:20]} given back {when}",
+                consequence="they stay queued and wait for the age gate: a sweep takes them "
+                            "OUTBOX_SWEEP_MIN_AGE_SECONDS "
+                            f"({self.config.sweep_min_age_seconds:g} s) after they were created",
+                fix="check the database connection; once every process that could hold them "
+                    "has stopped or restarted, `flask outbox sweep --min-age 0` sends them now",
+                exc=exc)
+            return None
+
     def note_given_back(self, ids: list[int]) -> None:
         """Keep ids given back at stop for stop()'s mark, or mark them now if it is past."""
         if not ids:
@@ -281,16 +299,8 @@ class DeliveryRoute:
             if not self.mark_at_once:
                 self.given_back.extend(ids)
                 return
-        try:
-            marked = self.store.mark_given_back(ids)
-        except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
-            _degrade.report(
-                f"Could not mark {len(ids)} email(s) {ids[:20]} given back after stop",
-                consequence="they stay queued and a sweep takes them only "
-                            "OUTBOX_SWEEP_MIN_AGE_SECONDS after they were created",
-                fix="check the database connection; once every process that could hold "
-                    "them has stopped, `flask outbox sweep --min-age 0` sends them now",
-                exc=exc)
+        marked = self.mark_given_back(ids, when="after stop")
+        if marked is None:
             return
         logger.info("Outbox delivery gave back %d more unsent email(s) %s after stop, "
                     "marked for the next sweep of any process", marked, ids[:20])

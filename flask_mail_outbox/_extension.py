@@ -273,17 +273,8 @@ class _Runtime:
                        "Outbox delivery stopped (pid %d): nothing given back%s", pid,
                        still or ", nothing in flight")
             return
-        try:
-            marked = self.store.mark_given_back(ids)
-        except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
-            _degrade.report(
-                f"Could not mark {len(ids)} email(s) {ids[:20]} given back at stop",
-                consequence="they stay queued and wait for the age gate: a sweep takes them "
-                            f"OUTBOX_SWEEP_MIN_AGE_SECONDS ({config.sweep_min_age_seconds:g} s) "
-                            "after they were created",
-                fix="check the database connection; once every process that could hold them "
-                    "has stopped or restarted, `flask outbox sweep --min-age 0` sends them now",
-                exc=exc)
+        marked = self.route.mark_given_back(ids, when="at stop")
+        if marked is None:
             return
         interval = config.sweep_interval_for(False)
         logger.info(

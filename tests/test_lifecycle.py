@@ -200,3 +200,32 @@ def test_cli_commands_log_a_start_line_without_the_password(
     assert " INFO " not in quiet.stderr and "scanned" in quiet.stdout
     loud = _flask(url, smtp_server.port, "sweep")
     assert "Outbox sweep (manual, inline)" in loud.stderr, loud.stderr
+
+
+def test_a_mark_the_database_refuses_at_stop_is_an_error_and_loses_nothing(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="flask_mail_outbox")
+    smtp_server.hold()
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_BATCH_SIZE=1)
+    store = app.extensions["mail_outbox"].runtime().store
+
+    def refuse(ids: list[int]) -> int:
+        raise sa.exc.OperationalError("UPDATE outbox_email", {}, Exception("database gone"))
+
+    with app.app_context():
+        ids = _queue(mail, 3)
+        assert smtp_server.wait_held(1)
+        monkeypatch.setattr(store, "mark_given_back", refuse)
+        mail.stop(timeout=1)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
+              and "given back at stop" in r.getMessage()]
+    assert len(errors) == 1 and f"[{ids[2]}]" in errors[0]
+    assert "wait for the age gate" in errors[0]  # the consequence
+    assert "`flask outbox sweep --min-age 0`" in errors[0]  # the fix
+    smtp_server.release()
+    assert smtp_server.wait_for(1)
+    last = poll(lambda: rows(app), lambda rs: rs[1]["status"] == "queued", timeout=10)
+    # Queued and unmarked: nothing lost, only left to the age gate.
+    assert [(r["status"], r["lease_owner"]) for r in last][2] == ("queued", None)
