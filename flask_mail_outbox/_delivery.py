@@ -266,7 +266,7 @@ class DeliveryRoute:
             return 0
         unstarted = [e for e in current if e.id in never]
         self._released_early.update(e.id for e in unstarted)
-        released = self.store.release_ids(unstarted)
+        released = self.store.release(unstarted)
         self.note_given_back(released)
         logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) of the batch "
                     "in flight not yet handed to the server; %d in flight may still finish",
@@ -345,7 +345,7 @@ class DeliveryRoute:
         if not claimed:
             return 0
         try:
-            released = self.store.release_ids(claimed)
+            released = self.store.release(claimed)
             if self.stopping:
                 self.note_given_back(released)
             return len(released)
@@ -363,8 +363,8 @@ class DeliveryRoute:
         failure in both modes: a transient one sets the row's next due time,
         or dead-letters it on its last allowed attempt; a throttled one gives
         the attempt back a bounded number of times. Rows in ``retry_now``
-        (inline mode's in-process retries) are due again at once. With ``hand_on`` the record also claims the
-        emails the batch hands its keys on to (see :class:`HandOn`); their
+        (inline mode's in-process retries) are due again at once. With
+        ``hand_on`` the record also claims the emails the batch hands its keys on to (see :class:`HandOn`); their
         leases are kept alive from then on, until the caller sends them
         (:meth:`deliver_claimed`) or gives them back (:meth:`give_back`).
         """

@@ -304,6 +304,9 @@ class _AppState:
         #: What this process's workers share when a master forked them (see
         #: _deployment_of_worker); None for a process that is no such worker.
         self.deployment: str | None = None
+        #: The last sweep report this process stored was a periodic one that
+        #: found nothing: the next such one need not be stored (see run_sweep).
+        self.quiet_sweep_stored = False
 
     def runtime(self) -> _Runtime:
         """This process's runtime, created on first use and after a fork."""

@@ -792,14 +792,11 @@ class Store:
             return conn.execute(t.update().where(t.c.id.in_(headless.scalar_subquery()))
                                 .values(key_head=True)).rowcount
 
-    def release(self, claimed: Sequence[ClaimedEmail]) -> int:
-        """Give back rows claimed but never handed to the transport (attempt returned)."""
-        outcomes = [Outcome(email, Status.QUEUED, give_back_attempt=True) for email in claimed]
-        recorded, _ = self.record(outcomes)
-        return len(recorded)
+    def release(self, claimed: Sequence[ClaimedEmail]) -> list[int]:
+        """Give back rows claimed but never handed to the transport (attempt returned).
 
-    def release_ids(self, claimed: Sequence[ClaimedEmail]) -> list[int]:
-        """:meth:`release`, returning the ids given back."""
+        Returns the ids given back (a row whose lease another claim took is not).
+        """
         outcomes = [Outcome(email, Status.QUEUED, give_back_attempt=True) for email in claimed]
         recorded, _ = self.record(outcomes)
         return [outcome.email.id for outcome in recorded]
@@ -830,28 +827,27 @@ class Store:
         t = email_table
         cutoff = self._sweep_cutoff(min_age_seconds)
         with self.read() as conn:
-            row = conn.execute(
-                sa.select(sa.func.count(), sa.func.min(t.c.created_at))
+            count, oldest, now = conn.execute(
+                sa.select(sa.func.count(), sa.func.min(t.c.created_at), self.now_expr())
                 .where(self._claimable(), t.c.created_at > cutoff,
                        sa.or_(t.c.lease_owner.is_(None), t.c.lease_owner != GIVEN_BACK))
             ).one()
-            now = conn.execute(sa.select(self.now_expr())).scalar_one()
-        return int(row[0]), row[1], now
+        return int(count), oldest, now
 
     def claim_startup_sweep(self, deployment: str) -> bool:
         """Whether this process runs the startup sweep of ``deployment`` (the first asks wins).
 
         An insert of a setting named after the deployment: the primary key
-        lets one process in. Claims older than a day are deleted meanwhile.
+        lets one process in. Claims older than a day are deleted in the same
+        transaction (a losing insert rolls that back too: the winner did it).
         """
         t = setting_table
         name = "startup_sweep:" + deployment
-        with self.write() as conn:
-            conn.execute(t.delete().where(
-                t.c.name.startswith("startup_sweep:", autoescape=True),
-                t.c.updated_at < self.later_expr(-86400)))
         try:
             with self.write() as conn:
+                conn.execute(t.delete().where(
+                    t.c.name.startswith("startup_sweep:", autoescape=True),
+                    t.c.updated_at < self.later_expr(-86400)))
                 conn.execute(t.insert().values(name=name, value=json.dumps(True),
                                                updated_at=self.now_expr()))
         except sa.exc.IntegrityError:

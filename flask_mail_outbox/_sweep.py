@@ -79,9 +79,10 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
 
     ``heal`` also gives keys left without a head (a promotion lost with its
     process) their oldest email as head. Every sweep but a dry run stores its
-    report (one that found nothing too: status shows when sweeps last ran). A
-    ``periodic`` sweep that finds nothing logs at DEBUG only and does not
-    count the rows under the age gate.
+    report (one that found nothing too: status shows that sweeps ran), except
+    that of a run of periodic sweeps finding nothing only the first is stored,
+    so an idle process writes nothing. A ``periodic`` sweep that finds nothing
+    logs at DEBUG only and does not count the rows under the age gate.
     """
     config = state.config
     min_age = config.sweep_min_age_seconds if min_age is None else min_age
@@ -114,7 +115,7 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
     if dry_run or not ids:
         report = SweepReport(**fields, duration_seconds=_elapsed(started))
         if not dry_run:
-            _store_report(state, report)
+            _store_report(state, report, quiet=quiet)
         if quiet:
             logger.debug("Periodic outbox sweep: nothing to take")
             return report
@@ -174,7 +175,12 @@ def _age_gated(state: _AppState, min_age: float) -> dict[str, Any]:
             "age_gated_until": eligible.isoformat(timespec="seconds") + "Z"}
 
 
-def _store_report(state: _AppState, report: SweepReport) -> None:
+def _store_report(state: _AppState, report: SweepReport, *, quiet: bool = False) -> None:
+    """Store ``report`` as the last sweep's; ``quiet`` (a periodic sweep that found
+    nothing) only when this process's last stored report was not quiet too."""
+    if quiet and state.quiet_sweep_stored:
+        return
+    state.quiet_sweep_stored = quiet
     try:
         state.runtime().store.set_setting(LAST_SWEEP_SETTING, report.as_dict())
     except Exception as exc:  # noqa: BLE001 - the report is for status output only

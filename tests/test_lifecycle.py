@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -156,10 +157,33 @@ def test_a_periodic_sweep_that_found_nothing_is_stored_too(
     from flask_mail_outbox._sweep import run_sweep
 
     app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
-    report = run_sweep(app.extensions["mail_outbox"], kind="periodic")
+    state = app.extensions["mail_outbox"]
+    report = run_sweep(state, kind="periodic")
     with app.app_context():
         assert mail.stats()["last_sweep"] == report.as_dict()
     assert report.kind == "periodic" and report.scanned == 0
+
+    # A run of them stores only its first: an idle process writes nothing each minute.
+    writes: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "outbox_setting" in statement and not statement.lstrip().startswith("SELECT"):
+            writes.append(statement)
+
+    engine = state.runtime().engine
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        run_sweep(state, kind="periodic")
+        assert writes == []
+        with app.app_context():
+            assert mail.stats()["last_sweep"] == report.as_dict()
+        manual = run_sweep(state)  # a sweep of another kind ends the run
+        again = run_sweep(state, kind="periodic")
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
+    assert len(writes) == 2 and manual.kind == "manual"
+    with app.app_context():
+        assert mail.stats()["last_sweep"] == again.as_dict()
 
 
 def _flask(db_url: str, smtp_port: int, *args: str) -> subprocess.CompletedProcess[str]:

@@ -9,6 +9,7 @@ that the whole stays within the bound the README states.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -25,7 +26,7 @@ from flask_mail_outbox import Message, OutboxMail, _retry
 from flask_mail_outbox._config import _DEFAULTS
 from flask_mail_outbox._dispatcher import RateLimiter
 from flask_mail_outbox._models import email_table
-from flask_mail_outbox._retry import RetryPolicy, longest_unfinished, schedule
+from flask_mail_outbox._retry import longest_unfinished, schedule
 from flask_mail_outbox._store import utcnow
 
 GREYLISTED = "4.7.1 Greylisted, please try again later"
@@ -180,10 +181,10 @@ def _hand_ticked(tmp_path: Path, smtp_server: FaultSMTPServer,
     runtime.store.clock = clock
     dispatcher = runtime.ensure_dispatcher(start_thread=False)
     # Jitter at its top: the slowest schedule the defaults allow.
-    dispatcher.policy = RetryPolicy(
-        _DEFAULTS["OUTBOX_RETRY_BASE_SECONDS"], _DEFAULTS["OUTBOX_RETRY_MAX_SECONDS"],
-        _DEFAULTS["OUTBOX_MAX_ATTEMPTS"],
-        max_throttle_deferrals=_DEFAULTS["OUTBOX_MAX_THROTTLE_DEFERRALS"], rand=lambda: 1.0)
+    dispatcher.policy = dataclasses.replace(dispatcher.policy, rand=lambda: 1.0)
+    # The process's own pacing after a throttle sleeps on the real clock; these
+    # tests are about due times.
+    dispatcher.rate_limiter = RateLimiter(1000.0, sleep=lambda seconds: None)
     return app, dispatcher
 
 
@@ -245,8 +246,6 @@ def test_fake_clock_throttled_path_gives_back_ten_attempts_then_backs_off(
     smtp_server.reply("data", 454, THROTTLED)
     clock = FakeClock()
     app, dispatcher = _hand_ticked(tmp_path, smtp_server, clock)
-    # The process's own pacing sleeps on the real clock; this test is about due times.
-    dispatcher.rate_limiter = RateLimiter(1000.0, sleep=lambda seconds: None)
     try:
         _send(app)
         *gaps, total = _walk(app, dispatcher, clock)
@@ -307,7 +306,6 @@ def test_fake_clock_worst_case_walk_stays_within_the_bound(
     smtp_server.reply("data", 451, GREYLISTED)
     clock = FakeClock()
     app, dispatcher = _hand_ticked(tmp_path, smtp_server, clock)
-    dispatcher.rate_limiter = RateLimiter(1000.0, sleep=lambda seconds: None)
     try:
         _send(app)
         clock.now = start = rows(app)[0]["due_at"]
@@ -330,12 +328,9 @@ def test_fake_clock_worst_case_walk_stays_within_the_bound(
     assert total <= bound
     # Exactly the walk: a pickup, the lost lease and the pickup after its reap, ten
     # deferrals, then each backoff from attempt 2 on at the top of its jitter.
-    backoffs = [step.delay * 1.2 + pickup for step in schedule(
-        _DEFAULTS["OUTBOX_RETRY_BASE_SECONDS"], _DEFAULTS["OUTBOX_RETRY_MAX_SECONDS"],
-        _DEFAULTS["OUTBOX_MAX_ATTEMPTS"])][1:]
     assert total == pytest.approx(pickup + (lease + 0.001 + pickup)
                                   + 10 * (_retry.THROTTLE_DELAY_SECONDS + pickup)
-                                  + sum(backoffs), abs=0.01)
+                                  + sum(b + pickup for b in _backoffs()[1:]), abs=0.01)
     assert bound - total < 300  # the bound is close: under 5 minutes slack on 30 hours
 
 
