@@ -31,11 +31,11 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import _degrade, _retry
-from ._errors import PermanentError, TransientError
+from ._errors import PermanentError, TransientError, TransportError
 from ._models import Status
 from ._retry import RetryPolicy
 from ._signals import email_failed, email_sent
-from ._store import ClaimedEmail, HandOn, Outcome, Reaped, Store
+from ._store import ClaimedEmail, Outcome, Reaped, Recorded, Store
 from .transports import Delivered, Envelope, Failed, Transport
 from .transports._base import NotAttempted
 
@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 _owner_counter = itertools.count(1)
 _HOST = socket.gethostname()
+
+
+#: Why a row claimed past its last attempt is dead-lettered unsent.
+SPENT_LEASE = "lease expired: the process sending it stopped, and its attempts are spent"
 
 
 def new_owner() -> str:
@@ -111,6 +115,8 @@ class BatchReport:
     lost: list[int] = dataclasses.field(default_factory=list)
     # Claimed but never handed to the server (shutdown): back to queued, attempt returned.
     released: list[int] = dataclasses.field(default_factory=list)
+    # Emails that now hold their key (a finished one handed it on): next to claim.
+    holders: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -355,7 +361,6 @@ class DeliveryRoute:
 
     def deliver_claimed(self, claimed: Sequence[ClaimedEmail], *,
                         policy: RetryPolicy | None = None,
-                        hand_on: HandOn | None = None,
                         retry_now: Collection[int] = ()) -> BatchReport:
         """Send rows this process has claimed and record what happened.
 
@@ -363,10 +368,9 @@ class DeliveryRoute:
         failure in both modes: a transient one sets the row's next due time,
         or dead-letters it on its last allowed attempt; a throttled one gives
         the attempt back a bounded number of times. Rows in ``retry_now``
-        (inline mode's in-process retries) are due again at once. With
-        ``hand_on`` the record also claims the emails the batch hands its keys on to (see :class:`HandOn`); their
-        leases are kept alive from then on, until the caller sends them
-        (:meth:`deliver_claimed`) or gives them back (:meth:`give_back`).
+        (inline mode's in-process retries) are due again at once. A row claimed
+        past its last attempt (its lease had expired on that attempt) is
+        dead-lettered without a send.
         """
         if not claimed:
             return BatchReport()
@@ -375,11 +379,14 @@ class DeliveryRoute:
         # Leases are renewed from here until the outcomes are recorded: waiting for
         # the send lock, sending, and retrying the record all count.
         with self.heartbeat.tracking(claimed):
-            return self._send_and_record(claimed, policy or self.policy, hand_on, retry_now)
+            return self._send_and_record(claimed, policy or self.policy, retry_now)
 
     def _send_and_record(self, claimed: Sequence[ClaimedEmail], policy: RetryPolicy,
-                         hand_on: HandOn | None, retry_now: Collection[int]) -> BatchReport:
+                         retry_now: Collection[int]) -> BatchReport:
         report = BatchReport()
+        spent = [e for e in claimed if e.attempt > policy.max_attempts]
+        if spent:
+            claimed = [e for e in claimed if e.attempt <= policy.max_attempts]
         envelopes = [Envelope(email_id=e.id, sender=e.sender, recipients=e.recipients,
                               mime=e.mime, message_id=e.message_id,
                               mail_options=e.mail_options, rcpt_options=e.rcpt_options)
@@ -387,7 +394,7 @@ class DeliveryRoute:
         with self._send_lock:
             self._current = claimed
             try:
-                results = self.transport.send_many(envelopes)
+                results = self.transport.send_many(envelopes) if envelopes else []
             except Exception as exc:  # noqa: BLE001 - a broken transport must not lose rows
                 _degrade.report(
                     f"Transport {type(self.transport).__name__}.send_many raised "
@@ -403,7 +410,8 @@ class DeliveryRoute:
         if len(results) != len(claimed):
             raise RuntimeError(f"transport returned {len(results)} results for "
                                f"{len(claimed)} messages")
-        outcomes: list[Outcome] = []
+        outcomes = [Outcome(e, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
+                    for e in spent]
         released_early, self._released_early = self._released_early, set()
         for email, result in zip(claimed, results):
             if email.id in released_early:
@@ -436,12 +444,10 @@ class DeliveryRoute:
                         due_in=(None if email.id in retry_now and decision.charge
                                 else decision.delay),
                         give_back_attempt=not decision.charge, deferred=decision.deferral))
-        recorded, lost = self._record(outcomes, hand_on)
-        if hand_on is not None and hand_on.claimed:
-            # At once, before any signal receiver or report runs: however long
-            # those take, the rows handed on keep their lease.
-            self.heartbeat.track(hand_on.owner, [e.id for e in hand_on.claimed])
-        errors = {e.id: r.error for e, r in zip(claimed, results) if isinstance(r, Failed)}
+        recorded, lost, report.holders = self._record(outcomes)
+        errors: dict[int, TransportError] = {
+            e.id: r.error for e, r in zip(claimed, results) if isinstance(r, Failed)}
+        errors.update((e.id, TransientError(SPENT_LEASE)) for e in spent)
         for outcome in recorded:
             email = outcome.email
             if outcome.status is Status.SENT:
@@ -457,9 +463,12 @@ class DeliveryRoute:
             elif outcome.status is Status.FAILED:
                 report.failed.append(email.id)
                 error = errors[email.id]
-                why = ("failed permanently" if isinstance(error, PermanentError)
-                       else f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
-                            f"{policy.max_attempts})")
+                why = ("failed permanently" if isinstance(error, PermanentError) else
+                       "had an expired lease (the process sending it stopped) and no attempt "
+                       f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
+                       "not have accepted its last one" if email in spent else
+                       f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
+                       f"{policy.max_attempts})")
                 _degrade.report(
                     f"Email {email.id} ({email.message_id}) {why} on attempt "
                     f"{email.attempt}: {error}",
@@ -497,27 +506,11 @@ class DeliveryRoute:
                             "already",
                 fix="nothing for these emails; find why the other process stopped "
                     "(killed, out of memory) and give workers time to stop on SIGTERM")
-        if reaped.failed:
-            self.report_reaped_failures(reaped.failed)
-
-    def report_reaped_failures(self, ids: Sequence[int]) -> None:
-        """Report rows the reap dead-lettered (lease expired, attempts spent)."""
-        for email_id in ids:
-            _degrade.report(
-                f"Email {email_id} was dead-lettered: its lease expired (the process sending "
-                "it stopped) and it had used all OUTBOX_MAX_ATTEMPTS attempts",
-                consequence="it is failed and will not be sent; the server may or may not "
-                            "have accepted its last attempt",
-                fix=f"check whether it arrived; if not, `flask outbox dlq retry {email_id}` "
-                    f"or mail.retry({email_id})")
-            self._signal(email_failed, email_id=email_id, message_id=None,
-                         error=TransientError("lease expired with attempts spent"))
 
     #: Seconds between attempts to record outcomes while the database refuses.
     record_retry_delays = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
-    def _record(self, outcomes: list[Outcome], hand_on: HandOn | None = None
-                ) -> tuple[list[Outcome], list[Outcome]]:
+    def _record(self, outcomes: list[Outcome]) -> Recorded:
         """Record outcomes, retrying while the database is briefly unavailable.
 
         The messages were handed to the server already: giving up here means
@@ -526,8 +519,7 @@ class DeliveryRoute:
         """
         for delay in (*self.record_retry_delays, None):
             try:
-                result = self.store.record(outcomes, scrub_sent=self.config.scrub_sent,
-                                           hand_on=hand_on)
+                result = self.store.record(outcomes, scrub_sent=self.config.scrub_sent)
             except Exception as exc:
                 if delay is None:
                     sent = sum(o.status is Status.SENT for o in outcomes)
@@ -798,15 +790,8 @@ class InlineDelivery:
                                 f"{policy.max_attempts} (OUTBOX_MAX_ATTEMPTS) fails too",
                     fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
                         "`flask outbox status` shows what waits")
-        try:
-            self.route.store.retry_promotions()
-        except Exception as exc:  # noqa: BLE001 - reported; the next claim or sweep retries
-            _degrade.report(
-                "Could not hand a key's turn to its next email",
-                consequence="emails of that key wait until the next tick or sweep retries",
-                fix="check the database connection", exc=exc)
         # A finished keyed email handed its key to the next one: offer that one now.
-        promoted = self.route.store.take_promoted()
+        promoted = report.holders
         if promoted:
             with self._cond:
                 for email_id in promoted:

@@ -21,15 +21,9 @@ no longer sits between two batches. Only after a full batch (more is surely
 due), never under a rate limit; a prefetched batch that is not sent is
 released when the loop stops.
 
-When a batch finishes an email of an ordering key, recording it makes the
-key's next email its head and, if that one is due, claims it in the same
-statement (:class:`~flask_mail_outbox._store.HandOn`): a key's emails go out
-batch after batch without a claim between them. The next tick sends the
-handed-on rows and claims fresh rows beside them only when more may be due:
-when the last fresh claim was full or failed, a wake came, a promotion was put off, or
-:data:`BUSY_REAP_INTERVAL` seconds passed since the last fresh claim. So rows
-that fall due by the clock (``send_after``, retries) wait at most that long
-behind a keyed drain.
+When a batch finishes an email of an ordering key, recording it hands the
+key to its next email (:func:`~flask_mail_outbox._ordering.advance`): that
+one is due now, so the dispatcher ticks again at once, as after a full batch.
 
 The scheduling rule is :class:`IdleBackoff`, a small pure class, and the loop
 takes an injectable clock and wait function, so tests can check the exact gap
@@ -51,7 +45,7 @@ import sqlalchemy as sa
 from . import _degrade
 from ._delivery import BatchReport, ClaimAhead, DeliveryRoute, new_owner
 from ._retry import RetryPolicy
-from ._store import ClaimedEmail, HandOn, Reaped
+from ._store import ClaimedEmail, Reaped
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -119,18 +113,8 @@ class Dispatcher:
         #: Claim the next batch while a full one is sent (see the module docstring).
         self.prefetch = True
         self._prefetched: ClaimAhead | None = None
-        #: Claim the emails a batch hands its keys on to while recording it.
-        self.hand_on = True
-        self._handed: list[ClaimedEmail] = []
-        self._handed_at = -math.inf  # when the last record claimed them (self.clock)
         self._delivering = False  # the tick has handed its batch to deliver_claimed
         self._claimed_now: list[ClaimedEmail] = []  # what the tick claimed (or ahead)
-        # When rows are handed on, whether the tick claims fresh rows too (see
-        # _fresh_claim_due): the last fresh claim's time and fullness, and any
-        # wake since.
-        self._last_fresh_claim = -math.inf
-        self._last_claim_full = True
-        self._woken = False
         self.ticks = 0
         self.last_claimed = 0
         self._last_reap = -math.inf
@@ -162,7 +146,6 @@ class Dispatcher:
         """Tick as soon as possible (now if waiting; once more after a running tick)."""
         with self._cond:
             self._wake_pending = True
-            self._woken = True
             self._cond.notify_all()
 
     def close_connection(self) -> None:
@@ -225,17 +208,9 @@ class Dispatcher:
                         self._thread = None
 
     def release_held(self) -> int:
-        """Give back the rows held for a next tick that will not come (claimed ahead,
-        or handed on by the last record); returns how many."""
-        handed, self._handed = self._handed, []
+        """Give back the rows claimed ahead for a next tick that will not come; how many."""
         prefetched, self._prefetched = self._prefetched, None
-        released = 0
-        try:
-            released += self.route.give_back(handed)
-        finally:
-            if prefetched is not None:
-                released += self.route.release_ahead(prefetched)
-        return released
+        return self.route.release_ahead(prefetched) if prefetched is not None else 0
 
     def step(self, wait: Callable[[float], None] | None = None) -> float:
         """One tick, then the wait before the next; returns the gap it chose."""
@@ -288,27 +263,19 @@ class Dispatcher:
     def tick(self) -> tuple[BatchReport | None, bool]:
         """Reap, claim, deliver; returns the batch report and whether more is due now.
 
-        More is due when the batch was full, or when this tick made the next
-        emails of some keys their key's head (recording the batch, or on
-        PostgreSQL the promotions the claim did after it picked its rows).
+        More is due when the batch was full, or when recording it handed some
+        keys to their next emails.
         """
         limit = self.sizer.size
         if self.rate_limiter is not None:
             limit = self.rate_limiter.acquire(limit)
-        before = self.store.promotions
-        # Rows the last record claimed for their keys (see HandOn), still under
-        # the heartbeat. If anything raises before this tick hands its batch to
-        # deliver_claimed, they go back to self._handed (sent by the next tick,
-        # or given back by stop()), and the rows this tick claimed are given
-        # back at once: none is left sending for nobody.
-        handed_at = self._handed_at
-        handed = self._take_handed()
+        # If anything raises before this tick hands its batch to
+        # deliver_claimed, the rows it claimed are given back at once: none is
+        # left sending for nobody.
         try:
-            return self._tick(limit, before, handed)
+            return self._tick(limit)
         except BaseException:
             if not self._delivering:
-                if handed:
-                    self._handed, self._handed_at = handed + self._handed, handed_at
                 self._give_back_quietly(self._claimed_now)
             raise
         finally:
@@ -323,71 +290,14 @@ class Dispatcher:
             logger.info("Could not give back %d claimed email(s) (%s); they are queued "
                         "again when their lease expires", len(claimed), exc)
 
-    def _take_handed(self) -> list[ClaimedEmail]:
-        """The rows handed on by the last record that are still this process's to send.
-
-        Within a third of a lease of their claim they are (their lease cannot
-        have run out). Later (a failed tick, a long wait), their lease may have
-        expired and another claim taken them: they are renewed under their
-        owner first, and only the rows that renewal still finds are sent.
-        """
-        handed, self._handed = self._handed, []
-        if not handed:
-            return []
-        if self.rate_limiter is not None:
-            # The server said "too many" since they were claimed: the limiter decides.
-            self.route.give_back(handed)
-            return []
-        if self.clock() - self._handed_at < self.config.lease_seconds / 3:
-            return handed
-        try:
-            held = self.store.renew_held(handed[0].owner, [e.id for e in handed],
-                                         self.config.lease_seconds)
-        except BaseException:
-            self._handed = handed
-            raise
-        kept = [e for e in handed if e.id in held]
-        if len(kept) < len(handed):
-            logger.info("Emails %s, handed on to this dispatcher, were taken back before it "
-                        "sent them (their lease had expired); they are not sent from here",
-                        [e.id for e in handed if e.id not in held])
-            if kept:
-                self.route.heartbeat.track(kept[0].owner, [e.id for e in kept])
-            else:
-                self.route.heartbeat.untrack(handed[0].owner)
-        return kept
-
-    def _tick(self, limit: int, before: int, handed: list[ClaimedEmail]
-              ) -> tuple[BatchReport | None, bool]:
-        prefetched, self._prefetched = self._prefetched, None
-        claimed: list[ClaimedEmail] | None = None
-        if prefetched is not None:
-            try:
-                claimed, reaped = prefetched.result()
-            except Exception as exc:  # noqa: BLE001 - claimed nothing; claimed again below
-                # It failed while the batch before was sent (say, the database
-                # went away then). That is old news now: raising it would fail
-                # this tick, and report an outage, even after the database came
-                # back. The claim made now tells the current state.
-                logger.info("The claim made ahead failed (%s); claiming now", exc)
-        if claimed is not None:
-            if claimed and self.rate_limiter is not None:
-                # The server said "too many" since it was claimed: the limiter decides.
-                self.route.give_back(claimed)
-                claimed, more = self._claim_due(limit, new_owner())
-                reaped = Reaped(reaped.requeued + more.requeued, reaped.failed + more.failed)
-        elif handed and not self._fresh_claim_due():
-            claimed, reaped = [], Reaped()
-        else:
-            # At least one row, so that the reap and the claim of rows due by the
-            # clock still come while rows handed on fill the batch. (A batch may
-            # so hold the handed-on rows on top of a claim of its own.)
-            claimed, reaped = self._claim_due(max(1, limit - len(handed)), new_owner())
+    def _tick(self, limit: int) -> tuple[BatchReport | None, bool]:
+        claimed, reaped = self._take_prefetched(limit)
+        if claimed is None:
+            claimed, reaped = self._claim_due(limit, new_owner())
         self._claimed_now = claimed
-        claimed = handed + claimed
         self.route.report_reaped(reaped)
         if not claimed:
-            return None, self.store.promotions != before
+            return None, False
         if self._stopping:
             self._delivering = True  # given back: no longer held
             self.route.give_back(claimed)
@@ -395,37 +305,46 @@ class Dispatcher:
         if self.prefetch and len(claimed) >= limit and self.rate_limiter is None:
             self._prefetched = self.route.claim_ahead(
                 lambda: self._claim_due(limit, new_owner()))
-        # Nothing is handed on under a rate limit (the limiter decides how many
-        # go next), nor when the loop is stopping.
-        hand_on = (HandOn(new_owner(), self.config.lease_seconds)
-                   if self.hand_on and self.rate_limiter is None and not self._stopping
-                   else None)
         started = self.clock()
-        try:
-            with self.route.app.app_context():
-                # From here the batch's rows are deliver_claimed's: sent and
-                # recorded, or left to their lease if that fails.
-                self._delivering = True
-                report = self.route.deliver_claimed(claimed, policy=self.policy,
-                                                    hand_on=hand_on)
-        finally:
-            # The rows this record claimed are held even if something raised
-            # after it (a signal receiver, an app-context teardown). Their lease
-            # began after `started`, so within a third of a lease of it the next
-            # tick may send them unchecked (see _take_handed).
-            if hand_on is not None and hand_on.claimed:
-                self._handed, self._handed_at = hand_on.claimed, started
+        with self.route.app.app_context():
+            # From here the batch's rows are deliver_claimed's: sent and
+            # recorded, or left to their lease if that fails.
+            self._delivering = True
+            report = self.route.deliver_claimed(claimed, policy=self.policy)
         self.sizer.after_batch(len(claimed), self.clock() - started)
-        # Recording handed keys to their next emails: those are due now, like
-        # the rest of a full batch.
-        promoted = self.store.promotions != before
+        self._after_throttling(report, len(claimed))
+        return report, len(claimed) >= limit or bool(report.holders)
+
+    def _take_prefetched(self, limit: int) -> tuple[list[ClaimedEmail] | None, Reaped]:
+        """The batch claimed ahead, if there is one and it may go now (None: claim now)."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None:
+            return None, Reaped()
+        try:
+            claimed, reaped = prefetched.result()
+        except Exception as exc:  # noqa: BLE001 - claimed nothing; claimed again below
+            # It failed while the batch before was sent (say, the database
+            # went away then). That is old news now: raising it would fail
+            # this tick, and report an outage, even after the database came
+            # back. The claim made now tells the current state.
+            logger.info("The claim made ahead failed (%s); claiming now", exc)
+            return None, Reaped()
+        if claimed and self.rate_limiter is not None:
+            # The server said "too many" since it was claimed: the limiter decides.
+            self.route.give_back(claimed)
+            claimed, more = self._claim_due(limit, new_owner())
+            reaped = Reaped(reaped.requeued + more.requeued, reaped.keys | more.keys)
+        return claimed, reaped
+
+    def _after_throttling(self, report: BatchReport, tried: int) -> None:
+        """Pace this process when the server said it sends too fast."""
         throttled_count = sum(error.throttled for _, _, error in report.transient)
         throttled = throttled_count > 0
         if throttled and self.rate_limiter is None:
             # No configured rate, but the server says "too fast": start at half of
             # what this tick tried, and let feedback find the server's pace.
             self.rate_limiter = RateLimiter(float(self.config.batch_size) * 10, clock=self.clock)
-            self.rate_limiter.current = max(1.0, len(claimed) / 2)
+            self.rate_limiter.current = max(1.0, tried / 2)
             _degrade.report(
                 f"The SMTP server is throttling this process ({throttled_count} "
                 "email(s) refused with a reply that says it is sending too fast)",
@@ -436,7 +355,6 @@ class Dispatcher:
                 fix="set OUTBOX_RATE_LIMIT to the rate your provider allows")
         if self.rate_limiter is not None:
             self.rate_limiter.feedback(throttled=throttled)
-        return report, len(claimed) >= limit or promoted
 
     def _reap_now(self) -> bool:
         """Whether the next claim also reaps expired leases.
@@ -455,18 +373,6 @@ class Dispatcher:
             return True
         return False
 
-    def _fresh_claim_due(self) -> bool:
-        """Whether a tick that has rows handed on claims fresh rows beside them.
-
-        Only when more may be due than the handed-on rows: the last fresh
-        claim came back full or failed, a wake came since (a commit, a NOTIFY),
-        a promotion was put off (it is retried at a claim), or
-        :data:`BUSY_REAP_INTERVAL` seconds passed since the last fresh claim
-        (rows due by the clock, and the busy reap).
-        """
-        return (self._last_claim_full or self._woken or self.store.has_unpromoted()
-                or self.clock() - self._last_fresh_claim >= BUSY_REAP_INTERVAL)
-
     def _claim_due(self, limit: int, owner: str, *,
                    reap: bool | None = None) -> tuple[list[ClaimedEmail], Reaped]:
         """The tick's claim on the kept connection, or on a new one if it had died.
@@ -484,20 +390,16 @@ class Dispatcher:
         kept = self._conn is not None
         if self._conn is None:
             self._conn = self.store.dispatch_connection()
-        self._woken = False
-        self._last_fresh_claim = self.clock()
         try:
             result = self.store.claim_due(
                 limit, owner=owner, lease_seconds=self.config.lease_seconds,
-                reap_max_attempts=self.config.max_attempts if reap else None, conn=self._conn)
+                reap=reap, conn=self._conn)
             self._last_claim_empty = not result[0]
-            self._last_claim_full = len(result[0]) >= limit
             return result
         except BaseException as exc:
             # The claim after a failed one reaps, whenever it comes: leases may
             # have run out meanwhile (a database outage).
             self._last_claim_empty = True
-            self._last_claim_full = True  # nothing is known: the next tick claims
             # A broken connection is replaced (now, or at the next tick).
             conn, self._conn = self._conn, None
             conn.invalidate()

@@ -29,14 +29,14 @@ import sqlalchemy as sa
 from flask import Flask, Response, current_app, got_request_exception
 from sqlalchemy import event
 
-from . import _degrade, _health, _staging
+from . import _degrade, _health, _ordering, _staging
 from ._config import _DEFAULTS, BUILTIN_TRANSPORTS, OutboxConfig, load_config
 from ._delivery import DeliveredMessage, DeliveryRoute, InlineDelivery
 from ._dispatcher import Dispatcher
 from ._errors import ConfigError, InvalidMessage
 from ._listen import Listener, libpq_url, notify_statement
 from ._message import Message, prepare_message
-from ._models import Status, metadata
+from ._models import Status, email_table, metadata
 from ._scheduler import SweepScheduler
 from ._signals import email_queued, email_sent
 from ._store import Store, email_dialect, insert_email, utcnow
@@ -346,13 +346,20 @@ class _AppState:
         self.runtime().store.set_setting(DURABLE_SETTING, bool(on))
         self._durable_cache = (bool(on), time.monotonic() + self.config.settings_ttl_seconds)
 
-    def prepare_commit(self, session: Any) -> None:
-        """Inside the outermost transaction that queued email: one NOTIFY (durable, PG).
+    def prepare_commit(self, session: Any, entries: list[_staging.StagedEmail]) -> None:
+        """Inside the outermost transaction that queued email, just before its commit.
 
-        PostgreSQL delivers it only if the transaction commits, so listeners
-        in other processes never wake for a rollback.
+        Hands on the keys whose new emails found an earlier one open (see
+        :mod:`._ordering`), and sends one NOTIFY (durable mode, PostgreSQL)
+        unless the inserts did: PostgreSQL delivers it only if the transaction
+        commits, so listeners in other processes never wake for a rollback.
         """
-        if self.config.listen and _is_postgres(session) and self.durable():
+        keys = {e.waits_on_key for e in entries if e.waits_on_key is not None}
+        if keys:
+            _ordering.advance(session.connection(bind_arguments={"clause": email_table.insert()}),
+                              keys)
+        if any(not e.notified for e in entries) and self.config.listen \
+                and _is_postgres(session) and self.durable():
             session.execute(notify_statement())
 
     def publish(self, entries: list[_staging.StagedEmail]) -> None:
@@ -637,12 +644,12 @@ class OutboxMail:
         dialect = email_dialect(session)
         # What prepare_commit() would NOTIFY at commit, the insert does itself.
         notify = state.config.listen and dialect == "postgresql" and state.durable()
-        email_id, created = insert_email(session, values, attachments, notify=notify,
-                                         dialect=dialect, recipients=prepared.recipients)
+        email_id, created, waits = insert_email(session, values, attachments, notify=notify,
+                                                dialect=dialect, recipients=prepared.recipients)
         if created:
             _staging.stage(session, _staging.StagedEmail(
                 email_id=email_id, due_now=due_at is None or due_at <= utcnow(),
-                publisher=state, notified=notify))
+                publisher=state, notified=notify, waits_on_key=key if waits else None))
         return email_id
 
     def send_message(self, **kwargs: Any) -> int:

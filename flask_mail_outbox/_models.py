@@ -85,8 +85,8 @@ class OutboxEmail(Base):
     sent_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
     message_id: Mapped[str] = mapped_column(sa.String(255), nullable=False)
     key: Mapped[str | None] = mapped_column(sa.String(255))
-    # True for the oldest unfinished email of its key: only heads are claimable,
-    # so a deep backlog behind a few keys costs nothing to skip.
+    # The one open email of its key that may be claimed (see _ordering): a deep
+    # backlog behind a few keys costs nothing to skip.
     key_head: Mapped[bool] = mapped_column(sa.Boolean(), nullable=False,
                                            server_default=sa.false())
     idempotency_key: Mapped[str | None] = mapped_column(sa.String(255))
@@ -130,6 +130,9 @@ class OutboxEmail(Base):
         # Per-key order: is there an earlier unfinished email of this key?
         sa.Index("ix_outbox_email_key_open", "key", "id",
                  **_where("status IN ('queued', 'sending') AND key IS NOT NULL")),
+        # Per-key order: does this key have a holder? (see _ordering)
+        sa.Index("ix_outbox_email_key_holder", "key",
+                 **_where("key_head AND status IN ('queued', 'sending')")),
         # Dead letters and retention.
         sa.Index("ix_outbox_email_failed", "id", **_where("status = 'failed'")),
         sa.Index("ix_outbox_email_sent_at", "sent_at", **_where("status = 'sent'")),

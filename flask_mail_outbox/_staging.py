@@ -38,8 +38,8 @@ _REQUEST_FAILED = "_mail_outbox_request_failed"
 class Publisher(Protocol):
     """What receives committed rows (the per-app state)."""
 
-    def prepare_commit(self, session: Session) -> None:
-        """Last statements inside the outermost transaction, when it holds staged rows."""
+    def prepare_commit(self, session: Session, entries: list[StagedEmail]) -> None:
+        """Last statements inside the outermost transaction that holds ``entries``."""
 
     def publish(self, entries: list[StagedEmail]) -> None:
         """The outermost transaction committed these rows."""
@@ -54,6 +54,9 @@ class StagedEmail:
     publisher: Publisher
     # Its insert ran pg_notify already: the commit needs no NOTIFY for it.
     notified: bool = False
+    # PostgreSQL: the key of an email that found an earlier one of its key open;
+    # the commit hands the key on if that one finished meanwhile (see _ordering).
+    waits_on_key: str | None = None
 
 
 def stage(session: Session, entry: StagedEmail) -> None:
@@ -89,13 +92,13 @@ def _before_commit(session: Session) -> None:
     staged: dict[SessionTransaction, list[StagedEmail]] | None = session.info.get(_KEY)
     if not staged or session.get_nested_transaction() is not None:
         return  # a savepoint is being released: not the commit that publishes
-    publishers: dict[int, Publisher] = {}
+    publishers: dict[int, tuple[Publisher, list[StagedEmail]]] = {}
     for entries in staged.values():
         for entry in entries:
-            if not entry.notified:
-                publishers.setdefault(id(entry.publisher), entry.publisher)
-    for publisher in publishers.values():
-        publisher.prepare_commit(session)
+            if not entry.notified or entry.waits_on_key is not None:
+                publishers.setdefault(id(entry.publisher), (entry.publisher, []))[1].append(entry)
+    for publisher, group in publishers.values():
+        publisher.prepare_commit(session, group)
 
 
 def _take_ending(session: Session) -> tuple[

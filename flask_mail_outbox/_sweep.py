@@ -77,8 +77,8 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
               dry_run: bool = False, heal: bool = True, kind: str = "manual") -> SweepReport:
     """One sweep for ``state``'s app in this process; raises if the database fails.
 
-    ``heal`` also gives keys left without a head (a promotion lost with its
-    process) their oldest email as head. Every sweep but a dry run stores its
+    ``heal`` also gives keys left without a holder their lowest open email
+    (see :func:`._ordering.heal`). Every sweep but a dry run stores its
     report (one that found nothing too: status shows that sweeps ran), except
     that of a run of periodic sweeps finding nothing only the first is stored,
     so an idle process writes nothing. A ``periodic`` sweep that finds nothing
@@ -100,8 +100,8 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
     if heal and not dry_run:
         healed = store.heal_key_heads()
         if healed:
-            logger.info("The sweep gave %d key(s) without a head their oldest email as head",
-                        healed)
+            logger.info("The sweep gave %d ordering key(s) without a holder their oldest "
+                        "open email", healed)
     candidates = store.sweep_candidates(min_age_seconds=float(min_age), limit=limit + 1)
     truncated = len(candidates) > limit
     candidates = candidates[:limit]
@@ -121,9 +121,9 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
             return report
         _log(report, state)
         return report
-    # Both modes spend attempts on a lost lease: no row is retried without bound.
-    reaped = (store.reap_expired(config.max_attempts, ids=expired)
-              if expired else None)
+    # A lost lease keeps its attempt charged: no row is retried without bound
+    # (one whose attempts are spent is dead-lettered at its next claim).
+    reaped = store.reap_expired(ids=expired) if expired else None
     if reaped is not None:
         runtime.route.report_reaped(reaped)
     if durable:
@@ -134,16 +134,12 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
         elif config.run_worker:
             runtime.ensure_dispatcher().wake()
         requeued = len(reaped.requeued) if reaped is not None else 0
-        failed_now = len(reaped.failed) if reaped is not None else 0
         report = SweepReport(**fields, requeued=len(ids) - len(expired) + requeued,
-                             failed=failed_now,
-                             skipped=len(expired) - requeued - failed_now,
+                             skipped=len(expired) - requeued,
                              duration_seconds=_elapsed(started))
     else:
-        # Dead-lettered by the reap: counted as failed, not offered for delivery.
-        spent = set(reaped.failed) if reaped is not None else set()
-        ids = [email_id for email_id in ids if email_id not in spent]
-        sent, failed, skipped = 0, len(spent), 0
+        sent, failed, skipped = 0, 0, 0
+        holders: list[int] = []
         for start in range(0, len(ids), config.batch_size):
             chunk = ids[start:start + config.batch_size]
             with state.app.app_context():
@@ -151,8 +147,9 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
             sent += len(batch.sent)
             failed += len(batch.failed) + len(batch.transient)
             skipped += len(batch.not_claimed) + len(batch.lost)
-        # Keys advanced by this sweep: their next emails go out now, not next sweep.
-        runtime.inline.submit(store.take_promoted())
+            holders += batch.holders
+        # Keys handed on by this sweep: their next emails go out now, not next sweep.
+        runtime.inline.submit(holders)
         report = SweepReport(**fields, sent=sent, failed=failed, skipped=skipped,
                              duration_seconds=_elapsed(started))
     _store_report(state, report)

@@ -68,7 +68,7 @@ CRITICAL_CALLEES: dict[str, str] = {
     "publish": "hands committed rows to delivery after the outermost commit",
     "_publish": "staging's fan-out of committed rows to each app's publish()",
     "submit": "the after-commit hand-over to the inline worker",
-    "take_promoted": "hands a key's next email to inline delivery",
+    "advance": "hands a key to its next email; a swallowed failure can stall the key",
     "tick": "one dispatcher round: reap, claim, hand to the sending pool",
     "sweep": "takes rows left behind by a crash or a failed drain",
     "run_sweep": "the scheduled sweep job",

@@ -45,7 +45,8 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
 from flask_mail_outbox._models import Status, attachment_table, email_table
-from flask_mail_outbox._store import Outcome, Store, key_lock, search_values
+from flask_mail_outbox._ordering import producer_lock
+from flask_mail_outbox._store import Outcome, Store, search_values
 from flask_mail_outbox.dashboard import CONTENT_SECURITY_POLICY, make_blueprint
 from flask_mail_outbox.dashboard._queries import list_emails, prefix_bounds
 from flask_mail_outbox.migrations import VERSIONS_DIR
@@ -818,7 +819,7 @@ def test_retry_all_waits_for_a_key_whose_lock_a_producer_holds(
                 retried.append(mail.retry_all())
 
         with engine.connect() as producer:
-            producer.execute(sa.select(key_lock("busy-key")))  # a request mid-send()
+            producer.execute(sa.select(producer_lock("busy-key")))  # a request mid-send()
             worker = threading.Thread(target=retry_all)
             worker.start()
             wait_rows(app, lambda rs: status_of(app, loose) != "failed", timeout=20)
@@ -884,7 +885,7 @@ def test_recording_sent_with_scrub_drops_the_mime_and_the_page_says_scrubbed(
         with store.write() as conn:
             conn.execute(email_table.update().values(due_at=store.now_expr()))
         claimed = store.claim_ids(ids, owner="t", lease_seconds=30)
-        recorded, lost = store.record(
+        recorded, lost, _ = store.record(
             [Outcome(claimed[0], Status.SENT),
              Outcome(claimed[1], Status.SENT, error_code=550, error_message="one refused"),
              Outcome(claimed[2], Status.FAILED, error_code=550, error_message="refused")],
@@ -902,18 +903,24 @@ def test_recording_sent_with_scrub_drops_the_mime_and_the_page_says_scrubbed(
 def test_a_reaped_row_whose_attempts_are_spent_gets_its_failed_at(
         dashboard: Flask, client: FlaskClient, mail: OutboxMail) -> None:
     (email_id,) = send(dashboard, mail, later=True)
+    max_attempts = dashboard.config["OUTBOX_MAX_ATTEMPTS"]
     with dashboard.app_context():
-        store = mail._state().runtime().store
+        runtime = mail._state().runtime()
+        store = runtime.store
         with store.write() as conn:
             conn.execute(email_table.update().values(due_at=store.now_expr()))
         assert store.claim_ids([email_id], owner="gone", lease_seconds=30)
-        with store.write() as conn:  # the process holding the lease died long ago
+        with store.write() as conn:  # its last attempt; the process holding it died long ago
             conn.execute(email_table.update().values(
+                attempts=max_attempts,
                 lease_expires_at=sa.literal(datetime(2000, 1, 1), sa.DateTime())))
-        reaped = store.reap_expired(max_attempts=1)
-    assert reaped.failed == (email_id,)
+        assert store.reap_expired().requeued == (email_id,)
+        # The next claim finds no attempt left: dead-lettered, not sent.
+        report = runtime.route.deliver_ids([email_id])
+    assert report.failed == [email_id]
     (row,) = rows(dashboard)
     assert row["status"] == "failed" and row["failed_at"] is not None
+    assert row["attempts"] == max_attempts and "attempts are spent" in row["last_error"]
     assert "1 dead-lettered" in client.get(f"{PREFIX}/").get_data(as_text=True)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from typing import Any
 
 import pytest
@@ -17,12 +16,15 @@ from flask_mail_outbox import (
     OutboxMail,
     PermanentError,
     TransientError,
-    email_sent,
 )
 from flask_mail_outbox._delivery import BatchReport
 from flask_mail_outbox._dispatcher import Dispatcher, IdleBackoff, RateLimiter
-from flask_mail_outbox._models import email_table
-from flask_mail_outbox._retry import RetryPolicy, human_seconds, longest_unfinished, schedule
+from flask_mail_outbox._retry import (
+    RetryPolicy,
+    human_seconds,
+    longest_unfinished,
+    schedule,
+)
 
 # -- the retry policy (pure) -------------------------------------------------------------
 
@@ -352,7 +354,7 @@ class _Drain:
         reaps: list[bool] = []
 
         def claim_due(*args: Any, **kwargs: Any) -> Any:
-            reaps.append(kwargs.get("reap_max_attempts") is not None)
+            reaps.append(bool(kwargs.get("reap")))
             self.claim_limits.append(args[0])
             if failing(len(reaps)):
                 raise sa.exc.OperationalError("claim", {}, Exception("the database is down"))
@@ -451,121 +453,6 @@ def test_a_batch_claimed_ahead_and_given_back_to_a_rate_limit_keeps_the_reap_of_
     assert any(f"[{orphan}] had an expired lease" in m for m in errors), errors
 
 
-# -- rows handed on (see HandOn): a key's next email claimed as its predecessor is recorded --
-
-def test_rows_handed_on_are_given_back_when_the_dispatcher_stops(drain: _Drain) -> None:
-    drain.queue("m0", "m1", "m2", "m3", keys=2)
-    drain.dispatcher.step(wait=lambda deadline: None)
-    assert drain.statuses() == ["sent", "sent", "sending", "sending"]
-    drain.mail.stop(timeout=5)
-    assert [(r["status"], r["attempts"]) for r in rows(drain.app)][2:] == [
-        ("queued", 0), ("queued", 0)]
-
-
-def test_rows_handed_on_wait_out_a_failed_claim(drain: _Drain) -> None:
-    drain.queue("m0", "m1", "m2", "m3", keys=2)
-    drain.dispatcher.prefetch = False  # one claim per tick: the tick's own
-    drain.dispatcher.step(wait=lambda deadline: None)  # m2, m3 handed on
-    drain.fail_claims(lambda n: n == 1)
-    drain.dispatcher.wake()  # so the next tick claims beside them, and that fails
-    drain.dispatcher.step(wait=lambda deadline: None)
-    assert drain.dispatcher.last_tick_failed
-    drain.dispatcher.step(wait=lambda deadline: None)
-    assert drain.statuses() == ["sent"] * 4
-
-
-def test_rows_handed_on_are_given_back_to_a_rate_limit(drain: _Drain) -> None:
-    """Under a rate limit the limiter decides how many go: handed-on rows go back first."""
-    drain.queue("m0", "m1", "m2", "m3", keys=2)
-    drain.dispatcher.prefetch = False  # one claim per tick: the tick's own
-    drain.dispatcher.step(wait=lambda deadline: None)  # m2, m3 handed on
-    # The server throttled meanwhile: one email per tick from now on.
-    drain.dispatcher.rate_limiter = RateLimiter(1.0, clock=lambda: drain.now[0],
-                                                sleep=lambda s: None)
-    drain.dispatcher.step(wait=lambda deadline: None)
-    assert drain.statuses() == ["sent", "sent", "sent", "queued"]
-
-
-@pytest.mark.parametrize("meanwhile", ["taken by another claim", "expired, not yet taken"])
-def test_rows_handed_on_a_third_of_a_lease_ago_are_sent_only_if_still_held(
-        drain: _Drain, meanwhile: str) -> None:
-    """Their lease may have run out since (say, a long failed tick): checked before sending.
-
-    Renewed under their owner first, a row another claim took is left to it;
-    one whose lease merely expired is held again, so the tick's own reap and
-    claim do not take it too (it would be sent twice).
-    """
-    _, _, m2, m3 = drain.queue("m0", "m1", "m2", "m3", keys=2)
-    drain.dispatcher.prefetch = False
-    drain.dispatcher.step(wait=lambda deadline: None)  # m2, m3 handed on
-    with drain.app.app_context(), db.engine.begin() as conn:
-        values: dict[str, Any] = ({"lease_owner": "another"}
-                                  if meanwhile == "taken by another claim"
-                                  else {"lease_expires_at": datetime(2000, 1, 1)})
-        conn.execute(email_table.update().where(email_table.c.id == m2).values(**values))
-    drain.now[0] += 10.0  # a third of the 30 s lease
-    report, _ = drain.dispatcher.tick()
-    assert report is not None and report.lost == []
-    if meanwhile == "taken by another claim":
-        assert report.sent == [m3]
-        assert drain.statuses() == ["sent", "sent", "sending", "sent"]
-    else:
-        assert sorted(report.sent) == [m2, m3]
-        assert [(r["status"], r["attempts"]) for r in rows(drain.app)] == [("sent", 1)] * 4
-
-
-def test_rows_handed_on_keep_their_lease_while_signal_receivers_run(db_url: str) -> None:
-    """The record's hand-on is under the heartbeat before any receiver of email_sent runs."""
-    import time
-
-    drain = _Drain(db_url, OUTBOX_LEASE_SECONDS=2)
-    calls: list[int] = []
-
-    def slow_receiver(sender: object, **extra: Any) -> None:
-        calls.append(extra["email_id"])
-        if len(calls) == 1:
-            time.sleep(3)  # a lease and a half; the heartbeat renews every 2/3 s
-
-    email_sent.connect(slow_receiver, drain.app)
-    try:
-        drain.queue("m0", "m1", "m2", "m3", keys=2)
-        drain.dispatcher.step(wait=lambda deadline: None)
-        assert len(calls) == 2
-        assert len(drain.runtime.store.reap_expired(None)) == 0
-        assert drain.statuses() == ["sent", "sent", "sending", "sending"]
-    finally:
-        email_sent.disconnect(slow_receiver, drain.app)
-        close_app(drain.app)
-
-
-@pytest.mark.parametrize("tick", [1, 2])
-def test_rows_handed_on_are_kept_when_the_app_context_teardown_raises(
-        drain: _Drain, tick: int) -> None:
-    """After a batch was recorded, an error of the app's (here, a teardown) loses nothing.
-
-    The rows its record handed on are sent by the next tick; the rows it sent
-    (tick 2: themselves handed on) are not sent again.
-    """
-    drain.queue(*(f"m{i}" for i in range(6)), keys=2)
-    drain.dispatcher.prefetch = False
-    ticks = [0]
-
-    @drain.app.teardown_appcontext
-    def teardown(exc: BaseException | None) -> None:
-        if drain.dispatcher._delivering:
-            ticks[0] += 1
-            if ticks[0] == tick:
-                raise RuntimeError("a teardown of the application's")
-
-    for _ in range(tick):
-        drain.dispatcher.step(wait=lambda deadline: None)
-    assert drain.dispatcher.last_tick_failed
-    assert drain.statuses()[2 * tick:2 * tick + 2] == ["sending", "sending"]
-    report, _ = drain.dispatcher.tick()
-    assert report is not None and report.lost == []
-    assert report.sent == [2 * tick + 1, 2 * tick + 2]
-
-
 @pytest.mark.parametrize("rows_of", ["its own claim", "a claim ahead"])
 def test_a_tick_that_fails_before_sending_gives_its_claimed_rows_back(
         drain: _Drain, rows_of: str) -> None:
@@ -593,41 +480,6 @@ def test_a_tick_that_fails_before_sending_gives_its_claimed_rows_back(
     assert report is not None and report.sent == ids[-2:]
 
 
-def test_rows_handed_on_wait_out_a_failed_renewal(drain: _Drain) -> None:
-    drain.queue("m0", "m1", "m2", "m3", keys=2)
-    drain.dispatcher.prefetch = False
-    drain.dispatcher.step(wait=lambda deadline: None)  # m2, m3 handed on
-    store = drain.dispatcher.store
-    real_renew = store.renew_held
-    calls: list[int] = []
-
-    def renew_held(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 1:
-            raise sa.exc.OperationalError("renew", {}, Exception("the database is down"))
-        return real_renew(*args, **kwargs)
-
-    store.renew_held = renew_held  # type: ignore[method-assign]
-    drain.now[0] += 11.0  # past a third of the 30 s lease: renewed before sending
-    drain.dispatcher.step(wait=lambda deadline: None)
-    assert drain.dispatcher.last_tick_failed
-    drain.dispatcher.step(wait=lambda deadline: None)
-    assert len(calls) == 2
-    assert [(r["status"], r["attempts"]) for r in rows(drain.app)] == [("sent", 1)] * 4
-
-
-def test_a_claim_ahead_that_failed_is_made_again_beside_rows_handed_on(drain: _Drain) -> None:
-    """The claim after a failed one (here, a claim ahead) claims and reaps, handed-on rows or not."""
-    drain.queue(*(f"m{i}" for i in range(6)), keys=2)
-    reaps = drain.fail_claims(lambda n: n == 3)
-    drain.dispatcher.tick()  # claims m0, m1 (full: claims ahead, finds nothing); hands on m2, m3
-    drain.dispatcher.tick()  # sends m2, m3 (full: claims ahead: fails); hands on m4, m5
-    drain.dispatcher.tick()  # claims beside m4, m5 (1 row), sends them; claims ahead
-    assert reaps == [True, False, True, True, True]
-    assert drain.claim_limits == [2, 2, 2, 1, 2]
-    assert drain.statuses() == ["sent"] * 6
-
-
 def test_a_foreground_loop_that_ended_no_longer_counts_as_running(drain: _Drain) -> None:
     """So stopping the app afterwards closes the transport and the engine; and, stopped,
     nothing (the scheduler asking for a dispatcher) starts it again."""
@@ -636,24 +488,6 @@ def test_a_foreground_loop_that_ended_no_longer_counts_as_running(drain: _Drain)
     assert not drain.dispatcher.running
     drain.dispatcher.start()
     assert not drain.dispatcher.running
-
-
-def test_the_leases_of_rows_handed_on_are_kept_alive(db_url: str) -> None:
-    """Handed on, a row's lease is renewed until its batch is sent, like a claim ahead's."""
-    import time
-
-    drain = _Drain(db_url, OUTBOX_LEASE_SECONDS=2)
-    try:
-        drain.queue("m0", "m1", "m2", "m3", keys=2)
-        drain.dispatcher.step(wait=lambda deadline: None)
-        assert drain.statuses() == ["sent", "sent", "sending", "sending"]
-        time.sleep(5)  # two and a half leases; the heartbeat renews every 2/3 s
-        assert len(drain.runtime.store.reap_expired(None)) == 0
-        drain.dispatcher.step(wait=lambda deadline: None)
-        assert drain.statuses() == ["sent"] * 4
-        assert [r["attempts"] for r in rows(drain.app)] == [1] * 4
-    finally:
-        close_app(drain.app)
 
 
 def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:

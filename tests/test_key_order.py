@@ -1,4 +1,4 @@
-"""Per-key order under races and repairs: promotion, claim follow-up, retry.
+"""Per-key order under races and repairs: hand-on, producers' commits, retry, reap.
 
 Every interleaving here is made deterministic with a real PostgreSQL lock or a
 real statement error, never a timed window.
@@ -18,8 +18,6 @@ from smtpserver import FaultSMTPServer
 from flask_mail_outbox import Message, OutboxMail, _degrade
 from flask_mail_outbox._models import Status
 from flask_mail_outbox._store import Outcome
-
-LOCK_CALL = "pg_try_advisory_xact_lock(hashtextextended(k.key, 0))"
 
 
 @pytest.fixture
@@ -65,40 +63,47 @@ class _Rewrite:
         sa.event.remove(sa.engine.Engine, "before_cursor_execute", self)
 
 
-WAITING_LOCK_CALL = "outbox_test_waiting_lock(hashtextextended(k.key, 0))"
-
-
 class _ProducerMidSend:
-    """A request in the middle of ``send(key="k")`` ... ``commit()``, holding the key's lock.
+    """A request that sent an email of key "k" and has not committed yet.
 
-    :meth:`commit_when_a_lock_waits` lets it commit as soon as some other
-    transaction waits for an advisory lock: with :data:`LOCK_CALL` rewritten
-    to :data:`WAITING_LOCK_CALL`, delivery's try-lock waits for the producer,
-    so the lock is granted only after the producer committed, as when it
-    commits in that instant.
+    ``pause="before commit"``: it waits before ``commit()``, holding the key's
+    producer lock. ``pause="in commit"``: it waits inside ``commit()``, after
+    its ``before_commit`` hand-on ran, holding the key's line lock. Either way
+    :meth:`commit_when_a_lock_waits` lets it go on as soon as another
+    transaction waits for an advisory lock (a recorder waiting for the line
+    lock), or :meth:`go` at once.
     """
 
-    def __init__(self, app: Flask, db_url: str) -> None:
+    def __init__(self, app: Flask, db_url: str, *, pause: str) -> None:
         self.engine = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
-        with self.engine.connect() as conn:
-            conn.exec_driver_sql(
-                "CREATE OR REPLACE FUNCTION outbox_test_waiting_lock(k bigint) RETURNS boolean"
-                " LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock(k); RETURN true;"
-                " END $$")
         mail: OutboxMail = app.extensions["test_mail"]
-        inserted, self._commit = threading.Event(), threading.Event()
+        self.paused, self._go = threading.Event(), threading.Event()
+
+        def wait_inside_commit(session: Any) -> None:
+            self.paused.set()
+            self._go.wait(30)
 
         def produce() -> None:
             with app.app_context():
+                session = db.session()
                 mail.send(Message("next", recipients=["a@example.com"], body="x"), key="k")
-                inserted.set()
-                self._commit.wait(30)
-                db.session.commit()
+                if pause == "before commit":
+                    self.paused.set()
+                    self._go.wait(30)
+                else:  # runs after the extension's own before_commit listener
+                    sa.event.listen(session, "before_commit", wait_inside_commit)
+                try:
+                    db.session.commit()
+                finally:
+                    if pause != "before commit":
+                        sa.event.remove(session, "before_commit", wait_inside_commit)
 
         self._thread = threading.Thread(target=produce)
         self._thread.start()
-        assert inserted.wait(10)
         self._watcher: threading.Thread | None = None
+
+    def go(self) -> None:
+        self._go.set()
 
     def commit_when_a_lock_waits(self) -> None:
         def release() -> None:
@@ -106,7 +111,7 @@ class _ProducerMidSend:
                 poll(lambda: conn.exec_driver_sql(
                     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
                     " AND NOT granted").scalar(), timeout=30, interval=0.02)
-            self._commit.set()
+            self._go.set()
 
         self._watcher = threading.Thread(target=release)
         self._watcher.start()
@@ -119,67 +124,63 @@ class _ProducerMidSend:
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_a_producer_committing_while_the_promotion_takes_its_lock_is_promoted(
+def test_a_producer_that_commits_after_the_record_hands_itself_the_key(
         app: Flask, db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """The record cannot see the producer's email; the producer's commit sees the
+    record's, and makes its own email the holder (the hand-on at before_commit)."""
     _send(app, "head")
-    producer = _ProducerMidSend(app, db_url)
-    _step(app)  # "head" is sent; its key's lock is busy, so the promotion is put off
-    store = _dispatcher(app).store
-    assert "k" in store._unpromoted
-    producer.commit_when_a_lock_waits()
-    with _Rewrite(LOCK_CALL, WAITING_LOCK_CALL) as rw:
-        _step(app)  # the put-off promotion runs; the producer commits while it waits
-    producer.join()
-    assert rw.hits >= 1
-    for _ in range(2):
-        _step(app)
-    assert [(r["subject"], r["status"]) for r in rows(app)] == [
-        ("head", "sent"), ("next", "sent")]
-
-
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_a_producer_committing_while_the_record_takes_its_lock_is_handed_the_key(
-        app: Flask, db_url: str, smtp_server: FaultSMTPServer) -> None:
-    """The record tries its keys' locks in its first statement (see Store._record_sent).
-
-    Made to wait there until a producer of the key commits, the promotion (a
-    later statement) still sees the producer's email and makes it the head at
-    once, claimed for the next batch (see HandOn): nothing is put off.
-    """
-    _send(app, "head")
-    producer = _ProducerMidSend(app, db_url)
-    producer.commit_when_a_lock_waits()
-    with _Rewrite(LOCK_CALL, WAITING_LOCK_CALL, prefix="WITH locks") as rw:
-        _step(app)  # "head" is sent; its record waits for the key until "next" commits
-    producer.join()
-    assert rw.hits == 1
-    store = _dispatcher(app).store
-    assert "k" not in store._unpromoted
+    producer = _ProducerMidSend(app, db_url, pause="before commit")
+    assert producer.paused.wait(10)
+    _step(app)  # "head" is sent; its key has no open email the record can see
     assert [(r["subject"], r["status"], r["key_head"]) for r in rows(app)] == [
-        ("head", "sent", True), ("next", "sending", True)]
+        ("head", "sent", True)]
+    producer.go()
+    producer.join()
+    assert [(r["subject"], r["status"], r["key_head"]) for r in rows(app)] == [
+        ("head", "sent", True), ("next", "queued", True)]
     _step(app)
     assert [m.parsed["Subject"] for m in smtp_server.messages] == ["head", "next"]
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_a_failed_promotion_after_the_claim_keeps_the_batch(
+def test_a_record_that_waits_for_a_committing_producer_hands_it_the_key(
+        app: Flask, db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """The producer's hand-on ran while "head" was open (it changed nothing) and
+    holds the line lock: the record waits for the commit, then sees "next"."""
+    _send(app, "head")
+    producer = _ProducerMidSend(app, db_url, pause="in commit")
+    assert producer.paused.wait(10)
+    producer.commit_when_a_lock_waits()
+    _step(app)  # "head" is sent; its record waits for the key's line lock
+    producer.join()
+    assert [(r["subject"], r["status"], r["key_head"]) for r in rows(app)] == [
+        ("head", "sent", True), ("next", "queued", True)]
+    _step(app)
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == ["head", "next"]
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_failed_ordering_after_a_reap_keeps_the_batch(
         app: Flask, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The PostgreSQL claim reaps in its own statement; ordering the reaped rows'
+    keys comes after it committed, and its failure loses nothing."""
+    orphan = _send(app, "orphan")
+    store = _dispatcher(app).store
+    assert [e.id for e in store.claim_due(1, owner="dead", lease_seconds=0)[0]] == [orphan]
     for subject in ("m1", "m2"):
         _send(app, subject, key=None)
-    store = _dispatcher(app).store
-    with store._unpromoted_lock:
-        store._unpromoted.add("ghost")  # a put-off promotion: the claim's follow-up runs
-    # A real statement error from the database in the follow-up promotion:
-    # its statement of locks alone. The prefix is needed: recording the batch
-    # runs a statement whose text holds the same lock call (with no keys here).
-    with caplog.at_level(logging.ERROR), _Rewrite(LOCK_CALL, "1/0 = 1",
-                                                  prefix="SELECT k.key") as rw:
+    # A real statement error from the database in that follow-up.
+    with caplog.at_level(logging.ERROR), _Rewrite(
+            "SET key_head = (e.id = c.lowest)", "SET key_head = (1/0 = 1)",
+            prefix="WITH c AS") as rw:
         _step(app)
     assert rw.hits == 1
-    assert [(r["subject"], r["status"]) for r in rows(app)] == [("m1", "sent"), ("m2", "sent")]
-    assert "ghost" in store._unpromoted
+    assert [(r["subject"], r["status"]) for r in rows(app)] == [
+        ("orphan", "queued"), ("m1", "sent"), ("m2", "sent")]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert any("Handing ordering keys on" in message for message in errors), errors
+    assert any("Could not order the keys of 1 reaped email" in m for m in errors), errors
+    _step(app)  # the reaped holder kept its flag: it goes
+    assert [r["status"] for r in rows(app)] == ["sent"] * 3
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
@@ -207,7 +208,8 @@ def test_retry_all_takes_a_bounded_number_of_key_locks_per_transaction(
     finally:
         sa.event.remove(store.engine, "before_cursor_execute", count_locks)
     watch.dispose()
-    assert max(held) == 2
+    # Two keys per transaction, each with its producer lock and its line lock.
+    assert max(held) == 2 * 2
     assert [(r["status"], r["key_head"]) for r in rows(app)] == [("queued", True)] * 5
 
 
@@ -239,7 +241,6 @@ def test_a_dead_letter_put_back_goes_before_a_queued_head(
         _send(app, subject)
     # A head that waits queued (the dispatcher would otherwise claim it as it
     # hands the key on, a head being sent: the next test).
-    _dispatcher(app).hand_on = False
     _step(app)  # "first" is dead-lettered and hands the key to "second"
     assert [(r["status"], r["key_head"]) for r in rows(app)] == [
         ("failed", True), ("queued", True), ("queued", False)]
@@ -264,7 +265,6 @@ def test_a_dead_letter_put_back_below_a_sending_head_goes_next(
     first = _send(app, "first")
     for subject in ("second", "third", "fourth"):
         _send(app, subject)
-    _dispatcher(app).hand_on = False  # the test claims "second" itself
     _step(app)  # "first" is dead-lettered and hands the key to "second"
     store = _dispatcher(app).store
     # "second" is being sent (a lease of 0 s when the reap is to take it back).
@@ -291,25 +291,6 @@ def test_a_dead_letter_put_back_below_a_sending_head_goes_next(
     sent = [m.parsed["Subject"] for m in smtp_server.messages]
     assert sent == (["first", "third", "fourth"] if then == "sent"
                     else ["first", "second", "third", "fourth"])
-
-
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_a_tick_that_only_promotes_a_put_off_key_ticks_again_at_once(
-        app: Flask, db_url: str, smtp_server: FaultSMTPServer) -> None:
-    for subject in ("a", "b"):
-        _send(app, subject)
-    engine = sa.create_engine(db_url)
-    with engine.connect() as producer:  # a request holding the key's lock
-        producer.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtextextended('k', 0))")
-        _step(app)  # "a" is sent; handing "k" on is put off
-        producer.commit()
-    engine.dispose()
-    assert [(r["status"], bool(r["key_head"])) for r in rows(app)] == [
-        ("sent", True), ("queued", False)]
-    # This tick claims nothing; its claim hands "k" on to "b", which is due now.
-    assert _dispatcher(app).step(wait=lambda deadline: None) == 0.0
-    _step(app)
-    assert [m.parsed["Subject"] for m in smtp_server.messages] == ["a", "b"]
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)

@@ -64,9 +64,7 @@ def test_a_dead_letter_put_back_below_its_keys_head_is_still_delivered(
         for name in ("second", "third"):
             mail.send(Message(name, recipients=["a@example.com"], body="x"), key="k")
         db.session.commit()
-    # A head that has not started (claimed as the key is handed on, it would be
-    # a head being sent: tests/test_key_order.py).
-    _dispatcher(worker_app).hand_on = False
+    # A holder that has not started (one being sent: tests/test_key_order.py).
     _step(worker_app)  # "first" is dead-lettered and hands the key to "second"
     assert [r["status"] for r in rows(worker_app)] == ["failed", "queued", "queued"]
     with worker_app.app_context():
@@ -161,11 +159,13 @@ def test_a_slow_server_gets_smaller_claims(worker_app: Flask,
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # advisory locks
-def test_a_key_held_by_a_producer_is_handed_on_after_the_producer_commits(
+def test_a_request_holding_a_keys_lock_does_not_hold_up_its_delivery(
         db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """Delivery takes a key's line lock, never the lock its producers hold for a
+    whole request (see _ordering): both committed emails go while one is held."""
     import sqlalchemy as sa
 
-    from flask_mail_outbox._store import key_lock
+    from flask_mail_outbox._ordering import producer_lock
 
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                    OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_POLL_INTERVAL=POLL)
@@ -177,13 +177,12 @@ def test_a_key_held_by_a_producer_is_handed_on_after_the_producer_commits(
                 mail.send(Message(name, recipients=["a@example.com"], body="x"), key="k")
             db.session.commit()
         with engine.connect() as producer:
-            producer.execute(sa.select(key_lock("k")))  # a request mid-send() of key "k"
-            _step(app)  # "head" is sent; its key cannot be handed on yet
+            producer.execute(sa.select(producer_lock("k")))  # a request mid-send() of key "k"
+            _step(app)  # "head" is sent and hands the key to "next"
             assert [(r["status"], r["key_head"]) for r in rows(app)] == [
-                ("sent", True), ("queued", False)]
-            producer.rollback()  # the request ends
-        for _ in range(3):  # the put-off promotion is retried at the next claims
+                ("sent", True), ("queued", True)]
             _step(app)
+            producer.rollback()  # the request ends
         assert [r["status"] for r in rows(app)] == ["sent", "sent"]
         assert [m.parsed["Subject"] for m in smtp_server.messages] == ["head", "next"]
     finally:
@@ -227,30 +226,25 @@ def _queue_keyed(app: Flask, n: int, keys: int = 2) -> None:
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # advisory locks
-def test_a_keyed_drain_claims_once_and_records_in_two_statements_on_postgresql(
+def test_a_keyed_tick_is_four_statements_on_postgresql(
         hand_ticked_app: Flask, smtp_server: FaultSMTPServer) -> None:
-    """A keyed drain pays two statements per batch after its first claim.
-
-    The record marks the batch sent and tries its keys' locks in one
-    statement; the second hands each key on to its next email and claims it
-    (see HandOn), so the next tick sends those at once, with no claim of its
-    own: its last fresh claim was not full, nothing woke it, and less than
-    BUSY_REAP_INTERVAL passed (the clock stands still here). (That the answers
-    of those locks are honoured is the business of
-    test_a_key_held_by_a_producer_is_handed_on_after_the_producer_commits.)
-    """
+    """A keyed tick: the claim, then the record in three statements: the keys'
+    line locks, the batch marked sent, and the keys handed to their next emails
+    (see _ordering). Those are due, so the next tick claims them at once."""
     _queue_keyed(hand_ticked_app, 6)
-    _frozen_dispatcher(hand_ticked_app)
+    dispatcher = _frozen_dispatcher(hand_ticked_app)
+    dispatcher.prefetch = False  # one claim per tick: the tick's own
     with _statements(hand_ticked_app) as statements:
         _step(hand_ticked_app)
-        assert statements == ["WITH due AS", "WITH locks AS", "WITH c AS"]
+        assert statements == ["WITH due AS", "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
+                              "UPDATE outbox_email SET", "WITH c AS"]
         assert [(r["subject"], r["status"], r["key_head"]) for r in rows(hand_ticked_app)] == [
             ("m0", "sent", True), ("m1", "sent", True),
-            ("m2", "sending", True), ("m3", "sending", True),
+            ("m2", "queued", True), ("m3", "queued", True),
             ("m4", "queued", False), ("m5", "queued", False)]
         del statements[:]
-        _step(hand_ticked_app)
-        assert statements == ["WITH locks AS", "WITH c AS"]
+        assert _step(hand_ticked_app) == 0.0
+        assert len(statements) == 4
     _step(hand_ticked_app)
     assert [r["status"] for r in rows(hand_ticked_app)] == ["sent"] * 6
     subjects = [m.parsed["Subject"] for m in smtp_server.messages]
@@ -258,38 +252,22 @@ def test_a_keyed_drain_claims_once_and_records_in_two_statements_on_postgresql(
         ["m0", "m1"], ["m2", "m3"], ["m4", "m5"]]
 
 
-@pytest.mark.parametrize("why", ["nothing", "a wake", "a second passed",
-                                 "the last claim was full"])
-def test_a_tick_with_rows_handed_on_claims_beside_them_only_when_more_may_be_due(
-        hand_ticked_app: Flask, make_apps: Any, smtp_server: FaultSMTPServer, why: str) -> None:
-    """Rows handed on do not hide other due work for long (see Dispatcher._fresh_claim_due).
-
-    A keyless email queued by another process (LISTEN off: nothing tells this
-    one) after the first tick goes out with the handed-on ones when something
-    says more may be due; with nothing, it waits for the tick after.
-    """
+def test_a_keyed_drain_hides_no_other_due_work(
+        hand_ticked_app: Flask, make_apps: Any, smtp_server: FaultSMTPServer) -> None:
+    """Every tick claims: a keyless email queued by another process (LISTEN off:
+    nothing tells this one) after the first tick goes out with the keys' next emails."""
     _queue_keyed(hand_ticked_app, 4)
     dispatcher = _frozen_dispatcher(hand_ticked_app)
     dispatcher.prefetch = False  # one claim per tick: the tick's own
-    if why == "the last claim was full":
-        dispatcher.sizer.size = 2  # the 2 key heads fill the first claim
-    _step(hand_ticked_app)  # m0, m1 sent; m2, m3 handed on
+    _step(hand_ticked_app)  # m0, m1 sent; the keys handed to m2, m3
     other, other_mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                                   OUTBOX_LISTEN=False)
     with other.app_context():
         other_mail.send(Message("plain", recipients=["a@example.com"], body="x"))
         db.session.commit()
-    if why == "a wake":
-        dispatcher.wake()
-    elif why == "a second passed":
-        dispatcher.clock = lambda: 1001.0
     _step(hand_ticked_app)
     subjects = [m.parsed["Subject"] for m in smtp_server.messages]
-    assert sorted(subjects[2:]) == (["m2", "m3"] if why == "nothing"
-                                    else ["m2", "m3", "plain"])
-    _step(hand_ticked_app)
-    assert sorted(m.parsed["Subject"] for m in smtp_server.messages) == [
-        "m0", "m1", "m2", "m3", "plain"]
+    assert sorted(subjects[2:]) == ["m2", "m3", "plain"]
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # SQLite's planner
@@ -359,12 +337,13 @@ def test_the_record_fetches_its_batch_by_primary_key_on_a_queue_with_stale_stati
 
     sa_event.listen(engine, "before_cursor_execute", capture)
     try:
-        claimed, _ = store.claim_due(100, owner="o", lease_seconds=60, reap_max_attempts=5)
+        claimed, _ = store.claim_due(100, owner="o", lease_seconds=60, reap=True)
         store.record([Outcome(email, Status.SENT) for email in claimed])
     finally:
         sa_event.remove(engine, "before_cursor_execute", capture)
     assert len(claimed) == 20
-    statement, parameters = next(p for p in ran if p[0].lstrip().startswith("WITH locks"))
+    statement, parameters = next(p for p in ran if p[0].lstrip().startswith(
+        "UPDATE outbox_email SET status = 'sent'"))
     # The plan for these values, and the generic plan the server may switch
     # to once the driver has prepared the statement.
     for mode in ("auto", "force_generic_plan"):

@@ -272,10 +272,14 @@ def test_fake_clock_lease_lost_path_spends_an_attempt_per_lease(
         failed_at: datetime | None = None
         for _ in range(100):
             # A process claims it and dies mid-send; a lease later the next claim
-            # reaps it (and claims it again, until its attempts are spent).
-            claimed, reaped = store.claim_due(1, owner=f"dead-{claims}", lease_seconds=lease,
-                                              reap_max_attempts=max_attempts)
-            if reaped.failed:
+            # reaps it and claims it again, until a claim finds its attempts
+            # spent: that delivery dead-letters it without a send.
+            claimed, _ = store.claim_due(1, owner=f"dead-{claims}", lease_seconds=lease,
+                                         reap=True)
+            if claimed and claimed[0].attempt > max_attempts:
+                with app.app_context():
+                    report = dispatcher.route.deliver_claimed(claimed, policy=dispatcher.policy)
+                assert report.failed == [email_id]
                 failed_at = clock.now
                 break
             claims += len(claimed)
