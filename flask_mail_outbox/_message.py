@@ -23,6 +23,7 @@ from flask import current_app, has_app_context
 
 from ._addresses import (
     UNDISCLOSED_RECIPIENTS,
+    Addr,
     address_list,
     bare_address,
     check_header_text,
@@ -34,6 +35,7 @@ from ._addresses import (
 from ._errors import ConfigError, InvalidMessage
 from ._fields import (
     AttachmentInfo,
+    ExtraHeaders,
     check_attachments,
     check_esmtp_options,
     check_message_id,
@@ -262,29 +264,11 @@ def prepare_message(
     """
     if not isinstance(msg, Message):
         raise TypeError(f"prepare_message() expects a Message, got {type(msg).__name__}")
-    if (
-        isinstance(max_message_bytes, bool)
-        or not isinstance(max_message_bytes, int)
-        or max_message_bytes <= 0
-    ):
-        raise ConfigError(
-            "OUTBOX_MAX_MESSAGE_BYTES", f"must be a positive integer, got {max_message_bytes!r}"
-        )
+    _check_max_message_bytes(max_message_bytes)
 
-    subject = msg.subject
-    if not isinstance(subject, str):
-        raise InvalidMessage("subject", f"expected str, got {type(subject).__name__}")
-    check_header_text("subject", subject)
-
-    to = address_list("recipients", msg.recipients, allow_local_addresses)
-    cc = address_list("cc", msg.cc, allow_local_addresses)
-    bcc = address_list("bcc", msg.bcc, allow_local_addresses)
-    if not (to or cc or bcc):
-        raise InvalidMessage(
-            "recipients",
-            "the message has no recipients; give at least one in recipients, cc or bcc",
-        )
-
+    # Checked in this order, so a message with several faults always reports the same one.
+    subject = _checked_subject(msg.subject)
+    to, cc, bcc = _recipients(msg, allow_local_addresses)
     sender = resolve_sender(msg.sender, default_sender, allow_local_addresses)
     reply_to = reply_to_list(msg.reply_to, allow_local_addresses)
     check_esmtp_options("mail_options", msg.mail_options)
@@ -294,18 +278,7 @@ def prepare_message(
     alternatives = text_alternatives(msg.body, msg.html, msg.alts, codec)
     date = resolve_date(msg.date, now)
     extra = extra_headers(msg.extra_headers)
-
-    message_id = msg.msgId
-    if extra and "message-id" in extra.replaced:
-        message_id = extra.replaced["message-id"]
-    if message_id is not None:
-        message_id = check_message_id(message_id)
-    else:
-        domain = (
-            check_message_id_domain(message_id_domain) if message_id_domain else sender.domain
-        )
-        message_id = f"<{time.time_ns() // 1000:x}.{secrets.token_hex(8)}@{domain}>"
-
+    message_id = _message_id(msg.msgId, extra, message_id_domain, sender)
     attachments = check_attachments(msg.attachments, ascii_attachments, max_message_bytes)
 
     body_headers, body = message_body(alternatives, [att.part for att in attachments], charset_name)
@@ -313,17 +286,75 @@ def prepare_message(
     headers = top_headers(
         sender, to, cc, reply_to, subject, date, message_id, body_headers, extra_lines
     )
-    to_display = display_list(to) if to else ("" if cc else UNDISCLOSED_RECIPIENTS)
-    if extra and "to" in extra.replaced:
-        to_display = extra.replaced["to"]
-
     mime = "\r\n".join(headers).encode("ascii") + b"\r\n\r\n" + body
+    _check_message_size(mime, max_message_bytes)
+    return PreparedEmail(
+        sender=sender.ascii,
+        recipients=_envelope(to, cc, bcc),
+        subject=subject,
+        message_id=message_id,
+        mime=mime,
+        attachments=tuple(att.info for att in attachments),
+        to_display=_to_display(to, cc, extra),
+        mail_options=tuple(msg.mail_options),
+        rcpt_options=tuple(msg.rcpt_options),
+    )
+
+
+def _check_max_message_bytes(max_message_bytes: object) -> None:
+    if (
+        isinstance(max_message_bytes, bool)
+        or not isinstance(max_message_bytes, int)
+        or max_message_bytes <= 0
+    ):
+        raise ConfigError(
+            "OUTBOX_MAX_MESSAGE_BYTES", f"must be a positive integer, got {max_message_bytes!r}"
+        )
+
+
+def _checked_subject(subject: object) -> str:
+    if not isinstance(subject, str):
+        raise InvalidMessage("subject", f"expected str, got {type(subject).__name__}")
+    check_header_text("subject", subject)
+    return subject
+
+
+def _recipients(msg: Message, allow_local: bool) -> tuple[list[Addr], list[Addr], list[Addr]]:
+    """To, cc and bcc, checked; at least one of them must name someone."""
+    to = address_list("recipients", msg.recipients, allow_local)
+    cc = address_list("cc", msg.cc, allow_local)
+    bcc = address_list("bcc", msg.bcc, allow_local)
+    if not (to or cc or bcc):
+        raise InvalidMessage(
+            "recipients",
+            "the message has no recipients; give at least one in recipients, cc or bcc",
+        )
+    return to, cc, bcc
+
+
+def _message_id(
+    chosen: str | None, extra: ExtraHeaders | None, domain_setting: str | None, sender: Addr
+) -> str:
+    """The Message-ID the user chose, checked (an extra header wins over ``msgId``), else a new one."""
+    message_id = chosen
+    if extra and "message-id" in extra.replaced:
+        message_id = extra.replaced["message-id"]
+    if message_id is not None:
+        return check_message_id(message_id)
+    domain = check_message_id_domain(domain_setting) if domain_setting else sender.domain
+    return f"<{time.time_ns() // 1000:x}.{secrets.token_hex(8)}@{domain}>"
+
+
+def _check_message_size(mime: bytes, max_message_bytes: int) -> None:
     if len(mime) > max_message_bytes:
         raise InvalidMessage(
             "message size",
             f"the built message is {len(mime)} bytes, which exceeds OUTBOX_MAX_MESSAGE_BYTES ({max_message_bytes})",
         )
 
+
+def _envelope(to: list[Addr], cc: list[Addr], bcc: list[Addr]) -> tuple[str, ...]:
+    """Every recipient's ASCII address once (compared case-blind), in to, cc, bcc order."""
     envelope: list[str] = []
     seen: set[str] = set()
     for addr in (*to, *cc, *bcc):
@@ -331,18 +362,14 @@ def prepare_message(
         if key not in seen:
             seen.add(key)
             envelope.append(addr.ascii)
+    return tuple(envelope)
 
-    return PreparedEmail(
-        sender=sender.ascii,
-        recipients=tuple(envelope),
-        subject=subject,
-        message_id=message_id,
-        mime=mime,
-        attachments=tuple(att.info for att in attachments),
-        to_display=to_display,
-        mail_options=tuple(msg.mail_options),
-        rcpt_options=tuple(msg.rcpt_options),
-    )
+
+def _to_display(to: list[Addr], cc: list[Addr], extra: ExtraHeaders | None) -> str:
+    """The To a listing shows: as written to the header, or the extra header that replaced it."""
+    if extra and "to" in extra.replaced:
+        return extra.replaced["to"]
+    return display_list(to) if to else ("" if cc else UNDISCLOSED_RECIPIENTS)
 
 
 # --------------------------------------------------------------------------- #
