@@ -5,42 +5,47 @@ into the exact bytes that will go over SMTP. ``mail.send()`` calls it before
 anything is written, so a bad message raises ``InvalidMessage`` in the request
 that made it, never later in a worker.
 
-This module validates every field (addresses through ``_addresses``) and hands
-the checked pieces to ``_mime``, which writes the bytes.
+This module holds the user's classes and the order of the steps; the checks
+are in ``_addresses`` (every address) and ``_fields`` (every other field), and
+``_mime`` writes the bytes.
 """
 
 from __future__ import annotations
 
-import codecs
-import functools
-import math
-import mimetypes
-import re
 import secrets
 import time
-import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from email.charset import Charset
-from typing import Any, NamedTuple, TypeAlias
+from datetime import datetime
+from typing import Any, TypeAlias
 
 from flask import current_app, has_app_context
 
 from ._addresses import (
     UNDISCLOSED_RECIPIENTS,
-    AddressError,
+    Addr,
     address_list,
     bare_address,
     check_header_text,
     display_list,
     has_bad_chars,
-    parse_address,
     reply_to_list,
     resolve_sender,
 )
 from ._errors import ConfigError, InvalidMessage
-from ._mime import Part, attachment_part, message_body, top_headers, unstructured_header
+from ._fields import (
+    AttachmentInfo,
+    ExtraHeaders,
+    check_attachments,
+    check_esmtp_options,
+    check_message_id,
+    check_message_id_domain,
+    extra_headers,
+    resolve_charset,
+    resolve_date,
+    text_alternatives,
+)
+from ._mime import message_body, top_headers
 
 __all__ = ["Address", "Attachment", "AttachmentInfo", "Message", "PreparedEmail", "prepare_message"]
 
@@ -48,23 +53,6 @@ __all__ = ["Address", "Attachment", "AttachmentInfo", "Message", "PreparedEmail"
 Address: TypeAlias = "str | tuple[str, str]"
 
 _DEFAULT_MAX_MESSAGE_BYTES = 25 * 1024 * 1024
-
-_HEADER_NAME = re.compile(r"[!-9;-~]+")
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_CONTENT_TYPE = re.compile(
-    r"(?P<type>[!#$%&'*+.^_`|~0-9A-Za-z-]+/[!#$%&'*+.^_`|~0-9A-Za-z-]+)(?P<params>\s*;[ -~]*)?"
-)
-# An ESMTP parameter of MAIL FROM / RCPT TO (RFC 5321 4.1.2): keyword[=value].
-_ESMTP_PARAMETER = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*(=[!-<>-~]+)?")
-# "<left@right>", printable ASCII without spaces, "<", ">" or a second "@".
-_MESSAGE_ID = re.compile(r"<[!-;=?A-~]+@[!-;=?A-~]+>")
-_WHITESPACE_RUNS = re.compile(r"\s+")
-
-# Headers that hold addresses: an extra header replacing one of them must be
-# ASCII, since RFC 2047 encoding would swallow the address itself.
-_ADDRESS_HEADERS = frozenset({"from", "to", "cc", "reply-to", "sender"})
-# Headers the MIME structure owns; overriding them would corrupt the message.
-_STRUCTURAL_HEADERS = frozenset({"content-type", "content-transfer-encoding", "mime-version"})
 
 
 # --------------------------------------------------------------------------- #
@@ -228,15 +216,6 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
-class AttachmentInfo:
-    """What a listing needs to know about one attachment of a prepared email."""
-
-    filename: str | None
-    content_type: str
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
 class PreparedEmail:
     """A validated message, ready to store and send.
 
@@ -285,6 +264,44 @@ def prepare_message(
     """
     if not isinstance(msg, Message):
         raise TypeError(f"prepare_message() expects a Message, got {type(msg).__name__}")
+    _check_max_message_bytes(max_message_bytes)
+
+    # Checked in this order, so a message with several faults always reports the same one.
+    subject = _checked_subject(msg.subject)
+    to, cc, bcc = _recipients(msg, allow_local_addresses)
+    sender = resolve_sender(msg.sender, default_sender, allow_local_addresses)
+    reply_to = reply_to_list(msg.reply_to, allow_local_addresses)
+    check_esmtp_options("mail_options", msg.mail_options)
+    check_esmtp_options("rcpt_options", msg.rcpt_options)
+
+    codec, charset_name = resolve_charset(msg.charset)
+    alternatives = text_alternatives(msg.body, msg.html, msg.alts, codec)
+    date = resolve_date(msg.date, now)
+    extra = extra_headers(msg.extra_headers)
+    message_id = _message_id(msg.msgId, extra, message_id_domain, sender)
+    attachments = check_attachments(msg.attachments, ascii_attachments, max_message_bytes)
+
+    body_headers, body = message_body(alternatives, [att.part for att in attachments], charset_name)
+    extra_lines = extra.lines if extra else ()
+    headers = top_headers(
+        sender, to, cc, reply_to, subject, date, message_id, body_headers, extra_lines
+    )
+    mime = "\r\n".join(headers).encode("ascii") + b"\r\n\r\n" + body
+    _check_message_size(mime, max_message_bytes)
+    return PreparedEmail(
+        sender=sender.ascii,
+        recipients=_envelope(to, cc, bcc),
+        subject=subject,
+        message_id=message_id,
+        mime=mime,
+        attachments=tuple(att.info for att in attachments),
+        to_display=_to_display(to, cc, extra),
+        mail_options=tuple(msg.mail_options),
+        rcpt_options=tuple(msg.rcpt_options),
+    )
+
+
+def _check_max_message_bytes(max_message_bytes: object) -> None:
     if (
         isinstance(max_message_bytes, bool)
         or not isinstance(max_message_bytes, int)
@@ -294,57 +311,50 @@ def prepare_message(
             "OUTBOX_MAX_MESSAGE_BYTES", f"must be a positive integer, got {max_message_bytes!r}"
         )
 
-    subject = msg.subject
+
+def _checked_subject(subject: object) -> str:
     if not isinstance(subject, str):
         raise InvalidMessage("subject", f"expected str, got {type(subject).__name__}")
     check_header_text("subject", subject)
+    return subject
 
-    to = address_list("recipients", msg.recipients, allow_local_addresses)
-    cc = address_list("cc", msg.cc, allow_local_addresses)
-    bcc = address_list("bcc", msg.bcc, allow_local_addresses)
+
+def _recipients(msg: Message, allow_local: bool) -> tuple[list[Addr], list[Addr], list[Addr]]:
+    """To, cc and bcc, checked; at least one of them must name someone."""
+    to = address_list("recipients", msg.recipients, allow_local)
+    cc = address_list("cc", msg.cc, allow_local)
+    bcc = address_list("bcc", msg.bcc, allow_local)
     if not (to or cc or bcc):
         raise InvalidMessage(
             "recipients",
             "the message has no recipients; give at least one in recipients, cc or bcc",
         )
+    return to, cc, bcc
 
-    sender = resolve_sender(msg.sender, default_sender, allow_local_addresses)
-    reply_to = reply_to_list(msg.reply_to, allow_local_addresses)
-    _check_esmtp_options("mail_options", msg.mail_options)
-    _check_esmtp_options("rcpt_options", msg.rcpt_options)
 
-    codec, charset_name = _resolve_charset(msg.charset)
-    alternatives = _alternatives(msg, codec)
-    date = _resolve_date(msg.date, now)
-    extra = _extra_headers(msg.extra_headers)
-
-    message_id = msg.msgId
+def _message_id(
+    chosen: str | None, extra: ExtraHeaders | None, domain_setting: str | None, sender: Addr
+) -> str:
+    """The Message-ID the user chose, checked (an extra header wins over ``msgId``), else a new one."""
+    message_id = chosen
     if extra and "message-id" in extra.replaced:
         message_id = extra.replaced["message-id"]
     if message_id is not None:
-        message_id = _check_message_id(message_id)
-    else:
-        domain = _message_id_domain(message_id_domain) if message_id_domain else sender.domain
-        message_id = f"<{time.time_ns() // 1000:x}.{secrets.token_hex(8)}@{domain}>"
+        return check_message_id(message_id)
+    domain = check_message_id_domain(domain_setting) if domain_setting else sender.domain
+    return f"<{time.time_ns() // 1000:x}.{secrets.token_hex(8)}@{domain}>"
 
-    attachments = _attachments(msg.attachments, ascii_attachments, max_message_bytes)
 
-    body_headers, body = message_body(alternatives, [att.part for att in attachments], charset_name)
-    extra_lines = extra.lines if extra else ()
-    headers = top_headers(
-        sender, to, cc, reply_to, subject, date, message_id, body_headers, extra_lines
-    )
-    to_display = display_list(to) if to else ("" if cc else UNDISCLOSED_RECIPIENTS)
-    if extra and "to" in extra.replaced:
-        to_display = extra.replaced["to"]
-
-    mime = "\r\n".join(headers).encode("ascii") + b"\r\n\r\n" + body
+def _check_message_size(mime: bytes, max_message_bytes: int) -> None:
     if len(mime) > max_message_bytes:
         raise InvalidMessage(
             "message size",
             f"the built message is {len(mime)} bytes, which exceeds OUTBOX_MAX_MESSAGE_BYTES ({max_message_bytes})",
         )
 
+
+def _envelope(to: list[Addr], cc: list[Addr], bcc: list[Addr]) -> tuple[str, ...]:
+    """Every recipient's ASCII address once (compared case-blind), in to, cc, bcc order."""
     envelope: list[str] = []
     seen: set[str] = set()
     for addr in (*to, *cc, *bcc):
@@ -352,53 +362,18 @@ def prepare_message(
         if key not in seen:
             seen.add(key)
             envelope.append(addr.ascii)
+    return tuple(envelope)
 
-    return PreparedEmail(
-        sender=sender.ascii,
-        recipients=tuple(envelope),
-        subject=subject,
-        message_id=message_id,
-        mime=mime,
-        attachments=tuple(att.info for att in attachments),
-        to_display=to_display,
-        mail_options=tuple(msg.mail_options),
-        rcpt_options=tuple(msg.rcpt_options),
-    )
+
+def _to_display(to: list[Addr], cc: list[Addr], extra: ExtraHeaders | None) -> str:
+    """The To a listing shows: as written to the header, or the extra header that replaced it."""
+    if extra and "to" in extra.replaced:
+        return extra.replaced["to"]
+    return display_list(to) if to else ("" if cc else UNDISCLOSED_RECIPIENTS)
 
 
 # --------------------------------------------------------------------------- #
-# Message-ID
-# --------------------------------------------------------------------------- #
-
-
-@functools.lru_cache(maxsize=16)
-def _message_id_domain(domain: str) -> str:
-    if not isinstance(domain, str) or not domain or has_bad_chars(domain):
-        raise ConfigError(
-            "OUTBOX_MESSAGE_ID_DOMAIN",
-            f"must be a domain name such as 'example.com', got {domain!r}",
-        )
-    try:
-        return parse_address("postmaster@" + domain, True).domain
-    except AddressError as exc:
-        raise ConfigError(
-            "OUTBOX_MESSAGE_ID_DOMAIN", f"{domain!r} is not a valid domain name ({exc})"
-        ) from None
-
-
-def _check_message_id(value: object) -> str:
-    if not isinstance(value, str):
-        raise InvalidMessage("msgId", f"expected str, got {type(value).__name__}")
-    check_header_text("msgId", value)
-    if not value.isascii() or not _MESSAGE_ID.fullmatch(value):
-        raise InvalidMessage(
-            "msgId", f"{value!r} is not a Message-ID of the form '<unique@domain>'"
-        )
-    return value
-
-
-# --------------------------------------------------------------------------- #
-# Simple fields
+# Helpers of the Message class
 # --------------------------------------------------------------------------- #
 
 
@@ -410,23 +385,6 @@ def _has_bad_chars_deep(value: object) -> bool:
     return False
 
 
-def _check_esmtp_options(field: str, value: object) -> None:
-    """Flask-Mail's ``mail_options`` / ``rcpt_options``: a list of ESMTP parameters.
-
-    They would go on the MAIL FROM / RCPT TO command line, so a CR or LF in
-    one would inject an SMTP command; refuse anything but ``KEYWORD[=value]``.
-    """
-    if not isinstance(value, (list, tuple)):
-        raise InvalidMessage(
-            field, f"expected a list of ESMTP parameters, got {type(value).__name__}"
-        )
-    for option in value:
-        if not isinstance(option, str) or not _ESMTP_PARAMETER.fullmatch(option):
-            raise InvalidMessage(
-                field, f"{option!r} is not an ESMTP parameter such as 'SMTPUTF8' or 'BODY=8BITMIME'"
-            )
-
-
 def _alts_dict(alts: object) -> Any:
     """Flask-Mail's ``dict(alts or {})``; what cannot be converted is kept for validation to report."""
     if alts is None:
@@ -435,269 +393,6 @@ def _alts_dict(alts: object) -> Any:
         return dict(alts)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         return alts
-
-
-def _resolve_charset(charset: object) -> tuple[str, str]:
-    """(Python codec, MIME charset name) of the message's text parts; utf-8 by default."""
-    if charset is None or charset == "":
-        return "utf-8", "utf-8"
-    if not isinstance(charset, str):
-        raise InvalidMessage("charset", f"expected str or None, got {type(charset).__name__}")
-    return _charset_names(charset)
-
-
-@functools.lru_cache(maxsize=32)
-def _charset_names(charset: str) -> tuple[str, str]:
-    if not charset.isascii() or not _TOKEN.fullmatch(charset):
-        raise InvalidMessage("charset", f"{charset!r} is not a charset name")
-    try:
-        codec = codecs.lookup(charset).name
-    except LookupError:
-        raise InvalidMessage("charset", f"unknown charset {charset!r}") from None
-    # Line endings are normalised on bytes, so the charset must write ASCII as ASCII.
-    try:
-        ascii_compatible = "a\n=".encode(codec) == b"a\n="
-    except LookupError:  # a codec that is not a text encoding, such as rot13
-        ascii_compatible = False
-    if not ascii_compatible:
-        raise InvalidMessage("charset", f"{charset!r} is not ASCII-compatible; use utf-8")
-    return codec, Charset(charset).input_charset.lower()
-
-
-def _alternatives(msg: Message, codec: str) -> list[tuple[str, bytes]]:
-    """The text parts, text first then html then ``alts``: (subtype, encoded text)."""
-    alts = msg.alts
-    if not isinstance(alts, Mapping):
-        raise InvalidMessage(
-            "alts",
-            f"expected a dict or a list of (subtype, content) pairs, got {type(alts).__name__}",
-        )
-    items: list[tuple[str, str, object]] = []
-    if msg.body is not None:
-        items.append(("body", "plain", msg.body))
-    if msg.html is not None:
-        items.append(("html", "html", msg.html))
-    for subtype, content in alts.items():
-        field = f"alts[{subtype!r}]"
-        if not isinstance(subtype, str) or not subtype.isascii() or not _TOKEN.fullmatch(subtype):
-            raise InvalidMessage("alts", f"{subtype!r} is not a MIME subtype such as 'html'")
-        lowered = subtype.lower()
-        if (lowered == "plain" and msg.body is not None) or (
-            lowered == "html" and msg.html is not None
-        ):
-            if content == (msg.body if lowered == "plain" else msg.html):
-                continue  # the same text given twice, as Flask-Mail's html property allows
-            raise InvalidMessage(
-                "alts",
-                f"{subtype!r} is given both in alts and as {'body' if lowered == 'plain' else 'html'}=",
-            )
-        items.append((field, subtype, content))
-    result = []
-    for field, subtype, text in items:
-        if not isinstance(text, str):
-            raise InvalidMessage(field, f"expected str or None, got {type(text).__name__}")
-        try:
-            result.append((subtype, text.encode(codec)))
-        except UnicodeEncodeError as exc:
-            raise InvalidMessage(
-                field, f"cannot be encoded as {codec} ({exc.reason} at position {exc.start})"
-            ) from None
-    return result
-
-
-def _resolve_date(value: object, now: datetime | None) -> datetime:
-    if value is None:
-        if now is None:
-            return datetime.now(UTC)
-        return now if now.tzinfo is not None else now.replace(tzinfo=UTC)
-    if isinstance(value, datetime):
-        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise InvalidMessage("date", f"{value!r} is not a time")
-        try:
-            return datetime.fromtimestamp(value, UTC)
-        except (OverflowError, OSError, ValueError) as exc:
-            raise InvalidMessage("date", f"{value!r} is out of range ({exc})") from None
-    raise InvalidMessage(
-        "date", f"expected a Unix timestamp, a datetime or None, got {type(value).__name__}"
-    )
-
-
-class _Extra(NamedTuple):
-    lines: list[tuple[str, str]]  # (lower-case name, rendered header)
-    replaced: dict[str, str]  # raw values of the standard headers it overrides
-
-
-def _extra_headers(value: object) -> _Extra | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise InvalidMessage(
-            "extra_headers", f"expected a dict of str to str, got {type(value).__name__}"
-        )
-    lines: list[tuple[str, str]] = []
-    replaced: dict[str, str] = {}
-    for name, text in value.items():
-        if not isinstance(name, str) or not isinstance(text, str):
-            raise InvalidMessage(
-                "extra_headers",
-                f"names and values must be str, got {type(name).__name__}: {type(text).__name__}",
-            )
-        check_header_text("extra_headers", name)
-        check_header_text("extra_headers", text)
-        if not name.isascii() or not _HEADER_NAME.fullmatch(name):
-            raise InvalidMessage("extra_headers", f"{name!r} is not a header name")
-        lname = name.lower()
-        if lname == "bcc":
-            raise InvalidMessage(
-                "extra_headers", "a Bcc header would show the blind copies to everyone; use bcc="
-            )
-        if lname in _STRUCTURAL_HEADERS:
-            raise InvalidMessage(
-                "extra_headers",
-                f"{name!r} is set from the message's parts and cannot be overridden",
-            )
-        if lname in _ADDRESS_HEADERS and not text.isascii():
-            raise InvalidMessage(
-                "extra_headers",
-                f"{name!r} must be ASCII here; use sender=, recipients=, cc= or reply_to= instead",
-            )
-        if lname in {"to", "message-id"}:
-            replaced[lname] = text
-        if lname == "message-id":
-            continue  # used as the Message-ID by the caller
-        lines.append((lname, unstructured_header(name, text)))
-    return _Extra(lines, replaced)
-
-
-# --------------------------------------------------------------------------- #
-# Attachments
-# --------------------------------------------------------------------------- #
-
-
-class _BuiltAttachment(NamedTuple):
-    part: Part
-    info: AttachmentInfo
-
-
-def _attachments(value: object, ascii_only: bool, max_bytes: int) -> list[_BuiltAttachment]:
-    if value is None:
-        return []
-    if not isinstance(value, (list, tuple)):
-        raise InvalidMessage(
-            "attachments", f"expected a list of Attachment, got {type(value).__name__}"
-        )
-    built: list[_BuiltAttachment] = []
-    total = 0
-    for index, att in enumerate(value):
-        field = f"attachments[{index}]"
-        if not all(hasattr(att, a) for a in ("filename", "content_type", "data")):
-            raise InvalidMessage(field, f"expected an Attachment, got {type(att).__name__}")
-        data = att.data
-        if isinstance(data, bytearray):
-            data = bytes(data)
-        if not isinstance(data, (bytes, str)):
-            raise InvalidMessage(
-                f"{field}.data", f"expected bytes or str, got {type(data).__name__}"
-            )
-        total += len(data)
-        if total > max_bytes:
-            # Cheap early exit: base64 only makes it bigger.
-            raise InvalidMessage(
-                "message size",
-                f"the attachments alone are over {total} bytes, which exceeds OUTBOX_MAX_MESSAGE_BYTES ({max_bytes})",
-            )
-        built.append(_attachment(field, att, data, ascii_only))
-    return built
-
-
-def _attachment(field: str, att: Any, data: bytes | str, ascii_only: bool) -> _BuiltAttachment:
-    filename = _attachment_filename(f"{field}.filename", att.filename, ascii_only)
-    content_type = att.content_type
-    if content_type is None or content_type == "":
-        guessed = mimetypes.guess_type(filename)[0] if filename else None
-        content_type = guessed or "application/octet-stream"
-    elif not isinstance(content_type, str):
-        raise InvalidMessage(
-            f"{field}.content_type", f"expected str or None, got {type(content_type).__name__}"
-        )
-    check_header_text(f"{field}.content_type", content_type)
-    match = _CONTENT_TYPE.fullmatch(content_type)
-    if not content_type.isascii() or match is None:
-        raise InvalidMessage(
-            f"{field}.content_type",
-            f"{content_type!r} is not a MIME type such as 'application/pdf'",
-        )
-
-    disposition = getattr(att, "disposition", None) or "attachment"
-    if not isinstance(disposition, str):
-        raise InvalidMessage(
-            f"{field}.disposition", f"expected str, got {type(disposition).__name__}"
-        )
-    check_header_text(f"{field}.disposition", disposition)
-    if not disposition.isascii() or not _TOKEN.fullmatch(disposition):
-        raise InvalidMessage(
-            f"{field}.disposition", f"{disposition!r} is not a disposition such as 'attachment'"
-        )
-
-    if isinstance(data, str):
-        try:
-            data = data.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidMessage(
-                f"{field}.data", f"is not valid Unicode text ({exc.reason})"
-            ) from None
-        if match["type"].lower().startswith("text/") and "charset" not in content_type.lower():
-            content_type += '; charset="utf-8"'
-
-    headers = _part_headers(f"{field}.headers", getattr(att, "headers", None))
-    info = AttachmentInfo(filename=filename, content_type=match["type"].lower(), size=len(data))
-    part = attachment_part(content_type, disposition, filename, headers, data)
-    return _BuiltAttachment(part=part, info=info)
-
-
-def _attachment_filename(field: str, filename: object, ascii_only: bool) -> str | None:
-    """The checked filename; with MAIL_ASCII_ATTACHMENTS, transliterated as Flask-Mail does."""
-    if filename is None:
-        return None
-    if not isinstance(filename, str):
-        raise InvalidMessage(field, f"expected str or None, got {type(filename).__name__}")
-    check_header_text(field, filename)
-    if ascii_only:
-        filename = unicodedata.normalize("NFKD", filename)
-        filename = filename.encode("ascii", "ignore").decode("ascii")
-        filename = _WHITESPACE_RUNS.sub(" ", filename).strip()
-    return filename or None
-
-
-def _part_headers(field: str, value: object) -> list[tuple[str, str]]:
-    """An attachment's extra headers (a dict, or pairs as older Flask-Mail took), checked."""
-    if not value:
-        return []
-    pairs: object = value.items() if isinstance(value, Mapping) else value
-    if not isinstance(pairs, Iterable):
-        raise InvalidMessage(field, f"expected a dict of str to str, got {type(value).__name__}")
-    checked = []
-    for pair in pairs:
-        if not (
-            isinstance(pair, tuple)
-            and len(pair) == 2
-            and isinstance(pair[0], str)
-            and isinstance(pair[1], str)
-        ):
-            raise InvalidMessage(field, f"expected str names and values, got {pair!r}")
-        name, text = pair
-        check_header_text(field, name)
-        check_header_text(field, text)
-        if not name.isascii() or not _HEADER_NAME.fullmatch(name):
-            raise InvalidMessage(field, f"{name!r} is not a header name")
-        if name.lower() == "content-transfer-encoding":
-            raise InvalidMessage(
-                field, "Content-Transfer-Encoding is always base64 and cannot be set"
-            )
-        checked.append((name, text))
-    return checked
 
 
 # --------------------------------------------------------------------------- #

@@ -1,6 +1,6 @@
 """MIME writing: validated parts in, the exact bytes of the message out.
 
-Nothing here checks user input; ``_message`` and ``_addresses`` have done that
+Nothing here checks user input; ``_addresses`` and ``_fields`` have done that
 before anything is written. What is written is plain RFC 5322 / RFC 2045-2047 /
 RFC 2231 and every line ends in CRLF.
 
