@@ -45,6 +45,7 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
 from flask_mail_outbox._models import Status, attachment_table, email_table
+from flask_mail_outbox._queries import get_setting
 from flask_mail_outbox._store import Outcome, Store, key_lock, search_values
 from flask_mail_outbox.dashboard import CONTENT_SECURITY_POLICY, make_blueprint
 from flask_mail_outbox.dashboard._queries import list_emails, prefix_bounds
@@ -591,7 +592,8 @@ def test_mode_toggle_switches_delivery_for_every_process(
     assert response.status_code == 303
     with dashboard.app_context():
         assert mail.durable is True
-        assert mail._state().runtime().store.get_setting("durable") is True
+        with mail._state().runtime().store.read() as conn:
+            assert get_setting(conn, "durable") is True
     page = client.get(response.headers["Location"]).get_data(as_text=True)
     assert '<span id="mode">durable</span>' in page and "now durable" in page
     client.post(f"{PREFIX}/mode", data={"csrf_token": token, "mode": "inline"})

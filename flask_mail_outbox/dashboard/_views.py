@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from flask import Blueprint, abort, redirect, render_template, request, url_for
 from flask.typing import ResponseReturnValue
 
+from .. import _queries
 from .._models import Status
 from .._store import Store, utcnow
 from ._preview import preview
@@ -90,10 +91,12 @@ class Dashboard:
 
     def overview(self) -> ResponseReturnValue:
         store = self._store()
-        counts = store.counts()
+        with store.read() as conn:
+            counts = _queries.counts(conn)
+            oldest_queued_age = _queries.oldest_queued_age(conn, clock=store.clock)
         return render_template(
             "outbox_dashboard/overview.html", counts=counts,
-            oldest_queued_age=store.oldest_queued_age(), durable=self.mail.durable,
+            oldest_queued_age=oldest_queued_age, durable=self.mail.durable,
             chart=build_chart(hourly_counts(store)), notice=_notice())
 
     def emails(self) -> ResponseReturnValue:
