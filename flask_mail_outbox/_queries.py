@@ -32,6 +32,7 @@ which is the claim's predicate and lives with it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from datetime import datetime
@@ -113,3 +114,75 @@ def dead_letters(conn: Connection, limit: int) -> list[dict[str, Any]]:
          "error_history": json.loads(row["error_history"] or "[]")}
         for row in rows
     ]
+
+
+# -- health and metrics ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthFigures:
+    """What a health check reads: the earliest due time of what may go now, dead letters, now."""
+
+    earliest_due: datetime | None
+    dead_letters: int
+    now: datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueFigures:
+    """What a metrics scrape reads: rows per unfinished status, the oldest queued, now."""
+
+    queued: int
+    sending: int
+    failed: int
+    oldest: datetime | None
+    earliest_due: datetime | None
+    now: datetime
+
+
+def _count(status: Status) -> sa.ScalarSelect[Any]:
+    t = email_table
+    return (sa.select(sa.func.count()).select_from(t)
+            .where(t.c.status == status.value).scalar_subquery())
+
+
+def _earliest_due() -> sa.ScalarSelect[Any]:
+    """The due time of the longest-waiting email that may go now (keyless or its key's head).
+
+    A key's blocked followers are not counted themselves: they wait through
+    their head, whose due time this is.
+    """
+    t = email_table
+    return (sa.select(sa.func.min(t.c.due_at))
+            .where(t.c.status == Status.QUEUED.value, sa.or_(t.c.key.is_(None), t.c.key_head))
+            .scalar_subquery())
+
+
+def health_figures(conn: Connection, *, clock: Clock = utcnow) -> HealthFigures:
+    """One statement, so a load balancer may ask every second.
+
+    Each subquery is limited to one status, so it reads index entries of queued
+    or failed rows, never the whole table.
+    """
+    row = conn.execute(sa.select(_earliest_due().label("earliest_due"),
+                                 _count(Status.FAILED).label("dead_letters"),
+                                 _now(conn, clock).label("now"))).one()
+    return HealthFigures(earliest_due=row.earliest_due, dead_letters=int(row.dead_letters),
+                         now=row.now)
+
+
+def queue_figures(conn: Connection, *, clock: Clock = utcnow) -> QueueFigures:
+    """One statement for the gauges; each subquery is limited to one status, so it
+    reads an index of that status's rows (which one is the planner's choice), not the table.
+    """
+    t = email_table
+    oldest = (sa.select(sa.func.min(t.c.created_at))
+              .where(t.c.status == Status.QUEUED.value).scalar_subquery())
+    row = conn.execute(sa.select(_count(Status.QUEUED).label("queued"),
+                                 _count(Status.SENDING).label("sending"),
+                                 _count(Status.FAILED).label("failed"),
+                                 oldest.label("oldest"), _earliest_due().label("earliest_due"),
+                                 _now(conn, clock).label("now"))).one()
+    return QueueFigures(queued=int(row.queued), sending=int(row.sending),
+                        failed=int(row.failed), oldest=row.oldest,
+                        earliest_due=row.earliest_due, now=row.now)
