@@ -31,8 +31,8 @@ from flask_sqlalchemy import SQLAlchemy
 
 from flask_mail_outbox import OutboxMail
 from flask_mail_outbox._models import metadata as outbox_metadata
+from flask_mail_outbox._queries import list_emails
 from flask_mail_outbox._store import Store
-from flask_mail_outbox.dashboard._queries import list_emails
 
 _MIME = (
     b"From: Shop <shop@example.com>\r\nTo: customer@example.com\r\n"
@@ -184,7 +184,8 @@ def explain_all(store: Store, middle: int) -> None:
     }
     for label, kwargs in cases.items():
         captured.clear()
-        list_emails(store, limit=50, **kwargs)
+        with store.read() as conn:
+            list_emails(conn, limit=50, **kwargs)
         (statement, parameters), = captured
         with store.engine.connect() as conn:
             plan = list(conn.exec_driver_sql(

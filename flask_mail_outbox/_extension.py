@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from flask import Flask, Response, current_app, got_request_exception
 from sqlalchemy import event
 
-from . import _degrade, _health, _ordering, _staging
+from . import _degrade, _health, _ordering, _queries, _staging
 from ._config import _DEFAULTS, BUILTIN_TRANSPORTS, OutboxConfig, load_config
 from ._delivery import DeliveredMessage, DeliveryRoute, InlineDelivery
 from ._dispatcher import Dispatcher
@@ -336,7 +336,8 @@ class _AppState:
         now = time.monotonic()
         if cached is not None and cached[1] > now:
             return cached[0]
-        stored = self.runtime().store.get_setting(DURABLE_SETTING)
+        with self.runtime().store.read() as conn:
+            stored = _queries.get_setting(conn, DURABLE_SETTING)
         value = self.config.durable if stored is None else bool(stored)
         self._durable_cache = (value, now + self.config.settings_ttl_seconds)
         return value
@@ -717,7 +718,8 @@ class OutboxMail:
         """The newest dead-lettered (``failed``) emails, with their failure history."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be a positive integer, got {limit!r}")
-        return self._state().runtime().store.dead_letters(limit)
+        with self._state().runtime().store.read() as conn:
+            return _queries.dead_letters(conn, limit)
 
     def retry(self, email_id: int) -> None:
         """Put a dead letter back: ``queued``, attempts reset to 0, due now (commits).
@@ -820,12 +822,14 @@ class OutboxMail:
         """
         state = self._state()
         runtime = state.runtime()
-        counts = runtime.store.counts()
-        last = load_last_report(state)
+        with runtime.store.read() as conn:
+            counts = _queries.counts(conn)
+            oldest_queued_age = _queries.oldest_queued_age(conn, clock=runtime.store.clock)
+            last = load_last_report(conn)
         dispatcher = runtime.dispatcher
         return {
             "counts": counts,
-            "oldest_queued_age_seconds": runtime.store.oldest_queued_age(),
+            "oldest_queued_age_seconds": oldest_queued_age,
             "dead_letters": counts.get(Status.FAILED.value, 0),
             "mode": "durable" if state.durable() else "inline",
             "last_sweep": last.as_dict() if last is not None else None,

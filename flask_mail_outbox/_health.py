@@ -1,9 +1,10 @@
 """Health: is mail flowing? ``mail.health()`` and its route (``mail.health_view``).
 
-A check is one SQL statement whose subqueries each read index entries of
-queued or failed rows only (which index is the planner's choice: the partial
-ones, or ``ix_outbox_email_status_id``), so it costs the same with a million
-retained ``sent`` rows as with none, and a load balancer may call it every second.
+A check is one SQL statement (:func:`._queries.health_figures`) whose
+subqueries each read index entries of queued or failed rows only (which index
+is the planner's choice: the partial ones, or ``ix_outbox_email_status_id``),
+so it costs the same with a million retained ``sent`` rows as with none, and a
+load balancer may call it every second.
 
 The status is ``degraded`` when, with one reason each:
 
@@ -36,10 +37,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
 from flask import Response, jsonify
 
-from ._models import Status, email_table
+from ._queries import health_figures
 from ._store import utcnow
 
 if TYPE_CHECKING:
@@ -93,31 +93,6 @@ def _trend(state: _AppState) -> DeadLetterTrend:
         return trend
 
 
-def check_statement(now: sa.ColumnElement[Any]) -> sa.Select[Any]:
-    """The one statement a check runs: earliest due time, dead letters, now.
-
-    Each subquery is limited to one status, so it reads index entries of queued
-    or failed rows, never the whole table.
-    """
-    t = email_table
-    dead_letters = (sa.select(sa.func.count()).select_from(t)
-                    .where(t.c.status == Status.FAILED.value).scalar_subquery())
-    return sa.select(earliest_due().label("earliest_due"), dead_letters.label("dead_letters"),
-                     now.label("now"))
-
-
-def earliest_due() -> sa.ScalarSelect[Any]:
-    """The due time of the longest-waiting email that may go now (keyless or its key's head).
-
-    A key's blocked followers are not counted themselves: they wait through
-    their head, whose due time this is.
-    """
-    t = email_table
-    return (sa.select(sa.func.min(t.c.due_at))
-            .where(t.c.status == Status.QUEUED.value, sa.or_(t.c.key.is_(None), t.c.key_head))
-            .scalar_subquery())
-
-
 def check(state: _AppState) -> dict[str, Any]:
     """The health of ``state``'s app as seen from this process (never raises for the database)."""
     config = state.config
@@ -128,7 +103,7 @@ def check(state: _AppState) -> dict[str, Any]:
     added: int | None = None
     try:
         with runtime.store.read() as conn:
-            row = conn.execute(check_statement(runtime.store.now_expr())).one()
+            row = health_figures(conn, clock=runtime.store.clock)
     except Exception as exc:  # noqa: BLE001 - reported; the answer says so
         state.faults.failing(
             "health-database", "The health check could not query the outbox tables",
@@ -144,7 +119,7 @@ def check(state: _AppState) -> dict[str, Any]:
         state.faults.recovered("health-database")
         if row.earliest_due is not None:
             due_age = max(0.0, float((row.now - row.earliest_due).total_seconds()))
-        dead_letters = int(row.dead_letters)
+        dead_letters = row.dead_letters
         limit = config.health_max_queued_age_seconds
         if due_age is not None and due_age > limit:
             reasons.append({"code": "queue_too_old",

@@ -30,8 +30,6 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-
 try:
     import prometheus_client
     from prometheus_client import Counter, Histogram
@@ -43,8 +41,8 @@ except ImportError as exc:  # the optional extra: say which one
         "flask-mail-outbox's metrics need prometheus_client, which is not installed: "
         "pip install 'flask-mail-outbox[metrics]'") from exc
 
-from ._health import earliest_due
-from ._models import Status, email_table
+from ._models import Status
+from ._queries import queue_figures
 from ._signals import email_failed, email_queued, email_sent
 from ._store import utcnow
 
@@ -57,25 +55,6 @@ if TYPE_CHECKING:
 #: hours of retries.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    300.0, 900.0, 3600.0, 4 * 3600.0, float("inf"))
-
-
-def queue_statement(now: sa.ColumnElement[Any]) -> sa.Select[Any]:
-    """One statement for the gauges; each subquery is limited to one status, so it
-    reads an index of that status's rows (which one is the planner's choice), not the table.
-    """
-    t = email_table
-
-    def count(status: Status) -> sa.ScalarSelect[Any]:
-        return (sa.select(sa.func.count()).select_from(t)
-                .where(t.c.status == status.value).scalar_subquery())
-
-    oldest = (sa.select(sa.func.min(t.c.created_at))
-              .where(t.c.status == Status.QUEUED.value).scalar_subquery())
-    return sa.select(count(Status.QUEUED).label("queued"),
-                     count(Status.SENDING).label("sending"),
-                     count(Status.FAILED).label("failed"),
-                     oldest.label("oldest"), earliest_due().label("earliest_due"),
-                     now.label("now"))
 
 
 class QueueCollector(Collector):
@@ -102,7 +81,7 @@ class QueueCollector(Collector):
         store = state.runtime().store
         try:
             with store.read() as conn:
-                row = conn.execute(queue_statement(store.now_expr())).one()
+                row = queue_figures(conn, clock=store.clock)
         except Exception as exc:  # noqa: BLE001 - reported; the scrape says so (up = 0)
             state.faults.failing(
                 "metrics-database", "The metrics scrape could not query the outbox tables",

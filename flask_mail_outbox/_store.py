@@ -1,4 +1,4 @@
-"""Every SQL statement the outbox runs, and nothing about SMTP.
+"""The outbox's writes (and the reads they act on), and nothing about SMTP.
 
 The write side (:meth:`Store.insert_email`) runs in the caller's session and
 transaction. The delivery side runs on the store's own engine, in short
@@ -652,22 +652,6 @@ class Store:
             retried += [email_id for email_id in waiting if self.retry_failed(email_id)]
         return sorted(int(email_id) for email_id in retried)
 
-    def dead_letters(self, limit: int) -> list[dict[str, Any]]:
-        """The newest ``failed`` rows with their failure history."""
-        t = email_table
-        with self.read() as conn:
-            rows = conn.execute(
-                sa.select(t.c.id, t.c.message_id, t.c.subject, t.c.recipients, t.c.key,
-                          t.c.attempts, t.c.last_error, t.c.error_history, t.c.created_at)
-                .where(t.c.status == Status.FAILED.value)
-                .order_by(t.c.id.desc()).limit(limit)
-            ).mappings().all()
-        return [
-            {**dict(row), "recipients": json.loads(row["recipients"]),
-             "error_history": json.loads(row["error_history"] or "[]")}
-            for row in rows
-        ]
-
     def sweep_candidates(self, *, min_age_seconds: float,
                          limit: int) -> list[tuple[int, str]]:
         """Rows a sweep takes, oldest first (``created_at, id``): at most ``limit``.
@@ -727,16 +711,6 @@ class Store:
                 conn.execute(t.delete().where(t.c.id.in_(ids)))
             return len(ids)
 
-    def count_sent_before(self, older_than: datetime) -> int:
-        """How many ``sent`` rows were sent before ``older_than``."""
-        t = email_table
-        with self.read() as conn:
-            return int(conn.execute(
-                sa.select(sa.func.count()).where(
-                    t.c.status == Status.SENT.value,
-                    t.c.sent_at < sa.literal(older_than, sa.DateTime()))
-            ).scalar_one())
-
     def delete_failed(self, *, older_than: datetime | None) -> int:
         """Delete dead letters (dead-lettered before ``older_than`` when given).
 
@@ -759,17 +733,6 @@ class Store:
                 conn.execute(attachment_table.delete().where(
                     attachment_table.c.email_id.in_(ids[start:start + 500])))
             return len(ids)
-
-    def oldest_queued_age(self) -> float | None:
-        """Seconds since the oldest ``queued`` row was created, or None."""
-        t = email_table
-        with self.read() as conn:
-            oldest = conn.execute(sa.select(sa.func.min(t.c.created_at)).where(
-                t.c.status == Status.QUEUED.value)).scalar()
-            if oldest is None:
-                return None
-            now = conn.execute(sa.select(self.now_expr())).scalar_one()
-        return max(0.0, float((now - oldest).total_seconds()))
 
     def _sqlite_pick(self, limit: int) -> Any:
         """The claim's choice of rows on SQLite, pinned to ``ix_outbox_email_due``.
@@ -979,14 +942,6 @@ class Store:
 
     # -- settings ---------------------------------------------------------------
 
-    def get_setting(self, name: str) -> Any:
-        """The JSON value of a shared setting, or None when unset."""
-        with self.read() as conn:
-            raw = conn.execute(
-                sa.select(setting_table.c.value).where(setting_table.c.name == name)
-            ).scalar()
-        return None if raw is None else json.loads(raw)
-
     def set_setting(self, name: str, value: Any) -> None:
         """Store a shared setting (insert or replace) and commit."""
         t = setting_table
@@ -997,15 +952,6 @@ class Store:
             ).rowcount
             if not updated:
                 conn.execute(t.insert().values(name=name, value=raw, updated_at=self.now_expr()))
-
-    def counts(self) -> dict[str, int]:
-        """Rows per status."""
-        t = email_table
-        with self.read() as conn:
-            rows = conn.execute(sa.select(t.c.status, sa.func.count()).group_by(t.c.status)).all()
-        result = {status.value: 0 for status in Status}
-        result.update({row[0]: int(row[1]) for row in rows})
-        return result
 
 
 def _error_text(code: int, message: str) -> str:

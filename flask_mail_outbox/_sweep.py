@@ -23,9 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from . import _degrade
 from ._models import Status
+from ._queries import get_setting
 from ._store import utcnow
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
     from ._extension import _AppState
 
 logger = logging.getLogger(__name__)
@@ -223,8 +226,8 @@ def _log(report: SweepReport, state: _AppState) -> None:
             fix="run `flask outbox sweep` again now, or raise OUTBOX_SWEEP_BATCH")
 
 
-def load_last_report(state: _AppState) -> SweepReport | None:
+def load_last_report(conn: Connection) -> SweepReport | None:
     """The last stored sweep report of any process sharing the database."""
-    data = state.runtime().store.get_setting(LAST_SWEEP_SETTING)
+    data = get_setting(conn, LAST_SWEEP_SETTING)
     return SweepReport.from_dict(data) if isinstance(data, dict) else None
 

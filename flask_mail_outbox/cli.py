@@ -93,10 +93,11 @@ def _extension() -> OutboxMail:
               show_default=True, help="Seconds to wait for the delivery.")
 def send_test(to: str, subject: str, timeout: float) -> None:
     """Send one real email through the configured transport and report the outcome."""
-    from ._models import email_table
+    from ._queries import email_outcome
 
     mail = _extension()
-    db = current_app.extensions["mail_outbox"].db
+    state = current_app.extensions["mail_outbox"]
+    db = state.db
     message = Message(subject, recipients=[to],
                       body="This is a test email from flask-mail-outbox (flask outbox send-test).")
     try:
@@ -106,9 +107,8 @@ def send_test(to: str, subject: str, timeout: float) -> None:
         raise click.BadParameter(str(exc), param_hint=hint) from exc
     db.session.commit()
     idle = mail.wait_idle(timeout)
-    row = db.session.execute(
-        email_table.select().where(email_table.c.id == email_id)).mappings().one()
-    db.session.rollback()
+    with state.runtime().store.read() as conn:
+        row = email_outcome(conn, email_id)
     click.echo(f"email {email_id} {row['message_id']}: {row['status']} "
                f"after {row['attempts']} attempt(s)")
     if row["status"] != "sent":
@@ -359,12 +359,14 @@ def purge(days: float, yes: bool, dry_run: bool, batch: int) -> None:
     """Delete old sent emails in batches (queued, sending and failed rows are kept)."""
     from datetime import timedelta
 
+    from ._queries import count_sent_before
     from ._store import utcnow
 
     state = _state()
     store = state.runtime().store
     cutoff = utcnow() - timedelta(days=days)
-    total = store.count_sent_before(cutoff)
+    with store.read() as conn:
+        total = count_sent_before(conn, cutoff)
     if dry_run:
         click.echo(f"{total} sent email(s) older than {days:g} day(s) would be deleted")
         state.stop(5)

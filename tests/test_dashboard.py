@@ -46,9 +46,9 @@ from smtpserver import FaultSMTPServer
 from flask_mail_outbox import ConfigError, Message, OutboxMail
 from flask_mail_outbox._models import Status, attachment_table, email_table
 from flask_mail_outbox._ordering import producer_lock
+from flask_mail_outbox._queries import get_setting, list_emails, prefix_bounds
 from flask_mail_outbox._store import Outcome, Store, search_values
 from flask_mail_outbox.dashboard import CONTENT_SECURITY_POLICY, make_blueprint
-from flask_mail_outbox.dashboard._queries import list_emails, prefix_bounds
 from flask_mail_outbox.migrations import VERSIONS_DIR
 
 PREFIX = "/outbox"
@@ -592,7 +592,8 @@ def test_mode_toggle_switches_delivery_for_every_process(
     assert response.status_code == 303
     with dashboard.app_context():
         assert mail.durable is True
-        assert mail._state().runtime().store.get_setting("durable") is True
+        with mail._state().runtime().store.read() as conn:
+            assert get_setting(conn, "durable") is True
     page = client.get(response.headers["Location"]).get_data(as_text=True)
     assert '<span id="mode">durable</span>' in page and "now durable" in page
     client.post(f"{PREFIX}/mode", data={"csrf_token": token, "mode": "inline"})
@@ -1009,9 +1010,10 @@ def test_list_query_reads_one_row_more_to_know_about_the_next_page(
     ids = send(app, mail, count=3, later=True)
     with app.app_context():
         store: Store = mail._state().runtime().store
-        full = list_emails(store, limit=3)
-        short = list_emails(store, limit=2)
-        rest = list_emails(store, limit=2, cursor=short.next_cursor)
+    with store.read() as conn:
+        full = list_emails(conn, limit=3)
+        short = list_emails(conn, limit=2)
+        rest = list_emails(conn, limit=2, cursor=short.next_cursor)
     assert [r.id for r in full.rows] == ids[::-1] and full.next_cursor is None
     assert [r.id for r in short.rows] == ids[:0:-1]
     assert short.next_cursor == {"before": str(ids[1])}

@@ -1,9 +1,10 @@
 """The dashboard's pages and actions.
 
-Pages only read (through :mod:`._queries`). Actions go through the library's own
-API (``mail.retry``, ``mail.set_durable``, the store's dead-letter functions),
-each of which commits its own short transaction; then they redirect (303) to a
-page with a notice, so a reload never repeats an action.
+Pages only read, through :mod:`.._queries` on the store's read connection.
+Actions go through the library's own API (``mail.retry``, ``mail.set_durable``,
+the store's dead-letter functions), each of which commits its own short
+transaction; then they redirect (303) to a page with a notice, so a reload
+never repeats an action.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 from flask import Blueprint, abort, redirect, render_template, request, url_for
 from flask.typing import ResponseReturnValue
 
+from .. import _queries
 from .._models import Status
+from .._queries import SEARCH_FIELDS, HourCount
 from .._store import Store, utcnow
 from ._preview import preview
-from ._queries import SEARCH_FIELDS, HourCount, get_email, hourly_counts, list_emails
 
 if TYPE_CHECKING:
     from .._extension import OutboxMail
@@ -90,11 +92,14 @@ class Dashboard:
 
     def overview(self) -> ResponseReturnValue:
         store = self._store()
-        counts = store.counts()
+        with store.read() as conn:
+            counts = _queries.counts(conn)
+            oldest_queued_age = _queries.oldest_queued_age(conn, clock=store.clock)
+            hours = _queries.hourly_counts(conn, clock=store.clock)
         return render_template(
             "outbox_dashboard/overview.html", counts=counts,
-            oldest_queued_age=store.oldest_queued_age(), durable=self.mail.durable,
-            chart=build_chart(hourly_counts(store)), notice=_notice())
+            oldest_queued_age=oldest_queued_age, durable=self.mail.durable,
+            chart=build_chart(hours), notice=_notice())
 
     def emails(self) -> ResponseReturnValue:
         status = request.args.get("status") or None
@@ -106,8 +111,10 @@ class Dashboard:
         prefix = request.args.get("q", "").strip()
         if "\x00" in prefix:  # PostgreSQL text cannot hold NUL: it would be a 500
             abort(400, description="q must not contain a NUL character")
-        page = list_emails(self._store(), status=status, field=field, prefix=prefix,
-                           cursor=_cursor(searching=bool(prefix)), limit=self.page_size)
+        cursor = _cursor(searching=bool(prefix))
+        with self._store().read() as conn:
+            page = _queries.list_emails(conn, status=status, field=field, prefix=prefix,
+                                        cursor=cursor, limit=self.page_size)
         return render_template("outbox_dashboard/emails.html", page=page, status=status,
                                field=field, q=prefix, statuses=_STATUSES,
                                first_page=_is_first_page())
@@ -115,7 +122,8 @@ class Dashboard:
     def email(self, email_id: int) -> ResponseReturnValue:
         if not 1 <= email_id <= _MAX_ID:
             abort(404, description=f"There is no email {email_id}.")
-        detail = get_email(self._store(), email_id)
+        with self._store().read() as conn:
+            detail = _queries.get_email(conn, email_id)
         if detail is None:
             abort(404, description=f"There is no email {email_id}.")
         shown = None if detail.mime is None else preview(detail.mime)
@@ -123,8 +131,10 @@ class Dashboard:
                                notice=_notice())
 
     def dead_letters(self) -> ResponseReturnValue:
-        page = list_emails(self._store(), status=Status.FAILED.value,
-                           cursor=_cursor(searching=False), limit=self.page_size)
+        cursor = _cursor(searching=False)
+        with self._store().read() as conn:
+            page = _queries.list_emails(conn, status=Status.FAILED.value, cursor=cursor,
+                                        limit=self.page_size)
         return render_template("outbox_dashboard/dead_letters.html", page=page,
                                first_page=_is_first_page(), notice=_notice())
 
