@@ -1,54 +1,34 @@
-"""The Flask extension: ``OutboxMail``.
+"""The Flask extension: ``OutboxMail``, its public methods.
 
-Per-app state lives in ``app.extensions["mail_outbox"]`` (an :class:`_AppState`);
+Per-app state lives in ``app.extensions["mail_outbox"]`` (see :mod:`._runtime`);
 the extension object itself keeps no app, so one ``OutboxMail`` can serve
-several apps. What runs threads or holds connections (engine, transport,
-delivery worker) is the :class:`_Runtime`, created lazily on first use in each
-process and re-created after a fork.
+several apps.
 """
 
 from __future__ import annotations
 
-import atexit
 import difflib
 import ipaddress
 import json
 import logging
-import os
-import socket
-import threading
-import time
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-import click
 import sqlalchemy as sa
 from flask import Flask, Response, current_app, got_request_exception
-from sqlalchemy import event
 
-from . import _degrade, _health, _ordering, _queries, _staging
-from ._config import _DEFAULTS, BUILTIN_TRANSPORTS, OutboxConfig, load_config
-from ._delivery import DeliveredMessage, DeliveryRoute, InlineDelivery
-from ._dispatcher import Dispatcher
+from . import _health, _queries, _runtime, _staging
+from ._config import _DEFAULTS, OutboxConfig, load_config
+from ._delivery import DeliveredMessage
 from ._errors import ConfigError, InvalidMessage
-from ._listen import Listener, libpq_url, notify_statement
 from ._message import Message, prepare_message
-from ._models import Status, email_table, metadata
-from ._scheduler import SweepScheduler
-from ._signals import email_queued, email_sent
-from ._store import Store, email_dialect, insert_email, utcnow
+from ._models import Status, metadata
+from ._runtime import _all_states, _AppState
+from ._signals import email_sent
+from ._store import email_dialect, insert_email, utcnow
 from ._sweep import SweepReport, load_last_report, run_sweep
-from .transports import (
-    ConsoleTransport,
-    FileTransport,
-    MemoryTransport,
-    NullTransport,
-    SMTPTransport,
-    Transport,
-)
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -111,58 +91,6 @@ def _refuse_memory_sqlite(uri: Any) -> None:
             "e.g. 'sqlite:///app.db' (tests: a file under tmp_path)")
 
 
-def _build_transport(config: OutboxConfig, *, concurrency: int) -> Transport:
-    if config.suppress_send:
-        return MemoryTransport(config)
-    name = config.transport
-    if name == "smtp":
-        return SMTPTransport(config, concurrency=concurrency)
-    builtin: dict[str, type[Transport]] = {
-        "console": ConsoleTransport, "file": FileTransport,
-        "memory": MemoryTransport, "null": NullTransport,
-    }
-    if name in BUILTIN_TRANSPORTS:
-        return builtin[name](config)
-    import importlib
-
-    module, _, attr = name.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
-    transport = cls(config)
-    if not isinstance(transport, Transport):
-        raise ConfigError("OUTBOX_TRANSPORT",
-                          f"{name!r} must subclass flask_mail_outbox.transports.Transport")
-    return transport
-
-
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    cursor = dbapi_conn.cursor()
-    try:
-        # The busy timeout makes writers queue for the lock instead of failing.
-        cursor.execute("PRAGMA busy_timeout=30000")
-        _ensure_wal(cursor)
-    finally:
-        cursor.close()
-
-
-def _ensure_wal(cursor: Any) -> None:
-    """Switch a SQLite database to WAL (persistent, per file) unless it already is.
-
-    WAL lets request threads read and commit while the delivery thread
-    writes; in the default rollback-journal mode readers block the writer.
-    """
-    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
-        return
-    try:
-        cursor.execute("PRAGMA journal_mode=WAL")
-    except Exception as exc:  # noqa: BLE001 - reported; SQLite still works, only slower
-        _degrade.report(
-            "Could not switch the SQLite database to WAL journal mode",
-            consequence="request threads and the delivery thread block each other more, "
-                        "and concurrent commits may wait up to the busy timeout",
-            fix="run `PRAGMA journal_mode=WAL` on the database once while nothing else uses it",
-            exc=exc)
-
-
 def _prepare_sqlite(app: Flask, db: SQLAlchemy) -> None:
     """Put the app's SQLite database in WAL mode at start, before any writer."""
     with app.app_context():
@@ -172,363 +100,9 @@ def _prepare_sqlite(app: Flask, db: SQLAlchemy) -> None:
         with engine.connect() as conn:
             cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:
-                _ensure_wal(cursor)
+                _runtime.ensure_wal(cursor)
             finally:
                 cursor.close()
-
-
-class _Runtime:
-    """What one process runs for one app: engine, transport, delivery threads."""
-
-    def __init__(self, state: _AppState) -> None:
-        self.pid = os.getpid()
-        self.state = state
-        app, config = state.app, state.config
-        with app.app_context():
-            url = state.db.engine.url
-        if url.get_backend_name() == "sqlite":
-            self.engine = sa.create_engine(url, connect_args={"timeout": 30,
-                                                               "check_same_thread": False})
-            event.listen(self.engine, "connect", _sqlite_pragmas)
-        else:
-            self.engine = sa.create_engine(url, pool_size=4, max_overflow=8, pool_pre_ping=True)
-        self.store = Store(self.engine)
-        self.transport = _build_transport(config, concurrency=state.concurrency)
-        self.synchronous = isinstance(self.transport, MemoryTransport)
-        self.route = DeliveryRoute(app=app, config=config, store=self.store,
-                                   transport=self.transport, faults=state.faults)
-        self.inline = InlineDelivery(self.route, config)
-        self.dispatcher: Dispatcher | None = None
-        self.listener: Listener | None = None
-        self._lock = threading.Lock()
-
-    def ensure_dispatcher(self, *, start_thread: bool = True) -> Dispatcher:
-        """This process's dispatcher (and LISTEN thread on PostgreSQL), started once."""
-        with self._lock:
-            if self.dispatcher is None:
-                self.dispatcher = Dispatcher(self.route, self.state.config)
-                config = self.state.config
-                if config.listen and self.store.is_postgres:
-                    dispatcher = self.dispatcher
-
-                    def on_state(up: bool) -> None:
-                        dispatcher.listening = up
-
-                    self.listener = Listener(
-                        libpq_url(config.listen_url or self.engine.url), dispatcher.wake,
-                        on_state, self.state.faults)
-                    self.listener.start()
-            if start_thread:
-                self.dispatcher.start()
-            return self.dispatcher
-
-    def idle(self) -> bool:
-        dispatcher = self.dispatcher
-        return self.inline.idle() and (dispatcher is None or not dispatcher.running
-                                       or dispatcher.idle())
-
-    def stop(self, timeout: float) -> None:
-        self.route.stopping = True
-        if self.dispatcher is not None:
-            self.dispatcher.stop(timeout)
-        if self.listener is not None:
-            self.listener.stop()
-        self.inline.stop(timeout)
-        if self.dispatcher is not None and not self.dispatcher.running:
-            # Ticked by hand (`worker --once`, tests): give back what it holds.
-            try:
-                self.dispatcher.release_held()
-            finally:
-                self.dispatcher.close_connection()
-        in_flight = self.inline.alive() or (self.dispatcher is not None
-                                            and self.dispatcher.running)
-        self._mark_given_back(in_flight=len(self.route.in_flight()) if in_flight else 0)
-        if in_flight:
-            # A batch is still being sent past the timeout: let it finish and
-            # record its outcomes in its daemon thread; closing the transport or
-            # the engine under it would leave its rows sending.
-            return
-        self.transport.close()
-        self.engine.dispose()
-
-    def _mark_given_back(self, *, in_flight: int) -> None:
-        """Mark what this process gave back for the next sweep, and say what happens next.
-
-        Those rows are queued and provably in flight nowhere (this process
-        held them and lets go), so any process's next sweep takes them at once
-        instead of after OUTBOX_SWEEP_MIN_AGE_SECONDS.
-        """
-        config = self.state.config
-        ids = self.route.take_given_back()
-        pid = os.getpid()
-        still = (f"; {in_flight} email(s) still being sent finish in the background, or, if "
-                 f"this process exits first, stay sending until their lease expires "
-                 f"(OUTBOX_LEASE_SECONDS, {config.lease_seconds:g} s) and a sweep takes them"
-                 if in_flight else "")
-        if not ids:
-            # INFO where the app is served or delivery threads ran (a clean stop
-            # is worth a line); a command that only read or swept stays quiet.
-            ran = self.state.serving or self.inline.started or self.dispatcher is not None
-            logger.log(logging.INFO if ran or in_flight else logging.DEBUG,
-                       "Outbox delivery stopped (pid %d): nothing given back%s", pid,
-                       still or ", nothing in flight")
-            return
-        marked = self.route.mark_given_back(ids, when="at stop")
-        if marked is None:
-            return
-        interval = config.sweep_interval_for(False)
-        logger.info(
-            "Outbox delivery stopped (pid %d): gave back %d unsent email(s) %s, queued and "
-            "marked so the next sweep of any process takes them whatever their age (the "
-            "startup sweep of the next start, or a running process's periodic sweep%s)%s",
-            pid, marked, ids[:20], f" within {interval:g} s" if interval else "", still)
-
-
-class _AppState:
-    """Per-app state, in ``app.extensions["mail_outbox"]``."""
-
-    def __init__(self, ext: OutboxMail, app: Flask, db: SQLAlchemy, config: OutboxConfig) -> None:
-        self.ext = ext
-        self.app = app
-        self.db = db
-        self.config = config
-        self.faults = _degrade.FaultTracker()
-        self.concurrency = 4  # concurrent SMTP connections; `flask outbox worker` sets it
-        self._runtime: _Runtime | None = None
-        self._lock = threading.Lock()
-        self._durable_cache: tuple[bool, float] | None = None
-        self.scheduler: SweepScheduler | None = None
-        #: This app is served by this process or by workers forked from it: the
-        #: background jobs start in the process that serves (ensure_started()).
-        self.serving = False
-        #: What this process's workers share when a master forked them (see
-        #: _deployment_of_worker); None for a process that is no such worker.
-        self.deployment: str | None = None
-        #: The last sweep report this process stored was a periodic one that
-        #: found nothing: the next such one need not be stored (see run_sweep).
-        self.quiet_sweep_stored = False
-
-    def runtime(self) -> _Runtime:
-        """This process's runtime, created on first use and after a fork."""
-        with self._lock:
-            runtime = self._runtime
-            if runtime is None or runtime.pid != os.getpid():
-                if runtime is not None:
-                    # Inherited from the parent: drop its pooled connections
-                    # without closing them under the parent's feet.
-                    runtime.engine.dispose(close=False)
-                runtime = self._runtime = _Runtime(self)
-            return runtime
-
-    def current_runtime(self) -> _Runtime | None:
-        """The runtime if this process has one (never creates it)."""
-        runtime = self._runtime
-        return runtime if runtime is not None and runtime.pid == os.getpid() else None
-
-    # -- the delivery mode ------------------------------------------------------------
-
-    def durable(self) -> bool:
-        """The delivery mode in force, read lazily and cached for the settings TTL.
-
-        An idle process never asks: this runs only when something needs it.
-        """
-        cached = self._durable_cache
-        now = time.monotonic()
-        if cached is not None and cached[1] > now:
-            return cached[0]
-        with self.runtime().store.read() as conn:
-            stored = _queries.get_setting(conn, DURABLE_SETTING)
-        value = self.config.durable if stored is None else bool(stored)
-        self._durable_cache = (value, now + self.config.settings_ttl_seconds)
-        return value
-
-    def set_durable(self, on: bool) -> None:
-        """Store the mode for every process sharing the database (commits its own work)."""
-        self.runtime().store.set_setting(DURABLE_SETTING, bool(on))
-        self._durable_cache = (bool(on), time.monotonic() + self.config.settings_ttl_seconds)
-
-    def prepare_commit(self, session: Any, entries: list[_staging.StagedEmail]) -> None:
-        """Inside the outermost transaction that queued email, just before its commit.
-
-        Hands on the keys whose new emails found an earlier one open (see
-        :mod:`._ordering`), and sends one NOTIFY (durable mode, PostgreSQL)
-        unless the inserts did: PostgreSQL delivers it only if the transaction
-        commits, so listeners in other processes never wake for a rollback.
-        """
-        keys = {e.waits_on_key for e in entries if e.waits_on_key is not None}
-        if keys:
-            _ordering.advance(session.connection(bind_arguments={"clause": email_table.insert()}),
-                              keys)
-        if any(not e.notified for e in entries) and self.config.listen \
-                and _is_postgres(session) and self.durable():
-            session.execute(notify_statement())
-
-    def publish(self, entries: list[_staging.StagedEmail]) -> None:
-        """Called after the outermost commit with the rows it made durable."""
-        ids = [e.email_id for e in entries]
-        if email_queued.receivers:
-            for email_id in ids:
-                try:
-                    email_queued.send(self.app, email_id=email_id)
-                except Exception:
-                    logger.exception("A receiver of the email_queued signal raised (email "
-                                     "%s); delivery goes on", email_id)
-        due = [e.email_id for e in entries if e.due_now]
-        self.ensure_started()
-        try:
-            runtime = self.runtime()
-            if runtime.synchronous:
-                # The memory transport delivers inside commit(), so a test sees
-                # its messages as soon as commit() returns.
-                if due:
-                    with self.app.app_context():
-                        runtime.route.deliver_ids(due)
-            elif self.durable():
-                if self.config.run_worker:
-                    runtime.ensure_dispatcher().wake()
-                elif runtime.dispatcher is not None:
-                    runtime.dispatcher.wake()
-            elif due:
-                runtime.inline.submit(due)
-        except Exception as exc:  # noqa: BLE001 - the commit succeeded; never fail it now
-            _degrade.report(
-                f"Could not hand {len(due)} committed email(s) {due[:20]} to delivery",
-                consequence="they stay queued in the database; the periodic sweep takes them "
-                            "after OUTBOX_SWEEP_MIN_AGE_SECONDS",
-                fix="check the database connection and the transport configuration; "
-                    "`flask outbox sweep` delivers them once fixed",
-                exc=exc)
-
-    def start_scheduler(self, *, start_dispatcher: bool = True) -> SweepScheduler:
-        """Start this process's sweep jobs (once per process, again after a fork).
-
-        ``start_dispatcher``: also start the dispatcher at once in durable mode
-        (``flask outbox worker`` runs its own in the foreground).
-        """
-        with self._lock:
-            scheduler = self.scheduler
-            if scheduler is None or scheduler.pid != os.getpid():
-                self.deployment = _deployment_of_worker()
-                scheduler = self.scheduler = SweepScheduler(
-                    self, start_dispatcher=start_dispatcher)
-                scheduler.start()
-            return scheduler
-
-    def ensure_started(self) -> None:
-        """In a serving process, start the background jobs on first use (cheap after that).
-
-        Called by the first request, the first commit that queues email and
-        ``wait_sweep()``: a process that only imports the app and forks
-        workers (gunicorn's master with ``--preload``, uWSGI's master) never
-        gets here, so it runs no scheduler, dispatcher or SMTP connection.
-        """
-        scheduler = self.scheduler
-        if not self.serving or (scheduler is not None and scheduler.pid == os.getpid()):
-            return
-        try:
-            self.start_scheduler()
-        except Exception:  # delivery after commit goes on without the jobs
-            logger.exception("Could not start the outbox sweep jobs in pid %d; sweeps and the "
-                             "start-up dispatcher do not run in this process", os.getpid())
-
-    def stop(self, timeout: float) -> None:
-        with self._lock:
-            runtime, self._runtime = self.current_runtime(), None
-            scheduler = self.scheduler
-            if scheduler is not None and scheduler.pid == os.getpid():
-                self.scheduler = None
-            else:
-                scheduler = None
-        if scheduler is not None:
-            scheduler.stop()
-        if runtime is not None:
-            runtime.stop(timeout)
-
-
-DURABLE_SETTING = "durable"
-
-_all_states: weakref.WeakSet[_AppState] = weakref.WeakSet()
-_atexit_registered = False
-
-
-def _serving_process(app: Flask) -> bool:
-    """Whether this process serves the app (so the sweep jobs belong in it).
-
-    A WSGI server imports the app outside any click command; `flask run`
-    serves (but not the reloader's parent process, which only watches
-    files); other commands such as `flask db upgrade` do not (`flask outbox
-    worker` starts the jobs itself).
-    """
-    ctx = click.get_current_context(silent=True)
-    if ctx is None:
-        return True
-    if ctx.command.name != "run":
-        return False
-    reload = ctx.params.get("reload")
-    if reload is None:
-        reload = bool(app.debug)
-    return not reload or os.environ.get("WERKZEUG_RUN_MAIN") == "true"
-
-
-def _start_at_once(app: Flask) -> bool:
-    """Whether a serving process starts its background jobs in init_app.
-
-    `flask run` serves in this process, and so does a worker forked by a
-    master running the same command (gunicorn or uWSGI without preloading,
-    the reloader's child). Any other process (a WSGI server's master
-    importing the app before it forks, a single-process server, a script)
-    starts them on first use instead: first request, first commit, or
-    after a fork in the child.
-    """
-    ctx = click.get_current_context(silent=True)
-    return (ctx is not None and ctx.command.name == "run") or _deployment_of_worker() is not None
-
-
-def _deployment_of_worker() -> str | None:
-    """``host:master pid:master start`` when a master running this same command forked
-    this process (a gunicorn or uWSGI worker); None otherwise, or where ``/proc`` is missing.
-
-    Workers of one deployment share it, a restarted master gives a new one.
-    """
-    ppid = os.getppid()
-    try:
-        with open("/proc/self/cmdline", "rb") as own_file:
-            own = own_file.read()
-        with open(f"/proc/{ppid}/cmdline", "rb") as parent_file:
-            parent = parent_file.read()
-        with open(f"/proc/{ppid}/stat", "rb") as stat_file:
-            stat = stat_file.read()
-    except OSError:
-        return None
-    if not own or own != parent:
-        return None
-    # Field 22, the start time; fields are counted after the ")" that ends the name.
-    started = stat.rsplit(b")", 1)[-1].split()[19].decode()
-    return f"{socket.gethostname()}:{ppid}:{started}"
-
-
-def _restart_schedulers_in_child() -> None:
-    # Only the forking thread survives: a lock another thread held at the
-    # fork would stay locked forever, so each state gets a fresh one. The
-    # parent's scheduler thread is gone too. A serving app starts its jobs
-    # in the child: a master that forks workers (gunicorn --preload) is
-    # where the app was imported, the child is where it is served.
-    for state in list(_all_states):
-        state._lock = threading.Lock()
-        if state.scheduler is not None or state.serving:
-            state.scheduler = None
-            try:
-                state.start_scheduler()
-            except Exception:
-                logger.exception("Could not start the outbox sweep jobs in a forked process")
-
-
-def _stop_all() -> None:
-    for state in list(_all_states):
-        try:
-            state.stop(timeout=10)
-        except Exception:
-            logger.exception("Stopping outbox delivery at exit failed")
 
 
 class OutboxMail:
@@ -546,7 +120,6 @@ class OutboxMail:
 
     def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> None:
         """Register with ``app``: read and check the configuration, hook the session."""
-        global _atexit_registered
         if EXTENSION_KEY in app.extensions:
             raise RuntimeError(
                 "A flask-mail-outbox extension is already registered on this app. "
@@ -574,14 +147,11 @@ class OutboxMail:
         app.cli.add_command(outbox_cli)
         got_request_exception.connect(_request_failed, app, weak=False)
         app.teardown_request(_teardown_request)
-        if not _atexit_registered:
-            atexit.register(_stop_all)
-            os.register_at_fork(after_in_child=_restart_schedulers_in_child)
-            _atexit_registered = True
-        if config.run_scheduler and _serving_process(app):
+        _runtime.install_process_hooks()
+        if config.run_scheduler and _runtime.serving_process(app):
             state.serving = True
             app.before_request(state.ensure_started)
-            if _start_at_once(app):
+            if _runtime.start_at_once(app):
                 state.start_scheduler()
 
     # -- state --------------------------------------------------------------------
@@ -672,14 +242,7 @@ class OutboxMail:
         runtime = self._state().current_runtime()
         if runtime is None:
             return True
-        deadline = time.monotonic() + timeout
-        if not runtime.inline.wait_idle(timeout):
-            return False
-        while not runtime.idle():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-        return True
+        return runtime.worker.wait_idle(timeout)
 
     def stop(self, timeout: float = 10) -> None:
         """Stop this process's delivery threads for every app; idempotent.
@@ -712,7 +275,7 @@ class OutboxMail:
         state = self._state()
         state.set_durable(on)
         if on and state.config.run_worker:
-            state.runtime().ensure_dispatcher().wake()
+            state.runtime().dispatch()
 
     def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest dead-lettered (``failed``) emails, with their failure history."""
@@ -736,34 +299,20 @@ class OutboxMail:
         if not runtime.store.retry_failed(email_id):
             raise LookupError(f"email {email_id} is not a dead letter (no failed row with "
                               "that id)")
-        self._deliver_retried([email_id])
+        state.deliver_soon([email_id])
 
     def retry_all(self) -> int:
         """Put every dead letter back at once (commits); how many went back.
 
         One set-based UPDATE however many there are (``retry()`` in a loop
         would be a transaction each), then delivery starts as for ``retry()``.
-        In inline mode at most the inline queue's size is handed over at once;
-        the sweep delivers the rest.
+        In inline mode at most the worker's queue is handed over at once; the
+        sweep delivers the rest.
         """
-        ids = self._state().runtime().store.retry_all_failed()
-        self._deliver_retried(ids)
-        return len(ids)
-
-    def _deliver_retried(self, ids: list[int]) -> None:
-        """Start delivering rows just put back, as after a ``send()`` commit."""
         state = self._state()
-        runtime = state.runtime()
-        if not ids:
-            return
-        if runtime.synchronous:
-            with state.app.app_context():
-                runtime.route.deliver_ids(ids)
-        elif state.durable():
-            if state.config.run_worker:
-                runtime.ensure_dispatcher().wake()
-        else:
-            runtime.inline.submit(ids[:runtime.inline.max_pending])
+        ids = state.runtime().store.retry_all_failed()
+        state.deliver_soon(ids)
+        return len(ids)
 
     @contextmanager
     def record_messages(self) -> Iterator[list[DeliveredMessage]]:
@@ -834,8 +383,8 @@ class OutboxMail:
             "mode": "durable" if state.durable() else "inline",
             "last_sweep": last.as_dict() if last is not None else None,
             "dispatcher": None if dispatcher is None else {
-                "running": dispatcher.running, "ticks": dispatcher.ticks,
-                "last_tick_failed": dispatcher.last_tick_failed,
+                "running": dispatcher.running, "ticks": dispatcher.claims,
+                "last_tick_failed": dispatcher.last_claim_failed,
                 "listening": dispatcher.listening,
             },
         }
@@ -882,10 +431,6 @@ class OutboxMail:
             raise RuntimeError("init_metrics(app=...): this OutboxMail is not registered on "
                                "that app; call mail.init_app(app) first")
         _metrics.install(registered, registry)
-
-
-def _is_postgres(session: Any) -> bool:
-    return email_dialect(session) == "postgresql"
 
 
 def _request_failed(sender: Flask, **_: Any) -> None:

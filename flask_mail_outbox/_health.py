@@ -43,7 +43,7 @@ from ._queries import health_figures
 from ._store import utcnow
 
 if TYPE_CHECKING:
-    from ._extension import _AppState
+    from ._runtime import _AppState
 
 #: How far back ``dead_letters_growing`` looks for a lower dead-letter count.
 DEAD_LETTER_WINDOW_SECONDS = 900.0
@@ -131,7 +131,7 @@ def check(state: _AppState) -> dict[str, Any]:
                             "message": f"{added} more dead letter(s) than this process "
                                        f"saw in the last {DEAD_LETTER_WINDOW_SECONDS:g} s"})
     dispatcher = runtime.dispatcher
-    if dispatcher is not None and dispatcher.last_tick_failed:
+    if dispatcher is not None and dispatcher.last_claim_failed:
         reasons.append({"code": "dispatcher_tick_failed",
                         "message": "this process's dispatcher's last tick failed "
                                    "(details in the log)"})
@@ -142,7 +142,7 @@ def check(state: _AppState) -> dict[str, Any]:
         "dead_letters": dead_letters,
         "dead_letters_added": added,
         "dispatcher": None if dispatcher is None else {
-            "running": dispatcher.running, "last_tick_failed": dispatcher.last_tick_failed,
+            "running": dispatcher.running, "last_tick_failed": dispatcher.last_claim_failed,
         },
         "checked_at": utcnow().isoformat(timespec="seconds") + "Z",
     }

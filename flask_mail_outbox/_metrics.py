@@ -49,7 +49,7 @@ from ._store import utcnow
 if TYPE_CHECKING:
     from flask import Flask
 
-    from ._extension import _AppState
+    from ._runtime import _AppState
 
 #: Enqueue-to-sent latency buckets, seconds: from an idle outbox's ~10 ms to
 #: hours of retries.

@@ -25,7 +25,7 @@ from ._sweep import SweepReport, run_sweep
 if TYPE_CHECKING:
     from apscheduler.schedulers.background import BackgroundScheduler
 
-    from ._extension import _AppState
+    from ._runtime import _AppState
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class SweepScheduler:
         """A serving process in durable mode runs its dispatcher from the start."""
         try:
             if self.state.durable():
-                self.state.runtime().ensure_dispatcher().wake()
+                self.state.runtime().dispatch()
         except Exception as exc:  # noqa: BLE001 - reported; the first commit starts it too
             self.state.faults.failing(
                 "startup-mode", "Could not read the delivery mode at start-up",
@@ -126,7 +126,7 @@ class SweepScheduler:
             if config.sweep_interval_seconds is None:
                 runtime = self.state.current_runtime()
                 if runtime is not None and runtime.dispatcher is not None \
-                        and runtime.dispatcher.running:
+                        and runtime.worker.running:
                     # A dispatcher takes due rows here, whatever the mode: nothing
                     # to do, and no query (an idle durable process asks nothing).
                     return
@@ -134,7 +134,7 @@ class SweepScheduler:
                     # Switched to durable: this process must run a dispatcher so
                     # no row is left without a taker (it ticks once as it starts).
                     if config.run_worker:
-                        self.state.runtime().ensure_dispatcher()
+                        self.state.runtime().dispatch()
                     return
         except Exception as exc:  # noqa: BLE001 - reported; the next run retries
             self.state.faults.failing("sweep", **self._failure("periodic"), exc=exc)

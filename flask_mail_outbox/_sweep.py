@@ -6,8 +6,9 @@ and only age means the same on every instance) and ``sending`` rows whose
 lease expired, oldest first, at most ``OUTBOX_SWEEP_BATCH`` of them, reading
 one more to know for certain whether it stopped short.
 
-* Inline mode: it delivers them through the one route (claim -> send ->
-  record); a row another delivery claimed first is ``skipped``.
+* Inline mode: it hands them to this process's worker (claim -> send ->
+  record) and waits for their outcomes; a row another delivery claimed first
+  is ``skipped``.
 * Durable mode: it neither delivers nor inserts: expired leases go back to
   ``queued`` through the reap's guarded update, and the dispatcher is woken.
   Sweeping twice is harmless.
@@ -29,9 +30,12 @@ from ._store import utcnow
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from ._extension import _AppState
+    from ._runtime import _AppState
 
 logger = logging.getLogger(__name__)
+
+#: Seconds an inline sweep waits for the outcomes of what it handed over.
+SWEEP_DELIVERY_TIMEOUT = 3600.0
 
 LAST_SWEEP_SETTING = "last_sweep"
 
@@ -128,32 +132,24 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
     # (one whose attempts are spent is dead-lettered at its next claim).
     reaped = store.reap_expired(ids=expired) if expired else None
     if reaped is not None:
-        runtime.route.report_reaped(reaped)
+        runtime.delivery.report_reaped(reaped)
     if durable:
         # Due queued rows are already claimable; expired leases were just reaped.
-        dispatcher = runtime.dispatcher
-        if dispatcher is not None:
-            dispatcher.wake()
-        elif config.run_worker:
-            runtime.ensure_dispatcher().wake()
+        if runtime.dispatcher is not None or config.run_worker:
+            runtime.dispatch()
         requeued = len(reaped.requeued) if reaped is not None else 0
         report = SweepReport(**fields, requeued=len(ids) - len(expired) + requeued,
                              skipped=len(expired) - requeued,
                              duration_seconds=_elapsed(started))
     else:
-        sent, failed, skipped = 0, 0, 0
-        holders: list[int] = []
-        for start in range(0, len(ids), config.batch_size):
-            chunk = ids[start:start + config.batch_size]
+        if runtime.synchronous or runtime.worker.hand_ticked:
             with state.app.app_context():
-                batch = runtime.route.deliver_ids(chunk)
-            sent += len(batch.sent)
-            failed += len(batch.failed) + len(batch.transient)
-            skipped += len(batch.not_claimed) + len(batch.lost)
-            holders += batch.holders
-        # Keys handed on by this sweep: their next emails go out now, not next sweep.
-        runtime.inline.submit(holders)
-        report = SweepReport(**fields, sent=sent, failed=failed, skipped=skipped,
+                batch = runtime.delivery.deliver_now(ids)
+        else:
+            batch = runtime.worker.deliver(ids, timeout=SWEEP_DELIVERY_TIMEOUT)
+        report = SweepReport(**fields, sent=len(batch.sent),
+                             failed=len(batch.failed) + len(batch.transient),
+                             skipped=len(batch.not_claimed) + len(batch.lost),
                              duration_seconds=_elapsed(started))
     _store_report(state, report)
     _log(report, state)

@@ -143,7 +143,7 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
     if state.current_runtime() is None:
         state.concurrency = concurrency
     runtime = state.runtime()
-    dispatcher = runtime.ensure_dispatcher(start_thread=False)
+    worker = runtime.dispatch(hand_ticked=True)  # its loop runs here, in the foreground
     log = logging.getLogger("flask_mail_outbox.worker")
     _log_start("worker" + (" --once" if once else ""), mode="durable (a worker always is)",
                concurrency=state.concurrency)
@@ -151,20 +151,7 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
         # The startup sweep, as in any serving process; the dispatcher is this loop.
         state.start_scheduler(start_dispatcher=False)
     if once:
-        delivered = 0
-        try:
-            while True:
-                report, full = dispatcher.tick()
-                if report is None:
-                    break
-                delivered += report.count
-                if not full and report.count == 0:
-                    break
-        finally:
-            try:
-                dispatcher.release_held()
-            finally:
-                dispatcher.close_connection()
+        delivered = worker.drain()
         click.echo(f"worker --once: {delivered} email(s) handled")
         state.stop(shutdown_timeout)
         return
@@ -172,16 +159,16 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
     def on_signal(signum: int, _frame: Any) -> None:
         log.info("Received %s: finishing sends in flight, then exiting",
                  signal.Signals(signum).name)
-        dispatcher.request_stop()
-        # Past the timeout, messages not yet handed to the server are released.
-        timer = threading.Timer(shutdown_timeout, runtime.route.release_unstarted)
+        worker.request_stop()
+        # Past the timeout, messages not yet handed to the server are given back.
+        timer = threading.Timer(shutdown_timeout, worker.cancel_unstarted)
         timer.daemon = True
         timer.start()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     log.info("outbox worker started (pid %d, concurrency %d)", os.getpid(), concurrency)
     try:
-        dispatcher.run()
+        worker.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

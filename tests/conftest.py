@@ -247,12 +247,19 @@ def app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
 def hand_ticked_app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
     """Durable over SMTP to ``smtp_server``, with no dispatcher thread and no LISTEN.
 
-    The test ticks the dispatcher by hand, and nothing else wakes it.
+    The test ticks the dispatcher by hand (``hand_ticked_worker(app).tick()``),
+    and nothing else wakes it.
     """
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                    OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
+    hand_ticked_worker(app)
     yield app
     close_app(app, timeout=5)
+
+
+def hand_ticked_worker(app: Flask) -> Any:
+    """``app``'s worker as a dispatcher that never starts a thread: tests call its tick()."""
+    return app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
 
 
 @pytest.fixture

@@ -1,8 +1,11 @@
-"""Claiming the next batch while a full one is sent, inline and durable.
+"""The worker claims ahead of its connections, inline and durable.
 
-Proved by the order of events: the server holds the first batch's replies,
-and the next batch is already ``sending`` meanwhile. Its leases stay alive
-while it waits (three leases pass), and a stop gives it back unsent.
+It keeps a message waiting for each connection (``Worker.capacity``, twice the
+connections), so a connection that finishes starts the next one at once.
+Proved by the order of events: the server holds the replies of the messages
+on both connections, and the next two are already ``sending`` meanwhile.
+Their leases stay alive while they wait (three leases pass), and a stop gives
+them back unsent.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ MODES = ["inline", "durable"]
 
 
 def _held_app(mode: str, db_url: str, smtp_server: FaultSMTPServer) -> Flask:
-    """Four emails committed in batches of two; the first batch held at the server."""
+    """Four emails committed, two connections; the first two held at the server."""
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                   OUTBOX_DURABLE=mode == "durable", OUTBOX_BATCH_SIZE=2,
+                   OUTBOX_DURABLE=mode == "durable", OUTBOX_BATCH_SIZE=4,
                    OUTBOX_LEASE_SECONDS=1, OUTBOX_POLL_INTERVAL=0.05,
                    OUTBOX_POLL_MAX_INTERVAL=0.2)
+    app.extensions["mail_outbox"].concurrency = 2  # as `flask outbox worker --concurrency 2`
     smtp_server.hold()
     with app.app_context():
         for i in range(4):
@@ -34,17 +38,17 @@ def _held_app(mode: str, db_url: str, smtp_server: FaultSMTPServer) -> Flask:
                 Message(f"n{i}", recipients=["a@example.com"], body="x"))
         db.session.commit()
     assert smtp_server.wait_held(2)
-    # The sender waits for the held batch; the next one is claimed meanwhile, not after.
+    # The connections wait for the held replies; the next two are claimed meanwhile.
     wait_rows(app, lambda r: [x["status"] for x in r] == ["sending"] * 4, timeout=5.0)
     return app
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_next_batch_is_claimed_while_a_full_one_is_sent(
+def test_the_next_messages_are_claimed_while_the_connections_are_busy(
         mode: str, db_url: str, smtp_server: FaultSMTPServer) -> None:
     app = _held_app(mode, db_url, smtp_server)
     try:
-        # Three leases later the batch claimed ahead still holds live leases:
+        # Three leases later the rows claimed ahead still hold live leases:
         # the heartbeat renews them while they wait their turn.
         time.sleep(3)
         waiting = rows(app)[2:]
@@ -62,7 +66,7 @@ def test_the_next_batch_is_claimed_while_a_full_one_is_sent(
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_batch_claimed_ahead_is_given_back_at_stop(
+def test_rows_claimed_ahead_are_given_back_at_stop(
         mode: str, db_url: str, smtp_server: FaultSMTPServer) -> None:
     app = _held_app(mode, db_url, smtp_server)
     try:

@@ -917,7 +917,7 @@ def test_a_reaped_row_whose_attempts_are_spent_gets_its_failed_at(
                 lease_expires_at=sa.literal(datetime(2000, 1, 1), sa.DateTime())))
         assert store.reap_expired().requeued == (email_id,)
         # The next claim finds no attempt left: dead-lettered, not sent.
-        report = runtime.route.deliver_ids([email_id])
+        report = runtime.delivery.deliver_now([email_id])
     assert report.failed == [email_id]
     (row,) = rows(dashboard)
     assert row["status"] == "failed" and row["failed_at"] is not None

@@ -303,9 +303,9 @@ def test_concurrent_senders_never_share_a_row(
     smtp_server.hold()
     db.session.commit()
     state = app.extensions["mail_outbox"]
-    route = state.runtime().route
+    delivery = state.runtime().delivery
     results: list[Any] = []
-    racer = threading.Thread(target=lambda: results.append(route.deliver_ids(ids)))
+    racer = threading.Thread(target=lambda: results.append(delivery.deliver_now(ids)))
     with app.app_context():
         racer.start()
         assert smtp_server.wait_held(1)  # a delivery is at the server: now race it

@@ -1,4 +1,4 @@
-"""The dispatcher's schedule on a fake clock, its SQL cost, and the retry policy."""
+"""The worker as a dispatcher: its schedule on a fake clock, its SQL cost; the retry policy."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from flask_mail_outbox import (
     PermanentError,
     TransientError,
 )
-from flask_mail_outbox._delivery import BatchReport
-from flask_mail_outbox._dispatcher import Dispatcher, IdleBackoff, RateLimiter
+from flask_mail_outbox._store import Reaped
+from flask_mail_outbox._worker import IdleBackoff, RateLimiter, Worker
 from flask_mail_outbox._retry import (
     RetryPolicy,
     human_seconds,
@@ -105,27 +105,36 @@ class FakeClock:
         return self.now
 
 
-class ScriptedDispatcher(Dispatcher):
-    """A dispatcher whose tick is scripted: no database, no SMTP."""
+class ScriptedWorker(Worker):
+    """A dispatcher whose claims are scripted: no database, no SMTP.
+
+    Each script entry is what one claim finds: a number of rows, ``"fail"``
+    (an outage), or a callable returning the claim's result.
+    """
 
     def __init__(self, clock: FakeClock, script: list[Any]) -> None:
         config = make_config()
-        route = type("Route", (), {"store": None, "faults": _Faults(), "transport": None})()
-        super().__init__(route, config, clock=clock)  # type: ignore[arg-type]
+        delivery = type("Delivery", (), {
+            "store": None, "faults": _Faults(), "transport": None,
+            "report_reaped": lambda self, reaped: None})()
+        super().__init__(delivery, config, clock=clock)  # type: ignore[arg-type]
+        self.capacity = config.batch_size
+        self.dispatching = self.hand_ticked = True
         self.script = script
         self.tick_times: list[float] = []
 
-    def tick(self) -> tuple[BatchReport | None, bool]:
+    def _claim_on_kept_connection(self, limit: int, *,
+                                  reap: bool) -> tuple[list[Any], Reaped]:
         self.tick_times.append(self.clock())
         action = self.script.pop(0) if self.script else 0
         if action == "fail":
             raise RuntimeError("database is down")
         if callable(action):
-            return action()
-        if action == 0:
-            return None, False
-        report = BatchReport(sent=list(range(action)))
-        return report, action >= self.config.batch_size
+            action = action()
+        return [object()] * action, Reaped()
+
+    def _put(self, claimed: Any) -> None:
+        pass  # nothing is sent: only the schedule of claims is under test
 
 
 class _Faults:
@@ -147,35 +156,31 @@ def make_config() -> Any:
                         "OUTBOX_BATCH_SIZE": 10}, instance_path="/tmp", testing=False)
 
 
-def run_steps(dispatcher: ScriptedDispatcher, clock: FakeClock, steps: int,
+def run_steps(worker: ScriptedWorker, clock: FakeClock, steps: int,
               wakes: dict[int, float] | None = None) -> list[float]:
-    """Run ``steps`` iterations; a wait advances the fake clock to its deadline,
-    or to an earlier wake time from ``wakes`` (step index -> seconds into the wait)."""
+    """Run ``steps`` rounds; each wait advances the fake clock to the next claim,
+    or to an earlier wake time from ``wakes`` (round index -> seconds into the wait).
+    A wake that came during a round is followed at once, as the real loop does."""
     waits: list[float] = []
     for index in range(steps):
-        def wait(deadline: float, index: int = index) -> None:
-            waits.append(round(deadline - clock.now, 6))
-            if wakes and index in wakes and clock.now + wakes[index] < deadline:
-                clock.now += wakes[index]
-                dispatcher.wake()
-            else:
-                clock.now = deadline
-        dispatcher.step(wait=lambda deadline: _wait_or_follow_up(dispatcher, wait, deadline))
+        worker.step()
+        if worker._woken:
+            continue
+        deadline = worker._next_claim
+        waits.append(round(deadline - clock.now, 6))
+        if wakes and index in wakes and clock.now + wakes[index] < deadline:
+            clock.now += wakes[index]
+            worker.wake()
+        else:
+            clock.now = max(clock.now, deadline)
     return waits
-
-
-def _wait_or_follow_up(dispatcher: Dispatcher, wait: Any, deadline: float) -> None:
-    # The real _wait_until returns at once when a wake arrived during the tick.
-    if dispatcher._wake_pending:
-        return
-    wait(deadline)
 
 
 def test_fake_clock_idle_gaps_from_tick_start() -> None:
     clock = FakeClock()
-    dispatcher = ScriptedDispatcher(clock, [])
-    run_steps(dispatcher, clock, 9)
-    starts = dispatcher.tick_times
+    worker = ScriptedWorker(clock, [])
+    run_steps(worker, clock, 9)
+    starts = worker.tick_times
     gaps = [round(b - a, 6) for a, b in zip(starts, starts[1:])]
     assert gaps == [0.5, 1, 2, 4, 8, 16, 30, 30]
 
@@ -183,76 +188,71 @@ def test_fake_clock_idle_gaps_from_tick_start() -> None:
 def test_fake_clock_gap_is_measured_from_tick_start() -> None:
     clock = FakeClock()
 
-    def slow_empty_tick() -> tuple[None, bool]:
-        clock.now += 0.3  # the tick itself took 0.3 s
-        return None, False
+    def slow_empty_claim() -> int:
+        clock.now += 0.3  # the claim itself took 0.3 s
+        return 0
 
-    dispatcher = ScriptedDispatcher(clock, [slow_empty_tick, slow_empty_tick, 0])
-    waits = run_steps(dispatcher, clock, 3)
-    assert waits[:2] == [0.2, 0.7]  # 0.5 and 1.0 from tick start
-    starts = dispatcher.tick_times
+    worker = ScriptedWorker(clock, [slow_empty_claim, slow_empty_claim, 0])
+    waits = run_steps(worker, clock, 3)
+    assert waits[:2] == [0.2, 0.7]  # 0.5 and 1.0 from the claim's start
+    starts = worker.tick_times
     assert [round(b - a, 6) for a, b in zip(starts, starts[1:])] == [0.5, 1.0]
 
 
 def test_fake_clock_snap_back_full_batch_and_failed_ticks() -> None:
     clock = FakeClock()
-    dispatcher = ScriptedDispatcher(clock, [0, 0, 0, 3, 0, 10, 10, 2, "fail", "fail", 0])
-    run_steps(dispatcher, clock, 11)
-    starts = dispatcher.tick_times
+    worker = ScriptedWorker(clock, [0, 0, 0, 3, 0, 10, 10, 2, "fail", "fail", 0])
+    run_steps(worker, clock, 11)
+    starts = worker.tick_times
     gaps = [round(b - a, 6) for a, b in zip(starts, starts[1:])]
     # idle x3 (0.5, 1, 2), claim 3 -> snap back 0.5, idle 0.5, full -> 0, full -> 0,
     # partial -> 0.5, failed ticks count as idle (0.5, 1).
     assert gaps == [0.5, 1, 2, 0.5, 0.5, 0, 0, 0.5, 0.5, 1]
-    assert dispatcher.route.faults.failures == 2
-    assert dispatcher.last_tick_failed is False
+    assert worker.delivery.faults.failures == 2
+    assert worker.last_claim_failed is False
 
 
 def test_fake_clock_wake_ticks_at_the_same_instant() -> None:
     clock = FakeClock()
-    dispatcher = ScriptedDispatcher(clock, [0, 0, 0, 0, 1])
+    worker = ScriptedWorker(clock, [0, 0, 0, 0, 1])
     # The 4th wait would last 4 s; a wake arrives 0.25 s into it.
-    run_steps(dispatcher, clock, 5, wakes={3: 0.25})
-    starts = dispatcher.tick_times
+    run_steps(worker, clock, 5, wakes={3: 0.25})
+    starts = worker.tick_times
     assert round(starts[4] - starts[3], 6) == 0.25
 
 
-def test_wakes_during_a_tick_collapse_into_one_follow_up() -> None:
+def test_wakes_during_a_claim_collapse_into_one_follow_up() -> None:
     clock = FakeClock()
 
-    def tick_with_wakes() -> tuple[None, bool]:
+    def claim_with_wakes() -> int:
         for _ in range(5):
-            dispatcher.wake()
-        return None, False
+            worker.wake()
+        return 0
 
-    dispatcher = ScriptedDispatcher(clock, [tick_with_wakes, 0, 0])
-    waits: list[float] = []
-
-    def wait(deadline: float) -> None:
-        waits.append(deadline - clock.now)
-        clock.now = deadline
-
-    for _ in range(3):
-        dispatcher.step(wait=lambda d: _wait_or_follow_up(dispatcher, wait, d))
-    starts = dispatcher.tick_times
-    # Exactly one immediate follow-up tick, then the normal idle wait resumes.
+    worker = ScriptedWorker(clock, [claim_with_wakes, 0, 0])
+    waits = run_steps(worker, clock, 3)
+    starts = worker.tick_times
+    # Exactly one immediate follow-up claim, then the normal idle wait resumes.
     assert round(starts[1] - starts[0], 6) == 0
     assert round(starts[2] - starts[1], 6) == 1.0
     assert len(waits) == 2
 
 
 def test_real_wait_returns_at_once_on_wake() -> None:
-    dispatcher = ScriptedDispatcher(FakeClock(), [])
-    dispatcher.clock = __import__("time").monotonic
+    worker = ScriptedWorker(FakeClock(), [])
+    worker.clock = __import__("time").monotonic
+    worker.step()  # the first claim: the next is half a second away
     done = threading.Event()
 
     def waiter() -> None:
-        dispatcher._wait_until(dispatcher.clock() + 60)
+        worker._next_claim = worker.clock() + 60
+        worker._wait()
         done.set()
 
     thread = threading.Thread(target=waiter)
     thread.start()
     assert not done.wait(0.2)
-    dispatcher.wake()
+    worker.wake()
     assert done.wait(5)
     thread.join()
 
@@ -291,7 +291,7 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
     try:
         state = app.extensions["mail_outbox"]
         runtime = state.runtime()
-        dispatcher = runtime.ensure_dispatcher(start_thread=False)
+        dispatcher = runtime.dispatch(hand_ticked=True)
         seen: list[str] = []
 
         def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -299,8 +299,8 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
 
         sa.event.listen(runtime.engine, "before_cursor_execute", before)
         for _ in range(10):
-            report, _full = dispatcher.tick()
-            assert report is None
+            dispatcher.tick()
+            assert dispatcher.last_claimed == 0
         heads = [statement.split()[0].upper() for statement in seen]
         if backend == "postgresql":
             # One statement per tick, in autocommit (no BEGIN/COMMIT round trips):
@@ -327,7 +327,7 @@ class _Drain:
                                        **config})
         self.mail: OutboxMail = self.app.extensions["test_mail"]
         self.runtime = self.app.extensions["mail_outbox"].runtime()
-        self.dispatcher = self.runtime.ensure_dispatcher(start_thread=False)
+        self.dispatcher = self.runtime.dispatch(hand_ticked=True)
         self.now = [100.0]
         self.dispatcher.clock = lambda: self.now[0]
         self.claim_limits: list[int] = []  # of the claims made since fail_claims()
@@ -386,7 +386,7 @@ def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
     try:
         for _ in range(7):
             seen.clear()
-            drain.dispatcher.step(wait=lambda deadline: None)
+            drain.dispatcher.tick()
             reaps.append(any("lease_expires_at <" in s for s in seen))
             claimed.append(drain.dispatcher.last_claimed)
             drain.now[0] += 0.3
@@ -398,70 +398,23 @@ def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
     assert reaps == [True, False, False, False, True, True, True]
 
 
-def test_a_claim_ahead_that_failed_meanwhile_is_made_again_not_raised(
-        drain: _Drain, caplog: pytest.LogCaptureFixture) -> None:
-    """A claim ahead fails while its batch's predecessor is sent (the database went away).
-
-    By the next tick the database may be back: that tick claims afresh
-    instead of failing on the old error, and nothing is reported at ERROR
-    (an outage report would open after the outage had ended).
-    """
-    drain.queue("m0", "m1", "m2", "m3")
-    # Claim 2 is the claim ahead, made while m0 and m1 are sent.
-    claims = drain.fail_claims(lambda n: n == 2)
-    with caplog.at_level(logging.INFO, logger="flask_mail_outbox"):
-        first, _ = drain.dispatcher.tick()
-        second, _ = drain.dispatcher.tick()
-    assert first is not None and second is not None
-    assert len(first.sent) == 2 and len(second.sent) == 2
-    assert len(claims) == 4  # tick 2 claimed afresh, and (a full batch) ahead again
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert any("claim made ahead failed" in r.getMessage() for r in caplog.records)
-
-
 def test_the_claim_after_a_failed_one_reaps(drain: _Drain) -> None:
     drain.queue(*(f"m{i}" for i in range(6)))
     drain.dispatcher.prefetch = False
     reaps = drain.fail_claims(lambda n: n == 2)
     for _ in range(4):
-        drain.dispatcher.step(wait=lambda deadline: None)
+        drain.dispatcher.tick()
         drain.now[0] += 0.3
     # The first claim reaps; the second, 0.3 s into a drain, does not (and
     # fails); the one after the failure reaps again; the next does not.
     assert reaps == [True, False, True, False]
 
 
-def test_a_batch_claimed_ahead_and_given_back_to_a_rate_limit_keeps_the_reap_of_its_reclaim(
-        drain: _Drain, caplog: pytest.LogCaptureFixture) -> None:
-    drain.queue("m0", "m1", "m2", "m3")
-    dispatcher = drain.dispatcher
-    dispatcher.tick()  # sends m0, m1 and claims m2, m3 ahead
-    assert dispatcher._prefetched is not None
-    assert len(dispatcher._prefetched.result()[0]) == 2
-    # A row whose sender died: its lease is already over.
-    [orphan] = drain.queue("orphan")
-    [dead] = drain.runtime.store.claim_due(1, owner="dead", lease_seconds=0)[0]
-    assert dead.id == orphan
-    # The server throttled meanwhile: the batch claimed ahead is given back
-    # and claimed again under the limiter; that claim's reap finds the orphan.
-    dispatcher.rate_limiter = RateLimiter(1000.0, clock=lambda: drain.now[0],
-                                          sleep=lambda s: None)
-    drain.now[0] += 2  # a second after the last reap
-    with caplog.at_level(logging.ERROR, logger="flask_mail_outbox"):
-        dispatcher.tick()
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert any(f"[{orphan}] had an expired lease" in m for m in errors), errors
-
-
-@pytest.mark.parametrize("rows_of", ["its own claim", "a claim ahead"])
-def test_a_tick_that_fails_before_sending_gives_its_claimed_rows_back(
-        drain: _Drain, rows_of: str) -> None:
+def test_a_failing_reap_report_loses_no_claimed_row(drain: _Drain) -> None:
     """Nothing claimed is left sending for nobody (here, reporting the reap raises)."""
-    ids = drain.queue(*(f"m{i}" for i in range(2 if rows_of == "its own claim" else 4)))
-    if rows_of == "a claim ahead":
-        drain.dispatcher.tick()  # sends m0, m1; claims m2, m3 ahead
-    route = drain.dispatcher.route
-    real_report = route.report_reaped
+    ids = drain.queue("m0", "m1")
+    delivery = drain.dispatcher.delivery
+    real_report = delivery.report_reaped
     calls: list[int] = []
 
     def report_reaped(*args: Any) -> None:
@@ -470,14 +423,12 @@ def test_a_tick_that_fails_before_sending_gives_its_claimed_rows_back(
             raise RuntimeError("reporting failed")
         real_report(*args)
 
-    route.report_reaped = report_reaped  # type: ignore[method-assign]
-    drain.dispatcher.step(wait=lambda deadline: None)
-    assert drain.dispatcher.last_tick_failed
-    assert [(r["status"], r["attempts"]) for r in rows(drain.app)][-2:] == [
-        ("queued", 0), ("queued", 0)]
-    drain.dispatcher.release_held()  # the next claim ahead, if one runs
-    report, _ = drain.dispatcher.tick()
-    assert report is not None and report.sent == ids[-2:]
+    delivery.report_reaped = report_reaped  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="reporting failed"):
+        drain.dispatcher.tick()
+    drain.dispatcher.tick()  # the rows claimed were sent all the same
+    assert [(r["id"], r["status"], r["attempts"]) for r in rows(drain.app)] == [
+        (ids[0], "sent", 1), (ids[1], "sent", 1)]
 
 
 def test_a_foreground_loop_that_ended_no_longer_counts_as_running(drain: _Drain) -> None:
@@ -507,17 +458,17 @@ def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:
         close_app(app)
 
 
-def test_a_tick_claims_at_most_a_batch_oldest_due_first(make_apps: MakeApps) -> None:
+def test_a_claim_takes_at_most_the_room_oldest_due_first(make_apps: MakeApps) -> None:
     app, mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                           OUTBOX_TRANSPORT="null", OUTBOX_BATCH_SIZE=5)
     with app.app_context():
         ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
                for i in range(12)]
         db.session.commit()
-    dispatcher = app.extensions["mail_outbox"].runtime().ensure_dispatcher(start_thread=False)
-    first, full = dispatcher.tick()
-    assert first is not None and full is True and first.sent == ids[:5]
-    second, _ = dispatcher.tick()
-    third, full = dispatcher.tick()
-    assert second is not None and third is not None
-    assert second.sent == ids[5:10] and third.sent == ids[10:] and full is False
+    worker = app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
+    assert worker.capacity == 2  # the null transport sends one at a time
+    claimed: list[list[int]] = []
+    for _ in range(6):
+        worker.tick()
+        claimed.append([r["id"] for r in rows(app) if r["status"] == "sent"][-2:])
+    assert claimed == [ids[i:i + 2] for i in range(0, 12, 2)]

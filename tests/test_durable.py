@@ -36,8 +36,7 @@ def test_durable_send_is_delivered_by_the_dispatcher(
         assert smtp_server.wait_for(1)
         assert mail.wait_idle(10)
         runtime = durable_app.extensions["mail_outbox"].current_runtime()
-        assert runtime.dispatcher is not None and runtime.dispatcher.running
-        assert runtime.inline._thread is None  # durable: the inline worker never started
+        assert runtime.dispatcher is not None and runtime.worker.running
     [row] = rows(durable_app)
     assert row["status"] == "sent" and row["attempts"] == 1
 
@@ -236,9 +235,9 @@ def test_commit_wakes_the_dispatcher_long_before_its_next_poll(
                    OUTBOX_LISTEN=False)
     mail: OutboxMail = app.extensions["test_mail"]
     try:
-        dispatcher = app.extensions["mail_outbox"].runtime().ensure_dispatcher()
-        poll(lambda: dispatcher.ticks, timeout=10, interval=0.01)
-        assert dispatcher.ticks == 1  # ticked once at start; the next poll is 60 s away
+        dispatcher = app.extensions["mail_outbox"].runtime().dispatch()
+        poll(lambda: dispatcher.claims, timeout=10, interval=0.01)
+        assert dispatcher.claims == 1  # ticked once at start; the next poll is 60 s away
         with app.app_context():
             mail.send(Message("x", recipients=["a@example.com"], body="x"))
             db.session.commit()
@@ -287,7 +286,7 @@ def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
     sender = make_app(db_url, **common)
     rival = make_app(db_url, **common)  # a second dispatcher, reaping every 0.2 s
     try:
-        rival.extensions["mail_outbox"].runtime().ensure_dispatcher()
+        rival.extensions["mail_outbox"].runtime().dispatch()
         smtp_server.hold()
         with sender.app_context():
             sender.extensions["test_mail"].send(

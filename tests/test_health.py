@@ -178,28 +178,28 @@ def test_dispatcher_tick_failed(make_apps: MakeApps, smtp_server: FaultSMTPServe
                           OUTBOX_DURABLE=True, OUTBOX_LISTEN=False)
     add_health_routes(app, mail)
     state = app.extensions["mail_outbox"]
-    dispatcher = state.runtime().ensure_dispatcher(start_thread=False)
+    dispatcher = state.runtime().dispatch(hand_ticked=True)
 
     def no_wait(_deadline: float) -> None:
         """Ticks by hand: no pause between them."""
 
-    dispatcher.step(wait=no_wait)
+    dispatcher.tick()
     assert health(app, mail)["status"] == "ok"
     with app.app_context(), db.engine.begin() as conn:
         conn.execute(sa.text("ALTER TABLE outbox_email RENAME TO outbox_email_away"))
     try:
         with caplog.at_level(logging.ERROR, logger="flask_mail_outbox"):
-            dispatcher.step(wait=no_wait)
+            dispatcher.tick()
     finally:
         with app.app_context(), db.engine.begin() as conn:
             conn.execute(sa.text("ALTER TABLE outbox_email_away RENAME TO outbox_email"))
-    assert dispatcher.last_tick_failed
+    assert dispatcher.last_claim_failed
     result = health(app, mail)
     assert codes(result) == ["dispatcher_tick_failed"]
     assert result["dispatcher"] == {"running": False, "last_tick_failed": True}
     # Not a reason to route requests elsewhere: the dispatcher runs beside them.
     assert route_statuses(app, ["dispatcher_tick_failed"]) == (200, 503)
-    dispatcher.step(wait=no_wait)
+    dispatcher.tick()
     assert health(app, mail)["status"] == "ok"
 
 

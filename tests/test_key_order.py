@@ -27,11 +27,11 @@ def app(hand_ticked_app: Flask) -> Flask:
 
 
 def _dispatcher(app: Flask) -> Any:
-    return app.extensions["mail_outbox"].runtime().ensure_dispatcher(start_thread=False)
+    return app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
 
 
 def _step(app: Flask) -> None:
-    _dispatcher(app).step(wait=lambda deadline: None)
+    _dispatcher(app).tick()
 
 
 def _send(app: Flask, subject: str, key: str | None = "k") -> int:

@@ -35,11 +35,11 @@ def worker_app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
 
 
 def _dispatcher(app: Flask) -> Any:
-    return app.extensions["mail_outbox"].runtime().ensure_dispatcher(start_thread=False)
+    return app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
 
 
 def _step(app: Flask) -> float:
-    gap: float = _dispatcher(app).step(wait=lambda deadline: None)
+    gap: float = _dispatcher(app).tick()
     return gap
 
 
@@ -233,7 +233,6 @@ def test_a_keyed_tick_is_four_statements_on_postgresql(
     (see _ordering). Those are due, so the next tick claims them at once."""
     _queue_keyed(hand_ticked_app, 6)
     dispatcher = _frozen_dispatcher(hand_ticked_app)
-    dispatcher.prefetch = False  # one claim per tick: the tick's own
     with _statements(hand_ticked_app) as statements:
         _step(hand_ticked_app)
         assert statements == ["WITH due AS", "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
@@ -258,7 +257,6 @@ def test_a_keyed_drain_hides_no_other_due_work(
     nothing tells this one) after the first tick goes out with the keys' next emails."""
     _queue_keyed(hand_ticked_app, 4)
     dispatcher = _frozen_dispatcher(hand_ticked_app)
-    dispatcher.prefetch = False  # one claim per tick: the tick's own
     _step(hand_ticked_app)  # m0, m1 sent; the keys handed to m2, m3
     other, other_mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                                   OUTBOX_LISTEN=False)

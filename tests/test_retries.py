@@ -179,7 +179,7 @@ def _hand_ticked(tmp_path: Path, smtp_server: FaultSMTPServer,
                    OUTBOX_LISTEN=False, **DEFAULT_RETRY)
     runtime = app.extensions["mail_outbox"].runtime()
     runtime.store.clock = clock
-    dispatcher = runtime.ensure_dispatcher(start_thread=False)
+    dispatcher = runtime.dispatch(hand_ticked=True)
     # Jitter at its top: the slowest schedule the defaults allow.
     dispatcher.policy = dataclasses.replace(dispatcher.policy, rand=lambda: 1.0)
     # The process's own pacing after a throttle sleeps on the real clock; these
@@ -278,7 +278,7 @@ def test_fake_clock_lease_lost_path_spends_an_attempt_per_lease(
                                          reap=True)
             if claimed and claimed[0].attempt > max_attempts:
                 with app.app_context():
-                    report = dispatcher.route.deliver_claimed(claimed, policy=dispatcher.policy)
+                    report = dispatcher.delivery.finish([(claimed[0], None)], policy=dispatcher.policy)
                 assert report.failed == [email_id]
                 failed_at = clock.now
                 break

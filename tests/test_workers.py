@@ -477,7 +477,7 @@ def test_one_key_is_delivered_in_order_and_one_at_a_time_across_three_workers(
 #
 # `flask outbox worker` runs its dispatcher loop in the foreground. These two tests
 # fail on the current library: the worker also starts the APScheduler startup sweep,
-# whose `_start_dispatcher_if_durable()` calls `runtime.ensure_dispatcher()` with
+# whose `_start_dispatcher_if_durable()` calls `runtime.dispatch()` with
 # `start_thread=True`, about 1 s after start. `Dispatcher.start()` only knows about
 # its own thread (none: the CLI runs `dispatcher.run()` in the main thread), so it
 # starts a second loop on the same Dispatcher, and it sets `_stopping = False`.

@@ -31,13 +31,12 @@ the library and for these lines):
 * ``outbox-test sent id=<row id> mid=<Message-ID>`` for every email it delivered
   (the ``email_sent`` signal);
 * ``outbox-test tick n=<n> start=<wall time> gap=<s> claimed=<n>
-  listening=<bool> failed=<bool>`` after every dispatcher tick, just before it
-  waits ``gap`` seconds (measured from ``start``) for the next one. A tick that
-  starts earlier than ``start + gap`` of the previous one was woken.
+  listening=<bool> failed=<bool>`` after every claim of due rows, with the gap
+  it chose to the next one (measured from ``start``). A claim that starts
+  earlier than ``start + gap`` of the previous one was woken.
 
-The tick line is instrumentation added here by wrapping ``Dispatcher.step`` (the
-library is not changed): it passes a ``wait`` function that logs, then waits
-exactly as the dispatcher's own loop does.
+The tick line is instrumentation added here by wrapping ``Worker._schedule``
+(the library is not changed), which every claim calls once with its outcome.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_mail_outbox import OutboxMail
-from flask_mail_outbox._dispatcher import Dispatcher
+from flask_mail_outbox._worker import Worker
 from flask_mail_outbox._signals import email_sent
 
 log = logging.getLogger("outbox_test_worker")
@@ -82,24 +81,21 @@ def _configure_logging() -> None:
 
 
 def _trace_ticks() -> None:
-    """Log every tick's start and chosen gap (see the module docstring)."""
-    if getattr(Dispatcher.step, "_outbox_test_traced", False):
+    """Log every claim's start and chosen gap (see the module docstring)."""
+    if getattr(Worker._schedule, "_outbox_test_traced", False):
         return
-    original = Dispatcher.step
+    original = Worker._schedule
 
-    def step(self: Dispatcher, wait: Any = None) -> float:
-        def traced_wait(deadline: float) -> None:
-            started = self.last_tick_at if self.last_tick_at is not None else deadline
-            wall_start = time.time() - (self.clock() - started)
-            log.info("outbox-test tick n=%d start=%.3f gap=%.3f claimed=%d listening=%s "
-                     "failed=%s", self.ticks, wall_start, deadline - started,
-                     self.last_claimed, self.listening, self.last_tick_failed)
-            (wait or self._wait_until)(deadline)
+    def schedule(self: Worker, started: float, *, claimed: int, full: bool,
+                 failed: bool) -> None:
+        original(self, started, claimed=claimed, full=full, failed=failed)
+        wall_start = time.time() - (self.clock() - started)
+        log.info("outbox-test tick n=%d start=%.3f gap=%.3f claimed=%d listening=%s "
+                 "failed=%s", self.claims, wall_start, self._next_claim - started,
+                 claimed, self.listening, failed)
 
-        return original(self, wait=traced_wait)
-
-    step._outbox_test_traced = True  # type: ignore[attr-defined]
-    Dispatcher.step = step  # type: ignore[method-assign]
+    schedule._outbox_test_traced = True  # type: ignore[attr-defined]
+    Worker._schedule = schedule  # type: ignore[method-assign]
 
 
 def create_app() -> Flask:

@@ -1,0 +1,689 @@
+"""ONE delivery loop for both modes.
+
+A :class:`Worker` runs in one daemon thread per app and process, and takes
+work from two sources:
+
+* ids handed to it (:meth:`Worker.hand`): the rows a commit queued, the
+  emails a recorded outcome made their key's holder, and (inline mode) its
+  own in-process retries once their pause is over;
+* due rows it claims itself (:meth:`~._store.Store.claim_due`) when it is a
+  *dispatcher* (durable mode, ``flask outbox worker``): at its poll, or at
+  once when a commit or a NOTIFY wakes it.
+
+Both go through the same compare-and-set claim, and into one long-lived
+stream of the transport (:meth:`~.transports.Transport.open`). The loop claims
+only what the stream has room for (:attr:`Worker.capacity`: a message on each
+connection and one waiting for it) and claims again as results come back, so
+every connection stays fed and a slow server is limited by its latency, not by
+the loop. Results are recorded as they arrive: whatever came back while the
+last record ran goes into the next one (:meth:`~._delivery.Delivery.finish`),
+so a killed process re-sends only the messages whose DATA was in flight.
+
+A dispatcher's claims follow :class:`IdleBackoff`: a claim that found
+nothing doubles the gap to the next, from ``OUTBOX_POLL_INTERVAL`` up to
+``OUTBOX_POLL_MAX_INTERVAL`` (``OUTBOX_LISTEN_BACKSTOP_SECONDS`` while a LISTEN
+connection is up); a claim that found some snaps back, a full one claims again
+as soon as there is room, and a failed one counts as idle. Gaps are measured
+from the start of a claim; wakes during a round collapse into one claim. The
+loop takes an injectable clock, so tests can check the exact gap sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+
+from . import _degrade, _retry
+from ._delivery import BatchReport, Delivery, envelope_of, new_owner
+from ._store import ClaimedEmail, Reaped
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from ._config import OutboxConfig
+    from .transports import Envelope, Result, Sending
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between reaps while every claim finds work (see :meth:`Worker._reap_now`).
+BUSY_REAP_INTERVAL = 1.0
+#: Ids waiting in memory at most; past it, hand-overs fall back to the sweep.
+MAX_HANDED = 20_000
+
+
+def inline_backoff(retry: int) -> float:
+    """Seconds before in-process retry number ``retry`` (1-based), capped near 2 s."""
+    return float(min(2.0, 0.25 * 2 ** (retry - 1)))
+
+
+class IdleBackoff:
+    """The gap before a dispatcher's next claim, from what its last claim found."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self._idle_gap = initial
+
+    def after_claim(self, *, claimed: int, full: bool, failed: bool,
+                    maximum: float | None = None) -> float:
+        """Seconds from the start of the claim that just ended to the next one."""
+        cap = self.maximum if maximum is None else maximum
+        if failed or (claimed == 0 and not full):
+            gap = min(self._idle_gap, cap)
+            self._idle_gap = min(self._idle_gap * 2, cap)
+            return gap
+        self._idle_gap = self.initial
+        # A full claim means more is waiting: go again as soon as there is room.
+        return 0.0 if full else self.initial
+
+
+class RateLimiter:
+    """Messages per second for one process; slows down when the server throttles."""
+
+    def __init__(self, rate: float, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.rate = rate
+        self.current = rate
+        self.clock = clock
+        self.sleep = sleep
+        self._next_free = clock()
+
+    def acquire(self, wanted: int) -> int:
+        """Wait for the right to send up to ``wanted`` now; returns how many."""
+        now = self.clock()
+        if self._next_free > now:
+            self.sleep(self._next_free - now)
+            now = self._next_free
+        # At most one second's worth per claim, at least one message.
+        allowed = max(1, min(wanted, int(self.current)))
+        self._next_free = now + allowed / self.current
+        return allowed
+
+    def feedback(self, *, throttled: bool) -> None:
+        """Halve the rate when throttled; creep back up to the configured rate otherwise."""
+        if throttled:
+            self.current = max(self.rate / 64, self.current / 2)
+        else:
+            self.current = min(self.rate, self.current * 1.1)
+
+
+@dataclasses.dataclass
+class _Waiter:
+    """Someone waiting for the outcomes of ids handed over (:meth:`Worker.deliver`)."""
+
+    ids: set[int]
+    report: BatchReport = dataclasses.field(default_factory=BatchReport)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def take(self, report: BatchReport) -> None:
+        for name in ("sent", "failed", "not_claimed", "lost", "released"):
+            mine = [i for i in getattr(report, name) if i in self.ids]
+            getattr(self.report, name).extend(mine)
+            self.ids.difference_update(mine)
+        transient = [t for t in report.transient if t[0] in self.ids]
+        self.report.transient.extend(transient)
+        self.ids.difference_update(t[0] for t in transient)
+        if not self.ids:
+            self.done.set()
+
+
+class Worker:
+    """The delivery loop of one app in one process (see the module docstring)."""
+
+    def __init__(self, delivery: Delivery, config: OutboxConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.delivery = delivery
+        self.store = delivery.store
+        self.config = config
+        self.policy = config.retry_policy()
+        self.clock = clock
+        concurrency = max(1, int(getattr(delivery.transport, "concurrency", 1)))
+        #: Rows claimed and not yet recorded, at most.
+        self.capacity = max(1, min(config.batch_size, 2 * concurrency))
+        #: Claims due rows itself (durable mode): see :meth:`dispatch`.
+        self.dispatching = False
+        self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
+        self.listening = False  # set by the LISTEN thread while its connection is up
+        self.rate_limiter: RateLimiter | None = (
+            RateLimiter(config.rate_limit, clock=clock) if config.rate_limit else None)
+        self._cond = threading.Condition()
+        self._handed: dict[int, None] = {}
+        self._retries: dict[int, tuple[float, int]] = {}  # id -> (due, retry number)
+        self._retry_numbers: dict[int, int] = {}  # claimed ids -> their retry number
+        self._waiters: list[_Waiter] = []
+        self._in_flight: dict[int, ClaimedEmail] = {}
+        self._results: list[tuple[ClaimedEmail, Result | None]] = []
+        self._woken = False
+        self._stopping = False
+        #: Never starts a thread: a test or ``flask outbox worker --once`` calls
+        #: :meth:`step` / :meth:`drain` itself.
+        self.hand_ticked = False
+        self._ever_started = False
+        self._thread: threading.Thread | None = None
+        self._sending: Sending | None = None
+        self._conn: Connection | None = None  # the dispatcher's, kept across claims
+        self._next_claim = -float("inf")
+        self._last_reap = -float("inf")
+        self._last_claim_empty = True
+        self.claims = 0
+        #: Rows this worker finished (recorded one way or another), ever.
+        self.finished = 0
+        self.last_claimed = 0
+        self.last_claim_failed = False
+        self.last_claim_at: float | None = None
+
+    # -- sources ------------------------------------------------------------------------
+
+    def hand(self, ids: Sequence[int]) -> None:
+        """Deliver ``ids`` (committed, or handed a key) as soon as there is room."""
+        if not ids:
+            return
+        with self._cond:
+            if self._stopping:
+                self.delivery.note_given_back(list(ids))
+                return
+            room = MAX_HANDED - len(self._handed)
+            if room < len(ids):
+                self.delivery.faults.failing(
+                    "inline-overflow",
+                    f"The delivery queue of this process is full ({MAX_HANDED} emails waiting)",
+                    consequence=f"{len(ids) - max(room, 0)} committed email(s) (and further "
+                                "ones until it drains) are not handed over; they stay queued "
+                                "and a sweep or a dispatcher delivers them later",
+                    fix="the SMTP server is slower than the rate of email; check it, or "
+                        "switch to durable mode and run `flask outbox worker` processes")
+                ids = ids[:max(room, 0)]
+            elif not self._handed:
+                self.delivery.faults.recovered("inline-overflow")
+            self._handed.update(dict.fromkeys(ids))
+            self._cond.notify_all()
+        self.start()
+
+    def wake(self) -> None:
+        """Claim due rows as soon as there is room (a commit, a NOTIFY)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+    def dispatch(self) -> None:
+        """Also claim due rows from now on (durable mode), and start the loop."""
+        self.dispatching = True
+        self.wake()
+        self.start()
+
+    def deliver(self, ids: Sequence[int], timeout: float) -> BatchReport:
+        """Hand ``ids`` over and wait (up to ``timeout``) for their first outcomes."""
+        waiter = _Waiter(set(ids))
+        if not waiter.ids:
+            return waiter.report
+        with self._cond:
+            self._waiters.append(waiter)
+        self.hand(ids)
+        waiter.done.wait(timeout)
+        with self._cond:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+        return waiter.report
+
+    # -- control ------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        """Whether the loop ever ran in this process."""
+        return self._ever_started
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Run the loop in a daemon thread (idempotent; a stopped worker stays stopped)."""
+        with self._cond:
+            if self._stopping or self.running or self.hand_ticked:
+                return
+            self._ever_started = True
+            self._thread = threading.Thread(target=self.run, name="outbox-worker",
+                                            daemon=True)
+            self._thread.start()
+        if self.dispatching:
+            logger.info("Outbox dispatcher started (pid %d)", os.getpid())
+
+    def idle(self) -> bool:
+        """Nothing handed, claimed, waiting for a retry or to be recorded."""
+        with self._cond:
+            return not (self._handed or self._retries or self._in_flight or self._results
+                        or self._woken or self.last_claim_failed
+                        or (self.dispatching and self.last_claimed))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until :meth:`idle`; True when it is."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self.idle():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.running:
+                    return self.idle()
+                self._cond.wait(min(remaining, 0.5))
+            return True
+
+    def request_stop(self) -> None:
+        """Stop claiming (safe from a signal handler: takes no lock)."""
+        self._stopping = True
+
+    def stop(self, timeout: float) -> None:
+        """Stop claiming; give what is in flight ``timeout`` seconds, give back the rest."""
+        with self._cond:
+            self._stopping = True
+            # Handed over (or waiting for an in-process retry) and not claimed:
+            # queued in the database and in flight nowhere.
+            self.delivery.note_given_back([*self._handed, *self._retries])
+            self._settle_waiters_lost([*self._handed, *self._retries])
+            self._handed.clear()
+            self._retries.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        self.cancel_unstarted()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def cancel_unstarted(self) -> int:
+        """Stop handing claimed messages to the server; they are given back. How many."""
+        sending = self._sending
+        never = sending.cancel_pending() if sending is not None else set()
+        if never:
+            logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) in "
+                        "flight not yet handed to the server", os.getpid(), len(never))
+        return len(never)
+
+    def in_flight(self) -> int:
+        """Rows claimed and not yet recorded."""
+        with self._cond:
+            return len(self._in_flight) + len(self._results)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Loop until :meth:`stop` and every result is recorded (in the foreground too)."""
+        with self._cond:
+            current = threading.current_thread()
+            if self.running and self._thread is not current:
+                raise RuntimeError("this worker's loop already runs in another thread")
+            self._thread = current
+            self._ever_started = True
+        try:
+            while True:
+                try:
+                    self.step()
+                except Exception as exc:  # noqa: BLE001 - reported; the loop goes on
+                    self.delivery.faults.failing(
+                        "worker", "The outbox delivery loop hit an unexpected error",
+                        consequence="it goes on with its next round; what it had claimed is "
+                                    "sent and recorded, or taken again when its lease expires",
+                        fix="report it with the traceback below", exc=exc)
+                    time.sleep(0.5)
+                with self._cond:
+                    if self._stopping and not self._in_flight and not self._results:
+                        return
+                self._wait()
+        finally:
+            self._close()
+
+    def step(self) -> None:
+        """One round: record what came back, then claim what there is room for."""
+        self._record()
+        if self._stopping:
+            return
+        room = self.capacity - self.in_flight()
+        if room > 0:
+            room -= self._claim_handed(room)
+        if room > 0 and self.dispatching and self._claim_due_now():
+            self._claim_due(room)
+
+    def tick(self, timeout: float = 60.0) -> float:
+        """One round now, whatever the poll gap: claim, send, wait for every result, record.
+
+        For loops ticked by hand (tests): returns the seconds the loop would
+        wait before its next round (0.0 when handed ids are waiting, such as
+        the next emails of keys this round handed on).
+        """
+        with self._cond:
+            self._woken = self.dispatching
+        self.step()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._in_flight and time.monotonic() < deadline:
+                self._cond.wait(0.05)
+        self._record()
+        with self._cond:
+            if self._handed:
+                return 0.0
+        if not self.dispatching or self.last_claim_at is None:
+            return 0.0
+        return max(0.0, self._next_claim - self.last_claim_at)
+
+    def drain(self, timeout: float = 3600.0) -> int:
+        """Rounds until nothing is in flight or due now (hand-ticked loops, ``--once``).
+
+        Returns how many rows it finished (sent, failed, queued again, given back).
+        """
+        deadline = time.monotonic() + timeout
+        before = self.finished
+        while time.monotonic() < deadline:
+            self.step()
+            if not self._wait_for_results(deadline):
+                with self._cond:
+                    if not (self._handed or (self.dispatching and self.last_claimed)):
+                        break
+        return self.finished - before
+
+    def _wait_for_results(self, deadline: float) -> bool:
+        """Wait for the results of what is in flight; False when nothing is."""
+        with self._cond:
+            while self._in_flight and not self._results:
+                if not self._cond.wait(min(0.5, max(0.0, deadline - time.monotonic()))) \
+                        and time.monotonic() >= deadline:
+                    return False
+            return bool(self._in_flight or self._results)
+
+    def _wait(self) -> None:
+        with self._cond:
+            while not self._stopping or self._in_flight:
+                if self._results:
+                    return
+                room = self.in_flight() < self.capacity
+                now = self.clock()
+                if room and (self._handed or (self.dispatching and self._woken)):
+                    return
+                deadlines = [due for due, _ in self._retries.values()]
+                if self.dispatching:
+                    deadlines.append(self._next_claim)
+                next_due = min(deadlines, default=None)
+                if room and next_due is not None and next_due <= now:
+                    return
+                if self._stopping and not self._in_flight:
+                    return
+                # A dispatcher waits in slices: a signal handler (the worker's
+                # SIGTERM) sets the flag without being able to notify.
+                wait = (None if next_due is None and not self.dispatching else
+                        0.5 if next_due is None or not room else min(0.5, next_due - now))
+                self._cond.wait(None if wait is None else max(wait, 0.001))
+
+    # -- claiming -----------------------------------------------------------------------
+
+    def _take_handed(self, room: int) -> list[int]:
+        with self._cond:
+            now = time.monotonic()
+            for email_id, (due, number) in list(self._retries.items()):
+                if due <= now:
+                    del self._retries[email_id]
+                    self._handed[email_id] = None
+                    self._retry_numbers[email_id] = number
+            ids = list(itertools.islice(self._handed, room))
+            for email_id in ids:
+                del self._handed[email_id]
+            return ids
+
+    def _claim_handed(self, room: int) -> int:
+        ids = self._take_handed(room)
+        if not ids:
+            return 0
+        try:
+            claimed = self.store.claim_ids(ids, owner=new_owner(),
+                                           lease_seconds=self.config.lease_seconds)
+        except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
+            self._forget(ids)
+            self.delivery.faults.failing(
+                "inline-drain", "Delivery could not claim emails handed over after commit",
+                consequence=(f"{len(ids)} committed email(s) were not delivered by this "
+                             "process; they stay queued and a sweep or a dispatcher takes "
+                             "them later"),
+                fix="check the database connection and the outbox tables "
+                    "(`flask db upgrade outbox@head`); run `flask outbox sweep` once it is fixed",
+                exc=exc)
+            return 0
+        self.delivery.faults.recovered("inline-drain")
+        got = {email.id for email in claimed}
+        self._settle(BatchReport(not_claimed=[i for i in ids if i not in got]))
+        self._put(claimed)
+        return len(claimed)
+
+    def _claim_due_now(self) -> bool:
+        with self._cond:
+            woken, self._woken = self._woken, False
+        return woken or self.clock() >= self._next_claim
+
+    def _claim_due(self, room: int) -> None:
+        """A dispatcher's claim of due rows (with the reap, at its intervals)."""
+        limit = room if self.rate_limiter is None else self.rate_limiter.acquire(room)
+        started = self.clock()
+        self.claims += 1
+        self.last_claim_at = started
+        try:
+            claimed, reaped = self._claim_on_kept_connection(limit, reap=self._reap_now())
+        except Exception as exc:  # noqa: BLE001 - reported; the next claim retries
+            self.last_claim_failed = True
+            self.last_claimed = 0
+            self._schedule(started, claimed=0, full=False, failed=True)
+            self.delivery.faults.failing(
+                "dispatcher-tick", "A dispatcher could not reap or claim due emails",
+                consequence="due emails stay queued (or sending until their lease expires); "
+                            "the dispatcher keeps trying with backoff and resumes on its own "
+                            "when the database answers again",
+                fix="check the database connection and that the outbox tables exist "
+                    "(`flask db upgrade outbox@head`)",
+                exc=exc)
+            return
+        self.delivery.faults.recovered("dispatcher-tick")
+        self.last_claim_failed = False
+        self.last_claimed = len(claimed)
+        self._schedule(started, claimed=len(claimed), full=len(claimed) >= limit,
+                       failed=False)
+        try:
+            self.delivery.report_reaped(reaped)
+        finally:
+            self._put(claimed)
+
+    def _schedule(self, started: float, *, claimed: int, full: bool, failed: bool) -> None:
+        cap = self.config.listen_backstop_seconds if self.listening else None
+        gap = self.backoff.after_claim(
+            claimed=claimed, full=full, failed=failed,
+            maximum=max(cap, self.config.poll_max_interval) if cap else None)
+        with self._cond:
+            self._next_claim = started + gap
+            self._cond.notify_all()
+
+    def _reap_now(self) -> bool:
+        """Whether this claim also reaps expired leases.
+
+        A claim after one that found nothing always does (so does the first).
+        While claims keep finding work, only the first claim at least
+        :data:`BUSY_REAP_INTERVAL` seconds after the last reap does: a reap
+        reads the index entries of every 'sending' row version since the last
+        VACUUM.
+        """
+        now = self.clock()
+        if self._last_claim_empty or now - self._last_reap >= BUSY_REAP_INTERVAL:
+            self._last_reap = now
+            return True
+        return False
+
+    def _claim_on_kept_connection(self, limit: int, *,
+                                  reap: bool) -> tuple[list[ClaimedEmail], Reaped]:
+        """The claim on the dispatcher's kept connection, or on a new one if it had died.
+
+        Kept across claims without a ping, the connection is found cut at the
+        first claim after the database restarted: the claim goes once more on
+        a fresh connection, under a new owner, instead of reporting an outage
+        that is over. (Should the cut claim have committed after all, its rows
+        are reaped when their lease expires.)
+        """
+        kept = self._conn is not None
+        if self._conn is None:
+            self._conn = self.store.dispatch_connection()
+        try:
+            claimed, reaped = self.store.claim_due(
+                limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
+                reap=reap, conn=self._conn)
+        except BaseException as exc:
+            self._last_claim_empty = True  # the next claim reaps: leases may have run out
+            conn, self._conn = self._conn, None
+            conn.invalidate()
+            conn.close()
+            if kept and isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+                logger.info("The dispatcher's database connection was cut (%s); "
+                            "claiming again on a new one", exc.orig)
+                return self._claim_on_kept_connection(limit, reap=reap)
+            raise
+        self._last_claim_empty = not claimed
+        return claimed, reaped
+
+    # -- sending and recording ------------------------------------------------------------
+
+    def _put(self, claimed: Sequence[ClaimedEmail]) -> None:
+        if not claimed:
+            return
+        self.delivery.heartbeat.track(claimed)
+        with self._cond:
+            for email in claimed:
+                self._in_flight[email.id] = email
+        for email in claimed:
+            if email.attempt > self.policy.max_attempts:
+                self._on_result_of(email, None)  # spent: dead-lettered unsent
+            else:
+                self._stream().put(envelope_of(email))
+
+    def _stream(self) -> Sending:
+        if self._sending is None:
+            self._sending = self.delivery.transport.open(self._on_result)
+        return self._sending
+
+    def _on_result(self, envelope: Envelope, result: Result) -> None:
+        """The transport's report (a transport thread): record it at the next round."""
+        with self._cond:
+            email = self._in_flight.get(envelope.email_id)
+        if email is not None:
+            self._on_result_of(email, result)
+
+    def _on_result_of(self, email: ClaimedEmail, result: Result | None) -> None:
+        with self._cond:
+            self._in_flight.pop(email.id, None)
+            self._results.append((email, result))
+            self._cond.notify_all()
+
+    def _record(self) -> None:
+        with self._cond:
+            done, self._results = self._results, []
+        if not done:
+            return
+        retry_now = {email.id for email, _ in done
+                     if self._retry_numbers.get(email.id, 0) < self.config.inline_retries
+                     and not self.dispatching}
+        try:
+            with self.delivery.app.app_context():
+                report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now)
+        except Exception:  # noqa: BLE001 - Delivery._record reported it at ERROR
+            self._forget([email.id for email, _ in done])
+            return
+        self.finished += report.count
+        self._after_throttling(report, len(done))
+        self._settle(report, retry_now)
+        self.hand(report.holders)
+
+    def _settle(self, report: BatchReport, retry_now: set[int] | None = None) -> None:
+        """After a record: schedule in-process retries, tell waiters, forget the rest."""
+        retry_now = retry_now or set()
+        with self._cond:
+            for waiter in list(self._waiters):
+                waiter.take(report)
+                if waiter.done.is_set():
+                    self._waiters.remove(waiter)
+            for email_id, attempt, error in report.transient:
+                number = self._retry_numbers.pop(email_id, 0) + 1
+                if email_id in retry_now and not self._stopping:
+                    # A throttling server asked for a pause: retry when the row is
+                    # due again, not in a quarter of a second.
+                    pause = (_retry.THROTTLE_DELAY_SECONDS if error.throttled
+                             else inline_backoff(number))
+                    self._retries[email_id] = (time.monotonic() + pause, number)
+                    continue
+                self._report_left_queued(email_id, attempt, error, email_id in retry_now)
+            for email_id in itertools.chain(report.sent, report.failed, report.lost,
+                                            report.not_claimed, report.released):
+                self._retry_numbers.pop(email_id, None)
+            self._cond.notify_all()
+
+    def _report_left_queued(self, email_id: int, attempt: int, error: Exception,
+                            due_now: bool) -> None:
+        if self._stopping and due_now:
+            # Due now and not retried here because this process stops: stop()
+            # marks it for the next sweep of any process.
+            self.delivery.note_given_back([email_id])
+        if self.dispatching:
+            return  # the dispatcher takes it again when it is due
+        when = ("due again now: this process stopped before retrying it" if due_now else
+                "due again after its retry backoff, OUTBOX_RETRY_BASE_SECONDS doubling per "
+                "attempt up to OUTBOX_RETRY_MAX_SECONDS, or in a few seconds with its attempt "
+                "given back if the server was throttling")
+        _degrade.report(
+            f"Email {email_id} could not be delivered after {attempt} attempt(s): {error}",
+            consequence=f"it stays queued ({when}); the periodic sweep (every "
+                        "OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it when "
+                        f"due, and it is dead-lettered if attempt {self.policy.max_attempts} "
+                        "(OUTBOX_MAX_ATTEMPTS) fails too",
+            fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
+                "`flask outbox status` shows what waits")
+
+    def _forget(self, ids: Sequence[int]) -> None:
+        with self._cond:
+            for email_id in ids:
+                self._retry_numbers.pop(email_id, None)
+            self._settle_waiters_lost(ids)
+
+    def _settle_waiters_lost(self, ids: Sequence[int]) -> None:
+        report = BatchReport(not_claimed=list(ids))
+        for waiter in list(self._waiters):
+            waiter.take(report)
+            if waiter.done.is_set():
+                self._waiters.remove(waiter)
+
+    def _after_throttling(self, report: BatchReport, tried: int) -> None:
+        """Pace this process when the server said it sends too fast (dispatchers)."""
+        throttled_count = sum(error.throttled for _, _, error in report.transient)
+        if not self.dispatching:
+            return
+        if throttled_count and self.rate_limiter is None:
+            # No configured rate, but the server says "too fast": start at half of
+            # what was tried, and let feedback find the server's pace.
+            self.rate_limiter = RateLimiter(float(self.config.batch_size) * 10, clock=self.clock)
+            self.rate_limiter.current = max(1.0, tried / 2)
+            _degrade.report(
+                f"The SMTP server is throttling this process ({throttled_count} "
+                "email(s) refused with a reply that says it is sending too fast)",
+                consequence="those emails are queued again, their attempt given back at most "
+                            f"OUTBOX_MAX_THROTTLE_DEFERRALS ({self.policy.max_throttle_deferrals}) "
+                            "times each, and this process now paces itself below the "
+                            "server's limit",
+                fix="set OUTBOX_RATE_LIMIT to the rate your provider allows")
+        if self.rate_limiter is not None:
+            self.rate_limiter.feedback(throttled=throttled_count > 0)
+
+    def _close(self) -> None:
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.close(timeout=0)
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+        with self._cond:
+            if self._thread is threading.current_thread():
+                self._thread = None
+            self._cond.notify_all()
