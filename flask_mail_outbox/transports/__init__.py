@@ -1,13 +1,24 @@
 """Pluggable transports: how a built message leaves the process.
 
-A transport is a class with one required method, :meth:`Transport.send`
-(``send_many`` batches by default through it). Built-in transports are chosen
-by name in ``OUTBOX_TRANSPORT``; a custom one as ``"package.module:Class"``.
+A transport is a class with one required method, :meth:`Transport.send`;
+:meth:`Transport.open` streams messages through it (a :class:`Sending`: put
+messages in, each result is reported as it is known) and ``send_many`` sends a
+batch over such a stream. Built-in transports are chosen by name in
+``OUTBOX_TRANSPORT``; a custom one as ``"package.module:Class"``.
 """
 
 from __future__ import annotations
 
-from ._base import Delivered, Envelope, Failed, Result, Transport
+from ._base import (
+    Delivered,
+    Envelope,
+    Failed,
+    NotAttempted,
+    Report,
+    Result,
+    Sending,
+    Transport,
+)
 from ._simple import ConsoleTransport, FileTransport, MemoryTransport, NullTransport
 from ._smtp import SMTPTransport
 
@@ -18,8 +29,11 @@ __all__ = [
     "Failed",
     "FileTransport",
     "MemoryTransport",
+    "NotAttempted",
     "NullTransport",
+    "Report",
     "Result",
     "SMTPTransport",
+    "Sending",
     "Transport",
 ]

@@ -1,11 +1,25 @@
-"""The transport interface (the shape of httpx's ``BaseTransport``)."""
+"""The transport interface (the shape of httpx's ``BaseTransport``), and its stream.
+
+A transport sends messages; :meth:`Transport.open` opens a :class:`Sending`,
+a stream that takes messages one by one with :meth:`Sending.put` and reports
+each one's result as soon as it is known, so a caller can keep every
+connection busy and record outcomes as they happen. ``send_many`` (one batch,
+all results at the end) is a thin wrapper over it. A subclass implements
+:meth:`Transport.send` and inherits a stream that sends one message at a
+time in a thread of its own; the SMTP transport overrides :meth:`Transport.open`
+to send over several connections at once.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Mapping, Sequence
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from .. import _degrade
 from .._errors import TransientError, TransportError
 
 if TYPE_CHECKING:
@@ -43,6 +57,11 @@ class Failed:
 
 Result = Delivered | Failed
 
+#: ``report(envelope, result)``: how a :class:`Sending` hands back each result.
+Report = Callable[["Envelope", Result], None]
+
+logger = logging.getLogger(__name__)
+
 
 class NotAttempted(TransientError):
     """The transport was cancelled before it handed this message to the server.
@@ -54,17 +73,198 @@ class NotAttempted(TransientError):
         super().__init__("not attempted: delivery stopped before this message was sent")
 
 
+class Sending:
+    """A stream of sends opened by :meth:`Transport.open`.
+
+    Messages go in with :meth:`put`, results come out through the ``report``
+    callback given to :meth:`Transport.open` as each one is known: exactly
+    once per message put, in the order the results arrive (not the order of
+    the puts when the transport sends over several connections). ``report``
+    is called from a thread of the stream, one call at a time, never from
+    inside :meth:`put`; it may call :meth:`put` to keep the stream fed, but
+    not :meth:`close` (that would wait for itself). An exception it raises is
+    logged and sending goes on.
+
+    A stream ends with :meth:`close` (wait for every result) or
+    :meth:`cancel_pending` (give up what has not started); after either,
+    :meth:`put` raises :class:`RuntimeError`.
+
+    This class does the bookkeeping every stream shares; an implementation
+    provides :meth:`_hand_over` and :meth:`_cancel` (and :meth:`_no_more_puts`
+    when its threads must hear of :meth:`close`) and calls :meth:`_reported`
+    for each result.
+    """
+
+    def __init__(self, report: Report) -> None:
+        self._report = report
+        #: Guards the counters; put() hands over under it, so a put() and a
+        #: cancel_pending() never interleave.
+        self._lock = threading.Condition()
+        self._unreported = 0
+        self._closed = False
+        self._reporting = threading.local()
+
+    def put(self, envelope: Envelope) -> None:
+        """Queue ``envelope`` to be sent; never waits for the network. Thread-safe.
+
+        Raises :class:`RuntimeError` after :meth:`close` or :meth:`cancel_pending`.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("put() on a closed sending stream: open a new one with "
+                                   "Transport.open()")
+            self._hand_over(envelope)
+            self._unreported += 1
+
+    def pending(self) -> int:
+        """How many messages were put and not reported yet."""
+        with self._lock:
+            return self._unreported
+
+    def cancel_pending(self) -> set[int]:
+        """Stop handing new messages to the server; the ids now guaranteed never sent.
+
+        Each message of the answer is reported as ``Failed(NotAttempted())``
+        (once, like any result); messages already handed to the server finish
+        and are reported normally. The stream takes no more :meth:`put`.
+        """
+        with self._lock:
+            self._closed = True
+        return self._cancel()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Take no more :meth:`put`; wait until every message put was reported.
+
+        Returns True when all were, False when ``timeout`` seconds passed first
+        (the stream goes on sending; call again to wait more).
+        """
+        if getattr(self._reporting, "active", False):
+            raise RuntimeError("close() from inside the report callback would wait for "
+                               "itself: call it from another thread")
+        with self._lock:
+            was_open, self._closed = not self._closed, True
+        if was_open:
+            self._no_more_puts()
+        with self._lock:
+            return self._lock.wait_for(lambda: self._unreported == 0, timeout)
+
+    # -- for implementations ------------------------------------------------------------
+
+    def _hand_over(self, envelope: Envelope) -> None:
+        """Queue ``envelope`` for sending; called under ``_lock``, must not block."""
+        raise NotImplementedError
+
+    def _cancel(self) -> set[int]:
+        """Take every queued message back, report each ``Failed(NotAttempted())``; their ids."""
+        raise NotImplementedError
+
+    def _no_more_puts(self) -> None:
+        """:meth:`close` was called: nothing more will be put."""
+
+    def _reported(self, envelope: Envelope, result: Result) -> None:
+        """Hand ``result`` to the report callback; call once per message put."""
+        self._reporting.active = True
+        try:
+            self._report(envelope, result)
+        except Exception:
+            logger.exception("The report callback of a sending stream raised on email %d; "
+                             "its result is lost to the caller, and sending goes on",
+                             envelope.email_id)
+        finally:
+            self._reporting.active = False
+        with self._lock:
+            self._unreported -= 1
+            if self._unreported == 0:
+                self._lock.notify_all()
+
+
+class _OneAtATime(Sending):
+    """The stream of a transport that only implements :meth:`Transport.send`.
+
+    One sender thread (``outbox-send``, started by the first :meth:`put`)
+    takes the messages in the order they were put and sends each with
+    ``transport.send``; it ends once the stream is closed and drained, or
+    cancelled.
+    """
+
+    def __init__(self, transport: Transport, report: Report) -> None:
+        super().__init__(report)
+        self._transport = transport
+        # A deque under the stream's lock rather than a queue.Queue: taking a
+        # message and starting it is one step, so cancel_pending() is exact.
+        self._queue: collections.deque[Envelope] = collections.deque()
+        self._not_attempted: list[Envelope] = []
+        self._thread: threading.Thread | None = None
+
+    def _hand_over(self, envelope: Envelope) -> None:
+        self._queue.append(envelope)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="outbox-send", daemon=True)
+            self._thread.start()
+        self._lock.notify_all()
+
+    def _cancel(self) -> set[int]:
+        with self._lock:
+            never = list(self._queue)
+            self._queue.clear()
+            # Reported by the sender thread (all reports come from there), as
+            # soon as the message it may be sending now is done.
+            self._not_attempted.extend(never)
+            self._lock.notify_all()
+        return {e.email_id for e in never}
+
+    def _no_more_puts(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: bool(self._queue or self._not_attempted
+                                                  or self._closed))
+                never, self._not_attempted = self._not_attempted, []
+                envelope = self._queue.popleft() if self._queue else None
+                if envelope is None and not never:
+                    return  # closed, and nothing left
+            for unsent in never:
+                self._reported(unsent, Failed(NotAttempted()))
+            if envelope is not None:
+                self._reported(envelope, self._send(envelope))
+
+    def _send(self, envelope: Envelope) -> Result:
+        transport = self._transport
+        try:
+            return Delivered(refused=transport.send(envelope))
+        except TransportError as exc:
+            return Failed(exc)
+        except Exception as exc:  # noqa: BLE001 - a broken transport must not lose the email
+            _degrade.report(
+                f"Transport {type(transport).__name__}.send raised {type(exc).__name__} "
+                f"instead of returning results (email {envelope.email_id})",
+                consequence="the email is put back to queued and will be retried (it counts "
+                            "as a transient failure)",
+                fix="fix the transport: send() must return the refused recipients or raise "
+                    "TransientError / PermanentError",
+                exc=exc)
+            return Failed(TransientError(f"transport raised {type(exc).__name__}: {exc}"))
+
+
 class Transport:
     """Base class of transports.
 
-    Subclasses implement :meth:`send`; they may override :meth:`send_many`
-    to send a batch concurrently or over one connection, and :meth:`close`
-    to release connections. Transports are created once per process and
-    app, and called from one delivery thread at a time.
+    Subclasses implement :meth:`send`; they may override :meth:`open` to
+    send several messages at once (over several connections, or one
+    pipelined one), and :meth:`close` to release connections. Transports are
+    created once per process and app. The inherited :meth:`open` calls
+    :meth:`send` from the stream's sender thread, one message at a time per
+    stream: a transport used by several streams at once must be thread-safe.
     """
 
     def __init__(self, config: OutboxConfig) -> None:
         self.config = config
+        # The streams send_many() has open, for cancel_pending().
+        self._batches: set[Sending] = set()
+        self._batches_lock = threading.Lock()
 
     def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
         """Send one message; return refused recipients (``{addr: (code, text)}``).
@@ -74,24 +274,64 @@ class Transport:
         """
         raise NotImplementedError
 
+    def open(self, report: Report) -> Sending:
+        """Open a stream of sends; each result goes to ``report(envelope, result)``.
+
+        See :class:`Sending` for the contract. This one sends each message
+        with :meth:`send` in a thread of its own, in the order they were put:
+        a return is ``Delivered(refused=...)``, a :class:`TransportError` is
+        ``Failed(error)``, and any other exception (a bug in the transport)
+        is logged at ERROR and becomes ``Failed(TransientError(...))``.
+        """
+        return _OneAtATime(self, report)
+
     def send_many(self, envelopes: Sequence[Envelope]) -> list[Result]:
-        """Send a batch; one result per envelope, in order. Never raises TransportError."""
-        results: list[Result] = []
-        for envelope in envelopes:
-            try:
-                results.append(Delivered(refused=self.send(envelope)))
-            except TransportError as exc:
-                results.append(Failed(exc))
-        return results
+        """Send a batch; one result per envelope, in order. Never raises TransportError.
+
+        Puts every envelope into a stream from :meth:`open` and waits for all
+        of them; :meth:`cancel_pending` stops it early.
+        """
+        if not envelopes:
+            return []
+        results: list[Result | None] = [None] * len(envelopes)
+        # By identity: a batch may hold equal envelopes, each gets its own result.
+        places: dict[int, collections.deque[int]] = {}
+        for index, envelope in enumerate(envelopes):
+            places.setdefault(id(envelope), collections.deque()).append(index)
+
+        def report(envelope: Envelope, result: Result) -> None:
+            results[places[id(envelope)].popleft()] = result
+
+        sending = self.open(report)
+        with self._batches_lock:
+            self._batches.add(sending)
+        try:
+            for envelope in envelopes:
+                sending.put(envelope)
+            sending.close()
+        except RuntimeError:
+            # cancel_pending() closed the stream before every envelope was put:
+            # what was put is reported; the rest was never attempted.
+            sending.close()
+        finally:
+            with self._batches_lock:
+                self._batches.discard(sending)
+        return [r if r is not None else Failed(NotAttempted()) for r in results]
 
     def cancel_pending(self) -> set[int] | None:
         """Ask a running :meth:`send_many` to stop handing new messages to the server.
 
         Returns the ids of the envelopes that are now guaranteed never to be
         sent (they come back as ``Failed(NotAttempted())``), or None when the
-        transport cannot tell; the default transport finishes its batch.
+        transport cannot tell (an override may answer so). A stream from
+        :meth:`open` is stopped with its own :meth:`Sending.cancel_pending`.
         """
-        return None
+        with self._batches_lock:
+            batches = list(self._batches)
+        never: set[int] = set()
+        for sending in batches:
+            never |= sending.cancel_pending()
+        return never
 
     def close(self) -> None:
         """Release connections; the transport may be used again afterwards."""
