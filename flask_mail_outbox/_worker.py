@@ -162,6 +162,7 @@ class Worker:
         self._in_flight: dict[int, ClaimedEmail] = {}
         self._results: list[tuple[ClaimedEmail, Result | None]] = []
         self._woken = False
+        self._busy = False  # in a round (between taking work and putting or recording it)
         self._stopping = False
         #: Never starts a thread: a test or ``flask outbox worker --once`` calls
         #: :meth:`step` / :meth:`drain` itself.
@@ -260,8 +261,8 @@ class Worker:
     def idle(self) -> bool:
         """Nothing handed, claimed, waiting for a retry or to be recorded."""
         with self._cond:
-            return not (self._handed or self._retries or self._in_flight or self._results
-                        or self._woken or self.last_claim_failed
+            return not (self._busy or self._handed or self._retries or self._in_flight
+                        or self._results or self._woken or self.last_claim_failed
                         or (self.dispatching and self.last_claimed))
 
     def wait_idle(self, timeout: float) -> bool:
@@ -297,7 +298,7 @@ class Worker:
 
     def cancel_unstarted(self) -> int:
         """Stop handing claimed messages to the server; they are given back. How many."""
-        sending = self._sending
+        sending, self._sending = self._sending, None  # a cancelled stream takes no more
         never = sending.cancel_pending() if sending is not None else set()
         if never:
             logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) in "
@@ -339,14 +340,21 @@ class Worker:
 
     def step(self) -> None:
         """One round: record what came back, then claim what there is room for."""
-        self._record()
-        if self._stopping:
-            return
-        room = self.capacity - self.in_flight()
-        if room > 0:
-            room -= self._claim_handed(room)
-        if room > 0 and self.dispatching and self._claim_due_now():
-            self._claim_due(room)
+        with self._cond:
+            self._busy = True
+        try:
+            self._record()
+            if self._stopping:
+                return
+            room = self.capacity - self.in_flight()
+            if room > 0:
+                room -= self._claim_handed(room)
+            if room > 0 and self.dispatching and self._claim_due_now():
+                self._claim_due(room)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
     def tick(self, timeout: float = 60.0) -> float:
         """One round now, whatever the poll gap: claim, send, wait for every result, record.
