@@ -145,5 +145,9 @@ def _open(t: Any) -> sa.ColumnElement[bool]:
 
 
 def _holds(t: Any) -> sa.ColumnElement[bool]:
-    """Holds its key's flag, written as ``ix_outbox_email_key_holder``'s WHERE is."""
-    return sa.and_(sa.literal_column(f"{t.name}.key_head"), _open(t))
+    """Holds its key's flag, written as ``ix_outbox_email_key_holder``'s WHERE is.
+
+    ``key_head`` unqualified, as the index writes it: used only where ``t`` is
+    the innermost FROM, which SQL resolves it to.
+    """
+    return sa.and_(sa.literal_column("key_head"), _open(t))
