@@ -162,7 +162,7 @@ def _timings(store: Any, due: int, samples: int) -> dict[str, float | None]:
         for i in range(samples + 5):
             started = time.perf_counter()
             claimed, _ = store.claim_due(due, owner="bench", lease_seconds=30,
-                                         reap_max_attempts=5, conn=conn)
+                                         reap=True, conn=conn)
             took = time.perf_counter() - started
             if len(claimed) != due:
                 raise RuntimeError(f"claimed {len(claimed)} of {due} due rows")
@@ -205,7 +205,7 @@ def _plans(engine: Any, store: Any) -> dict[str, dict[str, Any]]:
             try:
                 if name == "claim":
                     store.claim_due(50, owner="explain", lease_seconds=30,
-                                    reap_max_attempts=5, conn=conn)
+                                    reap=True, conn=conn)
                     _put_back(store)
                 else:
                     store.sweep_candidates(min_age_seconds=0, limit=500)

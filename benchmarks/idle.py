@@ -15,7 +15,7 @@ run, as under a WSGI server) that never sends anything. It counts, from boot:
   database only) is counted as well: every round trip the database sees;
 * pool checkouts (each one a ``SELECT 1`` pre-ping on PostgreSQL);
 * every dispatcher tick (start, chosen gap, claimed), by wrapping
-  ``Dispatcher.step`` in the child only (the library is not changed).
+  ``Worker.step`` and ``Worker._schedule`` in the child only (the library is not changed).
 
 Figures per configuration:
 
@@ -340,7 +340,7 @@ def child_main(spec: dict[str, Any]) -> None:
     """Boot an app, count its statements and ticks, sit idle, write the JSON."""
     from sqlalchemy import event
 
-    from flask_mail_outbox._dispatcher import Dispatcher
+    from flask_mail_outbox._worker import Worker
     from flask_mail_outbox._scheduler import SweepScheduler
 
     boot = time.time()
@@ -351,24 +351,26 @@ def child_main(spec: dict[str, Any]) -> None:
     runs: list[dict[str, Any]] = []
     lock = threading.Lock()
 
-    original_step = Dispatcher.step
+    original_step = Worker.step
+    original_schedule = Worker._schedule
 
-    def step(self: Dispatcher, wait: Any = None) -> float:
-        def traced_wait(deadline: float) -> None:
-            started = self.last_tick_at if self.last_tick_at is not None else deadline
-            with lock:
-                ticks.append({"at": time.time() - (self.clock() - started),
-                              "gap": deadline - started, "claimed": self.last_claimed,
-                              "listening": self.listening, "failed": self.last_tick_failed})
-            (wait or self._wait_until)(deadline)
+    def schedule(self: Worker, started: float, *, claimed: int, full: bool,
+                 failed: bool) -> None:
+        original_schedule(self, started, claimed=claimed, full=full, failed=failed)
+        with lock:
+            ticks.append({"at": time.time() - (self.clock() - started),
+                          "gap": self._next_claim - started, "claimed": claimed,
+                          "listening": self.listening, "failed": failed})
 
+    def step(self: Worker) -> None:
         local.source = "dispatcher"
         try:
-            return original_step(self, wait=traced_wait)
+            original_step(self)
         finally:
             local.source = None
 
-    Dispatcher.step = step  # type: ignore[method-assign]
+    Worker.step = step  # type: ignore[method-assign]
+    Worker._schedule = schedule  # type: ignore[method-assign]
 
     def traced_job(name: str, kind: str) -> None:
         original = getattr(SweepScheduler, name)

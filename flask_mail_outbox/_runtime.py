@@ -305,9 +305,9 @@ class _AppState:
 
         The memory transport delivers them here and now (a test sees its
         messages as soon as ``commit()`` returns); inline mode hands them to
-        this process's worker; durable mode hands them to this process's
-        dispatcher when it runs one (``OUTBOX_RUN_WORKER``), and otherwise
-        leaves them to the dispatchers the commit's NOTIFY wakes. Never raises:
+        this process's worker; durable mode wakes this process's dispatcher
+        when it runs one (``OUTBOX_RUN_WORKER``), and otherwise leaves them to
+        the dispatchers the commit's NOTIFY wakes. Never raises:
         the commit succeeded, and the rows are safe in the database.
         """
         try:
@@ -319,7 +319,7 @@ class _AppState:
             elif not self.durable():
                 runtime.worker.hand(ids)
             elif self.config.run_worker or runtime.worker.dispatching:
-                runtime.dispatch().hand(ids)
+                runtime.dispatch()  # wakes it: it claims them with whatever else is due
         except Exception as exc:  # noqa: BLE001 - the commit succeeded; never fail it now
             _degrade.report(
                 f"Could not hand {len(ids)} committed email(s) {list(ids)[:20]} to delivery",

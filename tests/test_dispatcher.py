@@ -80,18 +80,18 @@ def test_the_schedule_and_the_bound_are_computed_from_the_settings() -> None:
 
 def test_idle_gap_sequence_doubles_to_the_cap_and_snaps_back() -> None:
     backoff = IdleBackoff(0.5, 30)
-    gaps = [backoff.after_tick(claimed=0, full=False, failed=False) for _ in range(8)]
+    gaps = [backoff.after_claim(claimed=0, full=False, failed=False) for _ in range(8)]
     assert gaps == [0.5, 1, 2, 4, 8, 16, 30, 30]
-    assert backoff.after_tick(claimed=3, full=False, failed=False) == 0.5
-    assert backoff.after_tick(claimed=0, full=False, failed=False) == 0.5
-    assert backoff.after_tick(claimed=0, full=False, failed=False) == 1
-    assert backoff.after_tick(claimed=100, full=True, failed=False) == 0
+    assert backoff.after_claim(claimed=3, full=False, failed=False) == 0.5
+    assert backoff.after_claim(claimed=0, full=False, failed=False) == 0.5
+    assert backoff.after_claim(claimed=0, full=False, failed=False) == 1
+    assert backoff.after_claim(claimed=100, full=True, failed=False) == 0
     # A failed tick counts as idle.
-    assert [backoff.after_tick(claimed=0, full=False, failed=True) for _ in range(3)] == [
+    assert [backoff.after_claim(claimed=0, full=False, failed=True) for _ in range(3)] == [
         0.5, 1, 2]
     # While LISTEN is up, the cap is the backstop.
     long = IdleBackoff(0.5, 30)
-    assert [long.after_tick(claimed=0, full=False, failed=False, maximum=120)
+    assert [long.after_claim(claimed=0, full=False, failed=False, maximum=120)
             for _ in range(10)][-3:] == [64, 120, 120]
 
 
@@ -374,7 +374,6 @@ def drain(db_url: str) -> Iterator[_Drain]:
 def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
         drain: _Drain) -> None:
     drain.queue(*(f"m{i}" for i in range(8)))
-    drain.dispatcher.prefetch = False  # one claim per tick, at the tick's time
     engine = drain.runtime.engine
     seen: list[str] = []
 
@@ -400,7 +399,6 @@ def test_a_draining_dispatcher_reaps_once_a_second_and_at_every_idle_tick(
 
 def test_the_claim_after_a_failed_one_reaps(drain: _Drain) -> None:
     drain.queue(*(f"m{i}" for i in range(6)))
-    drain.dispatcher.prefetch = False
     reaps = drain.fail_claims(lambda n: n == 2)
     for _ in range(4):
         drain.dispatcher.tick()
