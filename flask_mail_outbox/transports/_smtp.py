@@ -5,26 +5,25 @@ open connections. :meth:`SMTPTransport.send_many` spreads a batch over up to
 ``concurrency`` connections (each one sends its share back to back, reusing
 the session), so the delivery thread never opens a connection per email.
 
-aiosmtplib's errors are mapped here, and only here, onto
-:class:`TransientError` (4xx, timeouts, dropped connections, login failures,
-which are configuration problems that a fix resolves) and
-:class:`PermanentError` (5xx). No credential ever reaches an error text.
+One message's transaction on an open session, and the mapping of
+aiosmtplib's errors, are in :mod:`._transaction`; the wire in :mod:`._pipeline`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiosmtplib
 
-from .._errors import PermanentError, TransientError, TransportError
-from ._base import Delivered, Envelope, Failed, NotAttempted, Result, Transport
-from ._pipeline import Pipe, Session, dot_stuffed, envelope_commands
-from ._replies import ReplyClass, classify_reply
+from .._errors import TransientError, TransportError
+from ._base import Envelope, Failed, NotAttempted, Result, Transport
+from ._pipeline import Pipe, Session
+from ._transaction import map_smtp_error, send_message
 
 if TYPE_CHECKING:
     from .._config import OutboxConfig
@@ -37,39 +36,6 @@ def _local_hostname() -> str:
     # the bare host name needs no network and is what EHLO needs.
     name = socket.gethostname() or "localhost"
     return name if all(c.isalnum() or c in ".-" for c in name) else "localhost"
-
-
-def _is_throttle(code: int, text: str) -> bool:
-    return classify_reply(code, text) is ReplyClass.THROTTLED
-
-
-def map_smtp_error(exc: BaseException) -> TransportError:
-    """Translate an aiosmtplib (or socket) error into the outbox's error tree."""
-    if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
-        # A bad password is fixed by configuration, not by giving up on the email.
-        return TransientError(f"authentication failed: {exc.message}", code=exc.code)
-    if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
-        codes = [err.code for err in exc.recipients]
-        text = "; ".join(f"{err.recipient}: {err.code} {err.message}" for err in exc.recipients)
-        if all(code >= 500 for code in codes):
-            return PermanentError(f"every recipient refused: {text}", code=max(codes))
-        # Throttled only when every temporary refusal says so (Gmail's 450 4.2.1
-        # "receiving mail at a rate" comes at RCPT): one greylisting recipient
-        # means the attempt counts.
-        temporary = [err for err in exc.recipients if err.code < 500]
-        return TransientError(f"every recipient refused: {text}", code=min(codes),
-                              throttled=all(_is_throttle(err.code, err.message)
-                                            for err in temporary))
-    if isinstance(exc, aiosmtplib.SMTPResponseException):
-        if isinstance(exc, aiosmtplib.SMTPConnectResponseError) or exc.code < 500:
-            return TransientError(exc.message, code=exc.code,
-                                  throttled=_is_throttle(exc.code, exc.message))
-        return PermanentError(exc.message, code=exc.code)
-    if isinstance(exc, (aiosmtplib.SMTPTimeoutError, TimeoutError)):
-        return TransientError(f"timed out: {exc}")
-    if isinstance(exc, (aiosmtplib.SMTPException, OSError)):
-        return TransientError(f"{type(exc).__name__}: {exc}")
-    return TransientError(f"unexpected {type(exc).__name__}: {exc}")
 
 
 class _ConnectFailed(Exception):
@@ -246,8 +212,9 @@ class SMTPTransport(Transport):
                 taken.append(queue.get_nowait())
                 return envelopes[taken[0]]
 
-            outcome, keep, follow_written = await self._send_one(
-                client, envelopes[index], written=written,
+            outcome, keep, follow_written = await send_message(
+                client, envelopes[index], timeout=self.settings.timeout,
+                begin=functools.partial(self._begin, envelopes[index]), written=written,
                 take_follow=take_follow if client.pipelining else None)
             follow = taken[0] if taken else None
             if follow is not None and not (follow_written and keep):
@@ -278,126 +245,9 @@ class SMTPTransport(Transport):
         if client is not None and client.is_connected:
             self._idle.append(client)
 
-    def _envelope_group(self, session: Session, envelope: Envelope) -> list[bytes]:
-        """MAIL FROM (with SIZE when offered) and the RCPT TO lines of ``envelope``."""
-        options = list(envelope.mail_options)
-        if session.size and not any(o.upper().startswith("SIZE=") for o in options):
-            options.append(f"SIZE={len(envelope.mime)}")
-        return envelope_commands(envelope.sender, envelope.recipients, options,
-                                 envelope.rcpt_options)
-
-    async def _send_one(self, session: Session, envelope: Envelope, *, written: bool = False,
-                        take_follow: Callable[[], Envelope | None] | None = None
-                        ) -> tuple[Result | None, bool, bool]:
-        """Send on ``session``; returns (result, keep connection, ``follow`` written).
-
-        A result of None means the connection was dead before the server saw
-        anything of this message (safe to resend at once). ``written``: this
-        message's MAIL, RCPTs and DATA went out already, after the previous
-        message's content; it counts as started (see :meth:`cancel_pending`)
-        only when its content goes, and a stop before that closes the
-        connection instead (nothing was accepted). ``take_follow``
-        (pipelining servers only) gives the next message, whose MAIL, RCPTs
-        and DATA go out with this one's content: one write and one round trip
-        per message (RFC 2920 allows the content first in a group); when it
-        was written, the caller sends it next on this connection, or again on
-        another one if this one is dropped.
-        """
-        pipe, timeout = session.pipe, self.settings.timeout
-        started = finished = follow_written = False
-        if not written:
-            if self._cancelled.is_set():
-                # Stopped while this connection opened: reported never sent, so it
-                # must not start now (decided in the same step as the add below).
-                return None, True, False
-            self._started.add(envelope.email_id)
-        try:
-            # An envelope that went ahead was built and written with the last content.
-            lines = [] if written else self._envelope_group(session, envelope)
-            content = dot_stuffed(envelope.mime)
-            if not written and pipe.discard_unsolicited():
-                return None, False, False
-            try:
-                if written:
-                    pass
-                elif session.pipelining:
-                    # MAIL, every RCPT and DATA in one write (RFC 2920).
-                    pipe.write(b"".join(lines) + b"DATA\r\n")
-                else:
-                    pipe.write(lines[0])
-                reply = await pipe.read(timeout)
-            except aiosmtplib.SMTPServerDisconnected:
-                return None, False, False
-            started = True
-            if session.pipelining:
-                try:
-                    replies = [await pipe.read(timeout) for _ in envelope.recipients]
-                    data_reply: aiosmtplib.SMTPResponse | None = await pipe.read(timeout)
-                except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
-                    if written:
-                        # Its envelope went ahead and its content never did: resend
-                        # it on a fresh connection, uncharged.
-                        return None, False, False
-                    raise
-                if reply.code != 250 and data_reply is not None and data_reply.code == 354:
-                    # A server that took DATA after refusing MAIL: end it, so that
-                    # the RSET below is read as a command, not as content.
-                    await pipe.command(b".\r\n", timeout)
-            else:
-                replies = []
-                if reply.code == 250:
-                    for line in lines[1:]:
-                        replies.append(await pipe.command(line, timeout))
-                data_reply = None
-            if reply.code != 250:
-                raise aiosmtplib.SMTPSenderRefused(reply.code, reply.message, envelope.sender)
-            refused: dict[str, tuple[int, str]] = {}
-            refusals: list[aiosmtplib.SMTPRecipientRefused] = []
-            for recipient, answer in zip(envelope.recipients, replies):
-                if answer.code not in (250, 251):
-                    refusals.append(aiosmtplib.SMTPRecipientRefused(
-                        answer.code, answer.message, recipient))
-                    refused[recipient] = (answer.code, answer.message)
-            if len(refusals) == len(envelope.recipients):
-                if data_reply is not None and data_reply.code == 354:
-                    # The server took DATA with nobody to deliver to: end it empty.
-                    await pipe.command(b".\r\n", timeout)
-                raise aiosmtplib.SMTPRecipientsRefused(refusals)
-            if data_reply is None:
-                data_reply = await pipe.command(b"DATA\r\n", timeout)
-            if data_reply.code != 354:
-                raise aiosmtplib.SMTPDataError(data_reply.code, data_reply.message)
-            if envelope.email_id not in self._started:
-                if self._cancelled.is_set():
-                    # Its envelope went ahead, but delivery stops: after 354 only
-                    # closing the connection ends the transaction without a message.
-                    pipe.close()
-                    return None, False, False
-                self._started.add(envelope.email_id)
-            follow = take_follow() if take_follow is not None else None
-            group = b""
-            if follow is not None:
-                try:
-                    group = b"".join(self._envelope_group(session, follow)) + b"DATA\r\n"
-                except ValueError:
-                    group = b""  # it fails on its own turn, not inside this one
-            pipe.write(content + group)
-            follow_written = bool(group)
-            done = await pipe.read(timeout)
-            finished = True
-            if done.code != 250:
-                raise aiosmtplib.SMTPDataError(done.code, done.message)
-            return Delivered(refused=refused), True, follow_written
-        except Exception as exc:  # noqa: BLE001 - every error becomes a result
-            error = map_smtp_error(exc)
-            keep = pipe.is_connected and isinstance(
-                exc, (aiosmtplib.SMTPResponseException, aiosmtplib.SMTPRecipientsRefused))
-            if keep and started and not finished:
-                # A transaction left open; none is open after the content's reply
-                # (and an RSET then would cancel the envelope sent ahead).
-                try:
-                    reset = await pipe.command(b"RSET\r\n", timeout)
-                    keep = reset.code == 250
-                except Exception:  # noqa: BLE001 - a failed RSET means a new connection
-                    keep = False
-            return Failed(error), keep, follow_written
+    def _begin(self, envelope: Envelope) -> bool:
+        # Decided in the same step as the add, so cancel_pending() is exact.
+        if self._cancelled.is_set():
+            return False
+        self._started.add(envelope.email_id)
+        return True
