@@ -501,6 +501,30 @@ def test_nobody_can_reach_the_server_fails_what_is_queued_then_tries_again(
         assert sending.close(10)
 
 
+def test_a_refused_extra_connection_leaves_the_work_to_the_open_one(
+        smtp_server: FaultSMTPServer, transports: list[SMTPTransport]) -> None:
+    transports.append(transport := _smtp(smtp_server, concurrency=2))
+    reports = Reports()
+    smtp_server.hold()
+    sending = transport.open(reports)
+    sending.put(_envelope(1))
+    assert smtp_server.wait_held(1)
+    # From now on the server refuses more connections (as one limiting
+    # connections per client does).
+    smtp_server.reply("connect", 421)
+    sending.put(_envelope(2))
+    assert smtp_server.wait_until(lambda: smtp_server.connections == 2)
+    sending.put(_envelope(3))
+    # Deliberate window: no connect per message while the refusal is fresh.
+    assert not smtp_server.wait_until(lambda: smtp_server.connections > 2, timeout=0.3)
+    smtp_server.release()
+    assert sending.close(20)
+    # Queued behind the open connection, not failed: it sends all three.
+    assert sorted(reports.ids) == [1, 2, 3]
+    assert all(r == Delivered(refused={}) for _, r in reports.results)
+    assert sorted(_copies(smtp_server).values()) == [1, 1, 1]
+
+
 def test_an_idle_worker_parks_its_connection_and_a_later_put_reuses_it(
         smtp_server: FaultSMTPServer, transports: list[SMTPTransport]) -> None:
     transports.append(transport := _smtp(smtp_server, concurrency=2))
