@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 # Name -> why an exception around it may mean an email does not go out as promised.
 # `send` is deliberately absent: it names Transport.send (whose errors the base
-# send_many turns into Failed results the route records, by contract), OutboxMail.send
+# Transport.open() stream turns into Failed results, by contract), OutboxMail.send
 # (validation before anything is stored; the caller's exception) and blinker's
 # Signal.send (receivers run after the outcome is recorded). The route's transport
 # seam is `send_many`, listed below.

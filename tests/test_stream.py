@@ -9,11 +9,14 @@ real aiosmtpd server of :mod:`smtpserver`, proved by the order of events
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
+from conftest import free_port, poll
+from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import PermanentError, TransientError
 from flask_mail_outbox._config import OutboxConfig, load_config
@@ -26,6 +29,7 @@ from flask_mail_outbox.transports import (
     Sending,
     Transport,
 )
+from flask_mail_outbox.transports._smtp import SMTPTransport, _SMTPSending
 
 SENDER = "sender@example.com"
 
@@ -70,6 +74,16 @@ class Reports:
             return [r for i, r in self.results if i == email_id]
 
 
+def _ended(before: set[threading.Thread], *names: str) -> bool:
+    """Whether the threads named ``names`` started since ``before`` all end (soon)."""
+    for thread in set(threading.enumerate()) - before:
+        if thread.name in names:
+            thread.join(5)
+            if thread.is_alive():
+                return False
+    return True
+
+
 # -- the base class's stream, over a transport that only implements send() ----------------
 
 
@@ -106,6 +120,7 @@ def gate() -> Gate:
 
 
 def test_the_base_stream_sends_in_put_order_from_its_own_thread(gate: Gate) -> None:
+    before = set(threading.enumerate())
     reports = Reports()
     sending = gate.open(reports)
     for n in range(1, 21):
@@ -115,8 +130,8 @@ def test_the_base_stream_sends_in_put_order_from_its_own_thread(gate: Gate) -> N
     assert reports.ids == list(range(1, 21))
     assert reports.results == [(n, Delivered(refused={})) for n in range(1, 21)]
     assert gate.threads == reports.threads == {"outbox-send"}
-    # Closed and drained: its thread is gone.
-    assert not [t for t in threading.enumerate() if t.name == "outbox-send" and t.is_alive()]
+    # Closed and drained: its thread ends.
+    assert _ended(before, "outbox-send")
 
 
 def test_the_base_stream_maps_each_outcome(gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
@@ -236,6 +251,9 @@ def test_send_many_over_the_stream_keeps_its_order_and_cancel(gate: Gate) -> Non
         gate.send_many([_envelope(n) for n in range(10, 14)])))
     batch.start()
     assert gate.entered.acquire(timeout=10)
+    # Once the batch is all put (10 is inside send()), cancel it.
+    assert poll(lambda: [s.pending() for s in gate._batches], lambda p: p == [4],
+                timeout=10) == [4]
     assert gate.cancel_pending() == {11, 12, 13}
     gate.opened.set()
     batch.join(10)
@@ -247,3 +265,303 @@ def test_send_many_over_the_stream_keeps_its_order_and_cancel(gate: Gate) -> Non
 
 
 
+
+
+# -- the SMTP transport's stream, against the real server ----------------------------------
+
+
+def _smtp(server: FaultSMTPServer, *, concurrency: int = 2,
+          timeout: float = 5.0) -> SMTPTransport:
+    return SMTPTransport(_config(server.port, timeout=timeout), concurrency=concurrency)
+
+
+@pytest.fixture(params=[True, False], ids=["pipelined", "lock-step"])
+def server(request: pytest.FixtureRequest) -> Iterator[FaultSMTPServer]:
+    with FaultSMTPServer(pipelining=request.param) as started:
+        yield started
+
+
+@pytest.fixture
+def transports() -> Iterator[list[SMTPTransport]]:
+    """SMTP transports made by a test, closed at its end whatever happened."""
+    made: list[SMTPTransport] = []
+    yield made
+    for transport in made:
+        transport.close()
+
+
+def _copies(server: FaultSMTPServer) -> collections.Counter[str]:
+    return collections.Counter(server.message_ids())
+
+
+def test_each_result_is_reported_when_its_reply_arrives(
+        smtp_server: FaultSMTPServer, transports: list[SMTPTransport]) -> None:
+    # 0.3 s per message on two connections: six messages take three rounds.
+    smtp_server.delay("data", 0.3)
+    transports.append(transport := _smtp(smtp_server, concurrency=2))
+    accepted_at_report: list[int] = []
+    pending_at_report: list[int] = []
+    sending: Sending
+
+    def report(envelope: Envelope, result: Result) -> None:
+        assert result == Delivered(refused={})
+        accepted_at_report.append(len(smtp_server.messages))
+        pending_at_report.append(sending.pending())
+
+    sending = transport.open(report)
+    for n in range(1, 7):
+        sending.put(_envelope(n))
+    assert sending.close(30)
+    # The first result was reported while the server had not accepted the
+    # others yet: one by one, not all at the end.
+    assert accepted_at_report[0] < 6 and pending_at_report[0] == 6
+    assert accepted_at_report == sorted(accepted_at_report)
+    assert pending_at_report == [6, 5, 4, 3, 2, 1]
+    assert sorted(_copies(smtp_server).values()) == [1] * 6
+
+
+def test_a_stream_fed_from_its_reports_keeps_its_connections(
+        smtp_server: FaultSMTPServer, transports: list[SMTPTransport],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    workers: list[object] = []
+    work = _SMTPSending._work
+
+    async def counted(self: _SMTPSending) -> None:
+        workers.append(self)
+        await work(self)
+
+    monkeypatch.setattr(_SMTPSending, "_work", counted)
+    smtp_server.delay("data", 0.02)
+    transports.append(transport := _smtp(smtp_server, concurrency=2))
+    total = 20
+    put = [2]
+    done = threading.Event()
+    reports = Reports()
+    sending: Sending
+
+    def report(envelope: Envelope, result: Result) -> None:
+        reports(envelope, result)
+        if put[0] < total:
+            put[0] += 1
+            sending.put(_envelope(put[0]))
+        elif len(reports.results) == total:
+            done.set()
+
+    sending = transport.open(report)
+    sending.put(_envelope(1))
+    sending.put(_envelope(2))
+    assert done.wait(30)
+    assert sending.close(10)
+    assert sorted(reports.ids) == list(range(1, total + 1))
+    # Fed one message per result, each connection's worker waited for the
+    # next one instead of ending: two workers and two connections, for twenty.
+    assert len(workers) == 2
+    assert smtp_server.connections == 2
+    assert smtp_server.max_concurrent_connections == 2
+    assert sorted(_copies(smtp_server).values()) == [1] * total
+    # Reports come from the stream's own thread, never from the putting one.
+    assert reports.threads == {"outbox-report"}
+
+
+def test_pending_close_and_its_timeout_while_the_server_holds_replies(
+        smtp_server: FaultSMTPServer, transports: list[SMTPTransport]) -> None:
+    transports.append(transport := _smtp(smtp_server, concurrency=2))
+    before = set(threading.enumerate())
+    reports = Reports()
+    smtp_server.hold()
+    sending = transport.open(reports)
+    for n in (1, 2, 3):
+        sending.put(_envelope(n))
+    assert sending.pending() == 3
+    assert smtp_server.wait_held(2)
+    assert sending.close(timeout=0.3) is False
+    assert sending.pending() == 3 and reports.results == []
+    with pytest.raises(RuntimeError, match="closed"):
+        sending.put(_envelope(4))
+    smtp_server.release()
+    assert sending.close(20) is True
+    assert sending.pending() == 0
+    assert sorted(reports.ids) == [1, 2, 3]
+    assert all(r == Delivered(refused={}) for _, r in reports.results)
+    # Closed and drained: the reporter thread ends, the connections stay pooled.
+    assert _ended(before, "outbox-report")
+    assert smtp_server.active_connections == 2
+
+
+def test_cancel_pending_answers_exactly_what_never_started(
+        server: FaultSMTPServer, transports: list[SMTPTransport]) -> None:
+    transports.append(transport := _smtp(server, concurrency=2))
+    reports = Reports()
+    server.hold()
+    sending = transport.open(reports)
+    for n in range(1, 7):
+        sending.put(_envelope(n))
+    # One message on each connection waits for its reply. Which two depends on
+    # which connection opened first; on a pipelining server the next envelope
+    # went ahead with a content, and is not started either.
+    assert server.wait_held(2)
+    never = sending.cancel_pending()
+    assert len(never) == 4 and never < set(range(1, 7))
+    assert reports.wait(4)
+    for n in never:
+        [result] = reports.of(n)
+        assert isinstance(result, Failed) and isinstance(result.error, NotAttempted)
+    with pytest.raises(RuntimeError):
+        sending.put(_envelope(7))
+    server.release()
+    assert sending.close(20)
+    assert sorted(reports.ids) == [1, 2, 3, 4, 5, 6]  # each exactly once
+    started = set(range(1, 7)) - never
+    assert all(reports.of(n) == [Delivered(refused={})] for n in started)
+    # Exactly what was not cancelled reaches the server, once; nothing else.
+    assert not server.wait_for(3, timeout=0.5)
+    assert _copies(server) == {f"<m{n}@example.com>": 1 for n in started}
+
+
+def test_a_raising_report_does_not_stop_smtp_sends(
+        smtp_server: FaultSMTPServer, transports: list[SMTPTransport],
+        caplog: pytest.LogCaptureFixture) -> None:
+    transports.append(transport := _smtp(smtp_server, concurrency=1))
+    seen: list[int] = []
+
+    def report(envelope: Envelope, result: Result) -> None:
+        seen.append(envelope.email_id)
+        raise RuntimeError("a bug in the caller")
+
+    sending = transport.open(report)
+    for n in (1, 2, 3):
+        sending.put(_envelope(n))
+    assert sending.close(20)
+    assert seen == [1, 2, 3]
+    assert len(_copies(smtp_server)) == 3
+    assert len([r for r in caplog.records if "report callback" in r.getMessage()
+                and r.levelno == logging.ERROR and r.exc_info is not None]) == 3
+
+
+def _fails(kind: type[Exception], code: int | None = None) -> Callable[[Result], bool]:
+    return lambda r: (isinstance(r, Failed) and type(r.error) is kind
+                      and (code is None or r.error.code == code))
+
+
+@pytest.mark.parametrize(("script", "recipients", "expected"), [
+    pytest.param(lambda s: s.reply("data", 451, times=1), (), _fails(TransientError, 451),
+                 id="451 at DATA"),
+    pytest.param(lambda s: s.reply("mail", 553, times=1), (), _fails(PermanentError, 553),
+                 id="553 at MAIL"),
+    pytest.param(lambda s: s.reply("data", 554, times=1), (), _fails(PermanentError, 554),
+                 id="554 at DATA"),
+    pytest.param(lambda s: s.reply("rcpt", 452, times=1), (), _fails(TransientError, 452),
+                 id="452 at RCPT"),
+    pytest.param(lambda s: s.drop_mid_data(after_bytes=16, times=1), (),
+                 _fails(TransientError), id="dropped mid-DATA"),
+    pytest.param(lambda s: s.refuse_recipient("bad@example.com", 550),
+                 ("bad@example.com", "good@example.com"),
+                 lambda r: isinstance(r, Delivered) and list(r.refused) == ["bad@example.com"]
+                 and r.refused["bad@example.com"][0] == 550, id="one recipient refused"),
+    pytest.param(lambda s: s.refuse_recipient("bad@example.com", 550), ("bad@example.com",),
+                 _fails(PermanentError, 550), id="every recipient refused"),
+])
+def test_each_server_fault_maps_to_its_result_through_the_stream(
+        server: FaultSMTPServer, transports: list[SMTPTransport],
+        script: Callable[[FaultSMTPServer], None], recipients: tuple[str, ...],
+        expected: Callable[[Result], bool]) -> None:
+    transports.append(transport := _smtp(server, concurrency=1))
+    script(server)
+    reports = Reports()
+    sending = transport.open(reports)
+    sending.put(_envelope(1, *recipients))
+    sending.put(_envelope(2))
+    assert sending.close(20)
+    [first] = reports.of(1)
+    assert expected(first), first
+    # The next message is not hurt by the fault of the one before.
+    assert reports.of(2) == [Delivered(refused={})]
+    assert _copies(server)["<m2@example.com>"] == 1
+    assert _copies(server)["<m1@example.com>"] == (1 if isinstance(first, Delivered) else 0)
+
+
+def test_nobody_can_reach_the_server_fails_what_is_queued_then_tries_again(
+        transports: list[SMTPTransport]) -> None:
+    port = free_port()
+    transports.append(transport := SMTPTransport(_config(port), concurrency=2))
+    reports = Reports()
+    sending = transport.open(reports)
+    for n in (1, 2, 3):
+        sending.put(_envelope(n))
+    assert reports.wait(3)
+    assert sorted(reports.ids) == [1, 2, 3]
+    assert all(isinstance(r, Failed) and isinstance(r.error, TransientError)
+               for _, r in reports.results)
+    # The stream is still open: once the server is up, the next put connects.
+    with FaultSMTPServer(port=port) as late:
+        sending.put(_envelope(4))
+        assert reports.wait(4)
+        assert reports.of(4) == [Delivered(refused={})]
+        assert late.message_ids() == ["<m4@example.com>"]
+        assert sending.close(10)
+
+
+def test_a_refused_extra_connection_leaves_the_work_to_the_open_one(
+        smtp_server: FaultSMTPServer, transports: list[SMTPTransport]) -> None:
+    transports.append(transport := _smtp(smtp_server, concurrency=2))
+    reports = Reports()
+    smtp_server.hold()
+    sending = transport.open(reports)
+    sending.put(_envelope(1))
+    assert smtp_server.wait_held(1)
+    # From now on the server refuses more connections (as one limiting
+    # connections per client does).
+    smtp_server.reply("connect", 421)
+    sending.put(_envelope(2))
+    assert smtp_server.wait_until(lambda: smtp_server.connections == 2)
+    sending.put(_envelope(3))
+    # Deliberate window: no connect per message while the refusal is fresh.
+    assert not smtp_server.wait_until(lambda: smtp_server.connections > 2, timeout=0.3)
+    smtp_server.release()
+    assert sending.close(20)
+    # Queued behind the open connection, not failed: it sends all three.
+    assert sorted(reports.ids) == [1, 2, 3]
+    assert all(r == Delivered(refused={}) for _, r in reports.results)
+    assert sorted(_copies(smtp_server).values()) == [1, 1, 1]
+
+
+def test_an_idle_worker_parks_its_connection_and_a_later_put_reuses_it(
+        smtp_server: FaultSMTPServer, transports: list[SMTPTransport]) -> None:
+    transports.append(transport := _smtp(smtp_server, concurrency=2))
+    transport.idle_seconds = 0.2
+    reports = Reports()
+    sending = transport.open(reports)
+    sending.put(_envelope(1))
+    assert reports.wait(1)
+    # Idle, the stream keeps the one connection it used open, and parks it.
+    assert poll(lambda: len(transport._idle), lambda idle: idle == 1, timeout=5) == 1
+    assert smtp_server.active_connections == 1
+    sending.put(_envelope(2))
+    assert reports.wait(2)
+    assert sending.close(10)
+    assert reports.of(2) == [Delivered(refused={})]
+    assert smtp_server.connections == 1
+
+
+def test_closing_the_transport_stops_its_open_streams(
+        smtp_server: FaultSMTPServer) -> None:
+    before = set(threading.enumerate())
+    transport = _smtp(smtp_server, concurrency=1, timeout=1)
+    reports = Reports()
+    smtp_server.hold()
+    sending = transport.open(reports)
+    for n in (1, 2, 3):
+        sending.put(_envelope(n))
+    assert smtp_server.wait_held(1)
+    transport.close()
+    # What had not started is given up; the one in flight ended (its reply
+    # timed out after MAIL_TIMEOUT) before close() returned.
+    assert sending.close(5)
+    assert isinstance(reports.of(1)[0], Failed)
+    for n in (2, 3):
+        [result] = reports.of(n)
+        assert isinstance(result, Failed) and isinstance(result.error, NotAttempted)
+    with pytest.raises(RuntimeError):
+        sending.put(_envelope(4))
+    smtp_server.release()
+    assert _ended(before, "outbox-smtp", "outbox-report")

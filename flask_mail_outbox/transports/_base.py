@@ -58,7 +58,7 @@ class Failed:
 Result = Delivered | Failed
 
 #: ``report(envelope, result)``: how a :class:`Sending` hands back each result.
-Report = Callable[["Envelope", Result], None]
+Report = Callable[[Envelope, Result], None]
 
 logger = logging.getLogger(__name__)
 

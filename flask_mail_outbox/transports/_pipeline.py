@@ -6,7 +6,7 @@ after every command, four round trips per message (MAIL, RCPT, DATA, the
 content), and its protocol object keeps one reply at a time, so it cannot
 read the replies of commands sent together. Once the session is open, the
 transport is handed to :class:`Pipe`, which queues every reply it parses.
-:class:`~flask_mail_outbox.transports._smtp.SMTPTransport` then writes a
+:func:`~flask_mail_outbox.transports._transaction.send_message` then writes a
 message's MAIL, RCPTs and DATA as one group when the server offers
 ``PIPELINING`` (one command at a time when it does not), in the same write
 as the previous message's content (RFC 2920 lets the content open a group):

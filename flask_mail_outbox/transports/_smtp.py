@@ -1,35 +1,49 @@
 """The SMTP transport, on aiosmtplib.
 
-The transport owns an asyncio loop in a daemon thread and a small pool of
-open connections. :meth:`SMTPTransport.send_many` spreads a batch over up to
-``concurrency`` connections (each one sends its share back to back, reusing
-the session), so the delivery thread never opens a connection per email.
+The transport owns an asyncio loop in a daemon thread (``outbox-smtp``) and
+a pool of open connections (``_idle``). :meth:`SMTPTransport.open` returns a
+stream whose connection workers, up to ``concurrency`` tasks in that loop,
+take the messages as they are put: each worker holds one connection and
+sends message after message on it while there is work, so no one opens a
+connection per email, and a connection that finishes a message takes the
+next one at once instead of waiting for a batch to end. The results go to
+the stream's reporter thread (``outbox-report``), which calls ``report``, so
+a slow callback never stalls the loop.
 
-aiosmtplib's errors are mapped here, and only here, onto
-:class:`TransientError` (4xx, timeouts, dropped connections, login failures,
-which are configuration problems that a fix resolves) and
-:class:`PermanentError` (5xx). No credential ever reaches an error text.
+One message's transaction on an open session, and the mapping of
+aiosmtplib's errors, are in :mod:`._transaction`; the wire in :mod:`._pipeline`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import queue
 import socket
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import aiosmtplib
 
-from .._errors import PermanentError, TransientError, TransportError
-from ._base import Delivered, Envelope, Failed, NotAttempted, Result, Transport
-from ._pipeline import Pipe, Session, dot_stuffed, envelope_commands
-from ._replies import ReplyClass, classify_reply
+from .._errors import TransientError, TransportError
+from ._base import Envelope, Failed, NotAttempted, Report, Result, Sending, Transport
+from ._pipeline import Pipe, Session
+from ._transaction import map_smtp_error, send_message
 
 if TYPE_CHECKING:
     from .._config import OutboxConfig
 
-_T = TypeVar("_T")
+__all__ = ["SMTPTransport", "map_smtp_error"]
+
+#: Seconds a connection worker with nothing to send waits for another message
+#: before it parks its connection in the pool and ends.
+IDLE_SECONDS = 1.0
+#: After a connection is refused while others are open (a server that limits
+#: connections per client), seconds before the stream tries another one.
+CONNECT_BACKOFF_SECONDS = 1.0
 
 
 def _local_hostname() -> str:
@@ -39,39 +53,6 @@ def _local_hostname() -> str:
     return name if all(c.isalnum() or c in ".-" for c in name) else "localhost"
 
 
-def _is_throttle(code: int, text: str) -> bool:
-    return classify_reply(code, text) is ReplyClass.THROTTLED
-
-
-def map_smtp_error(exc: BaseException) -> TransportError:
-    """Translate an aiosmtplib (or socket) error into the outbox's error tree."""
-    if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
-        # A bad password is fixed by configuration, not by giving up on the email.
-        return TransientError(f"authentication failed: {exc.message}", code=exc.code)
-    if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
-        codes = [err.code for err in exc.recipients]
-        text = "; ".join(f"{err.recipient}: {err.code} {err.message}" for err in exc.recipients)
-        if all(code >= 500 for code in codes):
-            return PermanentError(f"every recipient refused: {text}", code=max(codes))
-        # Throttled only when every temporary refusal says so (Gmail's 450 4.2.1
-        # "receiving mail at a rate" comes at RCPT): one greylisting recipient
-        # means the attempt counts.
-        temporary = [err for err in exc.recipients if err.code < 500]
-        return TransientError(f"every recipient refused: {text}", code=min(codes),
-                              throttled=all(_is_throttle(err.code, err.message)
-                                            for err in temporary))
-    if isinstance(exc, aiosmtplib.SMTPResponseException):
-        if isinstance(exc, aiosmtplib.SMTPConnectResponseError) or exc.code < 500:
-            return TransientError(exc.message, code=exc.code,
-                                  throttled=_is_throttle(exc.code, exc.message))
-        return PermanentError(exc.message, code=exc.code)
-    if isinstance(exc, (aiosmtplib.SMTPTimeoutError, TimeoutError)):
-        return TransientError(f"timed out: {exc}")
-    if isinstance(exc, (aiosmtplib.SMTPException, OSError)):
-        return TransientError(f"{type(exc).__name__}: {exc}")
-    return TransientError(f"unexpected {type(exc).__name__}: {exc}")
-
-
 class _ConnectFailed(Exception):
     def __init__(self, error: TransportError) -> None:
         super().__init__(str(error))
@@ -79,34 +60,51 @@ class _ConnectFailed(Exception):
 
 
 class SMTPTransport(Transport):
-    """Sends over SMTP with aiosmtplib, several reused connections at a time."""
+    """Sends over SMTP with aiosmtplib, several reused connections at a time.
+
+    ``concurrency`` bounds the connections of each open stream.
+    """
 
     def __init__(self, config: OutboxConfig, *, concurrency: int = 4) -> None:
         super().__init__(config)
         self.settings = config.smtp
         self.concurrency = max(1, concurrency)
-        self._idle: list[Session] = []
+        #: Seconds an idle connection worker waits for more (see :data:`IDLE_SECONDS`).
+        self.idle_seconds = IDLE_SECONDS
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._hostname = _local_hostname()
-        self._cancelled = threading.Event()
-        # Touched only in the loop thread: the batch in flight and what has started.
-        self._batch_ids: set[int] = set()
-        self._started: set[int] = set()
+        # The streams open() returned, for close(); under _lock.
+        self._streams: weakref.WeakSet[_SMTPSending] = weakref.WeakSet()
+        # Touched only in the loop thread: open connections no worker holds,
+        # and the workers running.
+        self._idle: list[Session] = []
+        self._workers: set[asyncio.Task[None]] = set()
 
-    # -- the loop thread ----------------------------------------------------------
+    def open(self, report: Report) -> Sending:
+        """Open a stream over up to ``concurrency`` connections (see :class:`Sending`).
 
-    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        Results are reported as each message's last reply arrives, in that
+        order. A message put is sent by a worker that is free, or by a new
+        worker (a pooled connection, or a new one) while there are fewer than
+        ``concurrency``; a worker with nothing to send waits
+        :attr:`idle_seconds` for more, then parks its connection. When no
+        worker can connect, the messages queued at that moment fail with the
+        connection's error; a later :meth:`Sending.put` tries again.
+        """
         with self._lock:
             if self._loop is None or self._thread is None or not self._thread.is_alive():
+                # First use, or a forked child, where the parent's thread is gone.
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(target=loop.run_forever, name="outbox-smtp",
                                           daemon=True)
                 thread.start()
-                self._loop, self._thread, self._idle = loop, thread, []
-            loop = self._loop
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+                self._loop, self._thread = loop, thread
+                self._idle, self._workers = [], set()
+            sending = _SMTPSending(self, self._loop, report)
+            self._streams.add(sending)
+        return sending
 
     def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
         result = self.send_many([envelope])[0]
@@ -114,36 +112,27 @@ class SMTPTransport(Transport):
             raise result.error
         return result.refused
 
-    def send_many(self, envelopes: Sequence[Envelope]) -> list[Result]:
-        if not envelopes:
-            return []
-        self._cancelled.clear()
-        return self._run(self._send_batch(list(envelopes)))
-
-    def cancel_pending(self) -> set[int] | None:
-        loop = self._loop
-        if loop is None or not loop.is_running():
-            self._cancelled.set()
-            return set()
-        # Decided in the loop thread, between two steps of the senders, so no
-        # message can start after the answer was computed.
-        return asyncio.run_coroutine_threadsafe(self._cancel(), loop).result(timeout=5)
-
-    async def _cancel(self) -> set[int]:
-        self._cancelled.set()
-        return self._batch_ids - self._started
-
     def close(self) -> None:
+        """Stop every open stream, close the pooled connections and the loop thread.
+
+        What a stream has not started is reported ``Failed(NotAttempted())``;
+        what it has finishes first (within MAIL_TIMEOUT). The transport may
+        be used again afterwards.
+        """
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
+            streams, self._streams = list(self._streams), weakref.WeakSet()
         if loop is None or thread is None or not thread.is_alive():
             return
-        try:
-            asyncio.run_coroutine_threadsafe(self._close_idle(), loop).result(
-                timeout=self.settings.timeout + 1)
-        except Exception:  # noqa: BLE001 - closing is best effort; QUIT is a courtesy
-            pass
+        timeout = self.settings.timeout
+        # Closing is best effort: what fails here only makes the connections go
+        # without their QUIT.
+        with contextlib.suppress(Exception):
+            for sending in streams:
+                sending.cancel_pending()
+            asyncio.run_coroutine_threadsafe(self._wind_down(), loop).result(
+                timeout=2 * timeout + 2)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=2)
         if not thread.is_alive():
@@ -151,7 +140,9 @@ class SMTPTransport(Transport):
 
     # -- coroutines -------------------------------------------------------------
 
-    async def _close_idle(self) -> None:
+    async def _wind_down(self) -> None:
+        if self._workers:
+            await asyncio.wait(set(self._workers), timeout=self.settings.timeout + 1)
         idle, self._idle = self._idle, []
         for session in idle:
             try:
@@ -192,212 +183,246 @@ class SMTPTransport(Transport):
             raise _ConnectFailed(map_smtp_error(exc)) from exc
         return session
 
-    async def _send_batch(self, envelopes: list[Envelope]) -> list[Result]:
-        self._batch_ids = {e.email_id for e in envelopes}
-        self._started = set()
-        results: list[Result | None] = [None] * len(envelopes)
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for index in range(len(envelopes)):
-            queue.put_nowait(index)
-        workers = min(self.concurrency, len(envelopes))
-        live = [workers]
-        try:
-            await asyncio.gather(*(self._worker(queue, envelopes, results, live)
-                                   for _ in range(workers)))
-        finally:
-            # A later cancel_pending() must not answer with this batch's ids.
-            self._batch_ids, self._started = set(), set()
-        return [r if r is not None else Failed(NotAttempted()) for r in results]
 
-    async def _worker(self, queue: asyncio.Queue[int], envelopes: list[Envelope],
-                      results: list[Result | None], live: list[int]) -> None:
-        client: Session | None = self._idle.pop() if self._idle else None
-        reused = client is not None
-        # The message whose MAIL/RCPT/DATA went out with the previous one's content.
-        ahead: int | None = None
-        while ahead is not None or (not queue.empty() and not self._cancelled.is_set()):
-            if client is None:
-                try:
-                    client = await self._connect()
-                    reused = False
-                except _ConnectFailed as exc:
-                    live[0] -= 1
-                    if live[0] == 0:
-                        # Nobody can reach the server: the rest of the batch fails with why.
-                        while not queue.empty():
-                            results[queue.get_nowait()] = Failed(exc.error)
+class _Job:
+    """One message put into a stream, as the loop thread tracks it."""
+
+    __slots__ = ("envelope", "reported", "started")
+
+    def __init__(self, envelope: Envelope) -> None:
+        self.envelope = envelope
+        # Handed to the server (its MAIL FROM, or for an envelope written
+        # ahead its content, went out): cancel_pending() can no longer stop it.
+        self.started = False
+        self.reported = False
+
+
+class _SMTPSending(Sending):
+    """The stream of :meth:`SMTPTransport.open`.
+
+    :meth:`put` hands each message to the loop thread; everything else of
+    the stream (its queue, its workers, what has started) lives there, so a
+    worker's step and a cancel never interleave. Results go through a queue
+    to the reporter thread, started by the first :meth:`put`, which ends
+    once the stream is closed (or cancelled) and every result reported.
+    """
+
+    def __init__(self, transport: SMTPTransport, loop: asyncio.AbstractEventLoop,
+                 report: Report) -> None:
+        super().__init__(report)
+        self._transport, self._loop = transport, loop
+        self._results: queue.SimpleQueue[tuple[Envelope, Result] | None] = queue.SimpleQueue()
+        self._reporter: threading.Thread | None = None
+        # -- the loop thread's -------------------------------------------------------------
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._jobs: dict[_Job, None] = {}  # put and not reported, in put order
+        self._live = 0  # workers running
+        self._busy = 0  # of which sending a message now
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._ending = False  # closed or cancelled: workers end once out of work
+        self._cancelled = False
+        self._no_spawn_until = 0.0
+
+    # -- the caller's side ---------------------------------------------------------------
+
+    def _hand_over(self, envelope: Envelope) -> None:
+        if self._reporter is None:
+            self._reporter = threading.Thread(target=self._report_results,
+                                              name="outbox-report", daemon=True)
+            self._reporter.start()
+        self._loop.call_soon_threadsafe(self._arrive, _Job(envelope))
+
+    def _cancel(self) -> set[int]:
+        self._results.put(None)  # the reporter may end once drained
+        if not self._loop.is_running():
+            return set()  # the transport was closed: nothing of this stream runs
+        # Decided in the loop thread, between two steps of the workers, so no
+        # message can start after the answer was computed.
+        future = asyncio.run_coroutine_threadsafe(self._cancel_in_loop(), self._loop)
+        return future.result(timeout=5)
+
+    def _no_more_puts(self) -> None:
+        self._results.put(None)
+        with contextlib.suppress(RuntimeError):  # a closed loop has no workers to tell
+            self._loop.call_soon_threadsafe(self._end)
+
+    def _report_results(self) -> None:
+        while True:
+            item = self._results.get()
+            if item is not None:
+                self._reported(*item)
+            with self._lock:
+                if self._closed and self._unreported == 0:
                     return
-            written = ahead is not None
-            if ahead is not None:
-                index, ahead = ahead, None
-            else:
-                try:
-                    index = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    # Another connection took the last message while this one connected.
-                    break
-            taken: list[int] = []
 
-            def take_follow(taken: list[int] = taken) -> Envelope | None:
-                # Only what the other connections will not take next: a batch's
-                # tail is spread over every connection, not queued behind one.
-                if self._cancelled.is_set() or queue.qsize() < live[0]:
-                    return None
-                taken.append(queue.get_nowait())
-                return envelopes[taken[0]]
+    # -- the loop thread: the stream --------------------------------------------------------
 
-            outcome, keep, follow_written = await self._send_one(
-                client, envelopes[index], written=written,
-                take_follow=take_follow if client.pipelining else None)
-            follow = taken[0] if taken else None
-            if follow is not None and not (follow_written and keep):
-                # Not written, or written on a connection that is now dropped: the
-                # server accepted nothing of it; it goes again on a live one.
-                queue.put_nowait(follow)
-            if outcome is None:
-                client.pipe.close()
-                client = None
-                if self._cancelled.is_set():
-                    break  # stopped before its content: never sent (NotAttempted)
-                if reused or written:
-                    # The connection was gone before the server saw anything of this
-                    # message (a pooled one closed while idle, or it died under the
-                    # envelope sent ahead): send on a fresh one, the row not charged.
-                    reused = False
-                    queue.put_nowait(index)
-                    continue
-                results[index] = Failed(TransientError("connection lost before MAIL FROM"))
-                continue
-            results[index] = outcome
-            reused = True
-            if not keep:
-                client.pipe.close()
-                client = None
-            elif follow_written:
-                ahead = follow
-        if client is not None and client.is_connected:
-            self._idle.append(client)
+    def _arrive(self, job: _Job) -> None:
+        self._jobs[job] = None
+        self._queue.append(job)
+        self._staff()
 
-    def _envelope_group(self, session: Session, envelope: Envelope) -> list[bytes]:
-        """MAIL FROM (with SIZE when offered) and the RCPT TO lines of ``envelope``."""
-        options = list(envelope.mail_options)
-        if session.size and not any(o.upper().startswith("SIZE=") for o in options):
-            options.append(f"SIZE={len(envelope.mime)}")
-        return envelope_commands(envelope.sender, envelope.recipients, options,
-                                 envelope.rcpt_options)
+    def _staff(self) -> None:
+        """Wake idle workers for the queued messages; start workers for what they cannot take."""
+        self._wake(len(self._queue))
+        transport = self._transport
+        while (len(self._queue) > self._live - self._busy and self._live < transport.concurrency
+               and not self._cancelled
+               and (self._live == 0 or self._loop.time() >= self._no_spawn_until)):
+            self._live += 1
+            task = self._loop.create_task(self._work())
+            transport._workers.add(task)
+            task.add_done_callback(transport._workers.discard)
 
-    async def _send_one(self, session: Session, envelope: Envelope, *, written: bool = False,
-                        take_follow: Callable[[], Envelope | None] | None = None
-                        ) -> tuple[Result | None, bool, bool]:
-        """Send on ``session``; returns (result, keep connection, ``follow`` written).
+    def _wake(self, count: int) -> None:
+        while count > 0 and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                count -= 1
 
-        A result of None means the connection was dead before the server saw
-        anything of this message (safe to resend at once). ``written``: this
-        message's MAIL, RCPTs and DATA went out already, after the previous
-        message's content; it counts as started (see :meth:`cancel_pending`)
-        only when its content goes, and a stop before that closes the
-        connection instead (nothing was accepted). ``take_follow``
-        (pipelining servers only) gives the next message, whose MAIL, RCPTs
-        and DATA go out with this one's content: one write and one round trip
-        per message (RFC 2920 allows the content first in a group); when it
-        was written, the caller sends it next on this connection, or again on
-        another one if this one is dropped.
-        """
-        pipe, timeout = session.pipe, self.settings.timeout
-        started = finished = follow_written = False
-        if not written:
-            if self._cancelled.is_set():
-                # Stopped while this connection opened: reported never sent, so it
-                # must not start now (decided in the same step as the add below).
-                return None, True, False
-            self._started.add(envelope.email_id)
+    def _end(self) -> None:
+        self._ending = True
+        self._wake(len(self._waiters))
+
+    async def _cancel_in_loop(self) -> set[int]:
+        self._ending = self._cancelled = True
+        self._queue.clear()
+        never = [job for job in self._jobs if not job.started]
+        for job in never:
+            self._finish(job, Failed(NotAttempted()))
+        self._wake(len(self._waiters))
+        return {job.envelope.email_id for job in never}
+
+    def _begin(self, job: _Job) -> bool:
+        # Asked by the transaction in the step that starts the message, so
+        # cancel_pending() never answers with a message that then starts.
+        if self._cancelled:
+            return False
+        job.started = True
+        return True
+
+    def _finish(self, job: _Job, result: Result) -> None:
+        if job.reported:
+            return  # cancel_pending() reported it already
+        job.reported = True
+        del self._jobs[job]
+        self._results.put((job.envelope, result))
+
+    def _requeue(self, job: _Job) -> None:
+        """``job`` goes again, first in line: the server accepted nothing of it."""
+        if job.reported:
+            return
+        job.started = False
+        self._queue.appendleft(job)
+        self._wake(1)
+
+    def _unreachable(self, error: TransportError) -> None:
+        """A worker could not connect (it has ended)."""
+        if self._live == 0:
+            # Nobody can reach the server: what is queued now fails with why,
+            # instead of waiting for ever; a later put() tries to connect again.
+            while self._queue:
+                self._finish(self._queue.popleft(), Failed(error))
+        else:
+            # Others are connected: the server may limit connections per client.
+            self._no_spawn_until = self._loop.time() + CONNECT_BACKOFF_SECONDS
+
+    # -- the loop thread: one connection worker ---------------------------------------------
+
+    async def _work(self) -> None:
+        transport = self._transport
+        session = transport._idle.pop() if transport._idle else None
+        reused = session is not None
+        # The message whose MAIL/RCPT/DATA went out with the previous one's content.
+        ahead: _Job | None = None
+        unreachable: TransportError | None = None
         try:
-            # An envelope that went ahead was built and written with the last content.
-            lines = [] if written else self._envelope_group(session, envelope)
-            content = dot_stuffed(envelope.mime)
-            if not written and pipe.discard_unsolicited():
-                return None, False, False
-            try:
-                if written:
-                    pass
-                elif session.pipelining:
-                    # MAIL, every RCPT and DATA in one write (RFC 2920).
-                    pipe.write(b"".join(lines) + b"DATA\r\n")
-                else:
-                    pipe.write(lines[0])
-                reply = await pipe.read(timeout)
-            except aiosmtplib.SMTPServerDisconnected:
-                return None, False, False
-            started = True
-            if session.pipelining:
+            while ahead is not None or await self._wait_for_work():
+                if session is None:
+                    try:
+                        session, reused = await transport._connect(), False
+                    except _ConnectFailed as exc:
+                        unreachable = exc.error
+                        return
+                written, job = ahead is not None, ahead
+                if job is None:
+                    if not self._queue:
+                        continue  # another connection took it while this one connected
+                    job = self._queue.popleft()
+                self._busy += 1
                 try:
-                    replies = [await pipe.read(timeout) for _ in envelope.recipients]
-                    data_reply: aiosmtplib.SMTPResponse | None = await pipe.read(timeout)
-                except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
-                    if written:
-                        # Its envelope went ahead and its content never did: resend
-                        # it on a fresh connection, uncharged.
-                        return None, False, False
-                    raise
-                if reply.code != 250 and data_reply is not None and data_reply.code == 354:
-                    # A server that took DATA after refusing MAIL: end it, so that
-                    # the RSET below is read as a command, not as content.
-                    await pipe.command(b".\r\n", timeout)
+                    session, reused, ahead = await self._send_on(session, job, written=written,
+                                                                 reused=reused)
+                finally:
+                    self._busy -= 1
+        finally:
+            self._live -= 1
+            if session is not None and session.is_connected:
+                transport._idle.append(session)
+            if unreachable is not None:
+                self._unreachable(unreachable)
+            self._staff()  # what is queued may need a worker again
+
+    async def _wait_for_work(self) -> bool:
+        """Until a message is queued: False when this worker should end instead."""
+        deadline = self._loop.time() + self._transport.idle_seconds
+        while not self._queue:
+            remaining = deadline - self._loop.time()
+            if self._ending or remaining <= 0:
+                return False
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            await asyncio.wait({waiter}, timeout=remaining)
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+        return not self._cancelled
+
+    async def _send_on(self, session: Session, job: _Job, *, written: bool, reused: bool
+                       ) -> tuple[Session | None, bool, _Job | None]:
+        """Send ``job`` on ``session``.
+
+        Returns the session to go on with (None once closed), whether it has
+        sent before (a dead pooled connection is not the message's fault), and
+        the message whose envelope went ahead with this one's content.
+        """
+        taken: list[_Job] = []
+
+        def take_follow() -> Envelope | None:
+            # Only what the other connections will not take next: the queue's
+            # tail is spread over every connection, not queued behind one.
+            if self._cancelled or len(self._queue) < self._live:
+                return None
+            taken.append(self._queue.popleft())
+            return taken[0].envelope
+
+        outcome, keep, follow_written = await send_message(
+            session, job.envelope, timeout=self._transport.settings.timeout,
+            begin=lambda: self._begin(job), written=written,
+            take_follow=take_follow if session.pipelining else None)
+        follow = taken[0] if taken else None
+        if follow is not None and not (follow_written and keep):
+            # Not written, or written on a connection that is now dropped: the
+            # server accepted nothing of it; it goes again on a live one.
+            self._requeue(follow)
+        if outcome is None:
+            if keep:
+                return session, reused, None  # stopped before it started; the session is clean
+            session.pipe.close()
+            if self._cancelled:
+                # Never accepted, and delivery stops (cancel_pending() may have
+                # reported it already).
+                self._finish(job, Failed(NotAttempted()))
+            elif reused or written:
+                # The connection was gone before the server saw anything of this
+                # message (a pooled one closed while idle, or it died under the
+                # envelope sent ahead): send on a fresh one, the row not charged.
+                self._requeue(job)
             else:
-                replies = []
-                if reply.code == 250:
-                    for line in lines[1:]:
-                        replies.append(await pipe.command(line, timeout))
-                data_reply = None
-            if reply.code != 250:
-                raise aiosmtplib.SMTPSenderRefused(reply.code, reply.message, envelope.sender)
-            refused: dict[str, tuple[int, str]] = {}
-            refusals: list[aiosmtplib.SMTPRecipientRefused] = []
-            for recipient, answer in zip(envelope.recipients, replies):
-                if answer.code not in (250, 251):
-                    refusals.append(aiosmtplib.SMTPRecipientRefused(
-                        answer.code, answer.message, recipient))
-                    refused[recipient] = (answer.code, answer.message)
-            if len(refusals) == len(envelope.recipients):
-                if data_reply is not None and data_reply.code == 354:
-                    # The server took DATA with nobody to deliver to: end it empty.
-                    await pipe.command(b".\r\n", timeout)
-                raise aiosmtplib.SMTPRecipientsRefused(refusals)
-            if data_reply is None:
-                data_reply = await pipe.command(b"DATA\r\n", timeout)
-            if data_reply.code != 354:
-                raise aiosmtplib.SMTPDataError(data_reply.code, data_reply.message)
-            if envelope.email_id not in self._started:
-                if self._cancelled.is_set():
-                    # Its envelope went ahead, but delivery stops: after 354 only
-                    # closing the connection ends the transaction without a message.
-                    pipe.close()
-                    return None, False, False
-                self._started.add(envelope.email_id)
-            follow = take_follow() if take_follow is not None else None
-            group = b""
-            if follow is not None:
-                try:
-                    group = b"".join(self._envelope_group(session, follow)) + b"DATA\r\n"
-                except ValueError:
-                    group = b""  # it fails on its own turn, not inside this one
-            pipe.write(content + group)
-            follow_written = bool(group)
-            done = await pipe.read(timeout)
-            finished = True
-            if done.code != 250:
-                raise aiosmtplib.SMTPDataError(done.code, done.message)
-            return Delivered(refused=refused), True, follow_written
-        except Exception as exc:  # noqa: BLE001 - every error becomes a result
-            error = map_smtp_error(exc)
-            keep = pipe.is_connected and isinstance(
-                exc, (aiosmtplib.SMTPResponseException, aiosmtplib.SMTPRecipientsRefused))
-            if keep and started and not finished:
-                # A transaction left open; none is open after the content's reply
-                # (and an RSET then would cancel the envelope sent ahead).
-                try:
-                    reset = await pipe.command(b"RSET\r\n", timeout)
-                    keep = reset.code == 250
-                except Exception:  # noqa: BLE001 - a failed RSET means a new connection
-                    keep = False
-            return Failed(error), keep, follow_written
+                self._finish(job, Failed(TransientError("connection lost before MAIL FROM")))
+            return None, False, None
+        self._finish(job, outcome)
+        if not keep:
+            session.pipe.close()
+            return None, False, None
+        return session, True, follow if follow_written else None
