@@ -64,7 +64,9 @@ from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.transports import (
     Delivered,
     Envelope,
+    Report,
     Result,
+    Sending,
     SMTPTransport,
     Transport,
 )
@@ -99,24 +101,23 @@ def _ids(envelopes: Sequence[Envelope]) -> str:
 class SleepingTransport(Transport):
     """Takes the claimed rows and never sends them: a process stuck after its claim."""
 
-    def send_many(self, envelopes: Sequence[Envelope]) -> list[Result]:
-        emit(f"CLAIMED ids={_ids(envelopes)}")
+    def send(self, envelope: Envelope) -> dict[str, tuple[int, str]]:
+        emit(f"CLAIMED ids={_ids([envelope])}")
         while True:
             threading.Event().wait()  # until the test kills this process
-
-    def send(self, envelope: Envelope) -> dict[str, tuple[int, str]]:  # pragma: no cover
-        raise AssertionError("send_many never returns")
 
 
 class KillAfterAcceptTransport(SMTPTransport):
     """SMTP, then death between the server's 250 and the status write."""
 
-    def send_many(self, envelopes: Sequence[Envelope]) -> list[Result]:
-        results = super().send_many(envelopes)
-        if any(isinstance(r, Delivered) for r in results):
-            emit(f"ACCEPTED ids={_ids(envelopes)}")
-            os.kill(os.getpid(), signal.SIGKILL)
-        return results
+    def open(self, report: Report) -> Sending:
+        def report_then_die(envelope: Envelope, result: Result) -> None:
+            if isinstance(result, Delivered):
+                emit(f"ACCEPTED ids={_ids([envelope])}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            report(envelope, result)
+
+        return super().open(report_then_die)
 
 
 def _configure_logging() -> None:

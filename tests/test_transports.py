@@ -89,7 +89,7 @@ def test_custom_transport_by_dotted_path(make_apps: MakeApps) -> None:
 class RaisingTransport(Transport):
     """A broken custom transport that raises instead of returning results."""
 
-    def send_many(self, envelopes: Any) -> Any:
+    def send(self, envelope: Any) -> Any:
         raise ValueError("bug in the transport")
 
 
