@@ -247,8 +247,9 @@ class OutboxMail:
     def stop(self, timeout: float = 10) -> None:
         """Stop this process's delivery threads for every app; idempotent.
 
-        Sends in flight get ``timeout`` seconds to finish (after half of it,
-        messages not yet handed to the server are given back). What this
+        Messages claimed but not yet handed to the server are given back at
+        once; the ones the server is receiving get ``timeout`` seconds to
+        finish and have their outcomes recorded. What this
         process gives back, or had been handed after a commit and never
         claimed, is ``queued`` and marked so the next sweep of any process
         takes it whatever its age; rows still being sent past the timeout

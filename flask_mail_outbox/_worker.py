@@ -295,6 +295,9 @@ class Worker:
         self.cancel_unstarted()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        if not self.running:
+            # Ticked by hand, or the loop has ended: nothing else closes these.
+            self._close()
 
     def cancel_unstarted(self) -> int:
         """Stop handing claimed messages to the server; they are given back. How many."""
@@ -386,6 +389,8 @@ class Worker:
         deadline = time.monotonic() + timeout
         before = self.finished
         while time.monotonic() < deadline:
+            with self._cond:
+                self._woken = self.dispatching  # claim whenever there is room
             self.step()
             if not self._wait_for_results(deadline):
                 with self._cond:
@@ -598,7 +603,7 @@ class Worker:
         try:
             with self.delivery.app.app_context():
                 report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now)
-        except Exception:  # noqa: BLE001 - Delivery._record reported it at ERROR
+        except Exception:  # noqa: BLE001 - durability: ok Delivery._record reported it at ERROR, with what happens to the rows
             self._forget([email.id for email, _ in done])
             return
         self.finished += report.count

@@ -3,7 +3,7 @@
 
 For each ``try`` in ``flask_mail_outbox/`` (Alembic revisions excluded) whose
 body calls one of ``CRITICAL_CALLEES`` (matched by the final name: both
-``self.route.deliver_ids(...)`` and ``deliver_ids(...)`` match), every
+``self.delivery.deliver_now(...)`` and ``deliver_now(...)`` match), every
 ``except`` handler must re-raise, report through ``_degrade`` (``report(...)``
 or ``<tracker>.failing(...)``) or log at ERROR or above. Only the ``try`` body
 counts: calls in ``else:`` and ``finally:`` are not protected by the handlers,
@@ -55,8 +55,9 @@ from typing import NamedTuple
 # Signal.send (receivers run after the outcome is recorded). The route's transport
 # seam is `send_many`, listed below.
 CRITICAL_CALLEES: dict[str, str] = {
-    "deliver_ids": "claim -> send -> record for ids handed over; every route enters here",
-    "deliver_claimed": "sends rows already claimed and records their outcomes",
+    "deliver_now": "claim -> send -> record in the caller's thread (memory transport, sweep)",
+    "deliver_soon": "the one mode decision: hands committed rows to delivery",
+    "finish": "records the outcomes of sent rows; a failure leaves them sending",
     "claim_ids": "the compare-and-set queued -> sending gate for handed-over ids",
     "claim_due": "the dispatcher's and the sweep's claim of due rows",
     "send_many": "the transport call; a raise leaves the batch's outcome unknown",
@@ -67,9 +68,9 @@ CRITICAL_CALLEES: dict[str, str] = {
     "reap_expired": "returns expired leases to queued; a failure strands rows in sending",
     "publish": "hands committed rows to delivery after the outermost commit",
     "_publish": "staging's fan-out of committed rows to each app's publish()",
-    "submit": "the after-commit hand-over to the inline worker",
+    "hand": "the hand-over of ids to the worker (commits, keys handed on, retries)",
     "advance": "hands a key to its next email; a swallowed failure can stall the key",
-    "tick": "one dispatcher round: reap, claim, hand to the sending pool",
+    "step": "one worker round: record what came back, claim, put on the stream",
     "sweep": "takes rows left behind by a crash or a failed drain",
     "run_sweep": "the scheduled sweep job",
     "insert_email": "writes the email row; swallowing it means the email was never stored",
@@ -480,7 +481,7 @@ class Sample(NamedTuple):
     says: str = ""  # must appear in the violation text
     opt_outs: int = 0
     marker: str = ""  # a comment on the except line
-    body: str = "route.deliver_ids(ids)"  # the try body
+    body: str = "delivery.deliver_now(ids)"  # the try body
     after: str = ""  # else:/finally: clauses
     helper: str = "helper"  # the HelperSample it is checked with; "" for no _degrade.py
 
@@ -513,11 +514,11 @@ SAMPLES = [
     Sample("report-not-from-degrade", "report('x')", violations=1, says="without reporting"),
     Sample("future-exception-is-not-logging", "return fut.exception()", violations=1),
     Sample("else-only", "pass", seams=0, body="int(ids)",
-           after="    else:\n        route.deliver_ids(ids)\n"),
+           after="    else:\n        delivery.deliver_now(ids)\n"),
     Sample("finally-only", "pass", seams=0, body="int(ids)",
-           after="    finally:\n        route.submit(ids)\n"),
+           after="    finally:\n        worker.hand(ids)\n"),
     Sample("call-in-nested-def", "pass", seams=0,
-           body="def later():\n            route.deliver_ids(ids)"),
+           body="def later():\n            delivery.deliver_now(ids)"),
     Sample("report-without-helper", "_degrade.report('x', consequence='c', fix='f')",
            violations=1, helper="",
            says="(_degrade.report() is not loud: there is no _degrade.py"),

@@ -78,6 +78,8 @@ def test_rows_claimed_ahead_are_given_back_at_stop(
         assert not stopper.is_alive()
         assert [(r["status"], r["attempts"]) for r in rows(app)] == [
             ("sent", 1), ("sent", 1), ("queued", 0), ("queued", 0)]
-        assert smtp_server.data_attempts == 2
+        # Only the two in flight reached the server (a pipelining connection may have
+        # sent the next envelope ahead; it got no content, the connection closed).
+        assert len(smtp_server.messages) == 2
     finally:
         close_app(app)

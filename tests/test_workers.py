@@ -361,7 +361,8 @@ def test_notify_wakes_an_idle_worker_long_before_its_next_poll(
     assert woken.claimed == 1
     assert committed - 0.5 <= woken.start < last.start + last.gap - 20
     assert arrived - committed < 10
-    assert w.sent_ids() == [email_id]
+    # The tick line is written as it claims; the sent line after the record.
+    w.wait_log(lambda x: x.sent_ids() == [email_id], 10, "the email_sent signal")
     [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent", timeout=30.0, interval=0.1)
     assert row["attempts"] == 1
     assert w.terminate_and_wait(timeout=30) == 0
@@ -483,15 +484,14 @@ def test_one_key_is_delivered_in_order_and_one_at_a_time_across_three_workers(
 # starts a second loop on the same Dispatcher, and it sets `_stopping = False`.
 
 
-def test_a_worker_busy_sending_claims_nothing_more(
+def test_a_worker_busy_sending_sends_the_next_email_on_a_free_connection(
         producer: Flask, spawn: Callable[..., Worker], smtp_server: FaultSMTPServer) -> None:
-    """Never two ticks at once: a batch in flight means no further claim by that process.
+    """A slow send does not hold up the rest: the worker claims as its connections free.
 
-    Worker A is stuck in a slow send of email 1. Email 2 must wait queued for
-    another worker (B, started later) or for A's next tick. If A claims it
-    anyway, the row sits in A's process unsent behind the batch in flight: B
-    cannot take it while A renews its lease, or, if the lease is not renewed
-    while it waits, B reaps and sends it and A sends it a second time.
+    Worker A is stuck in a slow send of email 1 on one of its four connections.
+    Email 2 is claimed by A and sent at once on another, its lease renewed
+    while the server holds both (longer than a lease): B, started later, takes
+    nothing, and nothing arrives twice.
     """
     smtp_server.hold()
     a = spawn("a", WORKER_LEASE_SECONDS="2", **FAST)
@@ -505,25 +505,23 @@ def test_a_worker_busy_sending_claims_nothing_more(
     a_claimed_second = f":{a.pid}:" in (by_id[second]["lease_owner"] or "") or \
         by_id[second]["attempts"] > 0
     b = spawn("b", WORKER_LEASE_SECONDS="2", **FAST)
-    # B takes email 2 (held too), unless A holds a live lease on it. Not asserted
-    # here: what matters is what arrives, and who claimed what.
-    b_took_second = smtp_server.wait_until(lambda: smtp_server.held >= 2, timeout=10)
+    # Both are held at the server, from A: B finds nothing to take.
+    both_held = smtp_server.wait_until(lambda: smtp_server.held >= 2, timeout=10)
     smtp_server.release()
     current = wait_rows(producer, all_done(2), timeout=30.0, interval=0.1)
     time.sleep(1.0)
     received = Counter(smtp_server.message_ids())
     diagnosis = (f"A claimed email 2 while busy sending email 1: {a_claimed_second}; "
-                 f"B was sending email 2 before the release: {b_took_second}; "
+                 f"both held at the server before the release: {both_held}; "
                  f"A's tick threads: {sorted(a.tick_threads())}; received {dict(received)}")
     assert [r["status"] for r in current] == ["sent", "sent"], diagnosis
     assert received == {r["message_id"]: 1 for r in current}, diagnosis
     assert smtp_server.data_attempts == 2, diagnosis
     assert [r["attempts"] for r in current] == [1, 1], diagnosis
     assert "lost its lease" not in a.log(), diagnosis
-    assert not a_claimed_second, diagnosis
+    assert a_claimed_second and both_held, diagnosis
     assert len(a.tick_threads()) == 1, diagnosis
-    assert b_took_second, diagnosis
-    assert a.sent_ids() == [first] and b.sent_ids() == [second], diagnosis
+    assert sorted(a.sent_ids()) == [first, second] and b.sent_ids() == [], diagnosis
 
 
 def test_sigterm_in_the_first_second_during_a_send_still_stops_the_worker(
