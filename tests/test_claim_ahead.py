@@ -73,6 +73,9 @@ def test_rows_claimed_ahead_are_given_back_at_stop(
         stopper = threading.Thread(target=app.extensions["test_mail"].stop,
                                    kwargs={"timeout": 20})
         stopper.start()
+        # Given back at once, while the two on the connections are still held.
+        wait_rows(app, lambda r: [(x["status"], x["attempts"]) for x in r][2:] == [
+            ("queued", 0), ("queued", 0)], timeout=10.0)
         smtp_server.release()
         stopper.join(30)
         assert not stopper.is_alive()
