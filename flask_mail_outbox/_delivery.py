@@ -401,6 +401,22 @@ class Delivery:
                 (email.id, email.attempt,
                  error if isinstance(error, TransientError) else TransientError(str(error))))
 
+    def report_left_queued(self, email_id: int, attempt: int, error: Exception, *,
+                           due_now: bool) -> None:
+        """Report a row inline delivery leaves queued after its in-process retries."""
+        when = ("due again now: this process stopped before retrying it" if due_now else
+                "due again after its retry backoff, OUTBOX_RETRY_BASE_SECONDS doubling per "
+                "attempt up to OUTBOX_RETRY_MAX_SECONDS, or in a few seconds with its attempt "
+                "given back if the server was throttling")
+        _degrade.report(
+            f"Email {email_id} could not be delivered after {attempt} attempt(s): {error}",
+            consequence=f"it stays queued ({when}); the periodic sweep (every "
+                        "OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it when "
+                        f"due, and it is dead-lettered if attempt {self.policy.max_attempts} "
+                        "(OUTBOX_MAX_ATTEMPTS) fails too",
+            fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
+                "`flask outbox status` shows what waits")
+
     def report_reaped(self, reaped: Reaped) -> None:
         """Report what a reap found: rows whose sender died mid-delivery."""
         if reaped.requeued:

@@ -19,13 +19,9 @@ the loop. Results are recorded as they arrive: whatever came back while the
 last record ran goes into the next one (:meth:`~._delivery.Delivery.finish`),
 so a killed process re-sends only the messages whose DATA was in flight.
 
-A dispatcher's claims follow :class:`IdleBackoff`: a claim that found
-nothing doubles the gap to the next, from ``OUTBOX_POLL_INTERVAL`` up to
-``OUTBOX_POLL_MAX_INTERVAL`` (``OUTBOX_LISTEN_BACKSTOP_SECONDS`` while a LISTEN
-connection is up); a claim that found some snaps back, a full one claims again
-as soon as there is room, and a failed one counts as idle. Gaps are measured
-from the start of a claim; wakes during a round collapse into one claim. The
-loop takes an injectable clock, so tests can check the exact gap sequence.
+A dispatcher's claims follow :class:`~._pacing.IdleBackoff` (gaps measured
+from the start of a claim; wakes during a round collapse into one claim), on
+an injectable clock, so tests can check the exact gap sequence.
 """
 
 from __future__ import annotations
@@ -41,8 +37,9 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from . import _degrade, _retry
+from . import _retry
 from ._delivery import BatchReport, Delivery, envelope_of, new_owner
+from ._pacing import IdleBackoff, RateLimiter, inline_backoff, pace
 from ._store import ClaimedEmail, Reaped
 
 if TYPE_CHECKING:
@@ -57,62 +54,6 @@ logger = logging.getLogger(__name__)
 BUSY_REAP_INTERVAL = 1.0
 #: Ids waiting in memory at most; past it, hand-overs fall back to the sweep.
 MAX_HANDED = 20_000
-
-
-def inline_backoff(retry: int) -> float:
-    """Seconds before in-process retry number ``retry`` (1-based), capped near 2 s."""
-    return float(min(2.0, 0.25 * 2 ** (retry - 1)))
-
-
-class IdleBackoff:
-    """The gap before a dispatcher's next claim, from what its last claim found."""
-
-    def __init__(self, initial: float, maximum: float) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self._idle_gap = initial
-
-    def after_claim(self, *, claimed: int, full: bool, failed: bool,
-                    maximum: float | None = None) -> float:
-        """Seconds from the start of the claim that just ended to the next one."""
-        cap = self.maximum if maximum is None else maximum
-        if failed or (claimed == 0 and not full):
-            gap = min(self._idle_gap, cap)
-            self._idle_gap = min(self._idle_gap * 2, cap)
-            return gap
-        self._idle_gap = self.initial
-        # A full claim means more is waiting: go again as soon as there is room.
-        return 0.0 if full else self.initial
-
-
-class RateLimiter:
-    """Messages per second for one process; slows down when the server throttles."""
-
-    def __init__(self, rate: float, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.rate = rate
-        self.current = rate
-        self.clock = clock
-        self.sleep = sleep
-        self._next_free = clock()
-
-    def acquire(self, wanted: int) -> int:
-        """Wait for the right to send up to ``wanted`` now; returns how many."""
-        now = self.clock()
-        if self._next_free > now:
-            self.sleep(self._next_free - now)
-            now = self._next_free
-        # At most one second's worth per claim, at least one message.
-        allowed = max(1, min(wanted, int(self.current)))
-        self._next_free = now + allowed / self.current
-        return allowed
-
-    def feedback(self, *, throttled: bool) -> None:
-        """Halve the rate when throttled; creep back up to the configured rate otherwise."""
-        if throttled:
-            self.current = max(self.rate / 64, self.current / 2)
-        else:
-            self.current = min(self.rate, self.current * 1.1)
 
 
 @dataclasses.dataclass
@@ -287,7 +228,7 @@ class Worker:
             # Handed over (or waiting for an in-process retry) and not claimed:
             # queued in the database and in flight nowhere.
             self.delivery.note_given_back([*self._handed, *self._retries])
-            self._settle_waiters_lost([*self._handed, *self._retries])
+            self._forget([*self._handed, *self._retries])
             self._handed.clear()
             self._retries.clear()
             self._cond.notify_all()
@@ -352,8 +293,11 @@ class Worker:
             room = self.capacity - self.in_flight()
             if room > 0:
                 room -= self._claim_handed(room)
-            if room > 0 and self.dispatching and self._claim_due_now():
-                self._claim_due(room)
+            if room > 0 and self.dispatching:
+                with self._cond:  # a wake while there was no room waits for room
+                    woken, self._woken = self._woken, False
+                if woken or self.clock() >= self._next_claim:
+                    self._claim_due(room)
         finally:
             with self._cond:
                 self._busy = False
@@ -374,10 +318,7 @@ class Worker:
             while self._in_flight and time.monotonic() < deadline:
                 self._cond.wait(0.05)
         self._record()
-        with self._cond:
-            if self._handed:
-                return 0.0
-        if not self.dispatching or self.last_claim_at is None:
+        if self._handed or not self.dispatching or self.last_claim_at is None:
             return 0.0
         return max(0.0, self._next_claim - self.last_claim_at)
 
@@ -468,11 +409,6 @@ class Worker:
         self._settle(BatchReport(not_claimed=[i for i in ids if i not in got]))
         self._put(claimed)
         return len(claimed)
-
-    def _claim_due_now(self) -> bool:
-        with self._cond:
-            woken, self._woken = self._woken, False
-        return woken or self.clock() >= self._next_claim
 
     def _claim_due(self, room: int) -> None:
         """A dispatcher's claim of due rows (with the reap, at its intervals)."""
@@ -572,12 +508,9 @@ class Worker:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent
             else:
-                self._stream().put(envelope_of(email))
-
-    def _stream(self) -> Sending:
-        if self._sending is None:
-            self._sending = self.delivery.transport.open(self._on_result)
-        return self._sending
+                if self._sending is None:
+                    self._sending = self.delivery.transport.open(self._on_result)
+                self._sending.put(envelope_of(email))
 
     def _on_result(self, envelope: Envelope, result: Result) -> None:
         """The transport's report (a transport thread): record it at the next round."""
@@ -607,7 +540,9 @@ class Worker:
             self._forget([email.id for email, _ in done])
             return
         self.finished += report.count
-        self._after_throttling(report, len(done))
+        if self.dispatching:
+            self.rate_limiter = pace(self.rate_limiter, report, tried=len(done),
+                                     config=self.config, clock=self.clock)
         self._settle(report, retry_now)
         self.hand(report.holders)
 
@@ -628,66 +563,28 @@ class Worker:
                              else inline_backoff(number))
                     self._retries[email_id] = (time.monotonic() + pause, number)
                     continue
-                self._report_left_queued(email_id, attempt, error, email_id in retry_now)
+                due_now = email_id in retry_now
+                if self._stopping and due_now:
+                    # Due now and not retried here because this process stops:
+                    # stop() marks it for the next sweep of any process.
+                    self.delivery.note_given_back([email_id])
+                if not self.dispatching:  # a dispatcher takes it again when due
+                    self.delivery.report_left_queued(email_id, attempt, error, due_now=due_now)
             for email_id in itertools.chain(report.sent, report.failed, report.lost,
                                             report.not_claimed, report.released):
                 self._retry_numbers.pop(email_id, None)
             self._cond.notify_all()
 
-    def _report_left_queued(self, email_id: int, attempt: int, error: Exception,
-                            due_now: bool) -> None:
-        if self._stopping and due_now:
-            # Due now and not retried here because this process stops: stop()
-            # marks it for the next sweep of any process.
-            self.delivery.note_given_back([email_id])
-        if self.dispatching:
-            return  # the dispatcher takes it again when it is due
-        when = ("due again now: this process stopped before retrying it" if due_now else
-                "due again after its retry backoff, OUTBOX_RETRY_BASE_SECONDS doubling per "
-                "attempt up to OUTBOX_RETRY_MAX_SECONDS, or in a few seconds with its attempt "
-                "given back if the server was throttling")
-        _degrade.report(
-            f"Email {email_id} could not be delivered after {attempt} attempt(s): {error}",
-            consequence=f"it stays queued ({when}); the periodic sweep (every "
-                        "OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it when "
-                        f"due, and it is dead-lettered if attempt {self.policy.max_attempts} "
-                        "(OUTBOX_MAX_ATTEMPTS) fails too",
-            fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
-                "`flask outbox status` shows what waits")
-
     def _forget(self, ids: Sequence[int]) -> None:
+        """Ids this worker will not deliver after all: their waiters stop waiting."""
+        report = BatchReport(not_claimed=list(ids))
         with self._cond:
             for email_id in ids:
                 self._retry_numbers.pop(email_id, None)
-            self._settle_waiters_lost(ids)
-
-    def _settle_waiters_lost(self, ids: Sequence[int]) -> None:
-        report = BatchReport(not_claimed=list(ids))
-        for waiter in list(self._waiters):
-            waiter.take(report)
-            if waiter.done.is_set():
-                self._waiters.remove(waiter)
-
-    def _after_throttling(self, report: BatchReport, tried: int) -> None:
-        """Pace this process when the server said it sends too fast (dispatchers)."""
-        throttled_count = sum(error.throttled for _, _, error in report.transient)
-        if not self.dispatching:
-            return
-        if throttled_count and self.rate_limiter is None:
-            # No configured rate, but the server says "too fast": start at half of
-            # what was tried, and let feedback find the server's pace.
-            self.rate_limiter = RateLimiter(float(self.config.batch_size) * 10, clock=self.clock)
-            self.rate_limiter.current = max(1.0, tried / 2)
-            _degrade.report(
-                f"The SMTP server is throttling this process ({throttled_count} "
-                "email(s) refused with a reply that says it is sending too fast)",
-                consequence="those emails are queued again, their attempt given back at most "
-                            f"OUTBOX_MAX_THROTTLE_DEFERRALS ({self.policy.max_throttle_deferrals}) "
-                            "times each, and this process now paces itself below the "
-                            "server's limit",
-                fix="set OUTBOX_RATE_LIMIT to the rate your provider allows")
-        if self.rate_limiter is not None:
-            self.rate_limiter.feedback(throttled=throttled_count > 0)
+            for waiter in list(self._waiters):
+                waiter.take(report)
+                if waiter.done.is_set():
+                    self._waiters.remove(waiter)
 
     def _close(self) -> None:
         sending, self._sending = self._sending, None

@@ -18,7 +18,8 @@ from flask_mail_outbox import (
     TransientError,
 )
 from flask_mail_outbox._store import Reaped
-from flask_mail_outbox._worker import IdleBackoff, RateLimiter, Worker
+from flask_mail_outbox._pacing import IdleBackoff, RateLimiter
+from flask_mail_outbox._worker import Worker
 from flask_mail_outbox._retry import (
     RetryPolicy,
     human_seconds,
