@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiosmtplib
 import pytest
 import sqlalchemy as sa
 from flask import Flask
@@ -43,6 +44,11 @@ class User(db.Model):  # type: ignore[name-defined,misc]
     __tablename__ = "test_user"
     id: Mapped[int] = mapped_column(primary_key=True)
     email: Mapped[str] = mapped_column(sa.String(255))
+
+
+def pytest_report_header() -> str:
+    """Which aiosmtplib this run's SMTP tests use (pyproject.toml allows a range)."""
+    return f"aiosmtplib {aiosmtplib.__version__}"
 
 
 def require_postgres() -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,42 @@ def test_second_registration_raises_with_the_fix(tmp_path: Path) -> None:
     OutboxMail(app)
     with pytest.raises(RuntimeError, match="init_app"):
         OutboxMail(app)
+
+
+# Flask-Migrate (and Alembic, which comes with it) is the `migrate` extra only: a
+# module of None in sys.modules makes its import fail, as if it were not installed.
+WITHOUT_MIGRATE = textwrap.dedent("""
+    import pkgutil, sys
+    sys.modules["flask_migrate"] = sys.modules["alembic"] = None
+
+    import flask_mail_outbox
+    for module in pkgutil.walk_packages(flask_mail_outbox.__path__, "flask_mail_outbox."):
+        __import__(module.name)  # every module but the Alembic revisions (not a package)
+
+    from flask import Flask
+    from flask_sqlalchemy import SQLAlchemy
+    from flask_mail_outbox import Message, OutboxMail
+
+    app = Flask(__name__)
+    app.config.update(TESTING=True, SQLALCHEMY_DATABASE_URI=sys.argv[1],
+                      MAIL_DEFAULT_SENDER="sender@example.com")
+    db = SQLAlchemy(app)
+    mail = OutboxMail(app)
+    with app.app_context(), mail.record_messages() as outbox:
+        mail.create_all()
+        mail.send(Message("Welcome", recipients=["ann@example.com"], body="Hi!"))
+        db.session.commit()
+    mail.stop()
+    print([m.subject for m in outbox])
+""")
+
+
+def test_the_library_needs_no_flask_migrate(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", WITHOUT_MIGRATE, f"sqlite:///{tmp_path / 'x.db'}"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['Welcome']"
 
 
 def test_missing_sqlalchemy_says_what_to_do() -> None:

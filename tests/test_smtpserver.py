@@ -634,15 +634,18 @@ def test_auth_with_aiosmtplib(server: FaultSMTPServer) -> None:
     message.set_content("body\n")
 
     async def go(password: str) -> None:
-        await aiosmtplib.send(
-            message,
-            hostname=server.host,
-            port=server.port,
-            username="user",
-            password=password,
-            start_tls=False,
-            timeout=CLIENT_TIMEOUT,
-        )
+        # connect() and login() apart, as the SMTP transport does, and close() in any
+        # case: before 3.0.2, aiosmtplib leaves the socket open when a login run by
+        # connect() (aiosmtplib.send with a username) fails.
+        client = aiosmtplib.SMTP(hostname=server.host, port=server.port, start_tls=False,
+                                 timeout=CLIENT_TIMEOUT)
+        await client.connect()
+        try:
+            await client.login("user", password)
+            await client.send_message(message)
+            await client.quit()
+        finally:
+            client.close()
 
     with pytest.raises(aiosmtplib.SMTPAuthenticationError) as excinfo:
         asyncio.run(go("nope"))
@@ -836,16 +839,21 @@ def test_starttls_with_aiosmtplib(tls_server: FaultSMTPServer) -> None:
     message["Subject"] = "tls"
     message.set_content("body\n")
 
-    asyncio.run(
-        aiosmtplib.send(
-            message,
-            hostname=tls_server.host,
-            port=tls_server.port,
-            start_tls=True,
-            cert_bundle=tls_server.cert_file,
-            timeout=CLIENT_TIMEOUT,
-        )
-    )
+    async def go() -> None:
+        client = aiosmtplib.SMTP(hostname=tls_server.host, port=tls_server.port,
+                                 start_tls=True, cert_bundle=tls_server.cert_file,
+                                 timeout=CLIENT_TIMEOUT)
+        async with client:
+            await client.send_message(message)
+            raw = client.get_transport_info("socket")
+        # A TLS transport closes its socket only after the close_notify exchange, some
+        # loop turns after quit(); asyncio.run() would otherwise close the loop first
+        # and leave the socket unclosed (aiosmtplib 3 returns from quit() soonest).
+        deadline = asyncio.get_running_loop().time() + CLIENT_TIMEOUT
+        while raw.fileno() != -1 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(go())
     assert len(tls_server.messages) == 1
 
 

@@ -1,7 +1,8 @@
 """The outbox schema's Alembic revisions, shipped as a branch labelled ``outbox``.
 
 The revisions live in :data:`VERSIONS_DIR`, a plain folder inside the installed
-package. A Flask-Migrate project uses them in three steps.
+package. A Flask-Migrate project (``pip install 'flask-mail-outbox[migrate]'``; this
+module itself needs neither Flask-Migrate nor Alembic) uses them in three steps.
 
 1. Let Alembic find the branch: in ``migrations/alembic.ini``, under ``[alembic]``::
 
