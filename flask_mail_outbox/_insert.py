@@ -65,47 +65,14 @@ def insert_email(session: Session, values: dict[str, Any], attachments: Sequence
     values.update(search_values(values["recipients"] if recipients is None else recipients,
                                 values["subject"]))
     if values.get("key") is None and values.get("idempotency_key") is None:
-        plain_id = _insert_plain(session, dialect, values, clock, notify)
-        if attachments:
-            session.execute(attachment_table.insert(),
-                            [dict(row, email_id=plain_id) for row in attachments])
-        return plain_id, True, False
-    now = now_expr(dialect, clock)
-    values["created_at"] = now
-    if values.get("due_at") is None:
-        values["due_at"] = now
-    keyed = values.get("key") is not None
-    if keyed:
-        if dialect == "postgresql":
-            session.execute(sa.select(_ordering.producer_lock(values["key"])))
-        values["key_head"] = _ordering.holds_at_insert(values["key"])
-    returning = (*_returning(dialect, notify), email_table.c.key_head)
-    idem = values.get("idempotency_key")
-    stmt: Any
-    if idem is not None and dialect in ("sqlite", "postgresql"):
-        insert = sqlite.insert if dialect == "sqlite" else pg.insert
-        stmt = (insert(email_table).values(**values)
-                .on_conflict_do_nothing(index_elements=["idempotency_key"])
-                .returning(*returning))
-        row = session.execute(stmt).first()
-        if row is None:
-            existing = session.execute(
-                sa.select(email_table.c.id).where(email_table.c.idempotency_key == idem)
-            ).scalar_one()
-            return int(existing), False, False
+        email_id = _insert_plain(session, dialect, values, clock, notify)
+        created, waits = True, False
     else:
-        if idem is not None:
-            existing = session.execute(
-                sa.select(email_table.c.id).where(email_table.c.idempotency_key == idem)
-            ).scalar()
-            if existing is not None:
-                return int(existing), False, False
-        row = session.execute(email_table.insert().values(**values).returning(*returning)).one()
-    new_id = int(row.id)
-    if attachments:
+        email_id, created, waits = _insert_keyed(session, dialect, values, clock, notify)
+    if created and attachments:
         session.execute(attachment_table.insert(),
-                        [dict(a, email_id=new_id) for a in attachments])
-    return new_id, True, keyed and dialect == "postgresql" and not row.key_head
+                        [dict(row, email_id=email_id) for row in attachments])
+    return email_id, created, waits
 
 
 def search_values(recipients: str | Sequence[str], subject: str) -> dict[str, str]:
@@ -162,3 +129,54 @@ def _insert_plain(session: Session, dialect: str, values: dict[str, Any],
     conn = session.connection(bind_arguments={"clause": stmt})
     return int(conn.execute(stmt, values).scalar_one())
 
+
+def _insert_keyed(session: Session, dialect: str, values: dict[str, Any],
+                  clock: Callable[[], datetime], notify: bool) -> tuple[int, bool, bool]:
+    """Insert ``values`` with a key, an idempotency key or both: ``(id, created, waits)``.
+
+    A keyed email takes its key's producer lock first (PostgreSQL) and holds
+    its key at once when no earlier email of the key is open.
+    """
+    now = now_expr(dialect, clock)
+    values["created_at"] = now
+    if values.get("due_at") is None:
+        values["due_at"] = now
+    keyed = values.get("key") is not None
+    if keyed:
+        if dialect == "postgresql":
+            session.execute(sa.select(_ordering.producer_lock(values["key"])))
+        values["key_head"] = _ordering.holds_at_insert(values["key"])
+    email_id, created, key_head = _insert_unless_stored(session, dialect, values, notify)
+    return email_id, created, created and keyed and dialect == "postgresql" and not key_head
+
+
+def _insert_unless_stored(session: Session, dialect: str, values: dict[str, Any],
+                          notify: bool) -> tuple[int, bool, bool]:
+    """Insert ``values`` unless their ``idempotency_key`` is stored: ``(id, created, key_head)``.
+
+    A stored one's id comes back with ``created=False``. On SQLite and
+    PostgreSQL that is one ``INSERT ... ON CONFLICT DO NOTHING``; elsewhere a
+    lookup, then the insert.
+    """
+    returning = (*_returning(dialect, notify), email_table.c.key_head)
+    idem = values.get("idempotency_key")
+    if idem is not None and dialect in ("sqlite", "postgresql"):
+        insert = sqlite.insert if dialect == "sqlite" else pg.insert
+        stmt = (insert(email_table).values(**values)
+                .on_conflict_do_nothing(index_elements=["idempotency_key"])
+                .returning(*returning))
+        row = session.execute(stmt).first()
+        if row is None:
+            existing = session.execute(
+                sa.select(email_table.c.id).where(email_table.c.idempotency_key == idem)
+            ).scalar_one()
+            return int(existing), False, False
+    else:
+        if idem is not None:
+            existing = session.execute(
+                sa.select(email_table.c.id).where(email_table.c.idempotency_key == idem)
+            ).scalar()
+            if existing is not None:
+                return int(existing), False, False
+        row = session.execute(email_table.insert().values(**values).returning(*returning)).one()
+    return int(row.id), True, bool(row.key_head)
