@@ -251,16 +251,12 @@ class Housekeeping:
                     attachment_table.c.email_id.in_(ids[start:start + 500])))
             return len(ids)
 
-    def delete_sent(self, *, older_than: datetime, batch: int, dry_run: bool = False) -> int:
+    def delete_sent(self, *, older_than: datetime, batch: int) -> int:
         """Delete up to ``batch`` ``sent`` rows sent before ``older_than``; returns how many."""
         t = email_table
         old = (sa.select(t.c.id).where(t.c.status == Status.SENT.value,
                                        t.c.sent_at < sa.literal(older_than, sa.DateTime()))
                .order_by(t.c.sent_at).limit(batch))
-        if dry_run:
-            with self.read() as conn:
-                return int(conn.execute(
-                    sa.select(sa.func.count()).select_from(old.subquery())).scalar_one())
         with self.write() as conn:
             ids = list(conn.execute(old).scalars())
             if ids:

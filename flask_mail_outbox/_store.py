@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -39,10 +38,6 @@ from . import _claim, _degrade, _ordering
 from ._claim import CLAIM_RETURNING
 from ._housekeeping import Housekeeping
 from ._models import Status, email_table
-
-logger = logging.getLogger(__name__)
-
-_OPEN = (Status.QUEUED.value, Status.SENDING.value)
 
 
 def utcnow() -> datetime:
@@ -350,18 +345,14 @@ class Store(Housekeeping):
         return claimed
 
     def renew_leases(self, owner: str, ids: Sequence[int], lease_seconds: float) -> int:
-        """Extend the lease of rows still ``sending`` under ``owner``; returns how many."""
-        return len(self.renew_held(owner, ids, lease_seconds))
-
-    def renew_held(self, owner: str, ids: Sequence[int], lease_seconds: float) -> set[int]:
-        """Extend the lease of rows still ``sending`` under ``owner``; returns their ids.
+        """Extend the lease of rows still ``sending`` under ``owner``; returns how many.
 
         A lease that ran out but that no reap took yet is ``owner``'s again:
         the update and a reap are compare-and-sets on the same row, and
         whichever commits first wins.
         """
         if not ids:
-            return set()
+            return 0
         t = email_table
         with self.write() as conn:
             rows = conn.execute(
@@ -371,7 +362,7 @@ class Store(Housekeeping):
                 .values(lease_expires_at=self.later_expr(lease_seconds))
                 .returning(t.c.id)
             ).all()
-        return {int(row.id) for row in rows}
+        return len(rows)
 
     def record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False) -> Recorded:
         """Write outcomes in one transaction (see :meth:`_record`).
