@@ -217,113 +217,144 @@ def _transport(value: Any) -> str:
     return value
 
 
+class _Keys:
+    """``app.config`` read one key at a time, a key not set at its default (``_DEFAULTS``)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self._config = config
+
+    def get(self, key: str) -> Any:
+        return self._config.get(key, _DEFAULTS[key])
+
+    def flag(self, key: str) -> bool:
+        return _bool(key, self.get(key))
+
+    def number(self, key: str, *, minimum: float, integer: bool = False,
+               allow_none: bool = False, strict_minimum: bool = False) -> Any:
+        return _number(key, self.get(key), minimum=minimum, integer=integer,
+                       allow_none=allow_none, strict_minimum=strict_minimum)
+
+    def text(self, key: str) -> str | None:
+        return _optional_str(key, self.get(key))
+
+
 def load_config(config: Mapping[str, Any], *, instance_path: str,
                 testing: bool) -> OutboxConfig:
     """Validate ``app.config`` and return the frozen settings.
 
     Raises :class:`ConfigError` naming the first bad key.
     """
-
-    def get(key: str) -> Any:
-        return config.get(key, _DEFAULTS[key])
-
+    keys = _Keys(config)
     suppress = config.get("MAIL_SUPPRESS_SEND", testing)
-    port = _number("MAIL_PORT", get("MAIL_PORT"), minimum=1, integer=True)
+    smtp = _smtp_settings(keys)
+    file_path = _file_path(keys, instance_path)
+    poll, poll_max = _poll_intervals(keys)
+    base, retry_max = _retry_delays(keys)
+    domain = _message_id_domain(keys)
+    return OutboxConfig(
+        smtp=smtp,
+        default_sender=_sender(keys.get("MAIL_DEFAULT_SENDER")),
+        ascii_attachments=keys.flag("MAIL_ASCII_ATTACHMENTS"),
+        suppress_send=_bool("MAIL_SUPPRESS_SEND", suppress),
+        transport=_transport(keys.get("OUTBOX_TRANSPORT")),
+        file_path=file_path,
+        durable=keys.flag("OUTBOX_DURABLE"),
+        max_attempts=keys.number("OUTBOX_MAX_ATTEMPTS", minimum=1, integer=True),
+        inline_retries=keys.number("OUTBOX_INLINE_RETRIES", minimum=0, integer=True),
+        retry_base_seconds=base,
+        retry_max_seconds=retry_max,
+        max_throttle_deferrals=keys.number("OUTBOX_MAX_THROTTLE_DEFERRALS", minimum=0,
+                                           integer=True),
+        lease_seconds=keys.number("OUTBOX_LEASE_SECONDS", minimum=1),
+        batch_size=keys.number("OUTBOX_BATCH_SIZE", minimum=1, integer=True),
+        poll_interval=poll,
+        poll_max_interval=poll_max,
+        listen=keys.flag("OUTBOX_LISTEN"),
+        listen_url=keys.text("OUTBOX_LISTEN_URL"),
+        listen_backstop_seconds=keys.number("OUTBOX_LISTEN_BACKSTOP_SECONDS", minimum=0,
+                                            strict_minimum=True),
+        run_worker=keys.flag("OUTBOX_RUN_WORKER"),
+        rate_limit=keys.number("OUTBOX_RATE_LIMIT", minimum=0, strict_minimum=True,
+                               allow_none=True),
+        sweep_on_startup=keys.flag("OUTBOX_SWEEP_ON_STARTUP"),
+        sweep_min_age_seconds=keys.number("OUTBOX_SWEEP_MIN_AGE_SECONDS", minimum=0),
+        sweep_batch=keys.number("OUTBOX_SWEEP_BATCH", minimum=1, integer=True),
+        sweep_interval_seconds=keys.number("OUTBOX_SWEEP_INTERVAL_SECONDS", minimum=0,
+                                           strict_minimum=True, allow_none=True),
+        settings_ttl_seconds=keys.number("OUTBOX_SETTINGS_TTL_SECONDS", minimum=0),
+        max_message_bytes=keys.number("OUTBOX_MAX_MESSAGE_BYTES", minimum=1, integer=True),
+        allow_local_addresses=keys.flag("OUTBOX_ALLOW_LOCAL_ADDRESSES"),
+        message_id_domain=domain,
+        retention_days=keys.number("OUTBOX_RETENTION_DAYS", minimum=0, strict_minimum=True,
+                                   allow_none=True),
+        scrub_sent=keys.flag("OUTBOX_SCRUB_SENT"),
+        health_max_queued_age_seconds=keys.number("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
+                                                  minimum=0, strict_minimum=True),
+        run_scheduler=keys.flag("OUTBOX_RUN_SCHEDULER"),
+    )
+
+
+def _smtp_settings(keys: _Keys) -> SMTPSettings:
+    """The ``smtp`` transport's settings, from Flask-Mail's keys and the TLS ones."""
+    port = keys.number("MAIL_PORT", minimum=1, integer=True)
     if port > 65535:
         raise ConfigError("MAIL_PORT", f"must be at most 65535, got {port!r}")
-    use_tls = _bool("MAIL_USE_TLS", get("MAIL_USE_TLS"))
-    use_ssl = _bool("MAIL_USE_SSL", get("MAIL_USE_SSL"))
+    use_tls = keys.flag("MAIL_USE_TLS")
+    use_ssl = keys.flag("MAIL_USE_SSL")
     if use_tls and use_ssl:
         raise ConfigError("MAIL_USE_TLS",
                           "MAIL_USE_TLS (STARTTLS) and MAIL_USE_SSL (implicit TLS) are exclusive; "
                           "use MAIL_USE_SSL with port 465 or MAIL_USE_TLS with port 587")
-    host = get("MAIL_SERVER")
+    host = keys.get("MAIL_SERVER")
     if not isinstance(host, str) or not host:
         raise ConfigError("MAIL_SERVER", f"expected a host name, got {host!r}")
-    ca_file = _optional_str("OUTBOX_TLS_CA_FILE", get("OUTBOX_TLS_CA_FILE"))
-    smtp = SMTPSettings(
+    ca_file = keys.text("OUTBOX_TLS_CA_FILE")
+    return SMTPSettings(
         host=host,
         port=port,
         use_tls=use_tls,
         use_ssl=use_ssl,
-        username=_optional_str("MAIL_USERNAME", get("MAIL_USERNAME")),
-        password=_password(get("MAIL_PASSWORD")),
-        timeout=_number("MAIL_TIMEOUT", get("MAIL_TIMEOUT"), minimum=0, strict_minimum=True),
-        tls_verify=_bool("OUTBOX_TLS_VERIFY", get("OUTBOX_TLS_VERIFY")),
+        username=keys.text("MAIL_USERNAME"),
+        password=_password(keys.get("MAIL_PASSWORD")),
+        timeout=keys.number("MAIL_TIMEOUT", minimum=0, strict_minimum=True),
+        tls_verify=keys.flag("OUTBOX_TLS_VERIFY"),
         tls_ca_file=ca_file,
     )
-    file_path = get("OUTBOX_FILE_PATH")
-    if file_path is None:
-        file_path = f"{instance_path}/outbox-mail"
-    elif not isinstance(file_path, str) or not file_path:
-        raise ConfigError("OUTBOX_FILE_PATH", f"expected a folder path, got {file_path!r}")
 
-    poll = _number("OUTBOX_POLL_INTERVAL", get("OUTBOX_POLL_INTERVAL"), minimum=0,
-                   strict_minimum=True)
-    poll_max = _number("OUTBOX_POLL_MAX_INTERVAL", get("OUTBOX_POLL_MAX_INTERVAL"), minimum=0,
-                       strict_minimum=True)
+
+def _file_path(keys: _Keys, instance_path: str) -> str:
+    """The ``file`` transport's folder: ``OUTBOX_FILE_PATH``, or one in the instance folder."""
+    file_path = keys.get("OUTBOX_FILE_PATH")
+    if file_path is None:
+        return f"{instance_path}/outbox-mail"
+    if not isinstance(file_path, str) or not file_path:
+        raise ConfigError("OUTBOX_FILE_PATH", f"expected a folder path, got {file_path!r}")
+    return file_path
+
+
+def _poll_intervals(keys: _Keys) -> tuple[float, float]:
+    """The idle poll's first and longest interval, the longest no shorter than the first."""
+    poll = keys.number("OUTBOX_POLL_INTERVAL", minimum=0, strict_minimum=True)
+    poll_max = keys.number("OUTBOX_POLL_MAX_INTERVAL", minimum=0, strict_minimum=True)
     if poll_max < poll:
         raise ConfigError("OUTBOX_POLL_MAX_INTERVAL",
                           f"must be at least OUTBOX_POLL_INTERVAL ({poll:g}), got {poll_max:g}")
-    base = _number("OUTBOX_RETRY_BASE_SECONDS", get("OUTBOX_RETRY_BASE_SECONDS"), minimum=0)
-    retry_max = _number("OUTBOX_RETRY_MAX_SECONDS", get("OUTBOX_RETRY_MAX_SECONDS"), minimum=0)
+    return poll, poll_max
+
+
+def _retry_delays(keys: _Keys) -> tuple[float, float]:
+    """The retry backoff's first and longest delay, the longest no shorter than the first."""
+    base = keys.number("OUTBOX_RETRY_BASE_SECONDS", minimum=0)
+    retry_max = keys.number("OUTBOX_RETRY_MAX_SECONDS", minimum=0)
     if retry_max < base:
         raise ConfigError("OUTBOX_RETRY_MAX_SECONDS",
                           f"must be at least OUTBOX_RETRY_BASE_SECONDS ({base:g}), got {retry_max:g}")
-    domain = _optional_str("OUTBOX_MESSAGE_ID_DOMAIN", get("OUTBOX_MESSAGE_ID_DOMAIN"))
+    return base, retry_max
+
+
+def _message_id_domain(keys: _Keys) -> str | None:
+    """``OUTBOX_MESSAGE_ID_DOMAIN``: None, or a name that fits in a Message-ID."""
+    domain = keys.text("OUTBOX_MESSAGE_ID_DOMAIN")
     if domain is not None and any(c in domain for c in "\r\n\0<>@ "):
         raise ConfigError("OUTBOX_MESSAGE_ID_DOMAIN", f"not a domain name: {domain!r}")
-
-    return OutboxConfig(
-        smtp=smtp,
-        default_sender=_sender(get("MAIL_DEFAULT_SENDER")),
-        ascii_attachments=_bool("MAIL_ASCII_ATTACHMENTS", get("MAIL_ASCII_ATTACHMENTS")),
-        suppress_send=_bool("MAIL_SUPPRESS_SEND", suppress),
-        transport=_transport(get("OUTBOX_TRANSPORT")),
-        file_path=file_path,
-        durable=_bool("OUTBOX_DURABLE", get("OUTBOX_DURABLE")),
-        max_attempts=_number("OUTBOX_MAX_ATTEMPTS", get("OUTBOX_MAX_ATTEMPTS"), minimum=1,
-                             integer=True),
-        inline_retries=_number("OUTBOX_INLINE_RETRIES", get("OUTBOX_INLINE_RETRIES"), minimum=0,
-                               integer=True),
-        retry_base_seconds=base,
-        retry_max_seconds=retry_max,
-        max_throttle_deferrals=_number("OUTBOX_MAX_THROTTLE_DEFERRALS",
-                                       get("OUTBOX_MAX_THROTTLE_DEFERRALS"), minimum=0,
-                                       integer=True),
-        lease_seconds=_number("OUTBOX_LEASE_SECONDS", get("OUTBOX_LEASE_SECONDS"), minimum=1),
-        batch_size=_number("OUTBOX_BATCH_SIZE", get("OUTBOX_BATCH_SIZE"), minimum=1, integer=True),
-        poll_interval=poll,
-        poll_max_interval=poll_max,
-        listen=_bool("OUTBOX_LISTEN", get("OUTBOX_LISTEN")),
-        listen_url=_optional_str("OUTBOX_LISTEN_URL", get("OUTBOX_LISTEN_URL")),
-        listen_backstop_seconds=_number("OUTBOX_LISTEN_BACKSTOP_SECONDS",
-                                        get("OUTBOX_LISTEN_BACKSTOP_SECONDS"), minimum=0,
-                                        strict_minimum=True),
-        run_worker=_bool("OUTBOX_RUN_WORKER", get("OUTBOX_RUN_WORKER")),
-        rate_limit=_number("OUTBOX_RATE_LIMIT", get("OUTBOX_RATE_LIMIT"), minimum=0,
-                           strict_minimum=True, allow_none=True),
-        sweep_on_startup=_bool("OUTBOX_SWEEP_ON_STARTUP", get("OUTBOX_SWEEP_ON_STARTUP")),
-        sweep_min_age_seconds=_number("OUTBOX_SWEEP_MIN_AGE_SECONDS",
-                                      get("OUTBOX_SWEEP_MIN_AGE_SECONDS"), minimum=0),
-        sweep_batch=_number("OUTBOX_SWEEP_BATCH", get("OUTBOX_SWEEP_BATCH"), minimum=1,
-                            integer=True),
-        sweep_interval_seconds=_number("OUTBOX_SWEEP_INTERVAL_SECONDS",
-                                       get("OUTBOX_SWEEP_INTERVAL_SECONDS"), minimum=0,
-                                       strict_minimum=True, allow_none=True),
-        settings_ttl_seconds=_number("OUTBOX_SETTINGS_TTL_SECONDS",
-                                     get("OUTBOX_SETTINGS_TTL_SECONDS"), minimum=0),
-        max_message_bytes=_number("OUTBOX_MAX_MESSAGE_BYTES", get("OUTBOX_MAX_MESSAGE_BYTES"),
-                                  minimum=1, integer=True),
-        allow_local_addresses=_bool("OUTBOX_ALLOW_LOCAL_ADDRESSES",
-                                    get("OUTBOX_ALLOW_LOCAL_ADDRESSES")),
-        message_id_domain=domain,
-        retention_days=_number("OUTBOX_RETENTION_DAYS", get("OUTBOX_RETENTION_DAYS"), minimum=0,
-                               strict_minimum=True, allow_none=True),
-        scrub_sent=_bool("OUTBOX_SCRUB_SENT", get("OUTBOX_SCRUB_SENT")),
-        health_max_queued_age_seconds=_number("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
-                                              get("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS"),
-                                              minimum=0, strict_minimum=True),
-        run_scheduler=_bool("OUTBOX_RUN_SCHEDULER", get("OUTBOX_RUN_SCHEDULER")),
-    )
-
+    return domain

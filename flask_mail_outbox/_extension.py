@@ -23,11 +23,12 @@ from . import _health, _queries, _runtime, _staging
 from ._config import _DEFAULTS, OutboxConfig, load_config
 from ._delivery import DeliveredMessage
 from ._errors import ConfigError, InvalidMessage
+from ._insert import email_dialect, insert_email
 from ._message import Message, prepare_message
 from ._models import Status, metadata
 from ._runtime import _all_states, _AppState
 from ._signals import email_sent
-from ._store import email_dialect, insert_email, utcnow
+from ._store import utcnow
 from ._sweep import SweepReport, load_last_report, run_sweep
 
 if TYPE_CHECKING:

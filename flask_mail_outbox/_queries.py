@@ -24,10 +24,10 @@ the same with a million retained ``sent`` rows as with none:
   ``sent_at``, and the dead letters through the one on ``failed`` rows.
 
 Not here: the reads that are part of a write (the idempotency lookup of
-:func:`._store.insert_email`, the claim's pick, the keys of
-:meth:`Store.retry_all_failed`, the dry run of :meth:`Store.delete_sent`), and
-the sweep's selection (:meth:`Store.sweep_candidates`, :meth:`Store.age_gated`),
-which is the claim's predicate and lives with it.
+:func:`._insert.insert_email`, the claim's pick, the keys of
+:meth:`Store.retry_all_failed`), and the sweep's selection
+(:meth:`Store.sweep_candidates`, :meth:`Store.age_gated`), which is the
+claim's predicate (:func:`._claim.claimable`) and goes with the store.
 """
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ from . import _degrade, _ordering, _queries, _staging
 from ._config import BUILTIN_TRANSPORTS, OutboxConfig
 from ._delivery import Delivery
 from ._errors import ConfigError
+from ._insert import email_dialect
 from ._listen import Listener, libpq_url, notify_statement
 from ._models import email_table
 from ._scheduler import SweepScheduler
 from ._signals import email_queued
-from ._store import email_dialect
 from ._worker import Worker
 from .transports import (
     ConsoleTransport,

@@ -44,10 +44,11 @@ from flask.testing import FlaskClient
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
+from flask_mail_outbox._insert import search_values
 from flask_mail_outbox._models import Status, attachment_table, email_table
 from flask_mail_outbox._ordering import producer_lock
 from flask_mail_outbox._queries import get_setting, list_emails, prefix_bounds
-from flask_mail_outbox._store import Outcome, Store, search_values
+from flask_mail_outbox._store import Outcome, Store
 from flask_mail_outbox.dashboard import CONTENT_SECURITY_POLICY, make_blueprint
 from flask_mail_outbox.migrations import VERSIONS_DIR
 

@@ -19,7 +19,7 @@ from conftest import MakeApps, db, poll, rows
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._store import GIVEN_BACK
+from flask_mail_outbox._housekeeping import GIVEN_BACK
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

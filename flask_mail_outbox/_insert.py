@@ -1,0 +1,182 @@
+"""The producer side: the INSERT that ``send()`` runs in the caller's session.
+
+Nothing here opens a connection or commits: the row is written in the
+caller's transaction, and goes out only if that transaction commits (the
+after-commit hand-over is :mod:`._staging`'s). Everything delivery does after
+that is :class:`._store.Store`'s, on its own engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.orm import Session
+
+from . import _ordering
+from ._listen import CHANNEL
+from ._models import (
+    SEARCH_RECIPIENT_LENGTH,
+    SEARCH_SUBJECT_LENGTH,
+    attachment_table,
+    email_table,
+    search_key,
+)
+from ._store import now_expr, utcnow
+
+_INSERT_CLAUSE = email_table.insert()
+
+
+def email_dialect(session: Session) -> str:
+    """The dialect name of the database ``session`` writes emails to."""
+    return str(session.get_bind(clause=_INSERT_CLAUSE).dialect.name)
+
+
+def insert_email(session: Session, values: dict[str, Any], attachments: Sequence[dict[str, Any]],
+                 *, clock: Callable[[], datetime] = utcnow,
+                 notify: bool = False, dialect: str | None = None,
+                 recipients: Sequence[str] | None = None) -> tuple[int, bool, bool]:
+    """Insert one email row in the caller's ``session``; returns ``(id, created, waits)``.
+
+    With ``notify``, on PostgreSQL, the insert also wakes the listeners of
+    other processes (see :func:`_returning`): the commit needs no NOTIFY.
+    ``dialect`` and ``recipients`` (the list ``values["recipients"]`` holds
+    as JSON) spare lookups the caller has made already.
+
+    ``created_at`` (and ``due_at`` unless given) are "now" on the database's
+    clock. With an ``idempotency_key`` already stored, nothing is inserted and
+    the existing row's id comes back with ``created=False``. The insert goes
+    first so that on SQLite the transaction takes the write lock before it
+    reads (see :meth:`._store.Store.write`). On PostgreSQL, producers of one ``key``
+    are serialized by a transaction-scoped advisory lock, so id order is
+    commit order within a key; ``waits`` is True when the new email found an
+    earlier one of its key open: its commit must :func:`._ordering.advance`
+    the key (see there).
+    """
+    if dialect is None:
+        dialect = email_dialect(session)
+    values = dict(values)
+    values.update(search_values(values["recipients"] if recipients is None else recipients,
+                                values["subject"]))
+    if values.get("key") is None and values.get("idempotency_key") is None:
+        email_id = _insert_plain(session, dialect, values, clock, notify)
+        created, waits = True, False
+    else:
+        email_id, created, waits = _insert_keyed(session, dialect, values, clock, notify)
+    if created and attachments:
+        session.execute(attachment_table.insert(),
+                        [dict(row, email_id=email_id) for row in attachments])
+    return email_id, created, waits
+
+
+def search_values(recipients: str | Sequence[str], subject: str) -> dict[str, str]:
+    """The dashboard's search columns for a row: first recipient and subject, normalised.
+
+    ``recipients`` is the list, or the JSON the row stores.
+    """
+    if isinstance(recipients, str):
+        recipients = json.loads(recipients)
+    first = recipients[0] if recipients else ""
+    return {"search_recipient": search_key(first, SEARCH_RECIPIENT_LENGTH),
+            "search_subject": search_key(subject, SEARCH_SUBJECT_LENGTH)}
+
+
+def _returning(dialect: str, notify: bool) -> tuple[Any, ...]:
+    """``RETURNING id``, and on PostgreSQL with ``notify`` the wake-up of listeners.
+
+    ``pg_notify`` in the insert itself saves the commit a round trip; PostgreSQL
+    delivers it only if the row's (sub)transaction commits, and sends one
+    notification per transaction however many rows carried it.
+    """
+    if notify and dialect == "postgresql":
+        return email_table.c.id, sa.func.pg_notify(CHANNEL, "")
+    return (email_table.c.id,)
+
+
+@functools.cache
+def _plain_insert(dialect: str, notify: bool) -> sa.Insert:
+    """The INSERT of an email with neither key nor idempotency key, built once.
+
+    Building the statement for each email cost more than executing it: with
+    it built once, ``send()`` + commit runs about 4x faster on SQLite and
+    2.5x on PostgreSQL (``python -m benchmarks enqueue``).
+    """
+    t = email_table
+    if dialect != "postgresql":
+        return t.insert().returning(*_returning(dialect, notify))
+    now = now_expr(dialect)
+    due = sa.func.coalesce(sa.bindparam("due_at_or_now", type_=sa.DateTime()), now)
+    return t.insert().values(created_at=now, due_at=due).returning(*_returning(dialect, notify))
+
+
+def _insert_plain(session: Session, dialect: str, values: dict[str, Any],
+                  clock: Callable[[], datetime], notify: bool) -> int:
+    """Insert ``values`` (no key, no idempotency key) with :func:`_plain_insert`."""
+    if dialect == "postgresql":
+        values["due_at_or_now"] = values.pop("due_at", None)
+    else:
+        now = clock()
+        values["created_at"] = now
+        if values.get("due_at") is None:
+            values["due_at"] = now
+    stmt = _plain_insert(dialect, notify)
+    conn = session.connection(bind_arguments={"clause": stmt})
+    return int(conn.execute(stmt, values).scalar_one())
+
+
+def _insert_keyed(session: Session, dialect: str, values: dict[str, Any],
+                  clock: Callable[[], datetime], notify: bool) -> tuple[int, bool, bool]:
+    """Insert ``values`` with a key, an idempotency key or both: ``(id, created, waits)``.
+
+    A keyed email takes its key's producer lock first (PostgreSQL) and holds
+    its key at once when no earlier email of the key is open.
+    """
+    now = now_expr(dialect, clock)
+    values["created_at"] = now
+    if values.get("due_at") is None:
+        values["due_at"] = now
+    keyed = values.get("key") is not None
+    if keyed:
+        if dialect == "postgresql":
+            session.execute(sa.select(_ordering.producer_lock(values["key"])))
+        values["key_head"] = _ordering.holds_at_insert(values["key"])
+    email_id, created, key_head = _insert_unless_stored(session, dialect, values, notify)
+    return email_id, created, created and keyed and dialect == "postgresql" and not key_head
+
+
+def _insert_unless_stored(session: Session, dialect: str, values: dict[str, Any],
+                          notify: bool) -> tuple[int, bool, bool]:
+    """Insert ``values`` unless their ``idempotency_key`` is stored: ``(id, created, key_head)``.
+
+    A stored one's id comes back with ``created=False``. On SQLite and
+    PostgreSQL that is one ``INSERT ... ON CONFLICT DO NOTHING``; elsewhere a
+    lookup, then the insert.
+    """
+    returning = (*_returning(dialect, notify), email_table.c.key_head)
+    idem = values.get("idempotency_key")
+    if idem is not None and dialect in ("sqlite", "postgresql"):
+        insert = sqlite.insert if dialect == "sqlite" else pg.insert
+        stmt = (insert(email_table).values(**values)
+                .on_conflict_do_nothing(index_elements=["idempotency_key"])
+                .returning(*returning))
+        row = session.execute(stmt).first()
+        if row is None:
+            existing = session.execute(
+                sa.select(email_table.c.id).where(email_table.c.idempotency_key == idem)
+            ).scalar_one()
+            return int(existing), False, False
+    else:
+        if idem is not None:
+            existing = session.execute(
+                sa.select(email_table.c.id).where(email_table.c.idempotency_key == idem)
+            ).scalar()
+            if existing is not None:
+                return int(existing), False, False
+        row = session.execute(email_table.insert().values(**values).returning(*returning)).one()
+    return int(row.id), True, bool(row.key_head)
