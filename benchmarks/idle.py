@@ -340,8 +340,8 @@ def child_main(spec: dict[str, Any]) -> None:
     """Boot an app, count its statements and ticks, sit idle, write the JSON."""
     from sqlalchemy import event
 
-    from flask_mail_outbox._worker import Worker
     from flask_mail_outbox._scheduler import SweepScheduler
+    from flask_mail_outbox._worker import Worker
 
     boot = time.time()
     local = threading.local()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,15 +16,15 @@ from flask_mail_outbox import (
     PermanentError,
     TransientError,
 )
-from flask_mail_outbox._store import Reaped
 from flask_mail_outbox._pacing import IdleBackoff, RateLimiter
-from flask_mail_outbox._worker import Worker
 from flask_mail_outbox._retry import (
     RetryPolicy,
     human_seconds,
     longest_unfinished,
     schedule,
 )
+from flask_mail_outbox._store import Reaped
+from flask_mail_outbox._worker import Worker
 
 # -- the retry policy (pure) -------------------------------------------------------------
 

@@ -9,10 +9,9 @@ writes the same row as before.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
-
-import time
 
 import pytest
 from conftest import close_app, db, make_app, query_plan, rows
@@ -218,7 +217,7 @@ def test_a_keyed_tick_is_four_statements_on_postgresql(
     line locks, the batch marked sent, and the keys handed to their next emails
     (see _ordering). Those are handed to the worker, which claims them at once."""
     _queue_keyed(hand_ticked_app, 6)
-    dispatcher = _frozen_dispatcher(hand_ticked_app)
+    _frozen_dispatcher(hand_ticked_app)
     with _statements(hand_ticked_app) as statements:
         _step(hand_ticked_app)
         assert statements == ["WITH due AS", "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
@@ -246,7 +245,7 @@ def test_a_keyed_drain_hides_no_other_due_work(
     """Every tick claims: a keyless email queued by another process (LISTEN off:
     nothing tells this one) after the first tick goes out with the keys' next emails."""
     _queue_keyed(hand_ticked_app, 4)
-    dispatcher = _frozen_dispatcher(hand_ticked_app)
+    _frozen_dispatcher(hand_ticked_app)
     _step(hand_ticked_app)  # m0, m1 sent; the keys handed to m2, m3
     other, other_mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                                   OUTBOX_LISTEN=False)

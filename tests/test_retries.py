@@ -24,8 +24,8 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail, _retry
 from flask_mail_outbox._config import _DEFAULTS
-from flask_mail_outbox._pacing import RateLimiter
 from flask_mail_outbox._models import email_table
+from flask_mail_outbox._pacing import RateLimiter
 from flask_mail_outbox._retry import longest_unfinished, schedule
 from flask_mail_outbox._store import utcnow
 
