@@ -127,11 +127,6 @@ class BatchReport:
         """Rows finished one way or another."""
         return len(self.sent) + len(self.failed) + len(self.transient) + len(self.released)
 
-    def add(self, other: BatchReport) -> None:
-        """Add ``other``'s rows to this report."""
-        for field in dataclasses.fields(self):
-            getattr(self, field.name).extend(getattr(other, field.name))
-
 
 def outcome_for(email: ClaimedEmail, result: Result | None, policy: RetryPolicy, *,
                 retry_now: bool = False) -> Outcome:
@@ -195,11 +190,6 @@ class Heartbeat:
                     ids.discard(email.id)
                     if not ids:
                         del self._tracked[email.owner]
-
-    def tracked(self) -> int:
-        """How many rows it keeps alive now."""
-        with self._lock:
-            return sum(len(ids) for ids in self._tracked.values())
 
     def _run(self) -> None:
         interval = self.lease_seconds / 3

@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from . import _ordering
@@ -36,6 +37,11 @@ _INSERT_CLAUSE = email_table.insert()
 def email_dialect(session: Session) -> str:
     """The dialect name of the database ``session`` writes emails to."""
     return str(session.get_bind(clause=_INSERT_CLAUSE).dialect.name)
+
+
+def email_connection(session: Session) -> Connection:
+    """``session``'s connection to the database it writes emails to, in its transaction."""
+    return session.connection(bind_arguments={"clause": _INSERT_CLAUSE})
 
 
 def insert_email(session: Session, values: dict[str, Any], attachments: Sequence[dict[str, Any]],

@@ -29,9 +29,8 @@ from . import _degrade, _ordering, _queries, _staging
 from ._config import BUILTIN_TRANSPORTS, OutboxConfig
 from ._delivery import Delivery
 from ._errors import ConfigError
-from ._insert import email_dialect
+from ._insert import email_connection, email_dialect
 from ._listen import Listener, libpq_url, notify_statement
-from ._models import email_table
 from ._scheduler import SweepScheduler
 from ._signals import email_queued
 from ._worker import Worker
@@ -282,8 +281,7 @@ class _AppState:
         """
         keys = {e.waits_on_key for e in entries if e.waits_on_key is not None}
         if keys:
-            _ordering.advance(session.connection(bind_arguments={"clause": email_table.insert()}),
-                              keys)
+            _ordering.advance(email_connection(session), keys)
         if any(not e.notified for e in entries) and self.config.listen \
                 and _is_postgres(session) and self.durable():
             session.execute(notify_statement())

@@ -244,9 +244,13 @@ class Worker:
         """Stop handing claimed messages to the server; they are given back. How many."""
         sending, self._sending = self._sending, None  # a cancelled stream takes no more
         never = sending.cancel_pending() if sending is not None else set()
-        if never:
+        if never or sending is not None and sending.pending():
+            # Said whenever something was in flight, so the operator (and a test
+            # holding the server's replies) sees the stop reach the stream.
             logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) in "
-                        "flight not yet handed to the server", os.getpid(), len(never))
+                        "flight not yet handed to the server; %d being sent may still "
+                        "finish", os.getpid(), len(never),
+                        max(0, sending.pending() - len(never)) if sending else 0)
         return len(never)
 
     def in_flight(self) -> int:
@@ -500,10 +504,16 @@ class Worker:
     def _put(self, claimed: Sequence[ClaimedEmail]) -> None:
         if not claimed:
             return
-        self.delivery.heartbeat.track(claimed)
         with self._cond:
-            for email in claimed:
-                self._in_flight[email.id] = email
+            stopping = self._stopping
+            if not stopping:
+                for email in claimed:
+                    self._in_flight[email.id] = email
+        if stopping:
+            # Claimed by a round that began before stop(): unsent, so given back.
+            self.delivery.give_back(claimed)
+            return
+        self.delivery.heartbeat.track(claimed)
         for email in claimed:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent

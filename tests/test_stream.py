@@ -238,33 +238,11 @@ def test_report_may_put_more_but_not_close(gate: Gate,
                and "would wait for itself" in str(r.exc_info[1]) for r in caplog.records)
 
 
-def test_send_many_over_the_stream_keeps_its_order_and_cancel(gate: Gate) -> None:
+def test_send_many_over_the_stream_keeps_its_order(gate: Gate) -> None:
     assert gate.send_many([]) == []
     twice = _envelope(7)
     results = gate.send_many([_envelope(1, "never@example.com"), twice, _envelope(2), twice])
     assert [type(r) for r in results] == [Failed, Delivered, Delivered, Delivered]
-    # The old per-batch cancel reaches the stream send_many has open.
-    gate.opened.clear()
-    gate.entered = threading.Semaphore(0)
-    out: list[list[Result]] = []
-    batch = threading.Thread(target=lambda: out.append(
-        gate.send_many([_envelope(n) for n in range(10, 14)])))
-    batch.start()
-    assert gate.entered.acquire(timeout=10)
-    # Once the batch is all put (10 is inside send()), cancel it.
-    assert poll(lambda: [s.pending() for s in gate._batches], lambda p: p == [4],
-                timeout=10) == [4]
-    assert gate.cancel_pending() == {11, 12, 13}
-    gate.opened.set()
-    batch.join(10)
-    [first, *rest] = out[0]
-    assert first == Delivered(refused={})
-    assert all(isinstance(r, Failed) and isinstance(r.error, NotAttempted) for r in rest)
-    assert gate.cancel_pending() == set()  # no batch open
-
-
-
-
 
 
 # -- the SMTP transport's stream, against the real server ----------------------------------

@@ -262,9 +262,6 @@ class Transport:
 
     def __init__(self, config: OutboxConfig) -> None:
         self.config = config
-        # The streams send_many() has open, for cancel_pending().
-        self._batches: set[Sending] = set()
-        self._batches_lock = threading.Lock()
 
     def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
         """Send one message; return refused recipients (``{addr: (code, text)}``).
@@ -289,7 +286,7 @@ class Transport:
         """Send a batch; one result per envelope, in order. Never raises TransportError.
 
         Puts every envelope into a stream from :meth:`open` and waits for all
-        of them; :meth:`cancel_pending` stops it early.
+        of them.
         """
         if not envelopes:
             return []
@@ -303,35 +300,10 @@ class Transport:
             results[places[id(envelope)].popleft()] = result
 
         sending = self.open(report)
-        with self._batches_lock:
-            self._batches.add(sending)
-        try:
-            for envelope in envelopes:
-                sending.put(envelope)
-            sending.close()
-        except RuntimeError:
-            # cancel_pending() closed the stream before every envelope was put:
-            # what was put is reported; the rest was never attempted.
-            sending.close()
-        finally:
-            with self._batches_lock:
-                self._batches.discard(sending)
+        for envelope in envelopes:
+            sending.put(envelope)
+        sending.close()
         return [r if r is not None else Failed(NotAttempted()) for r in results]
-
-    def cancel_pending(self) -> set[int] | None:
-        """Ask a running :meth:`send_many` to stop handing new messages to the server.
-
-        Returns the ids of the envelopes that are now guaranteed never to be
-        sent (they come back as ``Failed(NotAttempted())``), or None when the
-        transport cannot tell (an override may answer so). A stream from
-        :meth:`open` is stopped with its own :meth:`Sending.cancel_pending`.
-        """
-        with self._batches_lock:
-            batches = list(self._batches)
-        never: set[int] = set()
-        for sending in batches:
-            never |= sending.cancel_pending()
-        return never
 
     def close(self) -> None:
         """Release connections; the transport may be used again afterwards."""
