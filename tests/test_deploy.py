@@ -63,23 +63,28 @@ def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
-def _socket_inode(port: int) -> str | None:
-    """The inode of the 127.0.0.1 TCP socket whose local port is ``port``."""
-    want = f"0100007F:{port:04X}"
+def _socket_inode(port: int, server_port: int) -> str | None:
+    """The inode of the 127.0.0.1 TCP socket from local ``port`` to ``server_port``.
+
+    Both ends are matched: an ephemeral port is reused towards another peer
+    (the HTTP requests, the database) while its old socket still lingers in
+    TIME_WAIT with inode 0.
+    """
+    local, remote = f"0100007F:{port:04X}", f"0100007F:{server_port:04X}"
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if fields[1] == want:
+        if fields[1] == local and fields[2] == remote:
             return fields[9]
     return None
 
 
-def _owner_of(port: int, pids: list[int]) -> int | None:
-    """Which of ``pids`` holds the client socket of local port ``port``."""
+def _owner_of(port: int, server_port: int, pids: list[int]) -> int | None:
+    """Which of ``pids`` holds the client socket from local ``port`` to ``server_port``."""
     # /proc/net/tcp is read a page at a time: a socket opened or closed
     # elsewhere between two reads can hide a line, so look again before
     # calling the connection unknown.
     for _ in range(10):
-        inode = _socket_inode(port)
+        inode = _socket_inode(port, server_port)
         if inode is not None:
             break
         time.sleep(0.02)
@@ -189,17 +194,18 @@ class Owners:
         self.unknown = 0
         self.unknown_seen: list[str] = []
         self._lock = threading.Lock()
+        self._server_port = server.port
         server.on_connect(self._connected)
 
     def _connected(self, peer: tuple[str, int]) -> None:
         pids = [pid for g in self.deployments for pid in (g.pid, *g.workers())]
-        owner = _owner_of(peer[1], pids)
+        owner = _owner_of(peer[1], self._server_port, pids)
         with self._lock:
             if owner is None:
                 self.unknown += 1
+                inode = _socket_inode(peer[1], self._server_port)
                 self.unknown_seen.append(
-                    f"{time.monotonic():.3f} port={peer[1]} inode={_socket_inode(peer[1])} "
-                    f"pids={pids}")
+                    f"{time.monotonic():.3f} port={peer[1]} inode={inode} pids={pids}")
             else:
                 self.by_pid[owner] += 1
 
@@ -282,6 +288,9 @@ def test_a_graceful_restart_mid_batch_delivers_everything_within_ten_seconds(
         assert set(counts) == expected and max(counts.values()) == 1, counts
         assert poll(lambda: {r["status"] for r in rows(helper)} == {"sent"}, timeout=10)
 
+        # The sweep logs its summary after it recorded the rows it delivered.
+        assert poll(lambda: any(m.startswith("Outbox sweep (startup")
+                                for _, _, m in second.lines()), timeout=10), second.lines()
         sweeps = [(pid, m) for pid, _, m in second.lines()
                   if m.startswith("Outbox sweep (startup")]
         assert len(sweeps) == 1, second.lines()
