@@ -128,6 +128,28 @@ class BatchReport:
         return len(self.sent) + len(self.failed) + len(self.transient) + len(self.released)
 
 
+@dataclasses.dataclass
+class Waiter:
+    """Someone waiting for the outcomes of ids handed over (:meth:`._worker.Worker.deliver`)."""
+
+    ids: set[int]
+    report: BatchReport = dataclasses.field(default_factory=BatchReport)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def take(self, report: BatchReport) -> bool:
+        """Note the outcomes of its ids in ``report``; True once it has them all."""
+        for name in ("sent", "failed", "not_claimed", "lost", "released"):
+            mine = [i for i in getattr(report, name) if i in self.ids]
+            getattr(self.report, name).extend(mine)
+            self.ids.difference_update(mine)
+        transient = [t for t in report.transient if t[0] in self.ids]
+        self.report.transient.extend(transient)
+        self.ids.difference_update(t[0] for t in transient)
+        if not self.ids:
+            self.done.set()
+        return not self.ids
+
+
 def outcome_for(email: ClaimedEmail, result: Result | None, policy: RetryPolicy, *,
                 retry_now: bool = False) -> Outcome:
     """What to record for ``email`` after ``result`` (None: claimed past its last attempt).

@@ -26,7 +26,7 @@ from ._errors import ConfigError, InvalidMessage
 from ._insert import email_dialect, insert_email
 from ._message import Message, prepare_message
 from ._models import Status, metadata
-from ._runtime import _all_states, _AppState
+from ._runtime import EXTENSION_KEY, _all_states, _AppState, app_state
 from ._signals import email_sent
 from ._store import utcnow
 from ._sweep import SweepReport, load_last_report, run_sweep
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EXTENSION_KEY = "mail_outbox"
 # One table of keys: the defaults in _config (a key added there is known here).
 _KNOWN_OUTBOX_KEYS = frozenset(key for key in _DEFAULTS if key.startswith("OUTBOX_"))
 _MAX_KEY_LENGTH = 255
@@ -158,13 +157,7 @@ class OutboxMail:
     # -- state --------------------------------------------------------------------
 
     def _state(self) -> _AppState:
-        try:
-            state: _AppState = current_app.extensions[EXTENSION_KEY]
-        except KeyError:
-            raise RuntimeError(
-                "flask-mail-outbox is not registered on the current app; call "
-                "mail.init_app(app) first.") from None
-        return state
+        return app_state()
 
     # -- sending ----------------------------------------------------------------------
 

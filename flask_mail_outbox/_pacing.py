@@ -5,7 +5,8 @@
   server says it sends too fast;
 * :func:`pace`: a dispatcher's limiter after a record, started when the server
   says "too fast" and no rate was configured;
-* :func:`inline_backoff`: the pause before an in-process retry (inline mode).
+* :func:`inline_backoff`: the pause before an in-process retry (inline mode);
+* :class:`ReapSchedule`: which of a dispatcher's claims also reap.
 """
 
 from __future__ import annotations
@@ -24,6 +25,35 @@ if TYPE_CHECKING:
 def inline_backoff(retry: int) -> float:
     """Seconds before in-process retry number ``retry`` (1-based), capped near 2 s."""
     return float(min(2.0, 0.25 * 2 ** (retry - 1)))
+
+
+#: Seconds between reaps while every claim finds work (see :class:`ReapSchedule`).
+BUSY_REAP_INTERVAL = 1.0
+
+
+class ReapSchedule:
+    """Whether a dispatcher's claim also reaps expired leases.
+
+    A claim after one that found nothing (or failed) always does, and so does
+    the first. While claims keep finding work, only the first claim at least
+    :data:`BUSY_REAP_INTERVAL` seconds after the last reap does: a reap reads
+    the index entries of every 'sending' row version since the last VACUUM.
+    """
+
+    def __init__(self) -> None:
+        self._last = -float("inf")
+        self._idle = True
+
+    def due(self, now: float) -> bool:
+        """Whether the claim about to run at ``now`` reaps (counted as a reap if so)."""
+        if self._idle or now - self._last >= BUSY_REAP_INTERVAL:
+            self._last = now
+            return True
+        return False
+
+    def found(self, claimed: int | None) -> None:
+        """What the claim found: a number of rows, or None when it failed."""
+        self._idle = not claimed
 
 
 class IdleBackoff:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import sqlalchemy as sa
-from flask import Flask
+from flask import Flask, current_app
 from sqlalchemy import event
 
 from . import _degrade, _ordering, _queries, _staging
@@ -206,6 +206,24 @@ class _Runtime:
             "marked so the next sweep of any process takes them whatever their age (the "
             "startup sweep of the next start, or a running process's periodic sweep%s)%s",
             pid, marked, ids[:20], f" within {interval:g} s" if interval else "", still)
+
+
+#: The key of an app's :class:`_AppState` in ``app.extensions``.
+EXTENSION_KEY = "mail_outbox"
+
+
+def app_state(app: Flask | None = None) -> _AppState:
+    """The outbox state of ``app`` (default: the current app): the one way in.
+
+    :class:`~._extension.OutboxMail`, the CLI and the dashboard reach the
+    runtime (store, worker, transport) only through this.
+    """
+    target = current_app if app is None else app
+    state: _AppState | None = target.extensions.get(EXTENSION_KEY)
+    if state is None:
+        raise RuntimeError("flask-mail-outbox is not registered on the current app; call "
+                           "OutboxMail(app) or mail.init_app(app) first.")
+    return state
 
 
 class _AppState:

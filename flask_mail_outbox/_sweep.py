@@ -91,25 +91,17 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
     so an idle process writes nothing. A ``periodic`` sweep that finds nothing
     logs at DEBUG only and does not count the rows under the age gate.
     """
-    config = state.config
-    min_age = config.sweep_min_age_seconds if min_age is None else min_age
-    limit = config.sweep_batch if limit is None else limit
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive integer, got {limit!r}")
-    if isinstance(min_age, bool) or not isinstance(min_age, (int, float)) or min_age < 0:
-        raise ValueError(f"min_age must be a number of seconds >= 0, got {min_age!r}")
+    min_age, limit = _checked(state, min_age, limit)
     started = time.monotonic()
     started_at = utcnow().isoformat(timespec="seconds") + "Z"
-    runtime = state.runtime()
-    store = runtime.store
-    durable = state.durable()
-    mode = "durable" if durable else "inline"
+    store = state.runtime().store
+    mode = "durable" if state.durable() else "inline"
     if heal and not dry_run:
         healed = store.heal_key_heads()
         if healed:
             logger.info("The sweep gave %d ordering key(s) without a holder their oldest "
                         "open email", healed)
-    candidates = store.sweep_candidates(min_age_seconds=float(min_age), limit=limit + 1)
+    candidates = store.sweep_candidates(min_age_seconds=min_age, limit=limit + 1)
     truncated = len(candidates) > limit
     candidates = candidates[:limit]
     ids = [email_id for email_id, _ in candidates]
@@ -118,7 +110,7 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
                               "dry_run": dry_run, "started_at": started_at, "kind": kind}
     quiet = kind == "periodic" and not ids
     if not quiet:
-        fields.update(_age_gated(state, float(min_age)))
+        fields.update(_age_gated(state, min_age))
     if dry_run or not ids:
         report = SweepReport(**fields, duration_seconds=_elapsed(started))
         if not dry_run:
@@ -128,32 +120,49 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
             return report
         _log(report, state)
         return report
-    # A lost lease keeps its attempt charged: no row is retried without bound
-    # (one whose attempts are spent is dead-lettered at its next claim).
-    reaped = store.reap_expired(ids=expired) if expired else None
-    if reaped is not None:
-        runtime.delivery.report_reaped(reaped)
-    if durable:
-        # Due queued rows are already claimable; expired leases were just reaped.
-        if runtime.dispatcher is not None or config.run_worker:
-            runtime.dispatch()
-        requeued = len(reaped.requeued) if reaped is not None else 0
-        report = SweepReport(**fields, requeued=len(ids) - len(expired) + requeued,
-                             skipped=len(expired) - requeued,
-                             duration_seconds=_elapsed(started))
-    else:
-        if runtime.synchronous or runtime.worker.hand_ticked:
-            with state.app.app_context():
-                batch = runtime.delivery.deliver_now(ids)
-        else:
-            batch = runtime.worker.deliver(ids, timeout=SWEEP_DELIVERY_TIMEOUT)
-        report = SweepReport(**fields, sent=len(batch.sent),
-                             failed=len(batch.failed) + len(batch.transient),
-                             skipped=len(batch.not_claimed) + len(batch.lost),
-                             duration_seconds=_elapsed(started))
+    report = _take(state, ids, expired, fields, started)
     _store_report(state, report)
     _log(report, state)
     return report
+
+
+def _checked(state: _AppState, min_age: float | None, limit: int | None) -> tuple[float, int]:
+    """``min_age`` and ``limit``, defaulted from the config; ValueError when invalid."""
+    config = state.config
+    min_age = config.sweep_min_age_seconds if min_age is None else min_age
+    limit = config.sweep_batch if limit is None else limit
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    if isinstance(min_age, bool) or not isinstance(min_age, (int, float)) or min_age < 0:
+        raise ValueError(f"min_age must be a number of seconds >= 0, got {min_age!r}")
+    return float(min_age), limit
+
+
+def _take(state: _AppState, ids: list[int], expired: list[int], fields: dict[str, Any],
+          started: float) -> SweepReport:
+    """Take the candidates: reap the expired leases, then deliver (inline) or wake a dispatcher."""
+    runtime = state.runtime()
+    # A lost lease keeps its attempt charged: no row is retried without bound
+    # (one whose attempts are spent is dead-lettered at its next claim).
+    reaped = runtime.store.reap_expired(ids=expired) if expired else None
+    if reaped is not None:
+        runtime.delivery.report_reaped(reaped)
+    if fields["mode"] == "durable":
+        # Due queued rows are already claimable; expired leases were just reaped.
+        if runtime.dispatcher is not None or state.config.run_worker:
+            runtime.dispatch()
+        requeued = len(reaped.requeued) if reaped is not None else 0
+        return SweepReport(**fields, requeued=len(ids) - len(expired) + requeued,
+                           skipped=len(expired) - requeued, duration_seconds=_elapsed(started))
+    if runtime.synchronous or runtime.worker.hand_ticked:
+        with state.app.app_context():
+            batch = runtime.delivery.deliver_now(ids)
+    else:
+        batch = runtime.worker.deliver(ids, timeout=SWEEP_DELIVERY_TIMEOUT)
+    return SweepReport(**fields, sent=len(batch.sent),
+                       failed=len(batch.failed) + len(batch.transient),
+                       skipped=len(batch.not_claimed) + len(batch.lost),
+                       duration_seconds=_elapsed(started))
 
 
 def _elapsed(started: float) -> float:

@@ -26,7 +26,6 @@ an injectable clock, so tests can check the exact gap sequence.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -38,8 +37,8 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from . import _retry
-from ._delivery import BatchReport, Delivery, envelope_of, new_owner
-from ._pacing import IdleBackoff, RateLimiter, inline_backoff, pace
+from ._delivery import BatchReport, Delivery, Waiter, envelope_of, new_owner
+from ._pacing import IdleBackoff, RateLimiter, ReapSchedule, inline_backoff, pace
 from ._store import ClaimedEmail, Reaped
 
 if TYPE_CHECKING:
@@ -50,30 +49,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between reaps while every claim finds work (see :meth:`Worker._reap_now`).
-BUSY_REAP_INTERVAL = 1.0
+#: Seconds the results that came back wait for more before they are recorded
+#: (see :meth:`Worker._record_in`): a record per result would cost a transaction each.
+RECORD_WINDOW = 0.005
 #: Ids waiting in memory at most; past it, hand-overs fall back to the sweep.
 MAX_HANDED = 20_000
-
-
-@dataclasses.dataclass
-class _Waiter:
-    """Someone waiting for the outcomes of ids handed over (:meth:`Worker.deliver`)."""
-
-    ids: set[int]
-    report: BatchReport = dataclasses.field(default_factory=BatchReport)
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    def take(self, report: BatchReport) -> None:
-        for name in ("sent", "failed", "not_claimed", "lost", "released"):
-            mine = [i for i in getattr(report, name) if i in self.ids]
-            getattr(self.report, name).extend(mine)
-            self.ids.difference_update(mine)
-        transient = [t for t in report.transient if t[0] in self.ids]
-        self.report.transient.extend(transient)
-        self.ids.difference_update(t[0] for t in transient)
-        if not self.ids:
-            self.done.set()
 
 
 class Worker:
@@ -87,8 +67,13 @@ class Worker:
         self.policy = config.retry_policy()
         self.clock = clock
         concurrency = max(1, int(getattr(delivery.transport, "concurrency", 1)))
-        #: Rows claimed and not yet recorded, at most.
-        self.capacity = max(1, min(config.batch_size, 2 * concurrency))
+        #: Rows claimed and not yet recorded, at most (a claim takes at most a batch).
+        self.capacity = max(1, config.batch_size)
+        #: Claim again once no more than this is in flight: half a batch (at
+        #: least a message on each connection and one waiting for it), so the
+        #: connections stay fed while the claim runs, and a claim takes many
+        #: rows, not one per result.
+        self.refill_at = min(self.capacity - 1, max(2 * concurrency, self.capacity // 2))
         #: Claims due rows itself (durable mode): see :meth:`dispatch`.
         self.dispatching = False
         self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
@@ -99,22 +84,22 @@ class Worker:
         self._handed: dict[int, None] = {}
         self._retries: dict[int, tuple[float, int]] = {}  # id -> (due, retry number)
         self._retry_numbers: dict[int, int] = {}  # claimed ids -> their retry number
-        self._waiters: list[_Waiter] = []
+        self._waiters: list[Waiter] = []
         self._in_flight: dict[int, ClaimedEmail] = {}
         self._results: list[tuple[ClaimedEmail, Result | None]] = []
+        self._results_since = 0.0  # when the first of them came back
         self._woken = False
         self._busy = False  # in a round (between taking work and putting or recording it)
         self._stopping = False
         #: Never starts a thread: a test or ``flask outbox worker --once`` calls
         #: :meth:`step` / :meth:`drain` itself.
         self.hand_ticked = False
-        self._ever_started = False
+        self.started = False  # whether the loop ever ran in this process
         self._thread: threading.Thread | None = None
         self._sending: Sending | None = None
         self._conn: Connection | None = None  # the dispatcher's, kept across claims
         self._next_claim = -float("inf")
-        self._last_reap = -float("inf")
-        self._last_claim_empty = True
+        self.reaps = ReapSchedule()
         self.claims = 0
         #: Rows this worker finished (recorded one way or another), ever.
         self.finished = 0
@@ -163,7 +148,7 @@ class Worker:
 
     def deliver(self, ids: Sequence[int], timeout: float) -> BatchReport:
         """Hand ``ids`` over and wait (up to ``timeout``) for their first outcomes."""
-        waiter = _Waiter(set(ids))
+        waiter = Waiter(set(ids))
         if not waiter.ids:
             return waiter.report
         with self._cond:
@@ -178,11 +163,6 @@ class Worker:
     # -- control ------------------------------------------------------------------------
 
     @property
-    def started(self) -> bool:
-        """Whether the loop ever ran in this process."""
-        return self._ever_started
-
-    @property
     def running(self) -> bool:
         """Whether the loop thread is alive."""
         return self._thread is not None and self._thread.is_alive()
@@ -192,7 +172,7 @@ class Worker:
         with self._cond:
             if self._stopping or self.running or self.hand_ticked:
                 return
-            self._ever_started = True
+            self.started = True
             self._thread = threading.Thread(target=self.run, name="outbox-worker",
                                             daemon=True)
             self._thread.start()
@@ -267,7 +247,7 @@ class Worker:
             if self.running and self._thread is not current:
                 raise RuntimeError("this worker's loop already runs in another thread")
             self._thread = current
-            self._ever_started = True
+            self.started = True
         try:
             while True:
                 try:
@@ -294,7 +274,8 @@ class Worker:
             self._record()
             if self._stopping:
                 return
-            room = self.capacity - self.in_flight()
+            in_flight = self.in_flight()
+            room = self.capacity - in_flight if in_flight <= self.refill_at else 0
             if room > 0:
                 room -= self._claim_handed(room)
             if room > 0 and self.dispatching:
@@ -355,9 +336,10 @@ class Worker:
     def _wait(self) -> None:
         with self._cond:
             while not self._stopping or self._in_flight:
-                if self._results:
+                record_in = self._record_in()
+                if record_in is not None and record_in <= 0:
                     return
-                room = self.in_flight() < self.capacity
+                room = len(self._in_flight) <= self.refill_at
                 now = self.clock()
                 if room and (self._handed or (self.dispatching and self._woken)):
                     return
@@ -373,7 +355,22 @@ class Worker:
                 # SIGTERM) sets the flag without being able to notify.
                 wait = (None if next_due is None and not self.dispatching else
                         0.5 if next_due is None or not room else min(0.5, next_due - now))
+                if record_in is not None:
+                    wait = record_in if wait is None else min(wait, record_in)
                 self._cond.wait(None if wait is None else max(wait, 0.001))
+
+    def _record_in(self) -> float | None:
+        """Seconds until the results that came back are recorded; None if none did.
+
+        Results are coalesced for up to :data:`RECORD_WINDOW` seconds into one
+        record (one statement for all that were sent), unless nothing else is
+        in flight, the loop stops, or half a batch is waiting.
+        """
+        if not self._results:
+            return None
+        if self._stopping or not self._in_flight or len(self._results) >= self.capacity // 2:
+            return 0.0
+        return self._results_since + RECORD_WINDOW - time.monotonic()
 
     # -- claiming -----------------------------------------------------------------------
 
@@ -421,7 +418,7 @@ class Worker:
         self.claims += 1
         self.last_claim_at = started
         try:
-            claimed, reaped = self._claim_on_kept_connection(limit, reap=self._reap_now())
+            claimed, reaped = self._claim_on_kept_connection(limit, reap=self.reaps.due(self.clock()))
         except Exception as exc:  # noqa: BLE001 - reported; the next claim retries
             self.last_claim_failed = True
             self.last_claimed = 0
@@ -454,21 +451,6 @@ class Worker:
             self._next_claim = started + gap
             self._cond.notify_all()
 
-    def _reap_now(self) -> bool:
-        """Whether this claim also reaps expired leases.
-
-        A claim after one that found nothing always does (so does the first).
-        While claims keep finding work, only the first claim at least
-        :data:`BUSY_REAP_INTERVAL` seconds after the last reap does: a reap
-        reads the index entries of every 'sending' row version since the last
-        VACUUM.
-        """
-        now = self.clock()
-        if self._last_claim_empty or now - self._last_reap >= BUSY_REAP_INTERVAL:
-            self._last_reap = now
-            return True
-        return False
-
     def _claim_on_kept_connection(self, limit: int, *,
                                   reap: bool) -> tuple[list[ClaimedEmail], Reaped]:
         """The claim on the dispatcher's kept connection, or on a new one if it had died.
@@ -487,7 +469,7 @@ class Worker:
                 limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
                 reap=reap, conn=self._conn)
         except BaseException as exc:
-            self._last_claim_empty = True  # the next claim reaps: leases may have run out
+            self.reaps.found(None)  # the next claim reaps: leases may have run out
             conn, self._conn = self._conn, None
             conn.invalidate()
             conn.close()
@@ -496,7 +478,7 @@ class Worker:
                             "claiming again on a new one", exc.orig)
                 return self._claim_on_kept_connection(limit, reap=reap)
             raise
-        self._last_claim_empty = not claimed
+        self.reaps.found(len(claimed))
         return claimed, reaped
 
     # -- sending and recording ------------------------------------------------------------
@@ -514,13 +496,16 @@ class Worker:
             self.delivery.give_back(claimed)
             return
         self.delivery.heartbeat.track(claimed)
+        envelopes = []
         for email in claimed:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent
             else:
-                if self._sending is None:
-                    self._sending = self.delivery.transport.open(self._on_result)
-                self._sending.put(envelope_of(email))
+                envelopes.append(envelope_of(email))
+        if envelopes:
+            if self._sending is None:
+                self._sending = self.delivery.transport.open(self._on_result)
+            self._sending.put_many(envelopes)
 
     def _on_result(self, envelope: Envelope, result: Result) -> None:
         """The transport's report (a transport thread): record it at the next round."""
@@ -532,8 +517,14 @@ class Worker:
     def _on_result_of(self, email: ClaimedEmail, result: Result | None) -> None:
         with self._cond:
             self._in_flight.pop(email.id, None)
+            first = not self._results
+            if first:
+                self._results_since = time.monotonic()
             self._results.append((email, result))
-            self._cond.notify_all()
+            # The loop, woken by the first result, waits for the window's end
+            # by itself: only what ends the window early wakes it again.
+            if first or self._record_in() == 0.0:
+                self._cond.notify_all()
 
     def _record(self) -> None:
         with self._cond:
@@ -560,10 +551,7 @@ class Worker:
         """After a record: schedule in-process retries, tell waiters, forget the rest."""
         retry_now = retry_now or set()
         with self._cond:
-            for waiter in list(self._waiters):
-                waiter.take(report)
-                if waiter.done.is_set():
-                    self._waiters.remove(waiter)
+            self._tell_waiters(report)
             for email_id, attempt, error in report.transient:
                 number = self._retry_numbers.pop(email_id, 0) + 1
                 if email_id in retry_now and not self._stopping:
@@ -587,14 +575,15 @@ class Worker:
 
     def _forget(self, ids: Sequence[int]) -> None:
         """Ids this worker will not deliver after all: their waiters stop waiting."""
-        report = BatchReport(not_claimed=list(ids))
         with self._cond:
             for email_id in ids:
                 self._retry_numbers.pop(email_id, None)
-            for waiter in list(self._waiters):
-                waiter.take(report)
-                if waiter.done.is_set():
-                    self._waiters.remove(waiter)
+            self._tell_waiters(BatchReport(not_claimed=list(ids)))
+
+    def _tell_waiters(self, report: BatchReport) -> None:
+        for waiter in list(self._waiters):
+            if waiter.take(report):
+                self._waiters.remove(waiter)
 
     def _close(self) -> None:
         sending, self._sending = self._sending, None

@@ -17,9 +17,11 @@ from flask.cli import AppGroup
 
 from ._errors import InvalidMessage
 from ._message import Message
+from ._runtime import app_state
 
 if TYPE_CHECKING:
     from ._extension import OutboxMail
+    from ._runtime import _AppState
 
 outbox_cli = AppGroup("outbox", help="Inspect and operate the email outbox.")
 
@@ -62,7 +64,7 @@ def _configure_logging(level: str | None) -> None:
 
 def _log_start(command: str, *, mode: str, concurrency: int | None = None) -> None:
     """One INFO line: which database, transport, mode and concurrency (no password)."""
-    state = current_app.extensions["mail_outbox"]
+    state = _state()
     with current_app.app_context():
         url = state.db.engine.url.render_as_string(hide_password=True)
     config = state.config
@@ -75,13 +77,17 @@ def _log_start(command: str, *, mode: str, concurrency: int | None = None) -> No
         "" if concurrency is None else f", concurrency {concurrency}")
 
 
-def _extension() -> OutboxMail:
-    state = current_app.extensions.get("mail_outbox")
-    if state is None:
+def _state() -> _AppState:
+    try:
+        return app_state()
+    except RuntimeError:
         raise click.ClickException(
             "flask-mail-outbox is not registered on this app (call OutboxMail(app) or "
-            "mail.init_app(app) in your app factory)")
-    mail: OutboxMail = state.ext
+            "mail.init_app(app) in your app factory)") from None
+
+
+def _extension() -> OutboxMail:
+    mail: OutboxMail = _state().ext
     return mail
 
 
@@ -95,9 +101,8 @@ def send_test(to: str, subject: str, timeout: float) -> None:
     """Send one real email through the configured transport and report the outcome."""
     from ._queries import email_outcome
 
-    mail = _extension()
-    state = current_app.extensions["mail_outbox"]
-    db = state.db
+    state = _state()
+    mail, db = state.ext, state.db
     message = Message(subject, recipients=[to],
                       body="This is a test email from flask-mail-outbox (flask outbox send-test).")
     try:
@@ -117,11 +122,6 @@ def send_test(to: str, subject: str, timeout: float) -> None:
         mail.stop()
         sys.exit(1)
     mail.stop()
-
-
-def _state() -> Any:
-    _extension()
-    return current_app.extensions["mail_outbox"]
 
 
 @outbox_cli.command("worker")

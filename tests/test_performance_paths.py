@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import close_app, db, make_app, query_plan, rows
+from conftest import close_app, db, make_app, poll, query_plan, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 from sqlalchemy import event as sa_event
@@ -122,25 +122,42 @@ def test_the_insert_wakes_listeners_and_the_commit_sends_no_notify(db_url: str) 
         close_app(app)
 
 
-def test_a_slow_server_has_at_most_the_workers_capacity_claimed(
-        worker_app: Flask, smtp_server: FaultSMTPServer) -> None:
+def test_a_slow_server_has_at_most_a_batch_claimed_and_is_refilled_before_it_starves(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
     """Rows wait queued, not claimed, while the connections are busy: at most a
-    message on each connection and one waiting for it, whatever the backlog."""
-    mail: OutboxMail = worker_app.extensions["test_mail"]
-    smtp_server.delay("data", 0.1)  # at least 0.1 s per message and connection
-    with worker_app.app_context():
-        for i in range(30):
-            mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
-        db.session.commit()
-    dispatcher = _dispatcher(worker_app)
-    assert dispatcher.capacity == 8  # four connections
-    most = 0
-    while smtp_server.data_attempts < 30:
-        dispatcher.step()
-        most = max(most, sum(r["status"] == "sending" for r in rows(worker_app)))
-        time.sleep(0.02)
-    assert most == 8
-    assert smtp_server.wait_for(30)
+    batch (OUTBOX_BATCH_SIZE) is claimed and unrecorded, and the next claim
+    comes once no more than half a batch (at least two per connection) is
+    left, so the connections never run dry between two claims."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_POLL_INTERVAL=POLL,
+                   OUTBOX_BATCH_SIZE=12)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        smtp_server.delay("data", 0.1)  # at least 0.1 s per message and connection
+        with app.app_context():
+            for i in range(40):
+                mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        dispatcher = _dispatcher(app)
+        assert (dispatcher.capacity, dispatcher.refill_at) == (12, 8)  # four connections
+        claimed_at: list[int] = []  # rows still sending when a claim took more
+        most = 0
+        while smtp_server.data_attempts < 40:
+            claims = dispatcher.claims
+            dispatcher.step()
+            sending = sum(r["status"] == "sending" for r in rows(app))
+            if dispatcher.claims > claims and dispatcher.last_claimed:
+                claimed_at.append(sending - dispatcher.last_claimed)
+            most = max(most, sending)
+            time.sleep(0.02)
+        assert most == 12
+        assert claimed_at[0] == 0 and len(claimed_at) >= 3
+        # Refilled while the connections still had work (never empty between
+        # claims), and never above the refill point.
+        assert all(0 < n <= 8 for n in claimed_at[1:]), claimed_at
+        assert smtp_server.wait_for(40)
+    finally:
+        close_app(app, timeout=5)
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # advisory locks
@@ -340,3 +357,31 @@ def test_the_record_fetches_its_batch_by_primary_key_on_a_queue_with_stale_stati
             plan = " | ".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {statement}",
                                                                    parameters))
         assert "pk_outbox_email" in plan and "ix_outbox_email_lease" not in plan, (mode, plan)
+
+
+def test_results_that_come_back_together_are_recorded_in_one_statement(
+        worker_app: Flask, smtp_server: FaultSMTPServer) -> None:
+    """Each outcome is recorded as its reply arrives, coalesced over a few
+    milliseconds (RECORD_WINDOW): a fast server's replies do not cost a
+    transaction each."""
+    mail: OutboxMail = worker_app.extensions["test_mail"]
+    with worker_app.app_context():
+        for i in range(100):
+            mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+        db.session.commit()
+    runtime = worker_app.extensions["mail_outbox"].runtime()
+    engine = runtime.engine
+    records: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("UPDATE") and "sent_at" in statement:
+            records.append(statement)
+
+    sa_event.listen(engine, "before_cursor_execute", note)
+    try:
+        runtime.dispatch()  # the loop in its thread, as a worker process runs it
+        assert smtp_server.wait_for(100, timeout=30)
+        assert poll(lambda: all(r["status"] == "sent" for r in rows(worker_app)), timeout=10)
+    finally:
+        sa_event.remove(engine, "before_cursor_execute", note)
+    assert 1 <= len(records) <= 20, len(records)

@@ -20,6 +20,7 @@ from flask.typing import ResponseReturnValue
 from .. import _queries
 from .._models import Status
 from .._queries import SEARCH_FIELDS, HourCount
+from .._runtime import app_state
 from .._store import Store, utcnow
 from ._preview import preview
 
@@ -86,7 +87,7 @@ class Dashboard:
         bp.context_processor(_formatting)
 
     def _store(self) -> Store:
-        return self.mail._state().runtime().store
+        return app_state().runtime().store
 
     # -- pages ----------------------------------------------------------------------
 

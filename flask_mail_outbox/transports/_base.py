@@ -109,12 +109,18 @@ class Sending:
 
         Raises :class:`RuntimeError` after :meth:`close` or :meth:`cancel_pending`.
         """
+        self.put_many([envelope])
+
+    def put_many(self, envelopes: Sequence[Envelope]) -> None:
+        """:meth:`put` each of ``envelopes``, in order, in one hand-over."""
+        if not envelopes:
+            return
         with self._lock:
             if self._closed:
                 raise RuntimeError("put() on a closed sending stream: open a new one with "
                                    "Transport.open()")
-            self._hand_over(envelope)
-            self._unreported += 1
+            self._hand_over(envelopes)
+            self._unreported += len(envelopes)
 
     def pending(self) -> int:
         """How many messages were put and not reported yet."""
@@ -150,8 +156,8 @@ class Sending:
 
     # -- for implementations ------------------------------------------------------------
 
-    def _hand_over(self, envelope: Envelope) -> None:
-        """Queue ``envelope`` for sending; called under ``_lock``, must not block."""
+    def _hand_over(self, envelopes: Sequence[Envelope]) -> None:
+        """Queue ``envelopes`` for sending; called under ``_lock``, must not block."""
         raise NotImplementedError
 
     def _cancel(self) -> set[int]:
@@ -196,8 +202,8 @@ class _OneAtATime(Sending):
         self._not_attempted: list[Envelope] = []
         self._thread: threading.Thread | None = None
 
-    def _hand_over(self, envelope: Envelope) -> None:
-        self._queue.append(envelope)
+    def _hand_over(self, envelopes: Sequence[Envelope]) -> None:
+        self._queue.extend(envelopes)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="outbox-send", daemon=True)
             self._thread.start()
@@ -300,8 +306,7 @@ class Transport:
             results[places[id(envelope)].popleft()] = result
 
         sending = self.open(report)
-        for envelope in envelopes:
-            sending.put(envelope)
+        sending.put_many(envelopes)
         sending.close()
         return [r if r is not None else Failed(NotAttempted()) for r in results]
 
