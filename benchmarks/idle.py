@@ -393,6 +393,9 @@ def child_main(spec: dict[str, Any]) -> None:
 
     app = create_app()
     state = app.extensions["mail_outbox"]
+    # A script starts the background jobs on first use; serve as the first
+    # request of a WSGI process would.
+    state.ensure_started()
     engines = {"outbox": state.runtime().engine}
     with app.app_context():
         engines["app"] = state.db.engine
