@@ -51,8 +51,8 @@ class ReapSchedule:
             return True
         return False
 
-    def found(self, claimed: int | None) -> None:
-        """What the claim found: a number of rows, or None when it failed."""
+    def found(self, claimed: int) -> None:
+        """How many rows the claim found (0 when it failed)."""
         self._idle = not claimed
 
 

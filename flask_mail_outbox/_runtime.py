@@ -212,14 +212,13 @@ class _Runtime:
 EXTENSION_KEY = "mail_outbox"
 
 
-def app_state(app: Flask | None = None) -> _AppState:
-    """The outbox state of ``app`` (default: the current app): the one way in.
+def app_state() -> _AppState:
+    """The outbox state of the current app: the one way in.
 
     :class:`~._extension.OutboxMail`, the CLI and the dashboard reach the
     runtime (store, worker, transport) only through this.
     """
-    target = current_app if app is None else app
-    state: _AppState | None = target.extensions.get(EXTENSION_KEY)
+    state: _AppState | None = current_app.extensions.get(EXTENSION_KEY)
     if state is None:
         raise RuntimeError("flask-mail-outbox is not registered on the current app; call "
                            "OutboxMail(app) or mail.init_app(app) first.")

@@ -120,7 +120,7 @@ def run_sweep(state: _AppState, *, min_age: float | None = None, limit: int | No
             return report
         _log(report, state)
         return report
-    report = _take(state, ids, expired, fields, started)
+    report = _take(state, ids, expired, fields, started, durable=mode == "durable")
     _store_report(state, report)
     _log(report, state)
     return report
@@ -139,7 +139,7 @@ def _checked(state: _AppState, min_age: float | None, limit: int | None) -> tupl
 
 
 def _take(state: _AppState, ids: list[int], expired: list[int], fields: dict[str, Any],
-          started: float) -> SweepReport:
+          started: float, *, durable: bool) -> SweepReport:
     """Take the candidates: reap the expired leases, then deliver (inline) or wake a dispatcher."""
     runtime = state.runtime()
     # A lost lease keeps its attempt charged: no row is retried without bound
@@ -147,7 +147,7 @@ def _take(state: _AppState, ids: list[int], expired: list[int], fields: dict[str
     reaped = runtime.store.reap_expired(ids=expired) if expired else None
     if reaped is not None:
         runtime.delivery.report_reaped(reaped)
-    if fields["mode"] == "durable":
+    if durable:
         # Due queued rows are already claimable; expired leases were just reaped.
         if runtime.dispatcher is not None or state.config.run_worker:
             runtime.dispatch()

@@ -11,13 +11,11 @@ work from two sources:
   once when a commit or a NOTIFY wakes it.
 
 Both go through the same compare-and-set claim, and into one long-lived
-stream of the transport (:meth:`~.transports.Transport.open`). The loop claims
-only what the stream has room for (:attr:`Worker.capacity`: a message on each
-connection and one waiting for it) and claims again as results come back, so
-every connection stays fed and a slow server is limited by its latency, not by
-the loop. Results are recorded as they arrive: whatever came back while the
-last record ran goes into the next one (:meth:`~._delivery.Delivery.finish`),
-so a killed process re-sends only the messages whose DATA was in flight.
+stream of the transport (:meth:`~.transports.Transport.open`). At most a batch
+is claimed and unrecorded (:attr:`Worker.capacity`), and the next claim comes
+at :attr:`Worker.refill_at`, so the connections stay fed while it runs. Results
+are recorded as they arrive, coalesced over :data:`RECORD_WINDOW` (a killed
+process re-sends only what was in flight or came back in its last few ms).
 
 A dispatcher's claims follow :class:`~._pacing.IdleBackoff` (gaps measured
 from the start of a claim; wakes during a round collapse into one claim), on
@@ -274,8 +272,7 @@ class Worker:
             self._record()
             if self._stopping:
                 return
-            in_flight = self.in_flight()
-            room = self.capacity - in_flight if in_flight <= self.refill_at else 0
+            room = self._room(self.in_flight())
             if room > 0:
                 room -= self._claim_handed(room)
             if room > 0 and self.dispatching:
@@ -339,7 +336,8 @@ class Worker:
                 record_in = self._record_in()
                 if record_in is not None and record_in <= 0:
                     return
-                room = len(self._in_flight) <= self.refill_at
+                # What came back is recorded first, so only what is on the wire counts.
+                room = self._room(len(self._in_flight)) > 0
                 now = self.clock()
                 if room and (self._handed or (self.dispatching and self._woken)):
                     return
@@ -371,6 +369,10 @@ class Worker:
         if self._stopping or not self._in_flight or len(self._results) >= self.capacity // 2:
             return 0.0
         return self._results_since + RECORD_WINDOW - time.monotonic()
+
+    def _room(self, in_flight: int) -> int:
+        """How many rows a claim may take with ``in_flight`` unrecorded (0 above the refill point)."""
+        return self.capacity - in_flight if in_flight <= self.refill_at else 0
 
     # -- claiming -----------------------------------------------------------------------
 
@@ -469,7 +471,7 @@ class Worker:
                 limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
                 reap=reap, conn=self._conn)
         except BaseException as exc:
-            self.reaps.found(None)  # the next claim reaps: leases may have run out
+            self.reaps.found(0)  # the next claim reaps: leases may have run out
             conn, self._conn = self._conn, None
             conn.invalidate()
             conn.close()
@@ -521,8 +523,8 @@ class Worker:
             if first:
                 self._results_since = time.monotonic()
             self._results.append((email, result))
-            # The loop, woken by the first result, waits for the window's end
-            # by itself: only what ends the window early wakes it again.
+            # A woken loop records what came back, window or not: wake it for the
+            # first result (it then waits out the window) and what ends it early.
             if first or self._record_in() == 0.0:
                 self._cond.notify_all()
 

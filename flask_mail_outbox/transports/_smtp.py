@@ -211,10 +211,7 @@ class _SMTPSending(Sending):
                  report: Report) -> None:
         super().__init__(report)
         self._transport, self._loop = transport, loop
-        # Results go to the reporter a loop turn's worth at a time: a handoff
-        # between threads per message cost a third of the stream's speed.
-        self._results: queue.SimpleQueue[list[tuple[Envelope, Result]] | None] = (
-            queue.SimpleQueue())
+        self._results: queue.SimpleQueue[tuple[Envelope, Result] | None] = queue.SimpleQueue()
         self._reporter: threading.Thread | None = None
         # -- the loop thread's -------------------------------------------------------------
         self._queue: collections.deque[_Job] = collections.deque()
@@ -225,7 +222,6 @@ class _SMTPSending(Sending):
         self._ending = False  # closed or cancelled: workers end once out of work
         self._cancelled = False
         self._no_spawn_until = 0.0
-        self._finished: list[tuple[Envelope, Result]] = []  # for the reporter, this turn
 
     # -- the caller's side ---------------------------------------------------------------
 
@@ -252,9 +248,9 @@ class _SMTPSending(Sending):
 
     def _report_results(self) -> None:
         while True:
-            batch = self._results.get()
-            for envelope, result in batch or ():
-                self._reported(envelope, result)
+            item = self._results.get()
+            if item is not None:
+                self._reported(*item)
             with self._lock:
                 if self._closed and self._unreported == 0:
                     return
@@ -312,13 +308,7 @@ class _SMTPSending(Sending):
             return  # cancel_pending() reported it already
         job.reported = True
         del self._jobs[job]
-        if not self._finished:
-            self._loop.call_soon(self._pass_on)
-        self._finished.append((job.envelope, result))
-
-    def _pass_on(self) -> None:
-        finished, self._finished = self._finished, []
-        self._results.put(finished)
+        self._results.put((job.envelope, result))
 
     def _requeue(self, job: _Job) -> None:
         """``job`` goes again, first in line: the server accepted nothing of it."""
