@@ -44,6 +44,7 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_MAX_THROTTLE_DEFERRALS": 10,
     "OUTBOX_LEASE_SECONDS": 30.0,
     "OUTBOX_BATCH_SIZE": 100,
+    "OUTBOX_CONCURRENCY": 4,
     "OUTBOX_POLL_INTERVAL": 0.5,
     "OUTBOX_POLL_MAX_INTERVAL": 30.0,
     "OUTBOX_LISTEN": True,
@@ -103,6 +104,7 @@ class OutboxConfig:
     max_throttle_deferrals: int
     lease_seconds: float
     batch_size: int
+    concurrency: int
     poll_interval: float
     poll_max_interval: float
     listen: bool
@@ -267,6 +269,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
                                            integer=True),
         lease_seconds=keys.number("OUTBOX_LEASE_SECONDS", minimum=1),
         batch_size=keys.number("OUTBOX_BATCH_SIZE", minimum=1, integer=True),
+        concurrency=_concurrency(keys),
         poll_interval=poll,
         poll_max_interval=poll_max,
         listen=keys.flag("OUTBOX_LISTEN"),
@@ -292,6 +295,19 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
                                                   minimum=0, strict_minimum=True),
         run_scheduler=keys.flag("OUTBOX_RUN_SCHEDULER"),
     )
+
+
+#: The most SMTP connections one process opens per transport (``--concurrency`` too).
+MAX_CONCURRENCY = 256
+
+
+def _concurrency(keys: _Keys) -> int:
+    """OUTBOX_CONCURRENCY: connections per process (a stream's sends in flight)."""
+    value: int = keys.number("OUTBOX_CONCURRENCY", minimum=1, integer=True)
+    if value > MAX_CONCURRENCY:
+        raise ConfigError("OUTBOX_CONCURRENCY",
+                          f"must be at most {MAX_CONCURRENCY}, got {value!r}")
+    return value
 
 
 def _smtp_settings(keys: _Keys) -> SMTPSettings:

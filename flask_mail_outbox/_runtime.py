@@ -234,7 +234,9 @@ class _AppState:
         self.db = db
         self.config = config
         self.faults = _degrade.FaultTracker()
-        self.concurrency = 4  # concurrent SMTP connections; `flask outbox worker` sets it
+        #: SMTP connections of this process's stream: OUTBOX_CONCURRENCY, or
+        #: `flask outbox worker --concurrency` before the runtime starts.
+        self.concurrency = config.concurrency
         self._runtime: _Runtime | None = None
         self._lock = threading.Lock()
         self._durable_cache: tuple[bool, float] | None = None
