@@ -215,9 +215,9 @@ class Store(Housekeeping):
                   conn: Connection | None = None) -> tuple[list[ClaimedEmail], Reaped]:
         """One dispatcher tick's database work: reap once, then claim up to ``limit``.
 
-        Due rows are taken oldest first (``due_at, id``); only keyless rows and
-        key holders are candidates, read from the partial index that holds
-        exactly those.
+        Due rows are taken by priority, then oldest first (``priority, due_at,
+        id``); only keyless rows and key holders are candidates, read from the
+        partial index that holds exactly those.
 
         * PostgreSQL: ONE statement, in autocommit: the reap and the claim are
           data-modifying CTEs; the ids are picked in a materialized CTE with
@@ -239,7 +239,7 @@ class Store(Housekeeping):
             pick: Any = (_claim.sqlite_pick(self.clock(), limit) if self.is_sqlite else
                          sa.select(t.c.id)
                          .where(_claim.claimable(self.now_expr, sqlite=self.is_sqlite))
-                         .order_by(t.c.due_at, t.c.id).limit(limit))
+                         .order_by(*_claim.CLAIM_ORDER).limit(limit))
             if self.is_sqlite:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
             try:

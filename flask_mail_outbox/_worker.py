@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from . import _retry
@@ -106,8 +106,12 @@ class Worker:
 
     # -- sources ------------------------------------------------------------------------
 
-    def hand(self, ids: Sequence[int]) -> None:
-        """Deliver ``ids`` (committed, or handed a key) as soon as there is room."""
+    def hand(self, ids: Sequence[int], *, urgent: Collection[int] = ()) -> None:
+        """Deliver ``ids`` (committed, or handed a key) as soon as there is room.
+
+        Those also in ``urgent`` (``priority="high"``) go before every id
+        already waiting; the others after them.
+        """
         if not ids:
             return
         with self._cond:
@@ -127,6 +131,9 @@ class Worker:
                 ids = ids[:max(room, 0)]
             elif not self._handed:
                 self.delivery.faults.recovered("inline-overflow")
+            first = [i for i in ids if i in urgent] if urgent else []
+            if first:
+                self._handed = {**dict.fromkeys(first), **self._handed}
             self._handed.update(dict.fromkeys(ids))
             self._cond.notify_all()
         self.start()
