@@ -112,7 +112,9 @@ class Message:
     Made outside an app context and without a sender, the message has no
     domain to go by yet: ``msgId`` reads None until one is known (a sender is
     set, or it is read or built in an app context), and is kept from then on.
-    Set it to ``"<id@domain>"`` to choose one, or to None to have a new one made.
+    Made outside an app context, it is made again when it is sent by an app
+    whose ``OUTBOX_MESSAGE_ID_DOMAIN`` names another domain. Set it to
+    ``"<id@domain>"`` to choose one, or to None to have a new one made.
     One ``Message`` is one email: sent again, it keeps its Message-ID and Date.
 
     ``list_unsubscribe`` (keyword-only): an ``https://`` URL and/or a
@@ -162,6 +164,7 @@ class Message:
         # The Date of a message without ``date``: its first build's time, then kept.
         self._built_date: datetime | None = None
         self._msg_id: str | None = None
+        self._msg_id_made = False  # made here (not chosen by the user)
         self._msg_id = self.msgId
 
     @property
@@ -170,12 +173,12 @@ class Message:
         if self._msg_id is None:
             domain = _context_domain(self.sender)
             if domain is not None:
-                self._msg_id = new_message_id(domain)
+                self._msg_id, self._msg_id_made = new_message_id(domain), True
         return self._msg_id
 
     @msgId.setter
     def msgId(self, value: str | None) -> None:
-        self._msg_id = value
+        self._msg_id, self._msg_id_made = value, False
 
     def __repr__(self) -> str:
         return f"<Message {self.subject!r} to {self.recipients!r}>"
@@ -418,15 +421,21 @@ def _message_id(
 ) -> str:
     """The Message-ID the user chose, checked (an extra header wins over ``msgId``).
 
-    A message whose ``msgId`` could not be made yet (no domain to go by) gets
-    one now from the settings or the resolved sender, and keeps it.
+    A message whose ``msgId`` could not be made yet (no domain to go by), or
+    was made with another domain than ``OUTBOX_MESSAGE_ID_DOMAIN`` (outside an
+    app context), gets one now from the setting or the sender, and keeps it.
     """
     if extra and "message-id" in extra.replaced:
         return check_message_id(extra.replaced["message-id"])
-    if msg.msgId is None:
-        domain = check_message_id_domain(domain_setting) if domain_setting else sender.domain
-        msg.msgId = new_message_id(domain)
-    return check_message_id(msg.msgId)
+    domain = check_message_id_domain(domain_setting) if domain_setting else sender.domain
+    message_id = msg.msgId
+    if message_id is None or (
+        # Made before the app's setting was known (outside an app context).
+        msg._msg_id_made and domain_setting and not message_id.endswith(f"@{domain}>")
+    ):
+        message_id = msg._msg_id = new_message_id(domain)
+        msg._msg_id_made = True
+    return check_message_id(message_id)
 
 
 def new_message_id(domain: str) -> str:

@@ -102,7 +102,9 @@ def top_headers(
         headers["cc"] = _address_header("Cc", cc)
     if reply_to:
         headers["reply-to"] = _address_header("Reply-To", reply_to)
-    headers["subject"] = unstructured_header("Subject", subject)
+    if subject:
+        # Flask-Mail writes no Subject for an empty one, and neither do MUAs.
+        headers["subject"] = unstructured_header("Subject", subject)
     headers["date"] = "Date: " + _date_header(date.replace(microsecond=0))
     headers["message-id"] = "Message-ID: " + message_id
     headers["mime-version"] = "MIME-Version: 1.0"
