@@ -14,6 +14,7 @@ import email.charset
 import email.header
 import email.policy
 import re
+from datetime import UTC, datetime
 from email.message import EmailMessage
 from email.parser import BytesParser
 from typing import Any
@@ -83,6 +84,9 @@ def test_msgid_domain_in_an_app_context() -> None:
         # The setting wins over any sender.
         msg = Message("Hi", ["to@example.com"], sender="x@other.example.org")
         assert str(msg.msgId).endswith("@ids.example.net>")
+        unread = Message("Hi", ["to@example.com"], sender="x@other.example.org")
+    # Made in the constructor: read after the app context ended, it is the app's still.
+    assert str(unread.msgId).endswith("@ids.example.net>")
 
 
 def test_msgid_without_an_app_context_or_a_sender_waits_for_a_domain_then_keeps_it() -> None:
@@ -126,6 +130,17 @@ def test_str_and_as_string_are_the_same_message_every_time() -> None:
     assert str(msg) == first == msg.as_string()
     assert bytes(msg) == msg.as_bytes() == first.encode("ascii")
     assert parse(msg.as_bytes())["Message-ID"] == msg.msgId
+
+
+def test_the_date_of_the_first_build_is_kept() -> None:
+    msg = Message("Hi", ["to@example.com"], "body", sender=SENDER)
+    first = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert parse(prepare(msg, now=first).mime)["Date"].datetime == first
+    later = datetime(2026, 1, 2, 9, 0, 0, tzinfo=UTC)
+    assert parse(prepare(msg, now=later).mime)["Date"].datetime == first
+    # A date the user gives is used as it is.
+    msg.date = later
+    assert parse(prepare(msg).mime)["Date"].datetime == later
 
 
 def test_the_stored_row_and_the_delivered_message_carry_msgid(
