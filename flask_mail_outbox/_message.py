@@ -15,7 +15,6 @@ from __future__ import annotations
 import mimetypes
 import re
 import secrets
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,13 +25,11 @@ from flask import current_app, has_app_context
 from ._addresses import (
     UNDISCLOSED_RECIPIENTS,
     Addr,
-    AddressError,
     address_list,
     bare_address,
     check_header_text,
     display_list,
     has_bad_chars,
-    parse_address,
     reply_to_list,
     resolve_sender,
 )
@@ -42,14 +39,13 @@ from ._fields import (
     ExtraHeaders,
     check_attachments,
     check_esmtp_options,
-    check_message_id,
-    check_message_id_domain,
     extra_headers,
     resolve_charset,
     resolve_date,
     text_alternatives,
 )
 from ._html_text import html_to_text
+from ._message_id import context_domain, new_message_id, resolve_message_id
 from ._mime import Part, message_body, top_headers
 from ._unsubscribe import unsubscribe_lines
 
@@ -171,7 +167,7 @@ class Message:
     def msgId(self) -> str | None:
         """The Message-ID, ``"<unique@domain>"``; see the class docstring for its domain."""
         if self._msg_id is None:
-            domain = _context_domain(self.sender)
+            domain = context_domain(self.sender)
             if domain is not None:
                 self._msg_id, self._msg_id_made = new_message_id(domain), True
         return self._msg_id
@@ -358,11 +354,9 @@ def prepare_message(
     date = _date(msg, now)
     extra = extra_headers(msg.extra_headers)
     unsubscribe = unsubscribe_lines(msg.list_unsubscribe, extra, allow_local_addresses)
-    message_id = _message_id(msg, extra, message_id_domain, sender)
+    message_id = resolve_message_id(msg, extra, message_id_domain, sender)
     attachments = check_attachments(msg.attachments, ascii_attachments, max_message_bytes)
 
-    if html_to_text is None:
-        html_to_text = bool(_current_app_options()["html_to_text"])
     body_headers, body = _content(
         msg, alternatives, [att.part for att in attachments], codec, charset_name, html_to_text
     )
@@ -416,33 +410,6 @@ def _recipients(msg: Message, allow_local: bool) -> tuple[list[Addr], list[Addr]
     return to, cc, bcc
 
 
-def _message_id(
-    msg: Message, extra: ExtraHeaders | None, domain_setting: str | None, sender: Addr
-) -> str:
-    """The Message-ID the user chose, checked (an extra header wins over ``msgId``).
-
-    A message whose ``msgId`` could not be made yet (no domain to go by), or
-    was made with another domain than ``OUTBOX_MESSAGE_ID_DOMAIN`` (outside an
-    app context), gets one now from the setting or the sender, and keeps it.
-    """
-    if extra and "message-id" in extra.replaced:
-        return check_message_id(extra.replaced["message-id"])
-    domain = check_message_id_domain(domain_setting) if domain_setting else sender.domain
-    message_id = msg.msgId
-    if message_id is None or (
-        # Made before the app's setting was known (outside an app context).
-        msg._msg_id_made and domain_setting and not message_id.endswith(f"@{domain}>")
-    ):
-        message_id = msg._msg_id = new_message_id(domain)
-        msg._msg_id_made = True
-    return check_message_id(message_id)
-
-
-def new_message_id(domain: str) -> str:
-    """A fresh ``<time.random@domain>``: unique without asking DNS for a host name."""
-    return f"<{time.time_ns() // 1000:x}.{secrets.token_hex(8)}@{domain}>"
-
-
 def _date(msg: Message, now: datetime | None) -> datetime:
     """``msg.date`` checked; without one, the time of the message's first build, kept."""
     if msg.date is not None:
@@ -459,7 +426,7 @@ def _content(
     attachment_parts: list[Part],
     codec: str,
     charset: str,
-    html_to_text_on: bool,
+    html_to_text_on: bool | None,
 ) -> Part:
     """The message's content (see ``message_body``), with the text part html mail needs.
 
@@ -470,6 +437,8 @@ def _content(
     subtypes = [subtype.lower() for subtype, _ in alternatives]
     if alternatives and "plain" not in subtypes:
         text = ""
+        if html_to_text_on is None:
+            html_to_text_on = _app_html_to_text()
         if html_to_text_on and "html" in subtypes:
             text = html_to_text(alternatives[subtypes.index("html")][1].decode(codec))
         alternatives = [("plain", text.encode(codec, "replace")), *alternatives]
@@ -523,28 +492,6 @@ def _sender_text(sender: object) -> Any:
     return f"{name} <{address}>"
 
 
-def _context_domain(sender: object) -> str | None:
-    """The Message-ID domain known now: the app's setting, else the sender's; None when neither is known."""
-    if has_app_context():
-        options = _current_app_options()
-        if options["message_id_domain"]:
-            try:
-                return check_message_id_domain(options["message_id_domain"])
-            except ConfigError:
-                return None  # reported, naming the key, when the message is built
-        if sender is None or sender == "":
-            sender = options["default_sender"]
-    if isinstance(sender, tuple):
-        sender = _sender_text(sender)
-    address = bare_address(sender)
-    if "@" not in address:
-        return None
-    try:
-        return parse_address(address, True).domain
-    except AddressError:
-        return None
-
-
 def _has_bad_chars_deep(value: object) -> bool:
     if isinstance(value, str):
         return has_bad_chars(value)
@@ -591,20 +538,24 @@ def _current_app_options() -> dict[str, Any]:
             "max_message_bytes": _DEFAULT_MAX_MESSAGE_BYTES,
             "message_id_domain": None,
             "ascii_attachments": False,
-            "html_to_text": True,
         }
     state = current_app.extensions.get("mail_outbox")
     parsed = getattr(state, "config", None)
-    config = current_app.config
-    html_text = getattr(parsed, "html_to_text", config.get("OUTBOX_HTML_TO_TEXT", True))
     if parsed is not None and all(hasattr(parsed, name) for name in _OPTION_NAMES):
-        return {**{name: getattr(parsed, name) for name in _OPTION_NAMES},
-                "html_to_text": bool(html_text)}
+        return {name: getattr(parsed, name) for name in _OPTION_NAMES}
+    config = current_app.config
     return {
         "default_sender": config.get("MAIL_DEFAULT_SENDER"),
         "allow_local_addresses": bool(config.get("OUTBOX_ALLOW_LOCAL_ADDRESSES", False)),
         "max_message_bytes": config.get("OUTBOX_MAX_MESSAGE_BYTES", _DEFAULT_MAX_MESSAGE_BYTES),
         "message_id_domain": config.get("OUTBOX_MESSAGE_ID_DOMAIN"),
         "ascii_attachments": bool(config.get("MAIL_ASCII_ATTACHMENTS", False)),
-        "html_to_text": bool(html_text),
     }
+
+
+def _app_html_to_text() -> bool:
+    """``OUTBOX_HTML_TO_TEXT`` of the current app, as ``init_app`` parsed it if it did; True outside one."""
+    if not has_app_context():
+        return True
+    parsed = getattr(current_app.extensions.get("mail_outbox"), "config", None)
+    return bool(getattr(parsed, "html_to_text", current_app.config.get("OUTBOX_HTML_TO_TEXT", True)))
