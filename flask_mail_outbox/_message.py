@@ -414,7 +414,7 @@ def _date(msg: Message, now: datetime | None) -> datetime:
     """``msg.date`` checked; without one, the time of the message's first build, kept."""
     if msg.date is not None:
         return resolve_date(msg.date, now)
-    built = getattr(msg, "_built_date", None)
+    built = msg._built_date
     if built is None:
         built = msg._built_date = resolve_date(None, now)
     return built
