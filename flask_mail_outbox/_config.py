@@ -60,6 +60,8 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_MAX_MESSAGE_BYTES": 25 * _MIB,
     "OUTBOX_ALLOW_LOCAL_ADDRESSES": False,
     "OUTBOX_MESSAGE_ID_DOMAIN": None,
+    # An html message without ``body`` gets a text/plain rendering of the html.
+    "OUTBOX_HTML_TO_TEXT": True,
     "OUTBOX_TLS_VERIFY": True,
     "OUTBOX_TLS_CA_FILE": None,
     "OUTBOX_RETENTION_DAYS": None,
@@ -124,6 +126,7 @@ class OutboxConfig:
     scrub_sent: bool
     health_max_queued_age_seconds: float
     run_scheduler: bool = True
+    html_to_text: bool = True
 
     def retry_policy(self) -> RetryPolicy:
         """The retry policy these settings describe (both modes use it)."""
@@ -294,6 +297,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         health_max_queued_age_seconds=keys.number("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
                                                   minimum=0, strict_minimum=True),
         run_scheduler=keys.flag("OUTBOX_RUN_SCHEDULER"),
+        html_to_text=keys.flag("OUTBOX_HTML_TO_TEXT"),
     )
 
 

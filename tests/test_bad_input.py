@@ -313,6 +313,7 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_SCRUB_SENT", "all"),
     ("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS", float("nan")),
     ("OUTBOX_RUN_SCHEDULER", "no thanks"),
+    ("OUTBOX_HTML_TO_TEXT", "sometimes"),
     ("OUTBOX_INLINE_RETRY", 3),  # unknown key, with a suggestion
     ("MAIL_USE_TLS", True),  # with MAIL_USE_SSL below: exclusive
     ("SQLALCHEMY_DATABASE_URI", "sqlite://"),
