@@ -12,6 +12,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from ._dkim import DKIMSigner, signed_header_names, signer_from
 from ._errors import ConfigError
 from ._retry import RetryPolicy
 
@@ -62,6 +63,14 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_MESSAGE_ID_DOMAIN": None,
     # An html message without ``body`` gets a text/plain rendering of the html.
     "OUTBOX_HTML_TO_TEXT": True,
+    # RFC 6531 addresses (non-ASCII local parts), sent with SMTPUTF8.
+    "OUTBOX_ALLOW_SMTPUTF8": False,
+    # DKIM signing at delivery (extra ``dkim``): on when a key is set.
+    "OUTBOX_DKIM_DOMAIN": None,
+    "OUTBOX_DKIM_SELECTOR": None,
+    "OUTBOX_DKIM_PRIVATE_KEY": None,
+    "OUTBOX_DKIM_PRIVATE_KEY_FILE": None,
+    "OUTBOX_DKIM_HEADERS": None,  # None: _dkim.DEFAULT_SIGNED_HEADERS
     "OUTBOX_TLS_VERIFY": True,
     "OUTBOX_TLS_CA_FILE": None,
     "OUTBOX_RETENTION_DAYS": None,
@@ -127,6 +136,9 @@ class OutboxConfig:
     health_max_queued_age_seconds: float
     run_scheduler: bool = True
     html_to_text: bool = True
+    allow_smtputf8: bool = False
+    #: None when DKIM signing is off.
+    dkim: DKIMSigner | None = None
 
     def retry_policy(self) -> RetryPolicy:
         """The retry policy these settings describe (both modes use it)."""
@@ -298,6 +310,8 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
                                                   minimum=0, strict_minimum=True),
         run_scheduler=keys.flag("OUTBOX_RUN_SCHEDULER"),
         html_to_text=keys.flag("OUTBOX_HTML_TO_TEXT"),
+        allow_smtputf8=keys.flag("OUTBOX_ALLOW_SMTPUTF8"),
+        dkim=_dkim_signer(keys),
     )
 
 
@@ -370,6 +384,13 @@ def _retry_delays(keys: _Keys) -> tuple[float, float]:
         raise ConfigError("OUTBOX_RETRY_MAX_SECONDS",
                           f"must be at least OUTBOX_RETRY_BASE_SECONDS ({base:g}), got {retry_max:g}")
     return base, retry_max
+
+
+def _dkim_signer(keys: _Keys) -> DKIMSigner | None:
+    """The ``OUTBOX_DKIM_*`` keys: None when DKIM is off (``init_app`` probes the key)."""
+    headers = signed_header_names(keys.get("OUTBOX_DKIM_HEADERS"))
+    return signer_from(keys.text, keys.get("OUTBOX_DKIM_PRIVATE_KEY"),
+                       keys.get("OUTBOX_DKIM_PRIVATE_KEY_FILE"), headers)
 
 
 def _message_id_domain(keys: _Keys) -> str | None:

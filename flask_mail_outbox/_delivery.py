@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
     from ._config import OutboxConfig
+    from ._dkim import DKIMSigner
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +58,11 @@ def new_owner() -> str:
     return f"{_HOST[:40]}:{os.getpid()}:{next(_owner_counter)}:{uuid.uuid4().hex[:8]}"
 
 
-def envelope_of(email: ClaimedEmail) -> Envelope:
-    """What the transport needs of a claimed row."""
+def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None) -> Envelope:
+    """What the transport needs of a claimed row, DKIM-signed afresh when ``dkim`` is given."""
+    mime = email.mime if dkim is None else dkim.signed(email.id, email.mime)
     return Envelope(email_id=email.id, sender=email.sender, recipients=email.recipients,
-                    mime=email.mime, message_id=email.message_id,
+                    mime=mime, message_id=email.message_id,
                     mail_options=email.mail_options, rcpt_options=email.rcpt_options)
 
 
@@ -331,7 +333,7 @@ class Delivery:
         self.heartbeat.track(claimed)
         try:
             sendable = [e for e in claimed if e.attempt <= self.policy.max_attempts]
-            results = self.transport.send_many([envelope_of(e) for e in sendable])
+            results = self.transport.send_many([envelope_of(e, self.config.dkim) for e in sendable])
             by_id = {e.id: r for e, r in zip(sendable, results)}
             report = self.finish([(e, by_id.get(e.id)) for e in claimed])
         finally:

@@ -276,8 +276,8 @@ class Message:
         return prepare_message(self, **_current_app_options()).mime
 
     def as_string(self) -> str:
-        """``as_bytes()`` as text (the message is 7-bit, so this is lossless)."""
-        return self.as_bytes().decode("ascii")
+        """``as_bytes()`` as text (7-bit, or UTF-8 headers with OUTBOX_ALLOW_SMTPUTF8: lossless)."""
+        return self.as_bytes().decode("utf-8")
 
     def __bytes__(self) -> bytes:
         return self.as_bytes()
@@ -364,7 +364,7 @@ def prepare_message(
     headers = top_headers(
         sender, to, cc, reply_to, subject, date, message_id, body_headers, extra_lines
     )
-    mime = "\r\n".join(headers).encode("ascii") + b"\r\n\r\n" + body
+    mime = "\r\n".join(headers).encode("utf-8") + b"\r\n\r\n" + body
     _check_message_size(mime, max_message_bytes)
     return PreparedEmail(
         sender=sender.ascii,

@@ -494,7 +494,7 @@ class Worker:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent
             else:
-                envelopes.append(envelope_of(email))
+                envelopes.append(envelope_of(email, self.config.dkim))
         if envelopes:
             if self._sending is None:
                 self._sending = self.delivery.transport.open(self._on_result)

@@ -314,6 +314,12 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS", float("nan")),
     ("OUTBOX_RUN_SCHEDULER", "no thanks"),
     ("OUTBOX_HTML_TO_TEXT", "sometimes"),
+    ("OUTBOX_ALLOW_SMTPUTF8", "utf-8"),
+    ("OUTBOX_DKIM_DOMAIN", ""),
+    ("OUTBOX_DKIM_SELECTOR", 7),
+    ("OUTBOX_DKIM_PRIVATE_KEY", ""),
+    ("OUTBOX_DKIM_PRIVATE_KEY_FILE", "/nonexistent/dkim.pem"),
+    ("OUTBOX_DKIM_HEADERS", "From"),  # a list is expected
     ("OUTBOX_INLINE_RETRY", 3),  # unknown key, with a suggestion
     ("MAIL_USE_TLS", True),  # with MAIL_USE_SSL below: exclusive
     ("SQLALCHEMY_DATABASE_URI", "sqlite://"),

@@ -602,6 +602,8 @@ IDENTIFIERS_ONLY = {
     # SQLite table rebuild: the column names of the outbox's own table.
     ("migrations/versions/outbox_0002_dashboard_search.py",
      "INSERT INTO outbox_email ({old_columns}) SELECT {old_columns}"),
+    ("migrations/versions/outbox_0004_priority.py",
+     "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
     # Offline `upgrade --sql`: {first} is one of two SQL literals chosen by dialect (the
     # name is bound again later, to a Python value that never reaches SQL text).
     ("migrations/versions/outbox_0002_dashboard_search.py",

@@ -35,7 +35,6 @@ branch_labels: tuple[str, ...] | None = None
 depends_on: str | None = None
 
 _BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-_DUE = "status = 'queued' AND (key IS NULL OR key_head)"
 
 
 def _where(clause: str) -> dict[str, Any]:
@@ -89,7 +88,7 @@ def _email_table(*, priority: bool) -> sa.Table:
         ),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
         sa.Index("ix_outbox_email_due", *(["priority"] if priority else []), "due_at", "id",
-                 **_where(_DUE)),
+                 **_where("status = 'queued' AND (key IS NULL OR key_head)")),
         sa.Index(
             "ix_outbox_email_queued_created", "created_at", "id", **_where("status = 'queued'")
         ),
@@ -133,7 +132,7 @@ def upgrade() -> None:
     op.add_column("outbox_email", _priority())
     op.drop_index("ix_outbox_email_due", table_name="outbox_email")
     op.create_index("ix_outbox_email_due", "outbox_email", ["priority", "due_at", "id"],
-                    **_where(_DUE))
+                    **_where("status = 'queued' AND (key IS NULL OR key_head)"))
 
 
 def downgrade() -> None:
@@ -143,4 +142,5 @@ def downgrade() -> None:
         return
     op.drop_index("ix_outbox_email_due", table_name="outbox_email")
     op.drop_column("outbox_email", "priority")
-    op.create_index("ix_outbox_email_due", "outbox_email", ["due_at", "id"], **_where(_DUE))
+    op.create_index("ix_outbox_email_due", "outbox_email", ["due_at", "id"],
+                    **_where("status = 'queued' AND (key IS NULL OR key_head)"))
