@@ -120,6 +120,12 @@ _CLOSED_BY: dict[str, frozenset[str]] = {
     **dict.fromkeys(("tr", "caption"), _tags("tr tbody thead tfoot")),
     "a": _tags("a td th table"),
 }
+#: libxml2's end-tag priorities (100 for the rest): an end tag is ignored when an
+#: element of higher priority is open inside the one it names.
+_END_PRIORITY = {
+    "div": 150, "td": 160, "th": 160, "tr": 170, "thead": 180, "tbody": 180,
+    "tfoot": 180, "table": 190, "head": 200,
+}
 
 _WHITESPACE = re.compile(r"\s+")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -547,7 +553,7 @@ class _TextParser(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.canvas = _Canvas()
         self._stack: list[_Open] = []
-        self._open: dict[str, int] = {}  # open elements per tag: end tags in linear time
+        self._at: dict[str, list[int]] = {}  # stack positions per tag: end tags in linear time
         self._hidden = 0
         self._pre = 0
         self._pre_started = False  # the next text comes right after <pre>
@@ -573,16 +579,21 @@ class _TextParser(HTMLParser):
             return
         shown = not (hidden or self._hidden)
         self._hidden += hidden
-        self._open[tag] = self._open.get(tag, 0) + 1
+        self._at.setdefault(tag, []).append(len(self._stack))
         bullet = self._lay_out_start(tag, attributes) if shown else ""
         self._stack.append(_Open(tag, hidden, shown, bullet))
 
     def handle_endtag(self, tag: str) -> None:
         self._pre_started = False
-        if not self._open.get(tag):
+        at = self._at.get(tag)
+        if not at:
             return  # stray: ignored, as libxml2 does
-        while self._stack and self._pop().tag != tag:
-            pass
+        priority = _END_PRIORITY.get(tag, 100)
+        for other, other_priority in _END_PRIORITY.items():
+            if other_priority > priority and self._at.get(other) and self._at[other][-1] > at[-1]:
+                return
+        for _ in range(len(self._stack) - at[-1]):
+            self._pop()
 
     def handle_data(self, data: str) -> None:
         if self._pre_started and data.startswith("\n"):
@@ -612,7 +623,7 @@ class _TextParser(HTMLParser):
         return tag in ("td", "th") and open_tag not in _BLOCKS and open_tag not in _TABLE_PARTS
 
     def _close_head(self) -> None:
-        if self._open.get("head"):
+        if self._at.get("head"):
             self.handle_endtag("head")
 
     def _write(self, text: str) -> None:
@@ -651,7 +662,7 @@ class _TextParser(HTMLParser):
 
     def _pop(self) -> _Open:
         element = self._stack.pop()
-        self._open[element.tag] -= 1
+        self._at[element.tag].pop()
         if element.shown:
             self._lay_out_end(element)
         self._hidden -= element.hides
