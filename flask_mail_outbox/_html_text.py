@@ -620,7 +620,9 @@ class _TextParser(HTMLParser):
         if tag in _CLOSED_BY.get(open_tag, ()):
             return True
         # A new cell or row also ends the inline elements left open in the last.
-        return tag in ("td", "th") and open_tag not in _BLOCKS and open_tag not in _TABLE_PARTS
+        return tag in ("td", "th") and not (
+            open_tag in _BLOCKS or open_tag in _TABLE_PARTS or open_tag in _HIDDEN_TAGS
+        )
 
     def _close_head(self) -> None:
         if self._at.get("head"):
