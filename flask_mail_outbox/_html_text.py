@@ -1,55 +1,44 @@
 """Plain text from HTML: the text/plain alternative of an html-only message.
 
-``html_to_text(html)`` lays an HTML body out as readable plain text, as a text
-browser would, for the ``text/plain`` part of a ``multipart/alternative``
-message: spam filters score html-only mail worse, and a text part is what a
-text-only client shows. A pure function; nothing is logged.
-
-What the text looks like (the same with either backend):
+``html_to_text(html)`` lays an HTML body out as plain text, as a text browser
+would: spam filters score html-only mail worse, and a text-only client shows
+the text part. A pure function. What the text looks like, with either backend:
 
 * Dropped: ``<script>``, ``<style>``, ``<head>`` (so ``<title>``), ``<template>``,
   comments, and elements hidden by a ``hidden`` attribute or an inline
-  ``display: none`` (a preheader). Other CSS is not applied.
-* Paragraphs, with a blank line before and after: ``<p>``, ``<h1>``-``<h6>``,
-  ``<blockquote>``, ``<pre>``, ``<figure>``, ``<dl>``, ``<hr>`` and a list that
-  is not inside another list. Lines of their own: ``<div>``, ``<li>``,
-  ``<table>``, ``<tr>``, ``<dt>``, ``<dd>``, sectioning elements (``<header>``,
-  ``<footer>``, ``<section>``, ...). ``<br>`` ends the line. A ``<div>`` is a
-  line, not a paragraph, as in a browser: Gmail writes every line as one.
-* ``<li>`` is ``* item`` in ``<ul>`` and ``1. item`` in ``<ol>`` (``start`` is
-  honoured); an item's further lines and its nested lists line up under its
-  text, eight levels deep at most.
-* A link is ``text (url)``; only ``text`` when it already is the url, or the
-  href is a ``#`` anchor or ``javascript:``; a ``mailto:`` link shows the
-  address (``Write to us (help@example.org)``); a link without text is its url.
-* An image is its ``alt`` text. A table row is one line, its non-empty cells
-  joined by `` | ``; a cell that holds paragraphs keeps them (a layout table
-  reads top to bottom, no side-by-side columns).
+  ``display: none`` (a preheader). No other CSS is applied.
+* Paragraphs, a blank line before and after: ``<p>``, ``<h1>``-``<h6>``,
+  ``<blockquote>``, ``<pre>``, ``<figure>``, ``<dl>``, ``<hr>``, a list not in a
+  list. A line of their own: ``<div>`` (Gmail writes a div per line), ``<li>``,
+  ``<table>``, ``<tr>``, ``<dt>``, ``<dd>``, ``<header>``, ``<section>`` and the
+  like. ``<br>`` ends the line.
+* ``<li>`` is ``* item`` in ``<ul>``, ``1. item`` in ``<ol>`` (``start`` is
+  honoured); an item's further lines and nested lists line up under its text,
+  eight levels deep at most.
+* A link is ``text (url)``: just ``text`` when that is the url, or the href is a
+  ``#`` anchor or ``javascript:``; a ``mailto:`` shows the address; a link
+  without text is its url. An image is its ``alt`` text.
+* A table row is a line of its non-empty cells joined by `` | ``; a cell holding
+  paragraphs keeps them, so a layout table reads top to bottom.
 * Whitespace collapses to one space except in ``<pre>``; entities are decoded;
-  lines have no trailing whitespace; never two blank lines in a row.
-* Lines are not wrapped. Clients wrap plain text to their own width (a
-  hard wrap at 78 columns leaves ragged lines on a phone), a long URL stays one
-  piece a client can still link, and the MIME layer's transfer encoding keeps
-  long lines within SMTP's limit.
-* The result is ``""`` when the HTML shows no text (empty, whitespace, only
-  markup, comments or scripts); the caller then sends the HTML alone rather than
-  an empty, mismatching text part. Any other result ends with exactly one
-  ``"\\n"``.
+  no line ends in whitespace; never two blank lines in a row.
+* Lines are not wrapped: clients wrap to their own width (a wrap at 78 leaves
+  ragged lines on a phone), URLs stay whole, the transfer encoding keeps SMTP's limit.
+* ``""`` when the HTML shows no text (empty, whitespace, only markup or
+  scripts): the caller then sends the HTML alone, not an empty text part that
+  mismatches it. Any other result ends with exactly one ``"\\n"``.
 * Never raises on a ``str``. Lone surrogates become U+FFFD, ``\\r\\n`` and
-  ``\\r`` become ``\\n``, vertical tab and form feed a space; other C0 controls,
-  DEL and U+FDD0 (the cell marker used inside) are removed.
+  ``\\r`` a ``\\n``, vertical tab and form feed a space; other C0 controls, DEL
+  and U+FDD0 (the cell marker used inside) are removed.
 
-Backends. inscriptis (Apache-2.0; the ``html`` extra) when it is importable,
-given a prepared lxml tree and a layout table derived from the rules above
-(its own ``[text](url)`` link display and column-aligned tables are not used).
-Otherwise, and for input over ``_INSCRIPTIS_MAX_CHARS`` (inscriptis builds
-each line by repeated string concatenation, quadratic in a line's length),
-when lxml reports a resource limit (nesting deeper than 256 elements, where it
-drops the rest), or when inscriptis fails on an input: a standard-library
-renderer on ``html.parser.HTMLParser`` that follows the same layout model
-(margins, bullets, prefixes), so both give the same text for ordinary mail.
-They still differ where the parsers repair broken HTML differently (libxml2's
-rules here are mirrored only for ``<p>``, lists, table parts and links).
+Backends: inscriptis (Apache-2.0, the ``html`` extra) when importable, on a
+prepared lxml tree with a layout table made from these rules (not its
+``[text](url)`` links or side-by-side columns). Else ``html.parser`` feeding the
+same layout model; also above ``_INSCRIPTIS_MAX_CHARS`` (inscriptis is quadratic
+in a line's length), past lxml's limits (it drops what is nested deeper than
+256) or when inscriptis fails. Both give the same text for ordinary mail, and
+differ where broken HTML is repaired differently (the fallback mirrors libxml2
+for ``<p>``, lists, tables, links and misnested end tags only).
 """
 
 from __future__ import annotations
@@ -62,13 +51,11 @@ from urllib.parse import unquote
 
 __all__ = ["html_to_text"]
 
-#: Longest input (in characters) handed to inscriptis; longer goes to the fallback,
-#: as fast on ordinary mail and linear where inscriptis's worst case is not.
+#: Longest input handed to inscriptis; the fallback is as fast on ordinary mail, and linear.
 _INSCRIPTIS_MAX_CHARS = 64 * 1024
 #: List levels that indent; deeper items keep the indentation of this level.
 _MAX_LIST_LEVELS = 8
-#: Marks the start of a table cell in the laid-out text until ``_finish``
-#: joins a row's cells (a noncharacter, reserved for such internal use).
+#: Marks a table cell's start until ``_finish`` joins a row (a noncharacter: internal use).
 _CELL = "\ufdd0"
 
 
@@ -85,36 +72,24 @@ def _tags(names: str) -> frozenset[str]:
 
 
 _PARAGRAPH = _Block(1, 1)
+_LINE_TAGS = """div li table tr tbody thead tfoot caption dt dd address article aside footer header
+    main nav section figcaption center form fieldset legend details summary hgroup"""
 _BLOCKS: dict[str, _Block] = {
     **dict.fromkeys(_tags("p h1 h2 h3 h4 h5 h6 blockquote figure dl hr"), _PARAGRAPH),
     "pre": _Block(1, 1, pre=True),
-    **dict.fromkeys(
-        _tags(
-            "div li table tr tbody thead tfoot caption dt dd address article aside footer"
-            " header main nav section figcaption center form fieldset legend details summary"
-            " hgroup"
-        ),
-        _Block(0, 0),
-    ),
+    **dict.fromkeys(_tags(_LINE_TAGS), _Block(0, 0)),
 }
 #: Lists: blocks whose margins depend on their depth (see ``_list_start``).
-_LISTS = _tags("ul ol menu")
+_LISTS = _tags("ul ol")
 _HIDDEN_TAGS = _tags("script style head title template")
 _HEAD_TAGS = _tags("title style script meta link base noscript template")
-_VOID_TAGS = _tags(
-    "area base br col embed hr img input link meta param source track wbr basefont bgsound"
-    " frame keygen"
-)
+_VOID_TAGS = _tags("area base br col embed hr img input link meta param source track wbr frame")
 _TABLE_PARTS = _tags("td th tr tbody thead tfoot")
 #: What libxml2 closes implicitly when a start tag arrives while it is open.
 _CLOSED_BY: dict[str, frozenset[str]] = {
-    "p": _tags(
-        "p div li dt dd td th tr table ul ol h1 h2 h3 h4 h5 h6 pre blockquote hr tbody thead"
-        " tfoot address center form dl caption"
-    ),
-    "li": _tags("li"),
-    "dt": _tags("dt dd dl"),
-    "dd": _tags("dt dd"),
+    "p": _tags("""p div li dt dd td th tr table ul ol h1 h2 h3 h4 h5 h6 pre blockquote hr
+        tbody thead tfoot address center form dl caption"""),
+    "li": _tags("li"), "dt": _tags("dt dd dl"), "dd": _tags("dt dd"),
     **dict.fromkeys(("td", "th"), _TABLE_PARTS),
     **dict.fromkeys(("tbody", "thead", "tfoot"), _tags("tbody thead tfoot")),
     **dict.fromkeys(("tr", "caption"), _tags("tr tbody thead tfoot")),
@@ -122,19 +97,13 @@ _CLOSED_BY: dict[str, frozenset[str]] = {
 }
 #: libxml2's end-tag priorities (100 for the rest): an end tag is ignored when an
 #: element of higher priority is open inside the one it names.
-_END_PRIORITY = {
-    "div": 150, "td": 160, "th": 160, "tr": 170, "thead": 180, "tbody": 180,
-    "tfoot": 180, "table": 190, "head": 200,
-}
+_END_PRIORITY = {"div": 150, "td": 160, "th": 160, "tr": 170, "table": 190, "head": 200}
+_END_PRIORITY.update(dict.fromkeys(("thead", "tbody", "tfoot"), 180))
 
 _WHITESPACE = re.compile(r"\s+")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_DROPPED_CHARS = {
-    **dict.fromkeys((*range(0x09), *range(0x0E, 0x20), 0x7F, ord(_CELL))),
-    0x0B: " ",
-    0x0C: " ",
-}
-_DISPLAY_NONE = re.compile(r"(?:^|;)\s*display\s*:\s*none\s*(?:!\s*important\s*)?(?:;|$)", re.IGNORECASE)
+_DROPPED_CHARS = {**dict.fromkeys((*range(9), *range(14, 32), 127, ord(_CELL))), 11: " ", 12: " "}
+_DISPLAY_NONE = re.compile(r"(?i)(?:^|;)\s*display\s*:\s*none\s*(?:!\s*important)?\s*(?:;|$)")
 _LIST_START = re.compile(r"[+-]?\d{1,9}")
 _URL_NOISE = re.compile(r"[\t\n\r]")
 _TAG_START = re.compile(r"<[A-Za-z/!?]")
@@ -142,11 +111,8 @@ _XML_DECLARATION = re.compile(r"^\s*<\?xml[^>]*>")
 
 
 def html_to_text(html: str) -> str:
-    """The plain-text rendering of ``html``, as the module docstring describes.
-
-    ``""`` when the HTML shows no text; otherwise lines ending in ``"\\n"``.
-    Never raises on a ``str``.
-    """
+    """``html`` as plain text, laid out as the module docstring says; ``""`` when the
+    HTML shows no text, else lines ending in ``"\\n"``. Never raises on a ``str``."""
     cleaned = _clean_input(html)
     if not cleaned.strip():
         return ""
@@ -154,9 +120,7 @@ def html_to_text(html: str) -> str:
     return text if text is not None else _render_stdlib(cleaned)
 
 
-# --------------------------------------------------------------------------- #
-# Shared by both backends
-# --------------------------------------------------------------------------- #
+# Shared by both backends -----------------------------------------------------
 
 
 def _clean_input(html: str) -> str:
@@ -174,9 +138,7 @@ def _list_counter(tag: str, start: str | None) -> str | int:
     """A new list's counter: its bullet, or the number of its first item."""
     if tag != "ol":
         return "* "
-    if start is not None and _LIST_START.fullmatch(start.strip()):
-        return int(start)
-    return 1
+    return int(start) if start is not None and _LIST_START.fullmatch(start.strip()) else 1
 
 
 def _next_bullet(counters: list[str | int]) -> tuple[str, int]:
@@ -200,9 +162,7 @@ def _link_suffix(text: str, href: str | None) -> str:
     label = " ".join(text.split())
     if not label:
         return " " + target
-    if label == target or label.rstrip("/") == target.rstrip("/"):
-        return ""
-    return f" ({target})"
+    return "" if label.rstrip("/") == target.rstrip("/") else f" ({target})"
 
 
 def _finish(laid_out: str) -> str:
@@ -222,9 +182,7 @@ def _finish(laid_out: str) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-# --------------------------------------------------------------------------- #
-# inscriptis
-# --------------------------------------------------------------------------- #
+# inscriptis ------------------------------------------------------------------
 
 
 @functools.cache
@@ -240,11 +198,9 @@ def _inscriptis_available() -> bool:
 
 def _try_inscriptis(html: str) -> str | None:
     """The inscriptis rendering, or ``None`` for the fallback to render instead."""
-    if not _inscriptis_available():
-        return None
     try:
-        return _render_inscriptis(html)
-    except Exception:  # noqa: BLE001 - any failure there (RecursionError, ...) is the fallback's input
+        return _render_inscriptis(html) if _inscriptis_available() else None
+    except Exception:  # noqa: BLE001 - what fails there (RecursionError...) the fallback renders
         return None
 
 
@@ -270,12 +226,10 @@ def _prepare_tree(root: Any) -> None:
     """Apply the rules inscriptis is not told about to the lxml tree, in place."""
     # Hidden elements are emptied and made plain inline ones, their tails kept:
     # removing them would concatenate tails, quadratic for many in a row.
-    hidden = [
-        element for element in root.iter()
-        if element.tag in _HIDDEN_TAGS
-        or _is_hidden(element.get("style"), element.get("hidden") is not None)
-    ]
-    for element in hidden:
+    for element in [
+        node for node in root.iter()
+        if node.tag in _HIDDEN_TAGS or _is_hidden(node.get("style"), "hidden" in node.attrib)
+    ]:
         element.clear(keep_tail=True)
         element.tag = "span"
     for element in root.iter("img", "pre"):
@@ -291,20 +245,13 @@ def _prepare_tree(root: Any) -> None:
                 element.tail = suffix + (element.tail or "")
         else:
             element.text = _CELL + (element.text or "")
-    # inscriptis unescapes every text it writes once more (after lxml did).
-    for element in root.iter():
-        if element.text and "&" in element.text:
-            element.text = element.text.replace("&", "&amp;")
-        if element.tail and "&" in element.tail:
-            element.tail = element.tail.replace("&", "&amp;")
+    for element in root.iter():  # inscriptis unescapes what it writes, once more
+        element.text = element.text and element.text.replace("&", "&amp;")
+        element.tail = element.tail and element.tail.replace("&", "&amp;")
 
 
 class _InlineByDefault(dict[str, Any]):
-    """A CSS profile whose unknown elements inherit their parent's whitespace.
-
-    inscriptis gives unknown elements (``<b>``, ``<span>``) ``white-space:
-    normal``, which collapses the spaces of a ``<b>`` inside ``<pre>``.
-    """
+    """A CSS profile whose unknown elements inherit ``white-space`` (a ``<b>`` in ``<pre>``)."""
 
     def __init__(self, inline: Any) -> None:
         super().__init__()
@@ -324,41 +271,28 @@ def _inscriptis_config() -> Any:
 
     css = _InlineByDefault(HtmlElement(whitespace=None))
     css["body"] = HtmlElement(whitespace=WhiteSpace.normal)
-    for tag, block in _BLOCKS.items():
-        css[tag] = HtmlElement(
-            display=Display.block,
-            margin_before=block.before,
-            whitespace=WhiteSpace.pre if block.pre else None,
-        )
-    for tag in _LISTS:
-        css[tag] = HtmlElement(display=Display.block, whitespace=None)
+    for tag, block in {**_BLOCKS, **dict.fromkeys(_LISTS, _Block(0, 0))}.items():
+        whitespace = WhiteSpace.pre if block.pre else None
+        css[tag] = HtmlElement(display=Display.block, margin_before=block.before, whitespace=whitespace)
     # Table handlers replaced by no-ops: rows are lines and cells are marked in
     # the tree, instead of inscriptis's side-by-side column layout.
-    start = {tag: _ignore_start for tag in ("table", *_TABLE_PARTS)}
-    start.update({"ul": _list_start, "ol": _list_start, "menu": _list_start, "li": _li_start})
-    end = {tag: _paragraph_end for tag, block in _BLOCKS.items() if block.after}
-    end.update({tag: _ignore_end for tag in ("table", "td", "th")})
-    end.update({"ul": _list_end, "ol": _list_end, "menu": _list_end})
-    config = ParserConfig(css=css, custom_html_tag_handler_mapping=CustomHtmlTagHandlerMapping(start, end))
+    start: dict[str, Any] = dict.fromkeys(("table", *_TABLE_PARTS), _ignore)
+    start.update(ul=_list_start, ol=_list_start, li=_li_start)
+    end: dict[str, Any] = {tag: _paragraph_end for tag, block in _BLOCKS.items() if block.after}
+    end.update(dict.fromkeys(("table", "td", "th"), _ignore), ul=_list_end, ol=_list_end)
+    mapping = CustomHtmlTagHandlerMapping(start, end)
+    config = ParserConfig(css=css, custom_html_tag_handler_mapping=mapping)
     config.attribute_handler.attribute_mapping = {}  # no inline CSS margins or paddings
     return config
 
 
-def _ignore_start(state: Any, attrs: Any) -> None:
-    """An inscriptis start-tag handler that does nothing."""
-
-
-def _ignore_end(state: Any) -> None:
-    """An inscriptis end-tag handler that does nothing."""
+def _ignore(*_: Any) -> None:
+    """An inscriptis tag handler that does nothing."""
 
 
 def _paragraph_end(state: Any) -> None:
-    """A paragraph's end: its blank line after.
-
-    Set only now: inscriptis gives a block's margin after to each block opened
-    inside it, which would put blank lines between a ``<blockquote>``'s lines
-    or a list's items.
-    """
+    """A paragraph's end: its blank line, set only now (inscriptis gives a block's
+    margin after to each block opened in it, blank lines between its lines)."""
     state.tags[-1].margin_after = 1
 
 
@@ -374,7 +308,7 @@ def _list_end(state: Any) -> None:
     """List end: a top-level list closes a paragraph (set now: ``_paragraph_end``)."""
     state.li_counter.pop()
     if not state.li_counter:
-        state.tags[-1].margin_after = 1
+        _paragraph_end(state)
 
 
 def _li_start(state: Any, attrs: Any) -> None:
@@ -383,9 +317,7 @@ def _li_start(state: Any, attrs: Any) -> None:
     element.list_bullet, element.padding_inline = _next_bullet(state.li_counter)
 
 
-# --------------------------------------------------------------------------- #
-# The standard-library fallback
-# --------------------------------------------------------------------------- #
+# The standard-library fallback -----------------------------------------------
 
 
 def _render_stdlib(html: str) -> str:
@@ -397,11 +329,8 @@ def _render_stdlib(html: str) -> str:
 
 
 def _drop_unterminated(html: str) -> str:
-    """``html`` without the comment or tag left open at its end, as HTML drops them.
-
-    Python's parser before 3.13.4 would instead rescan to the end of the input
-    from every later ``<``: quadratic time.
-    """
+    """``html`` without the comment or tag left open at its end, as HTML drops them
+    (Python's parser before 3.13.4 rescans those from every later ``<``: quadratic)."""
     comment_end = html.rfind("-->")
     comment = html.find("<!--", comment_end + 3 if comment_end >= 0 else 0)
     if comment >= 0:
@@ -411,21 +340,16 @@ def _drop_unterminated(html: str) -> str:
 
 
 class _Canvas:
-    """Lines laid out as inscriptis's canvas does: margins, bullets, prefixes.
-
-    A margin is counted in blank lines since the last text; each block on
-    the stack has a padding (an ``<li>``'s is its bullet's width) and perhaps
-    a bullet, written at the first text after it.
-    """
+    """Lines laid out as inscriptis's canvas does: margins (in blank lines),
+    and per open block a padding and perhaps a bullet, written with the next text."""
 
     def __init__(self) -> None:
         self._lines: list[str] = []
         self._parts: list[str] = []  # the current line
         self._collapsible = True  # a space written now would be dropped
         self._margin = 1000  # nothing written yet: no margin before the first block
-        self._paddings: list[int] = []
-        self._bullets: list[str] = []
-        self._live: list[int] = []  # indexes of the bullets not yet written
+        self._paddings: list[int] = []  # per open block
+        self._bullets: list[tuple[int, str]] = []  # (block index, bullet) not yet written
         self._padding = 0
         self._consumed = False  # the current line's prefix is written
 
@@ -451,11 +375,10 @@ class _Canvas:
         """A block starts: end the line, keep ``before`` blank lines, push its prefix."""
         if not self._flush() and bullet:
             self._write_unconsumed_bullet()
+        if bullet:
+            self._bullets.append((len(self._paddings), bullet))
         self._paddings.append(padding)
         self._padding += padding
-        self._bullets.append(bullet)
-        if bullet:
-            self._live.append(len(self._bullets) - 1)
         self._keep_margin(before)
 
     def close_block(self, after: int, bullet: str) -> None:
@@ -464,19 +387,17 @@ class _Canvas:
             self._write_unconsumed_bullet()
         if self._paddings:
             self._padding -= self._paddings.pop()
-            self._bullets.pop()
-            if self._live and self._live[-1] == len(self._bullets):
-                self._live.pop()
+            if self._bullets and self._bullets[-1][0] == len(self._paddings):
+                self._bullets.pop()
         self._keep_margin(after)
 
     def line_break(self) -> None:
         """``<br>``: end the line, or add an empty one."""
         if not self._flush():
             self._lines.append("")
-            self._consumed = False
 
     def text(self) -> str:
-        """Everything written, lines joined by ``"\\n"``."""
+        """Everything written, one string."""
         self._flush()
         return "\n".join(self._lines)
 
@@ -499,11 +420,7 @@ class _Canvas:
         return True
 
     def _pop_bullet(self) -> str:
-        if not self._live:
-            return ""
-        index = self._live.pop()
-        bullet, self._bullets[index] = self._bullets[index], ""
-        return bullet
+        return self._bullets.pop()[1] if self._bullets else ""
 
     def _first_prefix(self) -> str:
         if self._consumed:
@@ -513,9 +430,7 @@ class _Canvas:
         return " " * (self._padding - len(bullet)) + bullet
 
     def _write_unconsumed_bullet(self) -> None:
-        # inscriptis's placement: one bullet width left of the item's text.
-        if self._consumed:
-            return
+        # Only on an empty line (so nothing is consumed); placed as inscriptis does.
         bullet = self._pop_bullet()
         if bullet:
             padding = self._padding - self._paddings[-1]
@@ -573,11 +488,16 @@ class _TextParser(HTMLParser):
             self._close_head()
         while self._stack and self._closes(self._stack[-1].tag, tag):
             self._pop()
-        if tag in _VOID_TAGS:
-            if not (hidden or self._hidden):
-                self._void(tag, attributes)
-            return
         shown = not (hidden or self._hidden)
+        if tag in _VOID_TAGS:
+            if shown and tag == "br":
+                self.canvas.line_break()
+            elif shown and tag == "img" and attributes.get("alt"):
+                self._write(attributes["alt"] or "")
+            elif shown and tag == "hr":
+                self._lay_out_start(tag, attributes)
+                self.canvas.close_block(_PARAGRAPH.after, "")
+            return
         self._hidden += hidden
         self._at.setdefault(tag, []).append(len(self._stack))
         bullet = self._lay_out_start(tag, attributes) if shown else ""
@@ -633,15 +553,6 @@ class _TextParser(HTMLParser):
         if self._links:
             self._links[-1].add(text)
 
-    def _void(self, tag: str, attributes: dict[str, str | None]) -> None:
-        if tag == "br":
-            self.canvas.line_break()
-        elif tag == "img" and attributes.get("alt"):
-            self._write(attributes["alt"] or "")
-        elif tag == "hr":
-            self._lay_out_start(tag, attributes)
-            self.canvas.close_block(_PARAGRAPH.after, "")
-
     def _lay_out_start(self, tag: str, attributes: dict[str, str | None]) -> str:
         """Open a shown element on the canvas; returns an ``<li>``'s bullet."""
         bullet, padding = "", 0
@@ -665,18 +576,17 @@ class _TextParser(HTMLParser):
     def _pop(self) -> _Open:
         element = self._stack.pop()
         self._at[element.tag].pop()
-        if element.shown:
-            self._lay_out_end(element)
         self._hidden -= element.hides
+        if element.shown:
+            self._lay_out_end(element.tag, element.bullet)
         return element
 
-    def _lay_out_end(self, element: _Open) -> None:
-        tag = element.tag
+    def _lay_out_end(self, tag: str, bullet: str) -> None:
         if tag in _LISTS:
             self._lists.pop()
             self.canvas.close_block(0 if self._lists else 1, "")
-        elif tag in _BLOCKS or tag == "li":
-            self.canvas.close_block(_BLOCKS[tag].after, element.bullet)
+        elif tag in _BLOCKS:
+            self.canvas.close_block(_BLOCKS[tag].after, bullet)
         if tag == "pre":
             self._pre -= 1
         elif tag == "a":
