@@ -235,6 +235,8 @@ def test_entities_and_non_ascii(to_text: Render) -> None:
 def test_pre_keeps_its_whitespace(to_text: Render) -> None:
     html = "<p>Code:</p><pre>\ndef f():\n    return  <b>1  +  2</b>\n</pre><p>a   b</p>"
     assert to_text(html) == "Code:\n\ndef f():\n    return  1  +  2\n\na b\n"
+    # Its first newline is not content (HTML drops it); later lines keep the item's indentation.
+    assert to_text("<ul><li><pre>\nx\n y</pre></li></ul>") == "* x\n   y\n"
 
 
 def test_divs_and_breaks_are_lines(to_text: Render) -> None:
@@ -250,6 +252,27 @@ def test_malformed_html(to_text: Render) -> None:
         "tail <a href='https://x.org/u'>open link<!-- unterminated <p>comment"
     )
     assert to_text(html) == "one\n\ntwo bold\nthree\n\n* a\n* b\n\nx | y\nz\n\ntail open link (https://x.org/u)\n"
+
+
+def test_a_list_after_text_is_a_paragraph(to_text: Render) -> None:
+    assert to_text("Intro:<ul><li>a</li></ul>after") == "Intro:\n\n* a\n\nafter\n"
+
+
+def test_marked_sections_are_bogus_comments(to_text: Render) -> None:
+    # Outlook's downlevel-revealed conditionals, CDATA, and a name Python's parser
+    # does not know (it raises AssertionError there before 3.13.4).
+    assert to_text("<![if !mso]>Shown<![endif]> a<![CDATA[x]]>b<![foo[x]]>c") == "Shown abc\n"
+
+
+@pytest.mark.parametrize(
+    ("html", "text"),
+    [
+        ("<head><title>T</title><meta charset=utf-8>Loose text<p>para", "Loose text\n\npara\n"),
+        ("<html><head><style>p{}</style><p>No body tag</p>", "No body tag\n"),
+    ],
+)
+def test_an_unclosed_head_ends_at_content(to_text: Render, html: str, text: str) -> None:
+    assert to_text(html) == text
 
 
 @pytest.mark.parametrize(
