@@ -53,7 +53,7 @@ __all__ = ["html_to_text"]
 
 #: Longest input handed to inscriptis; the fallback is as fast on ordinary mail, and linear.
 _INSCRIPTIS_MAX_CHARS = 64 * 1024
-#: List levels that indent; deeper items keep the indentation of this level.
+#: List levels that indent; an item deeper than that adds no indentation of its own.
 _MAX_LIST_LEVELS = 8
 #: Marks a table cell's start until ``_finish`` joins a row (a noncharacter: internal use).
 _CELL = "\ufdd0"
