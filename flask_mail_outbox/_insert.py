@@ -110,9 +110,16 @@ def insert_emails(session: Session, rows: Sequence[tuple[dict[str, Any], Sequenc
         rest = rows[1:]
     batch = [_batch_values(values, key, dialect, clock) for values, _ in rest]
     if batch:
-        stmt = _plain_insert(dialect, notify, many=True)
+        # SQLite: asked for RETURNING in parameter order, SQLAlchemy falls back
+        # to one INSERT per row. It needs no asking: the rows of a multi-row
+        # INSERT take rowids in VALUES order, each one past the largest, under
+        # the write lock; so sorted ids are in parameter order.
+        in_order = dialect != "sqlite"
+        stmt = _plain_insert(dialect, notify, many=in_order)
         conn = session.connection(bind_arguments={"clause": stmt})
         ids = [int(row[0]) for row in conn.execute(stmt, batch)]
+        if not in_order:
+            ids.sort()
         waits = key is not None and dialect == "postgresql"
         results.extend((email_id, waits) for email_id in ids)
     attachments = [dict(att, email_id=email_id)

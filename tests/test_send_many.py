@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from conftest import db, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
@@ -69,7 +70,18 @@ def test_rows_and_attachments_are_those_of_n_sends(
 
 def test_ids_come_back_in_message_order(app: Flask, mail: OutboxMail) -> None:
     n = 1200  # more than one page of insertmanyvalues (1000 rows)
-    ids = mail.send_many([letter(i) for i in range(n)], send_after=timedelta(hours=1))
+    inserts: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO OUTBOX_EMAIL"):
+            inserts.append(statement)
+
+    sa.event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        ids = mail.send_many([letter(i) for i in range(n)], send_after=timedelta(hours=1))
+    finally:
+        sa.event.remove(db.engine, "before_cursor_execute", count)
+    assert len(inserts) <= 2  # multi-row statements, not one per email
     db.session.commit()
     by_id = {r["id"]: r for r in rows(app)}
     assert len(ids) == n == len(set(ids))
