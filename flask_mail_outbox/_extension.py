@@ -276,10 +276,10 @@ class OutboxMail:
         notify = state.config.listen and dialect == "postgresql" and state.durable()
         inserted = insert_emails(session, [(row.values, row.attachments) for row in rows],
                                  key=key, notify=notify, dialect=dialect)
-        for (email_id, waits), row in zip(inserted, rows, strict=True):
-            _staging.stage(session, _staging.StagedEmail(
-                email_id=email_id, due_now=row.due_now, publisher=state, notified=notify,
-                waits_on_key=key if waits else None))
+        _staging.stage_many(session, [
+            _staging.StagedEmail(email_id=email_id, due_now=row.due_now, publisher=state,
+                                 notified=notify, waits_on_key=key if waits else None)
+            for (email_id, waits), row in zip(inserted, rows, strict=True)])
         return [email_id for email_id, _ in inserted]
 
     def send_message(self, *args: Any, **kwargs: Any) -> int:
