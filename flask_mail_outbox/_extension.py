@@ -194,10 +194,11 @@ class OutboxMail:
         nothing.
         """
         state = self._state()
+        _check_message(msg)
         _check_key("key", key)
         _check_key("idempotency_key", idempotency_key)
         row = self._prepare_row(msg, key=key, due_at=_due_at(send_after),
-                                idempotency_key=idempotency_key)
+                                idempotency_key=idempotency_key, config=state.config)
         session = state.db.session()
         dialect = email_dialect(session)
         # What prepare_commit() would NOTIFY at commit, the insert does itself.
@@ -223,21 +224,25 @@ class OutboxMail:
         """
         _check_key("key", key)
         due_at = _due_at(send_after)
+        config = self._state().config
         rows: list[QueuedRow] = []
         for index, msg in enumerate(messages):
             try:
-                rows.append(self._prepare_row(msg, key=key, due_at=due_at))
+                rows.append(self._prepare_row(msg, key=key, due_at=due_at, config=config))
             except InvalidMessage as exc:
                 raise InvalidMessage(f"messages[{index}].{exc.field}", exc.problem) from exc
         return self._queue_rows(rows, key=key)
 
     def _prepare_row(self, msg: Message, *, key: str | None, due_at: datetime | None,
-                     idempotency_key: str | None = None) -> QueuedRow:
-        """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad."""
-        config = self._state().config
-        if not isinstance(msg, Message):
-            raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got "
-                                        f"{type(msg).__name__}")
+                     idempotency_key: str | None = None,
+                     config: OutboxConfig | None = None) -> QueuedRow:
+        """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad.
+
+        ``config`` (the current app's) spares the lookup in a loop.
+        """
+        if config is None:
+            config = self._state().config
+        _check_message(msg)
         prepared = prepare_message(
             msg, default_sender=config.default_sender,
             allow_local_addresses=config.allow_local_addresses,
@@ -509,6 +514,12 @@ def _request_failed(sender: Flask, **_: Any) -> None:
 def _teardown_request(exc: BaseException | None) -> None:
     if exc is not None:
         _staging.mark_request_failed()
+
+
+def _check_message(msg: Any) -> None:
+    if not isinstance(msg, Message):
+        raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got "
+                                    f"{type(msg).__name__}")
 
 
 def _check_key(field: str, value: Any) -> None:
