@@ -144,6 +144,34 @@ def test_keyed_batch_behind_an_open_email_of_its_key(
         "Letter 100", "Letter 0", "Letter 1", "Letter 2"]
 
 
+# SQLite runs one writer at a time: the earlier email cannot be recorded while
+# the batch's transaction is open, so the race is PostgreSQL's only.
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_key_passes_to_a_batch_whose_predecessor_finished_before_its_commit(
+        hand_ticked_app: Flask, smtp_server: FaultSMTPServer) -> None:
+    from conftest import hand_ticked_worker
+
+    app = hand_ticked_app
+    mail: OutboxMail = app.extensions["test_mail"]
+    worker = hand_ticked_worker(app)
+    with app.app_context():
+        mail.send(letter(100), key="k")
+        db.session.commit()
+        mail.send_many([letter(i) for i in range(3)], key="k")
+        # The earlier email is sent and recorded while the batch is uncommitted:
+        # its recorder sees no successor, so the batch's commit must hand the key on.
+        worker.tick()
+        assert smtp_server.wait_for(1)
+        assert [(r["subject"], r["status"]) for r in rows(app)] == [("Letter 100", "sent")]
+        db.session.commit()
+        for _ in range(6):
+            worker.tick()
+            mail.wait_idle(5)
+    assert smtp_server.wait_for(4)
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == [
+        "Letter 100", "Letter 0", "Letter 1", "Letter 2"]
+
+
 def test_rollback_writes_and_sends_nothing(
         app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
     mail.send_many([with_attachment(i) for i in range(4)], key="k")
