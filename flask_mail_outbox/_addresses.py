@@ -5,6 +5,11 @@ Sender, recipients, cc, bcc and reply_to arrive as ``"a@x.org"``,
 ``Addr`` (email-validator decides, syntax only, never a DNS query) or raises
 ``InvalidMessage`` naming the field. It also holds the check every header
 value goes through first: no CR, LF or NUL (header injection), valid Unicode.
+
+A non-ASCII local part (``grüße@example.org``, RFC 6531) is accepted only when
+``OUTBOX_ALLOW_SMTPUTF8`` is on (``allow_smtputf8``; None reads the current
+app's setting): its ``Addr.ascii`` is then UTF-8, written as such into the
+headers (RFC 6532) and sent with the ``SMTPUTF8`` MAIL parameter.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import NamedTuple
 
 import email_validator
 from email_validator import EmailNotValidError, validate_email
+from flask import current_app, has_app_context
 
 from ._errors import InvalidMessage
 
@@ -29,6 +35,7 @@ __all__ = [
     "check_header_text",
     "display_list",
     "has_bad_chars",
+    "needs_smtputf8",
     "parse_address",
     "reply_to_list",
     "resolve_sender",
@@ -90,7 +97,9 @@ class Addr(NamedTuple):
     """A validated address."""
 
     name: str  # display name, "" when none
-    ascii: str  # local@punycode-domain, what the envelope and headers use
+    # local@punycode-domain, what the envelope and headers use; the local part
+    # is UTF-8 only for an SMTPUTF8 address (see needs_smtputf8).
+    ascii: str
     display: str  # local@unicode-domain, for listings
     domain: str  # the ASCII domain
 
@@ -99,9 +108,26 @@ class AddressError(Exception):
     """email-validator's verdict, without its exception chain."""
 
 
+def needs_smtputf8(address: str) -> bool:
+    """Whether an envelope address can only be sent with SMTPUTF8 (a non-ASCII local part)."""
+    return not address.isascii()
+
+
+def _app_allows_smtputf8() -> bool:
+    """``OUTBOX_ALLOW_SMTPUTF8`` of the current app (as ``init_app`` parsed it); False outside one."""
+    if not has_app_context():
+        return False
+    config = getattr(current_app.extensions.get("mail_outbox"), "config", None)
+    return bool(getattr(config, "allow_smtputf8", False))
+
+
 @functools.lru_cache(maxsize=1024)
-def parse_address(address: str, allow_local: bool) -> Addr:
-    """Validate one bare address (cached: the same senders and recipients repeat)."""
+def parse_address(address: str, allow_local: bool, allow_smtputf8: bool = False) -> Addr:
+    """Validate one bare address (cached: the same senders and recipients repeat).
+
+    With ``allow_smtputf8`` a non-ASCII local part is kept (NFC-normalised) in
+    ``Addr.ascii``; the domain is always in its ASCII (punycode) form.
+    """
     special = ""
     checked = address
     if allow_local:
@@ -120,7 +146,7 @@ def parse_address(address: str, allow_local: bool) -> Addr:
         valid = validate_email(
             checked,
             check_deliverability=False,  # syntax only: never a DNS query in a request
-            allow_smtputf8=False,
+            allow_smtputf8=allow_smtputf8,
             globally_deliverable=not allow_local,
             test_environment=allow_local,
             # RFC 5321's 64-octet local part, which email-validator skips by default:
@@ -129,9 +155,9 @@ def parse_address(address: str, allow_local: bool) -> Addr:
         )
     except EmailNotValidError as exc:
         raise AddressError(str(exc)) from None
-    local = valid.ascii_local_part
-    if local is None:  # pragma: no cover - allow_smtputf8=False guarantees it
-        raise AddressError("The address needs SMTPUTF8, which is not supported.")
+    local = valid.ascii_local_part if valid.ascii_local_part is not None else valid.local_part
+    if not local.isascii() and not allow_smtputf8:  # pragma: no cover - email-validator refuses it
+        raise AddressError("The address needs SMTPUTF8, which is not allowed.")
     ascii_domain = valid.ascii_domain
     unicode_domain = valid.domain
     if special:
@@ -161,7 +187,7 @@ def _split_display_form(text: str) -> tuple[str, str]:
     return name, text[start + 1 : -1]
 
 
-def _address(field: str, value: object, allow_local: bool) -> Addr:
+def _address(field: str, value: object, allow_local: bool, allow_smtputf8: bool) -> Addr:
     """One address in any accepted form, or InvalidMessage naming ``field``."""
     if isinstance(value, str):
         check_header_text(field, value)
@@ -182,11 +208,14 @@ def _address(field: str, value: object, allow_local: bool) -> Addr:
     if not address:
         raise InvalidMessage(field, f"{value!r} has no address")
     try:
-        addr = parse_address(address, allow_local)
+        addr = parse_address(address, allow_local, allow_smtputf8)
     except AddressError as exc:
         hint = ""
         if not allow_local and _looks_local(address):
             hint = "; set OUTBOX_ALLOW_LOCAL_ADDRESSES = True to allow local and test domains"
+        elif not allow_smtputf8 and not address.rpartition("@")[0].isascii():
+            hint = ("; set OUTBOX_ALLOW_SMTPUTF8 = True to allow non-ASCII local parts "
+                    "(RFC 6531: only servers that offer SMTPUTF8 take them)")
         raise InvalidMessage(
             field, f"{address!r} is not a valid email address ({exc}){hint}"
         ) from None
@@ -203,8 +232,12 @@ def _looks_local(text: str) -> bool:
     )
 
 
-def address_list(field: str, value: object, allow_local: bool) -> list[Addr]:
-    """A list of addresses (recipients, cc, bcc); None is an empty list."""
+def address_list(field: str, value: object, allow_local: bool, *,
+                 allow_smtputf8: bool | None = None) -> list[Addr]:
+    """A list of addresses (recipients, cc, bcc); None is an empty list.
+
+    ``allow_smtputf8`` None: the current app's ``OUTBOX_ALLOW_SMTPUTF8``.
+    """
     if value is None:
         return []
     if isinstance(value, str):
@@ -221,31 +254,37 @@ def address_list(field: str, value: object, allow_local: bool) -> list[Addr]:
         and "@" in value[1]
     ):
         raise InvalidMessage(field, f"got the single address tuple {value!r}; write [{value!r}]")
-    return [_address(f"{field}[{i}]", item, allow_local) for i, item in enumerate(value)]
+    utf8 = _app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
+    return [_address(f"{field}[{i}]", item, allow_local, utf8) for i, item in enumerate(value)]
 
 
-def resolve_sender(sender: object, default_sender: object, allow_local: bool) -> Addr:
+def resolve_sender(sender: object, default_sender: object, allow_local: bool, *,
+                   allow_smtputf8: bool | None = None) -> Addr:
     """The message's sender, else ``MAIL_DEFAULT_SENDER``; neither is an error."""
+    utf8 = _app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
     if sender is not None and sender != "":
-        return _address("sender", sender, allow_local)
+        return _address("sender", sender, allow_local, utf8)
     if default_sender is None or default_sender == "":
         raise InvalidMessage(
             "sender",
             "the message has no sender and there is no default; set MAIL_DEFAULT_SENDER or pass sender=",
         )
     try:
-        return _address("sender", default_sender, allow_local)
+        return _address("sender", default_sender, allow_local, utf8)
     except InvalidMessage as exc:
         raise InvalidMessage("sender", f"MAIL_DEFAULT_SENDER: {exc.problem}") from None
 
 
-def reply_to_list(value: object, allow_local: bool) -> list[Addr]:
+def reply_to_list(value: object, allow_local: bool, *,
+                  allow_smtputf8: bool | None = None) -> list[Addr]:
     """Reply-To: one address or a list of them; None or "" is none."""
     if value is None or value == "":
         return []
+    utf8 = _app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
     if isinstance(value, list):
-        return [_address(f"reply_to[{i}]", item, allow_local) for i, item in enumerate(value)]
-    return [_address("reply_to", value, allow_local)]
+        return [_address(f"reply_to[{i}]", item, allow_local, utf8)
+                for i, item in enumerate(value)]
+    return [_address("reply_to", value, allow_local, utf8)]
 
 
 # --------------------------------------------------------------------------- #

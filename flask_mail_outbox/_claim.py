@@ -29,6 +29,11 @@ CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sende
                    email_table.c.key, email_table.c.error_history)
 
 
+#: The order the claim takes due rows in: higher priority (a lower number) first,
+#: then oldest due first; ``ix_outbox_email_due`` holds them in this order.
+CLAIM_ORDER = (email_table.c.priority, email_table.c.due_at, email_table.c.id)
+
+
 def claimable(now: Now, *, sqlite: bool) -> sa.ColumnElement[bool]:
     """Queued, due, and free to go: keyless, or the head of its key.
 
@@ -57,7 +62,7 @@ def sqlite_pick(now: datetime, limit: int) -> Any:
     return sa.text(
         "SELECT id FROM outbox_email INDEXED BY ix_outbox_email_due "
         "WHERE status = 'queued' AND (\"key\" IS NULL OR key_head) AND due_at <= :now "
-        "ORDER BY due_at, id LIMIT :limit"
+        "ORDER BY priority, due_at, id LIMIT :limit"
     ).bindparams(sa.bindparam("now", now, type_=sa.DateTime()),
                  sa.bindparam("limit", limit)).columns(email_table.c.id)
 
@@ -71,7 +76,7 @@ def pg_claim(now: Now, *, reap: bool) -> Any:
     """
     t = email_table
     pick = (sa.select(t.c.id).where(claimable(now, sqlite=False))
-            .order_by(t.c.due_at, t.c.id).limit(sa.bindparam("claim_limit", type_=sa.Integer)))
+            .order_by(*CLAIM_ORDER).limit(sa.bindparam("claim_limit", type_=sa.Integer)))
     due = pick.with_for_update(skip_locked=True).cte("due").prefix_with("MATERIALIZED")
     # ``id = ANY(ARRAY(...))`` and nothing else: a queue's statistics are always
     # stale (the table was nearly empty at the last ANALYZE), and a join with

@@ -12,6 +12,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from ._dkim import DKIMSigner, signed_header_names, signer_from
 from ._errors import ConfigError
 from ._retry import RetryPolicy
 
@@ -44,6 +45,7 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_MAX_THROTTLE_DEFERRALS": 10,
     "OUTBOX_LEASE_SECONDS": 30.0,
     "OUTBOX_BATCH_SIZE": 100,
+    "OUTBOX_CONCURRENCY": 4,
     "OUTBOX_POLL_INTERVAL": 0.5,
     "OUTBOX_POLL_MAX_INTERVAL": 30.0,
     "OUTBOX_LISTEN": True,
@@ -59,6 +61,16 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_MAX_MESSAGE_BYTES": 25 * _MIB,
     "OUTBOX_ALLOW_LOCAL_ADDRESSES": False,
     "OUTBOX_MESSAGE_ID_DOMAIN": None,
+    # An html message without ``body`` gets a text/plain rendering of the html.
+    "OUTBOX_HTML_TO_TEXT": True,
+    # RFC 6531 addresses (non-ASCII local parts), sent with SMTPUTF8.
+    "OUTBOX_ALLOW_SMTPUTF8": False,
+    # DKIM signing at delivery (extra ``dkim``): on when a key is set.
+    "OUTBOX_DKIM_DOMAIN": None,
+    "OUTBOX_DKIM_SELECTOR": None,
+    "OUTBOX_DKIM_PRIVATE_KEY": None,
+    "OUTBOX_DKIM_PRIVATE_KEY_FILE": None,
+    "OUTBOX_DKIM_HEADERS": None,  # None: _dkim.DEFAULT_SIGNED_HEADERS
     "OUTBOX_TLS_VERIFY": True,
     "OUTBOX_TLS_CA_FILE": None,
     "OUTBOX_RETENTION_DAYS": None,
@@ -103,6 +115,7 @@ class OutboxConfig:
     max_throttle_deferrals: int
     lease_seconds: float
     batch_size: int
+    concurrency: int
     poll_interval: float
     poll_max_interval: float
     listen: bool
@@ -122,6 +135,10 @@ class OutboxConfig:
     scrub_sent: bool
     health_max_queued_age_seconds: float
     run_scheduler: bool = True
+    html_to_text: bool = True
+    allow_smtputf8: bool = False
+    #: None when DKIM signing is off.
+    dkim: DKIMSigner | None = None
 
     def retry_policy(self) -> RetryPolicy:
         """The retry policy these settings describe (both modes use it)."""
@@ -267,6 +284,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
                                            integer=True),
         lease_seconds=keys.number("OUTBOX_LEASE_SECONDS", minimum=1),
         batch_size=keys.number("OUTBOX_BATCH_SIZE", minimum=1, integer=True),
+        concurrency=_concurrency(keys),
         poll_interval=poll,
         poll_max_interval=poll_max,
         listen=keys.flag("OUTBOX_LISTEN"),
@@ -291,7 +309,23 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         health_max_queued_age_seconds=keys.number("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
                                                   minimum=0, strict_minimum=True),
         run_scheduler=keys.flag("OUTBOX_RUN_SCHEDULER"),
+        html_to_text=keys.flag("OUTBOX_HTML_TO_TEXT"),
+        allow_smtputf8=keys.flag("OUTBOX_ALLOW_SMTPUTF8"),
+        dkim=_dkim_signer(keys),
     )
+
+
+#: The most SMTP connections one process opens per transport (``--concurrency`` too).
+MAX_CONCURRENCY = 256
+
+
+def _concurrency(keys: _Keys) -> int:
+    """OUTBOX_CONCURRENCY: connections per process (a stream's sends in flight)."""
+    value: int = keys.number("OUTBOX_CONCURRENCY", minimum=1, integer=True)
+    if value > MAX_CONCURRENCY:
+        raise ConfigError("OUTBOX_CONCURRENCY",
+                          f"must be at most {MAX_CONCURRENCY}, got {value!r}")
+    return value
 
 
 def _smtp_settings(keys: _Keys) -> SMTPSettings:
@@ -350,6 +384,13 @@ def _retry_delays(keys: _Keys) -> tuple[float, float]:
         raise ConfigError("OUTBOX_RETRY_MAX_SECONDS",
                           f"must be at least OUTBOX_RETRY_BASE_SECONDS ({base:g}), got {retry_max:g}")
     return base, retry_max
+
+
+def _dkim_signer(keys: _Keys) -> DKIMSigner | None:
+    """The ``OUTBOX_DKIM_*`` keys: None when DKIM is off (``init_app`` probes the key)."""
+    headers = signed_header_names(keys.get("OUTBOX_DKIM_HEADERS"))
+    return signer_from(keys.text, keys.get("OUTBOX_DKIM_PRIVATE_KEY"),
+                       keys.get("OUTBOX_DKIM_PRIVATE_KEY_FILE"), headers)
 
 
 def _message_id_domain(keys: _Keys) -> str | None:

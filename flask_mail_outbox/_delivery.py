@@ -33,14 +33,16 @@ from ._errors import PermanentError, TransientError, TransportError
 from ._models import Status
 from ._retry import RetryPolicy
 from ._signals import email_dispatched, email_failed, email_sent
-from ._store import ClaimedEmail, Outcome, Reaped, Recorded, Store
+from ._store import ClaimedEmail, KeptConnection, Outcome, Reaped, Recorded, Store
 from .transports import Delivered, Envelope, Failed, Result, Transport
 from .transports._base import NotAttempted
 
 if TYPE_CHECKING:
     from flask import Flask
+    from sqlalchemy.engine import Connection
 
     from ._config import OutboxConfig
+    from ._dkim import DKIMSigner
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +58,11 @@ def new_owner() -> str:
     return f"{_HOST[:40]}:{os.getpid()}:{next(_owner_counter)}:{uuid.uuid4().hex[:8]}"
 
 
-def envelope_of(email: ClaimedEmail) -> Envelope:
-    """What the transport needs of a claimed row."""
+def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None) -> Envelope:
+    """What the transport needs of a claimed row, DKIM-signed afresh when ``dkim`` is given."""
+    mime = email.mime if dkim is None else dkim.signed(email.id, email.mime)
     return Envelope(email_id=email.id, sender=email.sender, recipients=email.recipients,
-                    mime=email.mime, message_id=email.message_id,
+                    mime=mime, message_id=email.message_id,
                     mail_options=email.mail_options, rcpt_options=email.rcpt_options)
 
 
@@ -330,7 +333,7 @@ class Delivery:
         self.heartbeat.track(claimed)
         try:
             sendable = [e for e in claimed if e.attempt <= self.policy.max_attempts]
-            results = self.transport.send_many([envelope_of(e) for e in sendable])
+            results = self.transport.send_many([envelope_of(e, self.config.dkim) for e in sendable])
             by_id = {e.id: r for e, r in zip(sendable, results)}
             report = self.finish([(e, by_id.get(e.id)) for e in claimed])
         finally:
@@ -340,13 +343,14 @@ class Delivery:
         return report
 
     def finish(self, done: Sequence[tuple[ClaimedEmail, Result | None]], *,
-               policy: RetryPolicy | None = None,
-               retry_now: Collection[int] = ()) -> BatchReport:
+               policy: RetryPolicy | None = None, retry_now: Collection[int] = (),
+               kept: KeptConnection | None = None) -> BatchReport:
         """Record the results of ``done`` in one transaction; report and signal them.
 
         A result of None: claimed past its last attempt (its lease had expired
         on that one), dead-lettered without a send. ``retry_now``: ids the
-        caller retries in process (see :func:`outcome_for`).
+        caller retries in process (see :func:`outcome_for`). ``kept``: the
+        caller's own connection for the record.
         """
         policy = policy or self.policy
         report = BatchReport()
@@ -355,7 +359,7 @@ class Delivery:
         outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now)
                     for email, result in done]
         try:
-            recorded, lost, report.holders = self._record(outcomes)
+            recorded, lost, report.holders = self._record(outcomes, kept)
         finally:
             self.heartbeat.done([email for email, _ in done])
         errors: dict[int, TransportError] = {
@@ -444,16 +448,19 @@ class Delivery:
     #: Seconds between attempts to record outcomes while the database refuses.
     record_retry_delays = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
-    def _record(self, outcomes: list[Outcome]) -> Recorded:
+    def _record(self, outcomes: list[Outcome], kept: KeptConnection | None = None) -> Recorded:
         """Record outcomes, retrying while the database is briefly unavailable.
 
         The messages were handed to the server already: giving up here means
         they are sent again once their lease expires. The heartbeat keeps the
         leases alive meanwhile (when the database lets it).
         """
+        def record(conn: Connection | None = None) -> Recorded:
+            return self.store.record(outcomes, scrub_sent=self.config.scrub_sent, conn=conn)
+
         for delay in (*self.record_retry_delays, None):
             try:
-                result = self.store.record(outcomes, scrub_sent=self.config.scrub_sent)
+                result = record() if kept is None else kept.run(record)
             except Exception as exc:
                 if delay is None:
                     sent = sum(o.status is Status.SENT for o in outcomes)

@@ -155,6 +155,8 @@ class OutboxMail:
         config = load_config(app.config, instance_path=app.instance_path,
                              testing=bool(app.config.get("TESTING")))
         _warn_plaintext_login(config)
+        if config.dkim is not None:
+            config.dkim.check()  # signs a probe: a key that cannot sign fails here
         state = _AppState(self, app, db, config)
         _prepare_sqlite(app, db)
         app.extensions[EXTENSION_KEY] = state

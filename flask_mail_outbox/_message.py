@@ -12,9 +12,10 @@ are in ``_addresses`` (every address) and ``_fields`` (every other field), and
 
 from __future__ import annotations
 
+import mimetypes
+import re
 import secrets
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeAlias
@@ -38,14 +39,15 @@ from ._fields import (
     ExtraHeaders,
     check_attachments,
     check_esmtp_options,
-    check_message_id,
-    check_message_id_domain,
     extra_headers,
     resolve_charset,
     resolve_date,
     text_alternatives,
 )
-from ._mime import message_body, top_headers
+from ._html_text import html_to_text
+from ._message_id import context_domain, new_message_id, resolve_message_id
+from ._mime import Part, message_body, top_headers
+from ._unsubscribe import unsubscribe_lines
 
 __all__ = ["Address", "Attachment", "AttachmentInfo", "Message", "PreparedEmail", "prepare_message"]
 
@@ -53,6 +55,9 @@ __all__ = ["Address", "Attachment", "AttachmentInfo", "Message", "PreparedEmail"
 Address: TypeAlias = "str | tuple[str, str]"
 
 _DEFAULT_MAX_MESSAGE_BYTES = 25 * 1024 * 1024
+
+# What makes a display name need quotes (email.utils.formataddr's set).
+_NAME_SPECIALS = re.compile(r'[][\\()<>@,:;".]')
 
 
 # --------------------------------------------------------------------------- #
@@ -93,10 +98,25 @@ class Message:
     The constructor accepts anything, as Flask-Mail's does; ``mail.send()``
     (through ``prepare_message``) validates and raises ``InvalidMessage``
     naming the offending field. A missing ``sender`` is filled from
-    ``MAIL_DEFAULT_SENDER`` when the message is built.
+    ``MAIL_DEFAULT_SENDER`` when the message is built. A ``(name, address)``
+    sender reads back as ``"name <address>"``, as in Flask-Mail.
 
-    ``msgId`` starts as None and the Message-ID is made when the message is
-    queued; set it to ``"<id@domain>"`` to choose one yourself.
+    ``msgId`` is made with the message, as Flask-Mail makes it, and becomes
+    the stored row's Message-ID. Its domain is ``OUTBOX_MESSAGE_ID_DOMAIN``
+    when an app context is active, else the domain of the sender (the
+    message's, or the app's ``MAIL_DEFAULT_SENDER``); never a DNS lookup.
+    Made outside an app context and without a sender, the message has no
+    domain to go by yet: ``msgId`` reads None until one is known (a sender is
+    set, or it is read or built in an app context), and is kept from then on.
+    Made outside an app context, it is made again when it is sent by an app
+    whose ``OUTBOX_MESSAGE_ID_DOMAIN`` names another domain. Set it to
+    ``"<id@domain>"`` to choose one, or to None to have a new one made.
+    One ``Message`` is one email: sent again, it keeps its Message-ID and Date.
+
+    ``list_unsubscribe`` (keyword-only): an ``https://`` URL and/or a
+    ``mailto:`` URI, a str or a sequence of them, written as
+    ``List-Unsubscribe``; with an https URL, ``List-Unsubscribe-Post:
+    List-Unsubscribe=One-Click`` too (RFC 8058 one-click unsubscribe).
     """
 
     def __init__(
@@ -116,13 +136,15 @@ class Message:
         extra_headers: dict[str, str] | None = None,
         mail_options: list[str] | None = None,
         rcpt_options: list[str] | None = None,
+        *,
+        list_unsubscribe: str | Sequence[str] | None = None,
     ) -> None:
         self.subject = subject
         self.recipients: list[Address] = recipients if recipients is not None else []
         self.body = body
         self.html = html
         self.alts: dict[str, str] = _alts_dict(alts)
-        self.sender = sender
+        self.sender: Address | None = _sender_text(sender)
         self.cc: list[Address] = cc if cc is not None else []
         self.bcc: list[Address] = bcc if bcc is not None else []
         self.attachments: list[Attachment] = attachments if attachments is not None else []
@@ -132,7 +154,27 @@ class Message:
         self.extra_headers = extra_headers
         self.mail_options: list[str] = mail_options if mail_options is not None else []
         self.rcpt_options: list[str] = rcpt_options if rcpt_options is not None else []
-        self.msgId: str | None = None
+        self.list_unsubscribe = list_unsubscribe
+        # Makes the multipart boundaries, so every build of this message is the same bytes.
+        self._seed = secrets.token_hex(16)
+        # The Date of a message without ``date``: its first build's time, then kept.
+        self._built_date: datetime | None = None
+        self._msg_id: str | None = None
+        self._msg_id_made = False  # made here (not chosen by the user)
+        self._msg_id = self.msgId
+
+    @property
+    def msgId(self) -> str | None:
+        """The Message-ID, ``"<unique@domain>"``; see the class docstring for its domain."""
+        if self._msg_id is None:
+            domain = context_domain(self.sender)
+            if domain is not None:
+                self._msg_id, self._msg_id_made = new_message_id(domain), True
+        return self._msg_id
+
+    @msgId.setter
+    def msgId(self, value: str | None) -> None:
+        self._msg_id, self._msg_id_made = value, False
 
     def __repr__(self) -> str:
         return f"<Message {self.subject!r} to {self.recipients!r}>"
@@ -167,12 +209,40 @@ class Message:
         disposition: str | None = None,
         headers: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
     ) -> None:
-        """Add an attachment (Flask-Mail's signature); checked when the message is sent."""
+        """Add an attachment (Flask-Mail's signature); checked when the message is sent.
+
+        With ``disposition="inline"`` and a ``Content-ID`` header, and an
+        ``html`` body, the part goes with the html in multipart/related, as
+        ``embed()`` does.
+        """
         self.attachments.append(Attachment(filename, content_type, data, disposition, headers))
+
+    def embed(
+        self, filename: str | None, content_type: str | None, data: bytes | str
+    ) -> str:
+        """Add an inline image the html shows as ``<img src="cid:...">``; returns that cid.
+
+        The cid has no angle brackets. The part goes with the html part in a
+        multipart/related, so clients show it in place, not as an attachment
+        (without ``html`` it stays an inline attachment, after the text). A
+        missing ``content_type`` is guessed from ``filename``.
+        """
+        if content_type is None and isinstance(filename, str):
+            content_type = mimetypes.guess_type(filename)[0]
+        # The Message-ID's domain, when it has one; any will do, a cid is only
+        # matched within its message.
+        msg_id = self.msgId
+        domain = "inline.invalid"
+        if isinstance(msg_id, str) and "@" in msg_id and msg_id.endswith(">"):
+            domain = msg_id[msg_id.rindex("@") + 1 : -1]
+        cid = f"{secrets.token_hex(12)}@{domain}"
+        self.attach(filename, content_type, data, "inline", {"Content-ID": f"<{cid}>"})
+        return cid
 
     def has_bad_headers(self) -> bool:
         """True when any header name or value would carry a CR, LF or NUL (header injection)."""
-        values: list[object] = [self.subject, self.sender, self.reply_to, self.msgId]
+        values: list[object] = [self.subject, self.sender, self.reply_to, self._msg_id,
+                                self.list_unsubscribe]
         for group in (self.recipients, self.cc, self.bcc):
             if isinstance(group, (list, tuple)):
                 values.extend(group)
@@ -198,15 +268,16 @@ class Message:
         """The MIME message, CRLF line endings, built exactly as ``mail.send()`` builds it.
 
         Inside an app context the app's ``MAIL_DEFAULT_SENDER`` and ``OUTBOX_*``
-        settings apply; outside one, the message's own sender is used. Without a
-        ``msgId`` each call makes a fresh Message-ID, and without a ``date`` each
-        call stamps the current time. Raises ``InvalidMessage`` like ``send()``.
+        settings apply; outside one, the message's own sender is used. Every
+        call gives the same bytes: the Message-ID, the boundaries and (without
+        a ``date``) the Date of the first build are kept. Raises
+        ``InvalidMessage`` like ``send()``.
         """
         return prepare_message(self, **_current_app_options()).mime
 
     def as_string(self) -> str:
-        """``as_bytes()`` as text (the message is 7-bit, so this is lossless)."""
-        return self.as_bytes().decode("ascii")
+        """``as_bytes()`` as text (7-bit, or UTF-8 headers with OUTBOX_ALLOW_SMTPUTF8: lossless)."""
+        return self.as_bytes().decode("utf-8")
 
     def __bytes__(self) -> bytes:
         return self.as_bytes()
@@ -251,6 +322,7 @@ def prepare_message(
     message_id_domain: str | None,
     ascii_attachments: bool,
     now: datetime | None = None,
+    html_to_text: bool | None = None,
 ) -> PreparedEmail:
     """Validate ``msg`` and build the exact bytes to send.
 
@@ -260,7 +332,10 @@ def prepare_message(
     not bytes or str, or a message larger than ``max_message_bytes``.
     Single-label and special-use domains (``localhost``, ``*.test``,
     ``*.local`` ...) are refused unless ``allow_local_addresses``.
-    ``now`` (default: the current UTC time) dates a message without ``date``.
+    ``now`` (default: the current UTC time) dates a message without ``date``
+    at its first build, kept for later builds, as a Message-ID made here is
+    kept as its ``msgId``. ``html_to_text`` (``OUTBOX_HTML_TO_TEXT``; None: the
+    current app's, True outside one) gives html without ``body`` a text part.
     """
     if not isinstance(msg, Message):
         raise TypeError(f"prepare_message() expects a Message, got {type(msg).__name__}")
@@ -276,17 +351,20 @@ def prepare_message(
 
     codec, charset_name = resolve_charset(msg.charset)
     alternatives = text_alternatives(msg.body, msg.html, msg.alts, codec)
-    date = resolve_date(msg.date, now)
+    date = _date(msg, now)
     extra = extra_headers(msg.extra_headers)
-    message_id = _message_id(msg.msgId, extra, message_id_domain, sender)
+    unsubscribe = unsubscribe_lines(msg.list_unsubscribe, extra, allow_local_addresses)
+    message_id = resolve_message_id(msg, extra, message_id_domain, sender)
     attachments = check_attachments(msg.attachments, ascii_attachments, max_message_bytes)
 
-    body_headers, body = message_body(alternatives, [att.part for att in attachments], charset_name)
-    extra_lines = extra.lines if extra else ()
+    body_headers, body = _content(
+        msg, alternatives, [att.part for att in attachments], codec, charset_name, html_to_text
+    )
+    extra_lines = [*unsubscribe, *(extra.lines if extra else ())]
     headers = top_headers(
         sender, to, cc, reply_to, subject, date, message_id, body_headers, extra_lines
     )
-    mime = "\r\n".join(headers).encode("ascii") + b"\r\n\r\n" + body
+    mime = "\r\n".join(headers).encode("utf-8") + b"\r\n\r\n" + body
     _check_message_size(mime, max_message_bytes)
     return PreparedEmail(
         sender=sender.ascii,
@@ -332,17 +410,39 @@ def _recipients(msg: Message, allow_local: bool) -> tuple[list[Addr], list[Addr]
     return to, cc, bcc
 
 
-def _message_id(
-    chosen: str | None, extra: ExtraHeaders | None, domain_setting: str | None, sender: Addr
-) -> str:
-    """The Message-ID the user chose, checked (an extra header wins over ``msgId``), else a new one."""
-    message_id = chosen
-    if extra and "message-id" in extra.replaced:
-        message_id = extra.replaced["message-id"]
-    if message_id is not None:
-        return check_message_id(message_id)
-    domain = check_message_id_domain(domain_setting) if domain_setting else sender.domain
-    return f"<{time.time_ns() // 1000:x}.{secrets.token_hex(8)}@{domain}>"
+def _date(msg: Message, now: datetime | None) -> datetime:
+    """``msg.date`` checked; without one, the time of the message's first build, kept."""
+    if msg.date is not None:
+        return resolve_date(msg.date, now)
+    built = msg._built_date
+    if built is None:
+        built = msg._built_date = resolve_date(None, now)
+    return built
+
+
+def _content(
+    msg: Message,
+    alternatives: list[tuple[str, bytes]],
+    attachment_parts: list[Part],
+    codec: str,
+    charset: str,
+    html_to_text_on: bool | None,
+) -> Part:
+    """The message's content (see ``message_body``), with the text part html mail needs.
+
+    Like Flask-Mail, a message with any alternative but no text/plain one
+    starts its multipart/alternative with a text/plain part: the html's text
+    (``OUTBOX_HTML_TO_TEXT``), else empty as Flask-Mail's.
+    """
+    subtypes = [subtype.lower() for subtype, _ in alternatives]
+    if alternatives and "plain" not in subtypes:
+        text = ""
+        if html_to_text_on is None:
+            html_to_text_on = _app_html_to_text()
+        if html_to_text_on and "html" in subtypes:
+            text = html_to_text(alternatives[subtypes.index("html")][1].decode(codec))
+        alternatives = [("plain", text.encode(codec, "replace")), *alternatives]
+    return message_body(alternatives, attachment_parts, charset, msg._seed)
 
 
 def _check_message_size(mime: bytes, max_message_bytes: int) -> None:
@@ -375,6 +475,21 @@ def _to_display(to: list[Addr], cc: list[Addr], extra: ExtraHeaders | None) -> s
 # --------------------------------------------------------------------------- #
 # Helpers of the Message class
 # --------------------------------------------------------------------------- #
+
+
+def _sender_text(sender: object) -> Any:
+    """Flask-Mail's ``"name <address>"`` for a ``(name, address)`` sender, quoting the name when needed.
+
+    Anything else is kept as given, for validation to report.
+    """
+    if not (isinstance(sender, tuple) and len(sender) == 2 and all(isinstance(p, str) for p in sender)):
+        return sender
+    name, address = sender
+    if not name:
+        return address
+    if _NAME_SPECIALS.search(name) or name != name.strip():
+        name = '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"{name} <{address}>"
 
 
 def _has_bad_chars_deep(value: object) -> bool:
@@ -436,3 +551,11 @@ def _current_app_options() -> dict[str, Any]:
         "message_id_domain": config.get("OUTBOX_MESSAGE_ID_DOMAIN"),
         "ascii_attachments": bool(config.get("MAIL_ASCII_ATTACHMENTS", False)),
     }
+
+
+def _app_html_to_text() -> bool:
+    """``OUTBOX_HTML_TO_TEXT`` of the current app, as ``init_app`` parsed it if it did; True outside one."""
+    if not has_app_context():
+        return True
+    parsed = getattr(current_app.extensions.get("mail_outbox"), "config", None)
+    return bool(getattr(parsed, "html_to_text", current_app.config.get("OUTBOX_HTML_TO_TEXT", True)))

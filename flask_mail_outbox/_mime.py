@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import binascii
 import functools
+import hashlib
 import re
-import secrets
 import struct
 import urllib.parse
 from collections.abc import Sequence
@@ -26,7 +26,15 @@ from typing import TypeAlias
 
 from ._addresses import UNDISCLOSED_RECIPIENTS, Addr
 
-__all__ = ["Part", "attachment_part", "message_body", "top_headers", "unstructured_header"]
+__all__ = [
+    "Part",
+    "attachment_part",
+    "message_body",
+    "part_header",
+    "top_headers",
+    "unstructured_header",
+    "uri_list_header",
+]
 
 #: A MIME part: its header lines (no CRLF) and its encoded body (CRLF lines).
 Part: TypeAlias = "tuple[list[str], bytes]"
@@ -37,10 +45,16 @@ _HARD_LINE_LIMIT = 998
 # Longest raw token (word, quoted name, filename) written on one header line;
 # anything longer goes through RFC 2047/2231 encoding, which can be split.
 _MAX_RAW_TOKEN = 900
-# UTF-8 bytes per RFC 2047 encoded-word: 39 bytes -> 52 base64 characters,
-# 64 with the "=?utf-8?b?" and "?=" around them (the limit is 75), so that
-# "Subject: " or "Reply-To: " plus one word still fits in 78 characters.
+# Encoded text per RFC 2047 encoded-word: 52 characters (39 UTF-8 bytes in
+# base64), 64 with the "=?utf-8?b?" and "?=" around them (the limit is 75), so
+# that "Subject: " or "Reply-To: " plus one word still fits in 78 characters.
 _EW_BYTES = 39
+_EW_CHARS = 52
+# What RFC 2047's Q encoding may leave as is, even in a display name (5.(3)).
+_Q_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789!*+-/")
+_Q_BYTES = tuple(
+    chr(b) if b in _Q_SAFE else "_" if b == 0x20 else f"={b:02X}" for b in range(256)
+)
 # Base64 line length (RFC 2045), and a struct that cuts 256 such lines at once.
 _B64_LINE = 76
 _B64_BLOCK = struct.Struct(f"{_B64_LINE}s" * 256)
@@ -88,7 +102,9 @@ def top_headers(
         headers["cc"] = _address_header("Cc", cc)
     if reply_to:
         headers["reply-to"] = _address_header("Reply-To", reply_to)
-    headers["subject"] = unstructured_header("Subject", subject)
+    if subject:
+        # Flask-Mail writes no Subject for an empty one, and neither do MUAs.
+        headers["subject"] = unstructured_header("Subject", subject)
     headers["date"] = "Date: " + _date_header(date.replace(microsecond=0))
     headers["message-id"] = "Message-ID: " + message_id
     headers["mime-version"] = "MIME-Version: 1.0"
@@ -105,21 +121,54 @@ def top_headers(
 
 
 def message_body(
-    alternatives: Sequence[tuple[str, bytes]], attachments: list[Part], charset: str
+    alternatives: Sequence[tuple[str, bytes]],
+    attachments: Sequence[Part],
+    charset: str,
+    seed: str,
 ) -> Part:
-    """The message's content: one text part, multipart/alternative, wrapped in multipart/mixed for attachments.
+    """The message's content, nested as mail clients expect it.
 
-    ``alternatives`` are (subtype, text already encoded in ``charset``);
-    ``attachments`` are parts made by ``attachment_part``.
+    ``alternatives`` are (subtype, text already encoded in ``charset``), more
+    than one making a multipart/alternative. ``attachments`` are parts made
+    by ``attachment_part``. Inline ones with a Content-ID (images the html
+    shows through ``cid:``) go with the html part in a multipart/related that
+    takes its place among the alternatives, so clients show them in place and
+    not as attachments; without an html part they stay attachments. The others
+    put a multipart/mixed around it all. ``seed`` makes the boundaries: the
+    same message builds to the same bytes.
     """
-    parts = [_text_part(subtype, data, charset) for subtype, data in alternatives]
+    has_html = any(subtype.lower() == "html" for subtype, _ in alternatives)
+    inline = [part for part in attachments if has_html and _is_inline(part)]
+    mixed = [part for part in attachments if not (has_html and _is_inline(part))]
+    parts = []
+    for subtype, data in alternatives:
+        part = _text_part(subtype, data, charset)
+        if inline and subtype.lower() == "html":
+            part = _multipart("related", [part, *inline], seed, '; type="text/html"')
+            inline = []
+        parts.append(part)
     if len(parts) > 1:
-        parts = [_multipart("alternative", parts)]
-    if attachments:
-        return _multipart("mixed", parts + attachments)
+        parts = [_multipart("alternative", parts, seed)]
+    if mixed:
+        return _multipart("mixed", [*parts, *mixed], seed)
     if parts:
         return parts[0]
     return _text_part("plain", b"", charset)
+
+
+def _is_inline(part: Part) -> bool:
+    """An inline part the html can show: ``Content-Disposition: inline`` and a Content-ID."""
+    disposition = (part_header(part, "Content-Disposition") or "").partition(";")[0]
+    return disposition.strip().lower() == "inline" and bool(part_header(part, "Content-ID"))
+
+
+def part_header(part: Part, name: str) -> str | None:
+    """The value of header ``name`` of a built ``part``, unfolded; None when it has none."""
+    prefix = name.lower() + ":"
+    for line in part[0]:
+        if line[: len(prefix)].lower() == prefix:
+            return line[len(prefix) :].replace("\r\n", "").strip()
+    return None
 
 
 # --------------------------------------------------------------------------- #
@@ -176,10 +225,9 @@ def _content_disposition(disposition: str, filename: str | None) -> str:
 
 def _text_part(subtype: str, data: bytes, charset: str) -> Part:
     """A text/* part of already-encoded text: 7bit when it can be, else QP or base64."""
+    # Line breaks are made CRLF; nothing is added, as Flask-Mail adds nothing.
     if b"\r" in data:
         data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    if data and not data.endswith(b"\n"):
-        data += b"\n"
     content_type = f'Content-Type: text/{subtype}; charset="{charset}"'
     if data.isascii() and b"\0" not in data and _longest_line(data) <= _HARD_LINE_LIMIT:
         return [content_type, "Content-Transfer-Encoding: 7bit"], data.replace(b"\n", b"\r\n")
@@ -216,18 +264,23 @@ def _base64_lines(data: bytes) -> bytes:
     return b"\r\n".join(lines)
 
 
-def _multipart(subtype: str, parts: Sequence[Part]) -> Part:
+def _multipart(subtype: str, parts: Sequence[Part], seed: str, params: str = "") -> Part:
     chunks = [
         b"\r\n".join(h.encode("ascii") for h in headers) + b"\r\n\r\n" + body
         for headers, body in parts
     ]
+    attempt = 0
     while True:
-        # "=_" can occur neither in base64 nor in quoted-printable; a 7bit text
-        # part could hold it, so check rather than hope.
-        boundary = "=_" + secrets.token_hex(16)
+        # Derived from the message's seed, so building a message twice gives
+        # the same bytes; one per subtype (so nested boundaries differ) and
+        # attempt. "=_" can occur neither in base64 nor in quoted-printable; a
+        # 7bit text part could hold it, so check rather than hope.
+        digest = hashlib.blake2b(f"{seed}/{subtype}/{attempt}".encode(), digest_size=16)
+        boundary = "=_" + digest.hexdigest()
         marker = boundary.encode("ascii")
         if not any(marker in chunk for chunk in chunks):
             break
+        attempt += 1
     delimiter = b"--" + marker
     body = (
         delimiter
@@ -237,7 +290,7 @@ def _multipart(subtype: str, parts: Sequence[Part]) -> Part:
         + delimiter
         + b"--\r\n"
     )
-    return [f'Content-Type: multipart/{subtype}; boundary="{boundary}"'], body
+    return [f'Content-Type: multipart/{subtype}; boundary="{boundary}"{params}'], body
 
 
 # --------------------------------------------------------------------------- #
@@ -263,37 +316,49 @@ def _fold(name: str, atoms: Sequence[str]) -> str:
 
 
 def _encoded_words(text: str, *, break_after_space: bool = False) -> list[str]:
-    """RFC 2047 base64 encoded-words of at most ``_EW_BYTES`` UTF-8 bytes each.
+    """RFC 2047 encoded-words of ``text``, Q or B, whichever is shorter (as Flask-Mail's ``Header``).
 
-    Chunks never split a character. With ``break_after_space`` a chunk ends
+    Mostly-ASCII text reads best as Q (``=?utf-8?q?Caf=C3=A9?=``), other
+    scripts are shorter in base64; ties go to Q, as in ``email.charset``'s
+    SHORTEST. Each word holds at most ``_EW_CHARS`` encoded characters, and
+    chunks never split a character. With ``break_after_space`` a chunk ends
     after a space where it can, so a reader that (wrongly) keeps the folding
     whitespace between words only doubles a space instead of splitting a word.
     """
-    chunks: list[str] = []
     data = text.encode("utf-8")
-    if len(data) <= _EW_BYTES:
+    q_length = sum(len(_Q_BYTES[b]) for b in data)
+    use_q = q_length <= (len(data) + 2) // 3 * 4
+    total, limit = (q_length, _EW_CHARS) if use_q else (len(data), _EW_BYTES)
+    chunks: list[str] = []
+    if total <= limit:
         chunks.append(text)
     else:
         start = 0
         size = 0
         last_space = -1
         for i, char in enumerate(text):
-            code = ord(char)
-            n = 1 if code < 0x80 else 2 if code < 0x800 else 3 if code < 0x10000 else 4
-            if size + n > _EW_BYTES:
+            n = _q_length(char) if use_q else len(char.encode("utf-8"))
+            if size + n > limit:
                 cut = last_space + 1 if break_after_space and last_space >= start else i
                 chunks.append(text[start:cut])
-                size = len(text[cut:i].encode("utf-8"))
+                piece = text[cut:i]
+                size = _q_length(piece) if use_q else len(piece.encode("utf-8"))
                 start = cut
                 last_space = -1
             size += n
             if char == " ":
                 last_space = i
         chunks.append(text[start:])
+    if use_q:
+        return ["=?utf-8?q?" + "".join(_Q_BYTES[b] for b in c.encode("utf-8")) + "?=" for c in chunks]
     return [
         "=?utf-8?b?" + binascii.b2a_base64(c.encode("utf-8"), newline=False).decode("ascii") + "?="
         for c in chunks
     ]
+
+
+def _q_length(text: str) -> int:
+    return sum(len(_Q_BYTES[b]) for b in text.encode("utf-8"))
 
 
 def unstructured_header(name: str, value: str) -> str:
@@ -327,3 +392,9 @@ def _phrase(name: str) -> list[str]:
             return name.split(" ")
         return ['"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"']
     return _encoded_words(name, break_after_space=True)
+
+
+def uri_list_header(name: str, uris: Sequence[str]) -> str:
+    """A header holding ``<uri>, <uri>`` (RFC 2369's List-* headers), folded between URIs."""
+    last = len(uris) - 1
+    return _fold(name, [f"<{uri}>" + ("," if i < last else "") for i, uri in enumerate(uris)])

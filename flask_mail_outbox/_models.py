@@ -49,6 +49,11 @@ def _search_text(length: int) -> sa.types.TypeEngine[str]:
     return sa.String(length).with_variant(sa.String(length, collation="C"), "postgresql")
 
 
+#: ``mail.send(priority=...)`` -> the stored ``priority`` (the claim takes lower first).
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+DEFAULT_PRIORITY = PRIORITIES["normal"]
+
+
 class Status(str, enum.Enum):
     """The lifecycle of an email row."""
 
@@ -113,14 +118,19 @@ class OutboxEmail(Base):
     # Flask-Mail's mail_options / rcpt_options, as JSON {"mail": [...], "rcpt": [...]};
     # NULL when the message has none (nearly always).
     smtp_options: Mapped[str | None] = mapped_column(sa.Text())
+    # mail.send(priority=...): 0 high, 1 normal, 2 low (see PRIORITIES); among due
+    # rows the claim takes the lowest number first. A key's order ignores it.
+    priority: Mapped[int] = mapped_column(sa.SmallInteger(), nullable=False,
+                                          server_default="1")
 
     __table_args__ = (
         sa.CheckConstraint(
             "status IN ('queued', 'sending', 'sent', 'failed')", name="ck_outbox_email_status"
         ),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
-        # Due work: only rows that may go now (keyless, or the head of their key).
-        sa.Index("ix_outbox_email_due", "due_at", "id",
+        # Due work: only rows that may go now (keyless, or the head of their key),
+        # in the order the claim takes them.
+        sa.Index("ix_outbox_email_due", "priority", "due_at", "id",
                  **_where("status = 'queued' AND (key IS NULL OR key_head)")),
         # The sweep: oldest queued first.
         sa.Index("ix_outbox_email_queued_created", "created_at", "id",

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -234,7 +234,9 @@ class _AppState:
         self.db = db
         self.config = config
         self.faults = _degrade.FaultTracker()
-        self.concurrency = 4  # concurrent SMTP connections; `flask outbox worker` sets it
+        #: SMTP connections of this process's stream: OUTBOX_CONCURRENCY, or
+        #: `flask outbox worker --concurrency` before the runtime starts.
+        self.concurrency = config.concurrency
         self._runtime: _Runtime | None = None
         self._lock = threading.Lock()
         self._durable_cache: tuple[bool, float] | None = None
@@ -313,17 +315,19 @@ class _AppState:
                     logger.exception("A receiver of the email_queued signal raised (email "
                                      "%s); delivery goes on", entry.email_id)
         self.ensure_started()
-        self.deliver_soon([e.email_id for e in entries if e.due_now])
+        self.deliver_soon([e.email_id for e in entries if e.due_now],
+                          urgent={e.email_id for e in entries if e.urgent})
 
-    def deliver_soon(self, ids: Sequence[int]) -> None:
+    def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = ()) -> None:
         """Start delivering committed rows that are due now: the one place the mode decides.
 
         The memory transport delivers them here and now (a test sees its
         messages as soon as ``commit()`` returns); inline mode hands them to
-        this process's worker; durable mode wakes this process's dispatcher
-        when it runs one (``OUTBOX_RUN_WORKER``), and otherwise leaves them to
-        the dispatchers the commit's NOTIFY wakes. Never raises:
-        the commit succeeded, and the rows are safe in the database.
+        this process's worker (``urgent`` ones before what waits); durable
+        mode wakes this process's dispatcher when it runs one
+        (``OUTBOX_RUN_WORKER``), and otherwise leaves them to the dispatchers
+        the commit's NOTIFY wakes (their claim takes high priority first).
+        Never raises: the commit succeeded, and the rows are safe in the database.
         """
         try:
             runtime = self.runtime()
@@ -332,7 +336,7 @@ class _AppState:
                     with self.app.app_context():
                         runtime.delivery.deliver_now(ids)
             elif not self.durable():
-                runtime.worker.hand(ids)
+                runtime.worker.hand(ids, urgent=urgent)
             elif self.config.run_worker or runtime.worker.dispatching:
                 runtime.dispatch()  # wakes it: it claims them with whatever else is due
         except Exception as exc:  # noqa: BLE001 - the commit succeeded; never fail it now

@@ -57,6 +57,8 @@ class StagedEmail:
     # PostgreSQL: the key of an email that found an earlier one of its key open;
     # the commit hands the key on if that one finished meanwhile (see _ordering).
     waits_on_key: str | None = None
+    # priority="high": handed to an inline worker before what already waits.
+    urgent: bool = False
 
 
 def stage(session: Session, entry: StagedEmail) -> None:

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -38,6 +39,9 @@ from . import _claim, _degrade, _ordering
 from ._claim import CLAIM_RETURNING
 from ._housekeeping import Housekeeping
 from ._models import Status, email_table
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def utcnow() -> datetime:
@@ -154,18 +158,25 @@ class Store(Housekeeping):
     # -- transactions ---------------------------------------------------------
 
     @contextmanager
-    def write(self) -> Iterator[Connection]:
-        """A short write transaction on the store's own engine.
+    def write(self, conn: Connection | None = None) -> Iterator[Connection]:
+        """A short write transaction on ``conn`` (a kept one), else on a new connection.
 
         On SQLite it starts with ``BEGIN IMMEDIATE``: a deferred transaction
         that reads and then writes fails with SQLITE_BUSY whatever the busy
         timeout, while an immediate one waits for the write lock.
         """
-        with self.engine.connect() as conn:
-            if self.is_sqlite:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+        if conn is None:
+            with self.engine.connect() as own, self.write(own) as tx:
+                yield tx
+            return
+        if self.is_sqlite:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        try:
             yield conn
-            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        conn.commit()
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
@@ -177,8 +188,8 @@ class Store(Housekeeping):
 
     # -- the lease cycle ------------------------------------------------------
 
-    def claim_ids(self, ids: Sequence[int], *, owner: str,
-                  lease_seconds: float) -> list[ClaimedEmail]:
+    def claim_ids(self, ids: Sequence[int], *, owner: str, lease_seconds: float,
+                  conn: Connection | None = None) -> list[ClaimedEmail]:
         """Claim those of ``ids`` that are due and first in their key's order.
 
         One ``UPDATE ... RETURNING``: ``queued -> sending``, ``attempts + 1``,
@@ -195,8 +206,8 @@ class Store(Housekeeping):
             .values(**self._claim_values(owner, lease_seconds))
             .returning(*CLAIM_RETURNING)
         )
-        with self.write() as conn:
-            rows = conn.execute(stmt).all()
+        with self.write(conn) as tx:
+            rows = tx.execute(stmt).all()
         return self._claimed(rows, owner)
 
     def claim_due(self, limit: int, *, owner: str, lease_seconds: float,
@@ -204,9 +215,9 @@ class Store(Housekeeping):
                   conn: Connection | None = None) -> tuple[list[ClaimedEmail], Reaped]:
         """One dispatcher tick's database work: reap once, then claim up to ``limit``.
 
-        Due rows are taken oldest first (``due_at, id``); only keyless rows and
-        key holders are candidates, read from the partial index that holds
-        exactly those.
+        Due rows are taken by priority, then oldest first (``priority, due_at,
+        id``); only keyless rows and key holders are candidates, read from the
+        partial index that holds exactly those.
 
         * PostgreSQL: ONE statement, in autocommit: the reap and the claim are
           data-modifying CTEs; the ids are picked in a materialized CTE with
@@ -228,7 +239,7 @@ class Store(Housekeeping):
             pick: Any = (_claim.sqlite_pick(self.clock(), limit) if self.is_sqlite else
                          sa.select(t.c.id)
                          .where(_claim.claimable(self.now_expr, sqlite=self.is_sqlite))
-                         .order_by(t.c.due_at, t.c.id).limit(limit))
+                         .order_by(*_claim.CLAIM_ORDER).limit(limit))
             if self.is_sqlite:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
             try:
@@ -364,8 +375,9 @@ class Store(Housekeeping):
             ).all()
         return len(rows)
 
-    def record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False) -> Recorded:
-        """Write outcomes in one transaction (see :meth:`_record`).
+    def record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False,
+               conn: Connection | None = None) -> Recorded:
+        """Write outcomes in one transaction (see :meth:`_record`), on ``conn`` if given.
 
         On PostgreSQL a deadlock with another transaction is retried: the
         guarded updates make a second run equivalent to the first.
@@ -373,13 +385,14 @@ class Store(Housekeeping):
         tries = 0
         while True:
             try:
-                return self._record(outcomes, scrub_sent=scrub_sent)
+                return self._record(outcomes, scrub_sent=scrub_sent, conn=conn)
             except sa.exc.OperationalError as exc:
                 tries += 1
                 if getattr(exc.orig, "sqlstate", None) != "40P01" or tries >= 3:
                     raise
 
-    def _record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False) -> Recorded:
+    def _record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False,
+                conn: Connection | None = None) -> Recorded:
         """Write outcomes in one transaction.
 
         Every update is guarded by ``status = 'sending' AND lease_owner =
@@ -393,27 +406,26 @@ class Store(Housekeeping):
         """
         recorded: list[Outcome] = []
         lost: list[Outcome] = []
-        plain_sent: dict[str, list[Outcome]] = {}
+        plain_sent: list[Outcome] = []
         others: list[Outcome] = []
         for outcome in outcomes:
             if outcome.status is Status.SENT and not outcome.error_message:
-                plain_sent.setdefault(outcome.email.owner, []).append(outcome)
+                plain_sent.append(outcome)
             else:
                 others.append(outcome)
-        with self.write() as conn:
-            keys = _ordering.lock_lines(conn, {o.email.key for o in outcomes
-                                               if o.email.key is not None})
-            for owner, group in plain_sent.items():
-                done = self._record_sent(conn, owner, [o.email.id for o in group],
-                                         scrub=scrub_sent)
-                for outcome in group:
+        with self.write(conn) as tx:
+            keys = _ordering.lock_lines(tx, {o.email.key for o in outcomes
+                                             if o.email.key is not None})
+            if plain_sent:
+                done = self._record_sent(tx, [o.email for o in plain_sent], scrub=scrub_sent)
+                for outcome in plain_sent:
                     (recorded if outcome.email.id in done else lost).append(outcome)
             # Built only when needed: a function construct costs a few percent of
             # a batch that is all sent.
             now = self.now_expr() if others else None
             t = email_table
             for outcome in others:
-                hit = conn.execute(
+                hit = tx.execute(
                     t.update()
                     .where(t.c.id == outcome.email.id, t.c.status == Status.SENDING.value,
                            t.c.lease_owner == outcome.email.owner)
@@ -421,7 +433,7 @@ class Store(Housekeeping):
                     .returning(t.c.id)
                 ).first()
                 (recorded if hit is not None else lost).append(outcome)
-            holders = _ordering.advance(conn, keys, locked=True)
+            holders = _ordering.advance(tx, keys, locked=True)
         return Recorded(recorded, lost, holders)
 
     def _outcome_values(self, outcome: Outcome, now: Any, scrub_sent: bool) -> dict[str, Any]:
@@ -450,12 +462,13 @@ class Store(Housekeeping):
             values["error_history"] = json.dumps([*outcome.email.error_history, entry])
         return values
 
-    def _record_sent(self, conn: Connection, owner: str, ids: list[int], *,
+    def _record_sent(self, conn: Connection, emails: list[ClaimedEmail], *,
                      scrub: bool) -> set[int]:
-        """Mark ``ids`` (claimed by ``owner``) ``sent``; returns the ids it changed.
+        """Mark ``emails`` ``sent``, each guarded by its own claim; the ids it changed.
 
-        One statement, built once per store and only bound per batch (built
-        per batch, its construction and the rendering of its IN list were
+        One statement for every claim the record holds (each pair of id and
+        owner token), built once per store and only bound per record (built
+        per record, its construction and the rendering of its IN list were
         about a tenth of the record's time).
 
         The guard (still ``sending``, under this claim) is written inside a
@@ -468,9 +481,11 @@ class Store(Housekeeping):
         stmt = self._record_sent_statements.get(scrub)
         if stmt is None:
             stmt = self._record_sent_statements[scrub] = self._build_record_sent(scrub)
-        params: dict[str, Any] = {"ids": ids, "owner": owner}
-        if not self.is_postgres:
-            params["now"] = self.clock()
+        params: dict[str, Any]
+        if self.is_postgres:
+            params = {"ids": [e.id for e in emails], "owners": [e.owner for e in emails]}
+        else:
+            params = {"pairs": [(e.id, e.owner) for e in emails], "now": self.clock()}
         return {int(i) for i in conn.execute(stmt, params).scalars()}
 
     def _build_record_sent(self, scrub: bool) -> Any:
@@ -478,22 +493,62 @@ class Store(Housekeeping):
         if self.is_postgres:
             scrub_sql = ", mime = NULL" if scrub else ""
             return sa.text(
-                "UPDATE outbox_email SET status = 'sent',"
+                "UPDATE outbox_email AS e SET status = 'sent',"
                 " sent_at = timezone('UTC', now()), lease_owner = NULL,"
                 f" lease_expires_at = NULL{scrub_sql}"
-                " WHERE id = ANY(CAST(:ids AS bigint[]))"
-                " AND CASE WHEN status = 'sending' THEN lease_owner = :owner END"
-                " RETURNING id"
+                " FROM unnest(CAST(:ids AS bigint[]), CAST(:owners AS text[])) AS c(id, owner)"
+                " WHERE e.id = c.id"
+                " AND CASE WHEN e.status = 'sending' THEN e.lease_owner = c.owner END"
+                " RETURNING e.id"
             ).columns(sa.column("id", sa.BigInteger()))
         return (t.update()
-                .where(t.c.id.in_(sa.bindparam("ids", expanding=True)),
-                       t.c.status == Status.SENDING.value,
-                       t.c.lease_owner == sa.bindparam("owner"))
+                .where(sa.tuple_(t.c.id, t.c.lease_owner).in_(
+                           sa.bindparam("pairs", expanding=True)),
+                       t.c.status == Status.SENDING.value)
                 .values(status=Status.SENT.value, sent_at=sa.bindparam("now", type_=sa.DateTime()),
                         lease_owner=None, lease_expires_at=None,
                         **({"mime": None} if scrub else {}))
                 .returning(t.c.id))
 
+
+class KeptConnection:
+    """A connection one loop keeps across its calls: no pool checkout and pre-ping each.
+
+    Kept without a ping, it is found cut at its first use after the database
+    restarted: :meth:`run` then runs the work once more on a fresh connection,
+    instead of reporting an outage that is over. (Should the cut work have
+    committed after all, its guarded writes find nothing to do the second
+    time: a claim's rows are reaped when their lease expires, a record's
+    outcomes are reported lost.) Any other error closes it, and is raised.
+    """
+
+    def __init__(self, connect: Callable[[], Connection], *, doing: str) -> None:
+        self._connect = connect
+        self.doing = doing  # for the log line: "claiming", "recording"
+        self.connection: Connection | None = None
+
+    def run(self, work: Callable[[Connection], T]) -> T:
+        """``work(connection)`` on the kept connection (opened if there is none)."""
+        kept = self.connection is not None
+        if self.connection is None:
+            self.connection = self._connect()
+        try:
+            return work(self.connection)
+        except BaseException as exc:
+            self.close(invalidate=True)
+            if kept and isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+                logger.info("An outbox worker's database connection was cut (%s); "
+                            "%s again on a new one", exc.orig, self.doing)
+                return self.run(work)
+            raise
+
+    def close(self, *, invalidate: bool = False) -> None:
+        """Close the connection (``invalidate``: never give it back to the pool)."""
+        conn, self.connection = self.connection, None
+        if conn is not None:
+            if invalidate:
+                conn.invalidate()
+            conn.close()
 
 
 def _error_text(code: int, message: str) -> str:

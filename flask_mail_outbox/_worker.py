@@ -29,19 +29,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
-
-import sqlalchemy as sa
 
 from . import _retry
 from ._delivery import BatchReport, Delivery, Waiter, envelope_of, new_owner
 from ._pacing import IdleBackoff, RateLimiter, ReapSchedule, inline_backoff, pace
-from ._store import ClaimedEmail, Reaped
+from ._store import ClaimedEmail, KeptConnection, Reaped
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection
-
     from ._config import OutboxConfig
     from .transports import Envelope, Result, Sending
 
@@ -95,7 +91,10 @@ class Worker:
         self.started = False  # whether the loop ever ran in this process
         self._thread: threading.Thread | None = None
         self._sending: Sending | None = None
-        self._conn: Connection | None = None  # the dispatcher's, kept across claims
+        # Kept across rounds: the dispatcher's claims (autocommit on PostgreSQL),
+        # and the records and the claims of handed ids (transactions).
+        self._claims = KeptConnection(lambda: self.store.dispatch_connection(), doing="claiming")
+        self._writes = KeptConnection(lambda: self.store.engine.connect(), doing="recording")
         self._next_claim = -float("inf")
         self.reaps = ReapSchedule()
         self.claims = 0
@@ -107,8 +106,12 @@ class Worker:
 
     # -- sources ------------------------------------------------------------------------
 
-    def hand(self, ids: Sequence[int]) -> None:
-        """Deliver ``ids`` (committed, or handed a key) as soon as there is room."""
+    def hand(self, ids: Sequence[int], *, urgent: Collection[int] = ()) -> None:
+        """Deliver ``ids`` (committed, or handed a key) as soon as there is room.
+
+        Those also in ``urgent`` (``priority="high"``) go before every id
+        already waiting; the others after them.
+        """
         if not ids:
             return
         with self._cond:
@@ -128,6 +131,9 @@ class Worker:
                 ids = ids[:max(room, 0)]
             elif not self._handed:
                 self.delivery.faults.recovered("inline-overflow")
+            first = [i for i in ids if i in urgent] if urgent else []
+            if first:
+                self._handed = {**dict.fromkeys(first), **self._handed}
             self._handed.update(dict.fromkeys(ids))
             self._cond.notify_all()
         self.start()
@@ -264,12 +270,14 @@ class Worker:
         finally:
             self._close()
 
-    def step(self) -> None:
-        """One round: record what came back, then claim what there is room for."""
+    def step(self, *, record_now: bool = False) -> None:
+        """One round: record what came back (once its window is over), then claim."""
         with self._cond:
             self._busy = True
+            record_in = self._record_in()
         try:
-            self._record()
+            if record_now or (record_in is not None and record_in <= 0):
+                self._record()
             if self._stopping:
                 return
             room = self._room(self.in_flight())
@@ -294,7 +302,7 @@ class Worker:
         """
         with self._cond:
             self._woken = self.dispatching
-        self.step()
+        self.step(record_now=True)
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._in_flight and time.monotonic() < deadline:
@@ -314,7 +322,7 @@ class Worker:
         while time.monotonic() < deadline:
             with self._cond:
                 self._woken = self.dispatching  # claim whenever there is room
-            self.step()
+            self.step(record_now=True)
             if not self._wait_for_results(deadline):
                 with self._cond:
                     if not (self._handed or (self.dispatching and self.last_claimed)):
@@ -336,8 +344,8 @@ class Worker:
                 record_in = self._record_in()
                 if record_in is not None and record_in <= 0:
                     return
-                # What came back is recorded first, so only what is on the wire counts.
-                room = self._room(len(self._in_flight)) > 0
+                # As in step(): what came back counts until it is recorded.
+                room = self._room(len(self._in_flight) + len(self._results)) > 0
                 now = self.clock()
                 if room and (self._handed or (self.dispatching and self._woken)):
                     return
@@ -394,8 +402,8 @@ class Worker:
         if not ids:
             return 0
         try:
-            claimed = self.store.claim_ids(ids, owner=new_owner(),
-                                           lease_seconds=self.config.lease_seconds)
+            claimed = self._writes.run(lambda conn: self.store.claim_ids(
+                ids, owner=new_owner(), lease_seconds=self.config.lease_seconds, conn=conn))
         except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
             self._forget(ids)
             self.delivery.faults.failing(
@@ -455,30 +463,13 @@ class Worker:
 
     def _claim_on_kept_connection(self, limit: int, *,
                                   reap: bool) -> tuple[list[ClaimedEmail], Reaped]:
-        """The claim on the dispatcher's kept connection, or on a new one if it had died.
-
-        Kept across claims without a ping, the connection is found cut at the
-        first claim after the database restarted: the claim goes once more on
-        a fresh connection, under a new owner, instead of reporting an outage
-        that is over. (Should the cut claim have committed after all, its rows
-        are reaped when their lease expires.)
-        """
-        kept = self._conn is not None
-        if self._conn is None:
-            self._conn = self.store.dispatch_connection()
+        """The claim on the dispatcher's kept connection (a new owner for each try)."""
         try:
-            claimed, reaped = self.store.claim_due(
+            claimed, reaped = self._claims.run(lambda conn: self.store.claim_due(
                 limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
-                reap=reap, conn=self._conn)
-        except BaseException as exc:
+                reap=reap, conn=conn))
+        except BaseException:
             self.reaps.found(0)  # the next claim reaps: leases may have run out
-            conn, self._conn = self._conn, None
-            conn.invalidate()
-            conn.close()
-            if kept and isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
-                logger.info("The dispatcher's database connection was cut (%s); "
-                            "claiming again on a new one", exc.orig)
-                return self._claim_on_kept_connection(limit, reap=reap)
             raise
         self.reaps.found(len(claimed))
         return claimed, reaped
@@ -503,7 +494,7 @@ class Worker:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent
             else:
-                envelopes.append(envelope_of(email))
+                envelopes.append(envelope_of(email, self.config.dkim))
         if envelopes:
             if self._sending is None:
                 self._sending = self.delivery.transport.open(self._on_result)
@@ -538,7 +529,8 @@ class Worker:
                      and not self.dispatching}
         try:
             with self.delivery.app.app_context():
-                report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now)
+                report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now,
+                                              kept=self._writes)
         except Exception:  # noqa: BLE001 - durability: ok Delivery._record reported it at ERROR, with what happens to the rows
             self._forget([email.id for email, _ in done])
             return
@@ -591,9 +583,8 @@ class Worker:
         sending, self._sending = self._sending, None
         if sending is not None:
             sending.close(timeout=0)
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+        self._claims.close()
+        self._writes.close()
         with self._cond:
             if self._thread is threading.current_thread():
                 self._thread = None

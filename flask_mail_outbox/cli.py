@@ -15,6 +15,7 @@ import click
 from flask import current_app
 from flask.cli import AppGroup
 
+from ._config import MAX_CONCURRENCY
 from ._errors import InvalidMessage
 from ._message import Message
 from ._runtime import app_state
@@ -126,12 +127,13 @@ def send_test(to: str, subject: str, timeout: float) -> None:
 
 @outbox_cli.command("worker")
 @_log_level_option
-@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True,
-              help="Concurrent SMTP connections (sends in flight) in this process.")
+@click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=None,
+              help="Concurrent SMTP connections (sends in flight) in this process "
+                   "[default: OUTBOX_CONCURRENCY, 4 unless set].")
 @click.option("--once", is_flag=True, help="Deliver what is due now, then exit 0.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
               help="Seconds sends in flight get to finish on SIGTERM/SIGINT.")
-def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
+def worker(concurrency: int | None, once: bool, shutdown_timeout: float) -> None:
     """Run a durable dispatcher in the foreground (whatever the mode setting says).
 
     Any number of workers, on any number of machines sharing one PostgreSQL,
@@ -140,7 +142,7 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
     them after --shutdown-timeout) and exits 0.
     """
     state = _state()
-    if state.current_runtime() is None:
+    if concurrency is not None and state.current_runtime() is None:
         state.concurrency = concurrency
     runtime = state.runtime()
     worker = runtime.dispatch(hand_ticked=True)  # its loop runs here, in the foreground
@@ -166,7 +168,8 @@ def worker(concurrency: int, once: bool, shutdown_timeout: float) -> None:
         timer.start()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    log.info("outbox worker started (pid %d, concurrency %d)", os.getpid(), concurrency)
+    log.info("outbox worker started (pid %d, concurrency %d)", os.getpid(),
+             state.concurrency)
     try:
         worker.run()
     finally:

@@ -70,6 +70,7 @@ def create_app() -> Flask:
         MAIL_DEFAULT_SENDER="Example <noreply@example.com>",
         MAIL_TIMEOUT=30,
         OUTBOX_DURABLE=os.environ.get("DEPLOY_DURABLE", "0") == "1",
+        OUTBOX_CONCURRENCY=int(os.environ.get("DEPLOY_CONCURRENCY", "4")),
     )
     db.init_app(app)
     mail.init_app(app)

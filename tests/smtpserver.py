@@ -603,6 +603,7 @@ class FaultSMTPServer:
         data_size_limit: int = DATA_SIZE_LIMIT,
         ready_timeout: float = 10.0,
         pipelining: bool = True,
+        smtputf8: bool = True,
     ) -> None:
         """Configure (but do not start) the server.
 
@@ -616,6 +617,8 @@ class FaultSMTPServer:
         :param ready_timeout: how long :meth:`start` waits for the server thread.
         :param pipelining: advertise ``PIPELINING`` (RFC 2920) in the EHLO reply,
             as real servers do; aiosmtpd reads commands in order either way.
+        :param smtputf8: offer ``SMTPUTF8`` (RFC 6531); without it the server
+            refuses UTF-8 in commands and the ``SMTPUTF8`` MAIL parameter.
         """
         self._host = host
         self._requested_port = port
@@ -625,6 +628,7 @@ class FaultSMTPServer:
         self._data_size_limit = data_size_limit
         self._ready_timeout = ready_timeout
         self.pipelining = pipelining
+        self.smtputf8 = smtputf8
 
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -1015,7 +1019,7 @@ class FaultSMTPServer:
             loop=loop,
             hostname=self._server_hostname,
             data_size_limit=self._data_size_limit,
-            enable_SMTPUTF8=True,
+            enable_SMTPUTF8=self.smtputf8,
             tls_context=self._tls_context,
             # AUTH is enforced dynamically by _FaultSMTP.check_auth_needed, so
             # aiosmtpd's static auth_required stays False (which also avoids its

@@ -298,6 +298,8 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_SWEEP_ON_STARTUP", "later"),
     ("OUTBOX_SWEEP_MIN_AGE_SECONDS", -5),
     ("OUTBOX_SWEEP_BATCH", 0),
+    ("OUTBOX_CONCURRENCY", 0),
+    ("OUTBOX_CONCURRENCY", 257),
     ("OUTBOX_SWEEP_INTERVAL_SECONDS", 0),
     ("OUTBOX_SETTINGS_TTL_SECONDS", -1),
     ("OUTBOX_MAX_MESSAGE_BYTES", 0),
@@ -311,6 +313,13 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_SCRUB_SENT", "all"),
     ("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS", float("nan")),
     ("OUTBOX_RUN_SCHEDULER", "no thanks"),
+    ("OUTBOX_HTML_TO_TEXT", "sometimes"),
+    ("OUTBOX_ALLOW_SMTPUTF8", "utf-8"),
+    ("OUTBOX_DKIM_DOMAIN", ""),
+    ("OUTBOX_DKIM_SELECTOR", 7),
+    ("OUTBOX_DKIM_PRIVATE_KEY", ""),
+    ("OUTBOX_DKIM_PRIVATE_KEY_FILE", "/nonexistent/dkim.pem"),
+    ("OUTBOX_DKIM_HEADERS", "From"),  # a list is expected
     ("OUTBOX_INLINE_RETRY", 3),  # unknown key, with a suggestion
     ("MAIL_USE_TLS", True),  # with MAIL_USE_SSL below: exclusive
     ("SQLALCHEMY_DATABASE_URI", "sqlite://"),

@@ -10,7 +10,7 @@ from email.parser import BytesParser
 from typing import Any
 
 import pytest
-from conftest import User, close_app, db, free_port, make_app, rows, wait_rows
+from conftest import MakeApps, User, close_app, db, free_port, make_app, rows, wait_rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -385,3 +385,25 @@ def test_stop_releases_claimed_rows_not_yet_handed_to_the_server(
     smtp_server.release()
     assert smtp_server.wait_for(4)
     assert not smtp_server.wait_for(5, timeout=0.5)
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["inline", "durable"])
+def test_outbox_concurrency_is_the_number_of_connections_a_process_opens(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer, durable: bool) -> None:
+    """OUTBOX_CONCURRENCY bounds the SMTP connections of the inline worker and
+    of the in-process dispatcher alike (``--concurrency`` for `flask outbox worker`)."""
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_DURABLE=durable, OUTBOX_CONCURRENCY=3,
+                          OUTBOX_POLL_INTERVAL=0.1)
+    smtp_server.hold()
+    with app.app_context():
+        for i in range(8):
+            mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+        db.session.commit()
+    assert smtp_server.wait_held(3)
+    # Eight are waiting, and no fourth connection opens while three are held.
+    assert not smtp_server.wait_until(lambda: smtp_server.held > 3, timeout=1.0)
+    assert smtp_server.active_connections == 3
+    smtp_server.release()
+    assert smtp_server.wait_for(8)
+    assert smtp_server.max_concurrent_connections == 3

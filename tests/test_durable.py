@@ -278,6 +278,55 @@ def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
         close_app(app)
 
 
+def test_one_record_of_several_claims_pairs_each_row_with_its_own_claim(db_url: str) -> None:
+    """Sent outcomes of several claims are recorded in one statement, each row
+    guarded by the owner of ITS claim: a row whose lease another claim of the
+    same record took is lost, even though that claim's owner is in the record."""
+    from sqlalchemy import event as sa_event
+
+    from flask_mail_outbox._models import Status
+    from flask_mail_outbox._store import Outcome
+
+    app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            x, y, z = (mail.send(Message(s, recipients=["a@example.com"], body="x"),
+                                 send_after=timedelta(hours=1)) for s in "xyz")
+            db.session.execute(email_table.update().values(due_at=email_table.c.created_at))
+            db.session.commit()
+        store = app.extensions["mail_outbox"].runtime().store
+        [x_by_a] = store.claim_ids([x], owner="A", lease_seconds=1)
+        with app.app_context():  # A's lease on x runs out while A is still sending
+            db.session.execute(email_table.update().where(email_table.c.id == x).values(
+                lease_expires_at=email_table.c.created_at))
+            db.session.commit()
+        assert len(store.reap_expired()) == 1
+        by_b = {e.id: e for e in store.claim_ids([x, y], owner="B", lease_seconds=60)}
+        [z_by_c] = store.claim_ids([z], owner="C", lease_seconds=60)
+        updates: list[str] = []
+        engine = store.engine
+
+        def listener(_c: Any, _cur: Any, sql: str, *_: Any) -> None:
+            if sql.lstrip().startswith("UPDATE"):
+                updates.append(sql)
+
+        sa_event.listen(engine, "before_cursor_execute", listener)
+        try:
+            recorded, lost, _ = store.record([
+                Outcome(x_by_a, Status.SENT), Outcome(by_b[y], Status.SENT),
+                Outcome(z_by_c, Status.SENT)])
+        finally:
+            sa_event.remove(engine, "before_cursor_execute", listener)
+        assert len(updates) == 1
+        assert sorted(o.email.id for o in recorded) == [y, z]
+        assert [o.email.id for o in lost] == [x]
+        status = {r["id"]: (r["status"], r["lease_owner"]) for r in rows(app)}
+        assert status == {x: ("sending", "B"), y: ("sent", None), z: ("sent", None)}
+    finally:
+        close_app(app)
+
+
 def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
         db_url: str, smtp_server: FaultSMTPServer) -> None:
     common = dict(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,

@@ -299,7 +299,7 @@ def test_a_cut_dispatcher_connection_is_replaced_without_an_error(
         caplog: pytest.LogCaptureFixture) -> None:
     _step(app)  # opens the dispatcher's kept connection
     dispatcher = _dispatcher(app)
-    pid = dispatcher._conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    pid = dispatcher._claims.connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
     engine = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
     with engine.connect() as conn:
         assert conn.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})").scalar()
@@ -311,4 +311,32 @@ def test_a_cut_dispatcher_connection_is_replaced_without_an_error(
     assert [r["status"] for r in rows(app)] == ["sent"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("claiming again on a new one" in r.getMessage() for r in caplog.records)
-    assert dispatcher.store.engine.pool.checkedout() == checked_out
+    # The cut connection went back invalidated, not leaked: what is checked out
+    # now is the new claim connection and the record's kept one, opened by this step.
+    assert dispatcher.store.engine.pool.checkedout() == checked_out + 1
+    assert dispatcher._writes.connection is not None
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_cut_record_connection_is_replaced_without_an_error(
+        app: Flask, db_url: str, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The worker's kept write connection (records, claims of handed ids) is
+    found cut at its next use: the record goes once more on a new one."""
+    _send(app, "before the cut", key=None)
+    _step(app)  # records on the kept write connection
+    dispatcher = _dispatcher(app)
+    pid = dispatcher._writes.connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    dispatcher._writes.connection.rollback()
+    engine = sa.create_engine(db_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})").scalar()
+    engine.dispose()
+    _send(app, "after the cut", key=None)
+    with caplog.at_level(logging.INFO):
+        _step(app)
+    assert [r["status"] for r in rows(app)] == ["sent", "sent"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("recording again on a new one" in r.getMessage() for r in caplog.records)
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == ["before the cut",
+                                                                    "after the cut"]

@@ -183,12 +183,30 @@ def test_a_periodic_sweep_that_found_nothing_is_stored_too(
         assert mail.stats()["last_sweep"] == again.as_dict()
 
 
-def _flask(db_url: str, smtp_port: int, *args: str) -> subprocess.CompletedProcess[str]:
+def _flask(db_url: str, smtp_port: int, *args: str,
+           **extra_env: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{REPO}",
-           "DEPLOY_DB_URL": db_url, "DEPLOY_SMTP_PORT": str(smtp_port)}
+           "DEPLOY_DB_URL": db_url, "DEPLOY_SMTP_PORT": str(smtp_port), **extra_env}
     return subprocess.run(
         [sys.executable, "-m", "flask", "--app", "gunicorn_app:create_app", "outbox", *args],
         env=env, cwd=str(TESTS), capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize(("flag", "expected"), [((), 2), (("--concurrency", "3"), 3)],
+                         ids=["OUTBOX_CONCURRENCY", "--concurrency"])
+def test_a_worker_opens_outbox_concurrency_connections_unless_told_otherwise(
+        make_apps: MakeApps, db_url: str, smtp_server: FaultSMTPServer,
+        flag: tuple[str, ...], expected: int) -> None:
+    app, mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False)
+    with app.app_context():
+        _queue(mail, 12)
+    smtp_server.delay("data", 0.2)  # connections open while the first replies wait
+    done = _flask(db_url, smtp_server.port, "worker", "--once", *flag, DEPLOY_CONCURRENCY="2")
+    assert done.returncode == 0, done.stderr
+    assert smtp_server.wait_for(12)
+    start = [line for line in done.stderr.splitlines() if "flask outbox worker --once (pid" in line]
+    assert len(start) == 1 and f"concurrency {expected}" in start[0], done.stderr
+    assert smtp_server.max_concurrent_connections == expected
 
 
 def test_cli_commands_log_a_start_line_without_the_password(

@@ -238,7 +238,7 @@ def test_a_keyed_tick_is_four_statements_on_postgresql(
     with _statements(hand_ticked_app) as statements:
         _step(hand_ticked_app)
         assert statements == ["WITH due AS", "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
-                              "UPDATE outbox_email SET", "WITH c AS"]
+                              "UPDATE outbox_email AS", "WITH c AS"]
         assert [(r["subject"], r["status"], r["key_head"]) for r in rows(hand_ticked_app)] == [
             ("m0", "sent", True), ("m1", "sent", True),
             ("m2", "queued", True), ("m3", "queued", True),
@@ -249,7 +249,7 @@ def test_a_keyed_tick_is_four_statements_on_postgresql(
         # rows finds nothing more; the record as before.
         assert statements == ["UPDATE outbox_email SET", "WITH due AS",
                               "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
-                              "UPDATE outbox_email SET", "WITH c AS"]
+                              "UPDATE outbox_email AS", "WITH c AS"]
     _step(hand_ticked_app)
     assert [r["status"] for r in rows(hand_ticked_app)] == ["sent"] * 6
     subjects = [m.parsed["Subject"] for m in smtp_server.messages]
@@ -347,7 +347,7 @@ def test_the_record_fetches_its_batch_by_primary_key_on_a_queue_with_stale_stati
         sa_event.remove(engine, "before_cursor_execute", capture)
     assert len(claimed) == 20
     statement, parameters = next(p for p in ran if p[0].lstrip().startswith(
-        "UPDATE outbox_email SET status = 'sent'"))
+        "UPDATE outbox_email AS e SET status = 'sent'"))
     # The plan for these values, and the generic plan the server may switch
     # to once the driver has prepared the statement.
     for mode in ("auto", "force_generic_plan"):

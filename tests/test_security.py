@@ -140,8 +140,8 @@ def _bare(address: str | tuple[str, str]) -> str:
 
 
 def _canonical(text: str) -> str:
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text if not text or text.endswith("\n") else text + "\n"
+    # Line breaks normalised; nothing is added to a body (as Flask-Mail).
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 @PROPERTY
@@ -165,13 +165,14 @@ def test_any_valid_message_survives_build_and_parse_with_bcc_only_in_the_envelop
     head = prepared.mime.split(b"\r\n\r\n", 1)[0]
 
     # Exactly the expected headers: nothing smuggled in, no Bcc.
-    expected = {"from", "subject", "date", "message-id", "mime-version", "content-type", "x-tag"}
+    expected = {"from", "date", "message-id", "mime-version", "content-type", "x-tag"}
+    expected |= {"subject"} if subject else set()  # none for an empty subject, as Flask-Mail
     expected |= {"to"} if to or not cc else set()  # cc-only mail has no To
     expected |= {"cc"} if cc else set()
     expected |= {"reply-to"} if reply_to is not None else set()
     expected |= {"content-transfer-encoding"} if not parsed.is_multipart() else set()
     assert {k.lower() for k in parsed} == expected
-    assert parsed["Subject"] == subject and parsed["X-Tag"] == tag
+    assert parsed["Subject"] == (subject or None) and parsed["X-Tag"] == tag
     for header, given_list in (("To", to), ("Cc", cc)):
         if given_list:
             assert [a.addr_spec.lower() for a in parsed[header].addresses] == \
@@ -601,6 +602,8 @@ IDENTIFIERS_ONLY = {
     # SQLite table rebuild: the column names of the outbox's own table.
     ("migrations/versions/outbox_0002_dashboard_search.py",
      "INSERT INTO outbox_email ({old_columns}) SELECT {old_columns}"),
+    ("migrations/versions/outbox_0004_priority.py",
+     "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
     # Offline `upgrade --sql`: {first} is one of two SQL literals chosen by dialect (the
     # name is bound again later, to a Python value that never reaches SQL text).
     ("migrations/versions/outbox_0002_dashboard_search.py",

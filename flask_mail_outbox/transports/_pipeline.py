@@ -187,28 +187,37 @@ class Session:
     pipe: Pipe
     pipelining: bool
     size: bool
+    #: RFC 6531: the server takes UTF-8 addresses and headers (MAIL ... SMTPUTF8).
+    smtputf8: bool = False
+    #: RFC 6152: the server takes 8-bit content (MAIL ... BODY=8BITMIME).
+    eightbitmime: bool = False
 
     @property
     def is_connected(self) -> bool:
         return self.pipe.is_connected
 
 
-def _address(address: str) -> bytes:
-    data = f"<{address}>".encode("ascii")
+def _address(address: str, utf8: bool) -> bytes:
+    # An SMTPUTF8 transaction carries UTF-8 addresses (RFC 6531); any other is ASCII.
+    data = f"<{address}>".encode("utf-8" if utf8 else "ascii")
     if re.search(rb"[\x00-\x1f\x7f\s]", data[1:-1]):
         raise ValueError("address contains a prohibited character")
     return data
 
 
 def envelope_commands(sender: str, recipients: Sequence[str], mail_options: Sequence[str],
-                      rcpt_options: Sequence[str]) -> list[bytes]:
-    """MAIL FROM, then one RCPT TO per recipient, each a CRLF-ended line."""
-    mail = b"MAIL FROM:" + _address(sender)
+                      rcpt_options: Sequence[str], *, utf8: bool = False) -> list[bytes]:
+    """MAIL FROM, then one RCPT TO per recipient, each a CRLF-ended line.
+
+    ``utf8``: the transaction is SMTPUTF8 (``mail_options`` says so), so the
+    addresses may be UTF-8; otherwise a non-ASCII one raises ``ValueError``.
+    """
+    mail = b"MAIL FROM:" + _address(sender, utf8)
     if mail_options:
         mail += b" " + " ".join(mail_options).encode("ascii")
     rcpt_tail = (b" " + " ".join(rcpt_options).encode("ascii")) if rcpt_options else b""
     lines = [mail + b"\r\n"]
-    lines += [b"RCPT TO:" + _address(r) + rcpt_tail + b"\r\n" for r in recipients]
+    lines += [b"RCPT TO:" + _address(r, utf8) + rcpt_tail + b"\r\n" for r in recipients]
     for line in lines:
         if re.search(rb"[\x00-\x1f\x7f]", line[:-2]):
             raise ValueError("Command arg contains a prohibited control character")

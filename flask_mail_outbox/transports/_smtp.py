@@ -177,7 +177,9 @@ class SMTPTransport(Transport):
                     await client.helo()
             session = Session(Pipe.take_over(client),
                               pipelining=client.supports_extension("pipelining"),
-                              size=client.supports_extension("size"))
+                              size=client.supports_extension("size"),
+                              smtputf8=client.supports_extension("smtputf8"),
+                              eightbitmime=client.supports_extension("8bitmime"))
         except Exception as exc:
             client.close()
             raise _ConnectFailed(map_smtp_error(exc)) from exc

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import aiosmtplib
 
+from .._addresses import needs_smtputf8
 from .._errors import PermanentError, TransientError, TransportError
 from ._base import Delivered, Envelope, Failed, Result
 from ._pipeline import Session, dot_stuffed, envelope_commands
@@ -63,13 +64,46 @@ def map_smtp_error(exc: BaseException) -> TransportError:
     return TransientError(f"unexpected {type(exc).__name__}: {exc}")
 
 
+def utf8_addresses(envelope: Envelope) -> list[str]:
+    """The addresses of ``envelope`` that need SMTPUTF8 (RFC 6531), sender first."""
+    return [a for a in (envelope.sender, *envelope.recipients) if needs_smtputf8(a)]
+
+
+def smtputf8_refusal(session: Session, envelope: Envelope) -> PermanentError | None:
+    """Why ``envelope`` can never go through this server: it needs SMTPUTF8, not offered."""
+    utf8 = utf8_addresses(envelope)
+    if not utf8 or session.smtputf8:
+        return None
+    shown = ", ".join(repr(a) for a in utf8[:3]) + (f" and {len(utf8) - 3} more"
+                                                   if len(utf8) > 3 else "")
+    return PermanentError(
+        f"the server does not offer the SMTPUTF8 extension (RFC 6531), which the non-ASCII "
+        f"address {shown} needs (OUTBOX_ALLOW_SMTPUTF8 accepted it): send it through a "
+        "server that offers SMTPUTF8, or to an ASCII address")
+
+
 def envelope_group(session: Session, envelope: Envelope) -> list[bytes]:
-    """MAIL FROM (with SIZE when offered) and the RCPT TO lines of ``envelope``."""
+    """MAIL FROM (with SIZE when offered, SMTPUTF8 when needed) and the RCPT TO lines.
+
+    Raises ``ValueError`` for an envelope this session cannot carry
+    (:func:`smtputf8_refusal` says why).
+    """
     options = list(envelope.mail_options)
     if session.size and not any(o.upper().startswith("SIZE=") for o in options):
         options.append(f"SIZE={len(envelope.mime)}")
+    utf8 = bool(utf8_addresses(envelope))
+    if utf8:
+        if not session.smtputf8:
+            raise ValueError("the envelope needs SMTPUTF8, which the server does not offer")
+        # Only when an address needs it: RFC 6531 asks the server to deliver
+        # such mail only to SMTPUTF8-capable hops, so ASCII mail never asks.
+        upper = [o.upper() for o in options]
+        if "SMTPUTF8" not in upper:
+            options.append("SMTPUTF8")
+        if session.eightbitmime and not any(o.startswith("BODY=") for o in upper):
+            options.append("BODY=8BITMIME")  # RFC 6532 headers are 8-bit content
     return envelope_commands(envelope.sender, envelope.recipients, options,
-                             envelope.rcpt_options)
+                             envelope.rcpt_options, utf8=utf8)
 
 
 @dataclasses.dataclass
@@ -102,6 +136,10 @@ async def send_message(session: Session, envelope: Envelope, *, timeout: float |
     if not written and not begin():
         # Stopped while this connection opened: it must not start now.
         return None, True, False
+    refusal = None if written else smtputf8_refusal(session, envelope)
+    if refusal is not None:
+        # Nothing was written: the connection goes on with the next message.
+        return Failed(refusal), True, False
     pipe, progress = session.pipe, _Progress()
     try:
         # An envelope that went ahead was built and written with the last content.

@@ -1,0 +1,376 @@
+"""DKIM signing at delivery: verified with dkimpy against the public key, no network.
+
+The public key is served by a DNS stub (dkimpy's ``verify(..., dnsfunc=...)``);
+the keys are made with the ``openssl`` command line tool, which the SMTP test
+server needs too.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from email.parser import BytesParser
+from email.policy import default as default_policy
+from pathlib import Path
+from typing import Any
+
+import dkim
+import pytest
+import sqlalchemy as sa
+from conftest import close_app, db, hand_ticked_worker, make_app, rows, wait_rows
+from flask import Flask
+from smtpserver import FaultSMTPServer
+
+from flask_mail_outbox import ConfigError, Message, OutboxMail
+from flask_mail_outbox._models import email_table
+from flask_mail_outbox.transports import MemoryTransport
+
+DOMAIN = "example.com"
+SELECTOR = "outbox2026"
+
+
+def _openssl(*args: str, data: bytes | None = None) -> bytes:
+    return subprocess.run(["openssl", *args], input=data, check=True,
+                          capture_output=True).stdout
+
+
+@pytest.fixture(scope="module")
+def key_pair() -> tuple[str, bytes]:
+    """A 2048-bit RSA key: (private PEM text, the DNS record's p= value)."""
+    private = _openssl("genrsa", "2048")
+    public_der = _openssl("pkey", "-pubout", "-outform", "DER", data=private)
+    return private.decode("ascii"), base64.b64encode(public_der)
+
+
+def dns_stub(public: bytes) -> Any:
+    """A dnsfunc that answers only our selector's TXT record."""
+    asked: list[bytes] = []
+
+    def dnsfunc(name: bytes, timeout: int = 5) -> bytes | None:
+        asked.append(name)
+        if name.rstrip(b".") == f"{SELECTOR}._domainkey.{DOMAIN}".encode():
+            return b"v=DKIM1; k=rsa; p=" + public
+        return None
+
+    dnsfunc.asked = asked  # type: ignore[attr-defined]
+    return dnsfunc
+
+
+def verifies(data: bytes, public: bytes) -> bool:
+    """Whether dkimpy verifies ``data``'s signature against ``public`` (no network)."""
+    return bool(dkim.verify(data, dnsfunc=dns_stub(public)))
+
+
+def signature_tags(data: bytes) -> dict[str, str]:
+    """The tags of the message's DKIM-Signature header."""
+    parsed = BytesParser(policy=default_policy).parsebytes(data, headersonly=True)
+    [header] = parsed.get_all("DKIM-Signature")
+    value = re.sub(r"\s+", "", str(header))
+    return dict(tag.split("=", 1) for tag in value.split(";") if tag)
+
+
+def dkim_config(private: str, **extra: Any) -> dict[str, Any]:
+    return {"OUTBOX_DKIM_DOMAIN": DOMAIN, "OUTBOX_DKIM_SELECTOR": SELECTOR,
+            "OUTBOX_DKIM_PRIVATE_KEY": private, **extra}
+
+
+@pytest.fixture
+def dkim_app(db_url: str, smtp_server: FaultSMTPServer,
+             key_pair: tuple[str, bytes]) -> Iterator[Flask]:
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   **dkim_config(key_pair[0]))
+    yield app
+    close_app(app, timeout=5)
+
+
+def _send(app: Flask, **fields: Any) -> int:
+    mail: OutboxMail = app.extensions["test_mail"]
+    with app.app_context():
+        fields.setdefault("recipients", ["to@example.org"])
+        fields.setdefault("body", "Hello, signed world.\n")
+        email_id = mail.send(Message(fields.pop("subject", "Signed"), **fields))
+        db.session.commit()
+    return email_id
+
+
+# --------------------------------------------------------------------------- #
+# Over SMTP
+# --------------------------------------------------------------------------- #
+
+
+def test_smtp_delivery_is_signed_and_verifies(dkim_app: Flask, smtp_server: FaultSMTPServer,
+                                              key_pair: tuple[str, bytes]) -> None:
+    _send(dkim_app, cc=["cc@example.org"], html="<p>Hello</p>")
+    assert smtp_server.wait_for(1)
+    data = smtp_server.messages[0].data
+    stub = dns_stub(key_pair[1])
+    assert dkim.verify(data, dnsfunc=stub)
+    assert stub.asked == [f"{SELECTOR}._domainkey.{DOMAIN}.".encode()]
+    tags = signature_tags(data)
+    assert (tags["d"], tags["s"], tags["a"], tags["c"]) == (DOMAIN, SELECTOR, "rsa-sha256",
+                                                            "relaxed/relaxed")
+    # The default list, only the headers present: no Reply-To, no List-Unsubscribe.
+    assert tags["h"].split(":") == ["from", "to", "cc", "subject", "date", "message-id",
+                                    "mime-version", "content-type"]
+    # The stored bytes stay what send() validated: signing happens on the way out.
+    [row] = wait_rows(dkim_app, lambda r: r[0]["status"] == "sent", timeout=10)
+    assert b"DKIM-Signature" not in row["mime"]
+    assert data.endswith(row["mime"])
+
+
+def test_a_retried_email_is_signed_on_the_attempt_that_delivers(
+        dkim_app: Flask, smtp_server: FaultSMTPServer, key_pair: tuple[str, bytes]) -> None:
+    smtp_server.reply("data", 451, "4.3.0 Try again", times=1)
+    _send(dkim_app)
+    assert smtp_server.wait_for(1, timeout=20)
+    [row] = wait_rows(dkim_app, lambda r: r[0]["status"] == "sent", timeout=15)
+    assert row["attempts"] == 2
+    assert [h["code"] for h in json.loads(row["error_history"])] == [451]
+    data = smtp_server.messages[0].data
+    assert verifies(data, key_pair[1])
+    # Signed afresh from the stored row, not a signature on top of the last one.
+    assert data.count(b"DKIM-Signature:") == 1
+    assert b"DKIM-Signature" not in row["mime"]
+
+
+def test_a_tampered_message_fails_verification(dkim_app: Flask, smtp_server: FaultSMTPServer,
+                                               key_pair: tuple[str, bytes]) -> None:
+    _send(dkim_app, subject="Invoice 42", body="Pay 10 EUR to the usual account.\n")
+    assert smtp_server.wait_for(1)
+    data = smtp_server.messages[0].data
+    assert verifies(data, key_pair[1])
+    assert b"Pay 10 EUR" in data and b"Subject: Invoice 42" in data
+    assert not verifies(data.replace(b"Pay 10 EUR", b"Pay 99 EUR"), key_pair[1])
+    assert not verifies(data.replace(b"Subject: Invoice 42", b"Subject: Invoice 43"),
+                        key_pair[1])
+    # Another key's public half does not verify it either.
+    other = base64.b64encode(_openssl("pkey", "-pubout", "-outform", "DER",
+                                      data=_openssl("genrsa", "2048")))
+    assert not verifies(data, other)
+
+
+def test_configured_headers_are_signed_when_present(
+        db_url: str, smtp_server: FaultSMTPServer, key_pair: tuple[str, bytes]) -> None:
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   **dkim_config(key_pair[0], OUTBOX_DKIM_HEADERS=["Subject", "X-Campaign",
+                                                                  "Reply-To"]))
+    try:
+        _send(app, extra_headers={"X-Campaign": "spring"})
+        assert smtp_server.wait_for(1)
+        data = smtp_server.messages[0].data
+        assert verifies(data, key_pair[1])
+        # From first (always signed), the rest in the configured order, Reply-To absent.
+        assert signature_tags(data)["h"].split(":") == ["from", "subject", "x-campaign"]
+        assert not verifies(data.replace(b"X-Campaign: spring", b"X-Campaign: autumn"),
+                            key_pair[1])
+    finally:
+        close_app(app, timeout=5)
+
+
+def test_no_signature_without_dkim_settings(app: Flask, smtp_server: FaultSMTPServer) -> None:
+    _send(app)
+    assert smtp_server.wait_for(1)
+    assert b"DKIM-Signature" not in smtp_server.messages[0].data
+
+
+# --------------------------------------------------------------------------- #
+# Transports without a server get the signed bytes too
+# --------------------------------------------------------------------------- #
+
+
+def test_memory_transport_gets_the_signed_bytes(
+        db_url: str, key_pair: tuple[str, bytes]) -> None:
+    app = make_app(db_url, TESTING=True, **dkim_config(key_pair[0]))
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context(), mail.record_messages() as recorded:
+            mail.send(Message("Test", recipients=["to@example.org"], body="x"))
+            db.session.commit()
+        transport = app.extensions["mail_outbox"].runtime().delivery.transport
+        assert isinstance(transport, MemoryTransport)
+        [envelope] = transport.outbox
+        assert verifies(envelope.mime, key_pair[1])
+        # record_messages() yields the message as send() stored it, unsigned.
+        assert recorded[0].subject == "Test" and b"DKIM-Signature" not in recorded[0].mime
+        assert envelope.mime.endswith(recorded[0].mime)
+    finally:
+        close_app(app, timeout=5)
+
+
+def test_console_transport_prints_the_signed_message(
+        db_url: str, key_pair: tuple[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    app = make_app(db_url, OUTBOX_TRANSPORT="console", **dkim_config(key_pair[0]))
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        _send(app)
+        with app.app_context():
+            assert mail.wait_idle(10)
+        printed = capsys.readouterr().out
+        start = printed.index("DKIM-Signature: ")
+        end = printed.index("---------- end of email")
+        data = printed[start:end].rstrip("\n").replace("\n", "\r\n").encode() + b"\r\n"
+        assert verifies(data, key_pair[1])
+    finally:
+        close_app(app, timeout=5)
+
+
+def test_file_transport_writes_the_signed_bytes(
+        db_url: str, tmp_path: Path, key_pair: tuple[str, bytes]) -> None:
+    folder = tmp_path / "mail"
+    app = make_app(db_url, OUTBOX_TRANSPORT="file", OUTBOX_FILE_PATH=str(folder),
+                   **dkim_config(key_pair[0]))
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        _send(app)
+        with app.app_context():
+            assert mail.wait_idle(10)
+        [written] = list(folder.glob("*.eml"))
+        assert verifies(written.read_bytes(), key_pair[1])
+    finally:
+        close_app(app, timeout=5)
+
+
+# --------------------------------------------------------------------------- #
+# A message that cannot be signed at delivery
+# --------------------------------------------------------------------------- #
+
+
+def test_a_message_that_cannot_be_signed_goes_out_unsigned_and_is_reported(
+        db_url: str, smtp_server: FaultSMTPServer, key_pair: tuple[str, bytes],
+        caplog: pytest.LogCaptureFixture) -> None:
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False,
+                   **dkim_config(key_pair[0]))
+    try:
+        worker = hand_ticked_worker(app)
+        first = _send(app, subject="unsignable")
+        second = _send(app, subject="fine")
+        # A stored row dkimpy cannot parse (the probe at init_app passed: the
+        # key is fine, this message is not).
+        [row] = [r for r in rows(app) if r["id"] == first]
+        broken = row["mime"].replace(b"\r\nMIME-Version:", b"\r\nnot a header line\r\nMIME-Version:",
+                                    1)
+        with app.app_context(), db.engine.begin() as conn:
+            conn.execute(sa.update(email_table).where(email_table.c.id == first)
+                         .values(mime=broken))
+        caplog.set_level(logging.INFO, logger="flask_mail_outbox")
+        worker.tick()
+        assert smtp_server.wait_for(2)
+        ids = {r["id"]: r["message_id"] for r in rows(app)}
+        by_id = {m.message_id: m.data for m in smtp_server.messages}
+        assert b"DKIM-Signature" not in by_id[ids[first]]
+        assert b"not a header line" in by_id[ids[first]]
+        assert verifies(by_id[ids[second]], key_pair[1])
+        assert {r["status"] for r in wait_rows(
+            app, lambda rs: all(r["status"] == "sent" for r in rs), timeout=10)} == {"sent"}
+        [error] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        text = error.getMessage()
+        assert f"Email {first} could not be DKIM-signed for {DOMAIN}" in text
+        assert "sends it without a DKIM signature" in text and "Fix: check OUTBOX_DKIM_" in text
+    finally:
+        close_app(app, timeout=5)
+
+
+# --------------------------------------------------------------------------- #
+# A key that cannot sign fails at init_app, naming its key
+# --------------------------------------------------------------------------- #
+
+
+def _init(tmp_path: Path, **config: Any) -> None:
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = f"sqlite:///{tmp_path / 'app.db'}"
+    app.config.update(config)
+    from flask_sqlalchemy import SQLAlchemy
+
+    SQLAlchemy(app)
+    OutboxMail(app)
+
+
+def _bad_key_cases(tmp_path: Path, private: str) -> dict[str, tuple[dict[str, Any], str, str]]:
+    public_pem = _openssl("pkey", "-pubout", data=private.encode()).decode()
+    short = _openssl("genrsa", "512").decode()
+    not_a_key = tmp_path / "not-a-key.pem"
+    not_a_key.write_text("hello\n")
+    base = {"OUTBOX_DKIM_DOMAIN": DOMAIN, "OUTBOX_DKIM_SELECTOR": SELECTOR}
+    return {
+        "unreadable file": ({**base, "OUTBOX_DKIM_PRIVATE_KEY_FILE": str(tmp_path / "none.pem")},
+                            "OUTBOX_DKIM_PRIVATE_KEY_FILE", "cannot read"),
+        "file is a folder": ({**base, "OUTBOX_DKIM_PRIVATE_KEY_FILE": str(tmp_path)},
+                             "OUTBOX_DKIM_PRIVATE_KEY_FILE", "cannot read"),
+        "file holds no key": ({**base, "OUTBOX_DKIM_PRIVATE_KEY_FILE": str(not_a_key)},
+                              "OUTBOX_DKIM_PRIVATE_KEY_FILE", "not a PEM RSA private key"),
+        "a public key": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": public_pem},
+                         "OUTBOX_DKIM_PRIVATE_KEY", "not a PEM RSA private key"),
+        "a short key": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": short},
+                        "OUTBOX_DKIM_PRIVATE_KEY", "512 bits"),
+        "empty key": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": ""},
+                      "OUTBOX_DKIM_PRIVATE_KEY", "expected the PEM text"),
+        "domain, no key": (base, "OUTBOX_DKIM_PRIVATE_KEY", "needs a private key"),
+        "key, no domain": ({"OUTBOX_DKIM_SELECTOR": SELECTOR,
+                            "OUTBOX_DKIM_PRIVATE_KEY": private},
+                           "OUTBOX_DKIM_DOMAIN", "needs OUTBOX_DKIM_DOMAIN"),
+        "key, no selector": ({"OUTBOX_DKIM_DOMAIN": DOMAIN, "OUTBOX_DKIM_PRIVATE_KEY": private},
+                             "OUTBOX_DKIM_SELECTOR", "OUTBOX_DKIM_SELECTOR too"),
+        "key and file": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": private,
+                          "OUTBOX_DKIM_PRIVATE_KEY_FILE": str(not_a_key)},
+                         "OUTBOX_DKIM_PRIVATE_KEY", "not both"),
+        "bcc signed": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": private,
+                        "OUTBOX_DKIM_HEADERS": ["From", "Bcc"]},
+                       "OUTBOX_DKIM_HEADERS", "must not be signed"),
+        "headers as a string": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": private,
+                                 "OUTBOX_DKIM_HEADERS": "From"},
+                                "OUTBOX_DKIM_HEADERS", "list of header names"),
+        "a header with a colon": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": private,
+                                   "OUTBOX_DKIM_HEADERS": ["Subject:"]},
+                                  "OUTBOX_DKIM_HEADERS", "not a header name"),
+        "unicode domain": ({**base, "OUTBOX_DKIM_DOMAIN": "bücher.example",
+                            "OUTBOX_DKIM_PRIVATE_KEY": private},
+                           "OUTBOX_DKIM_DOMAIN", "not an ASCII domain"),
+    }
+
+
+_CASE_NAMES = ["unreadable file", "file is a folder", "file holds no key", "a public key",
+               "a short key", "empty key", "domain, no key", "key, no domain",
+               "key, no selector", "key and file", "bcc signed", "headers as a string",
+               "a header with a colon", "unicode domain"]
+
+
+@pytest.mark.parametrize("case", _CASE_NAMES)
+def test_a_key_that_cannot_sign_fails_at_init_app_naming_the_key(
+        tmp_path: Path, key_pair: tuple[str, bytes], case: str) -> None:
+    config, key, text = _bad_key_cases(tmp_path, key_pair[0])[case]
+    with pytest.raises(ConfigError) as excinfo:
+        _init(tmp_path, **config)
+    assert excinfo.value.key == key
+    assert text in str(excinfo.value)
+    assert "PRIVATE KEY-----" not in str(excinfo.value)  # a key is never echoed
+
+
+def test_without_dkimpy_the_error_says_what_to_install(
+        tmp_path: Path, key_pair: tuple[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "dkim", None)  # import dkim raises ImportError
+    with pytest.raises(ConfigError) as excinfo:
+        _init(tmp_path, **dkim_config(key_pair[0]))
+    assert excinfo.value.key == "OUTBOX_DKIM_DOMAIN"
+    assert "pip install flask-mail-outbox[dkim]" in str(excinfo.value)
+
+
+def test_a_key_file_signs(db_url: str, tmp_path: Path, key_pair: tuple[str, bytes]) -> None:
+    key_file = tmp_path / "dkim.pem"
+    key_file.write_text(key_pair[0])
+    app = make_app(db_url, TESTING=True, OUTBOX_DKIM_DOMAIN=DOMAIN,
+                   OUTBOX_DKIM_SELECTOR=SELECTOR, OUTBOX_DKIM_PRIVATE_KEY_FILE=str(key_file))
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("Test", recipients=["to@example.org"], body="x"))
+            db.session.commit()
+        transport = app.extensions["mail_outbox"].runtime().delivery.transport
+        assert verifies(transport.outbox[0].mime, key_pair[1])
+    finally:
+        close_app(app, timeout=5)
