@@ -520,8 +520,10 @@ def _teardown_request(exc: BaseException | None) -> None:
 
 def _check_message(msg: Any) -> None:
     if not isinstance(msg, Message):
-        raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got "
-                                    f"{type(msg).__name__}")
+        kind = f"{type(msg).__module__}.{type(msg).__qualname__}"
+        hint = ("; import Message from flask_mail_outbox instead of flask_mail"
+                if kind == "flask_mail.Message" else "")
+        raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got {kind}{hint}")
 
 
 def _check_key(field: str, value: Any) -> None:

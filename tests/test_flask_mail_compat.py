@@ -231,3 +231,11 @@ def test_connect_block_that_raises_leaves_the_commit_to_decide(
     db.session.rollback()
     assert mail.wait_idle(5)
     assert len(rows(app)) == 2
+
+
+def test_a_flask_mail_message_is_refused_with_the_fix(app: Flask, mail: OutboxMail) -> None:
+    old = flask_mail.Message("Hi", recipients=["a@example.com"], body="x")
+    with pytest.raises(InvalidMessage, match="import Message from flask_mail_outbox"):
+        mail.send(old)  # type: ignore[arg-type]
+    with pytest.raises(InvalidMessage, match=r"^messages\[0\]\.msg: .*flask_mail\.Message"):
+        mail.send_many([old])  # type: ignore[list-item]
