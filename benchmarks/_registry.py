@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 #: Modules that register scenarios, in the order ``all`` runs them.
 SCENARIO_MODULES = ("benchmarks.idle", "benchmarks.throughput", "benchmarks.transport",
-                    "benchmarks.enqueue", "benchmarks.history", "benchmarks.backlog",
+                    "benchmarks.enqueue", "benchmarks.enqueue_many", "benchmarks.history",
+                    "benchmarks.backlog",
                     "benchmarks.request", "benchmarks.drain", "benchmarks.latency")
 
 

@@ -18,7 +18,7 @@ from ._errors import (
 from ._extension import OutboxMail
 from ._message import Attachment, Message
 from ._models import Status
-from ._signals import email_failed, email_queued, email_sent
+from ._signals import email_dispatched, email_failed, email_queued, email_sent
 from ._sweep import SweepReport
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "SweepReport",
     "TransientError",
     "TransportError",
+    "email_dispatched",
     "email_failed",
     "email_queued",
     "email_sent",

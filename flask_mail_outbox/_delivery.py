@@ -32,7 +32,7 @@ from . import _degrade
 from ._errors import PermanentError, TransientError, TransportError
 from ._models import Status
 from ._retry import RetryPolicy
-from ._signals import email_failed, email_sent
+from ._signals import email_dispatched, email_failed, email_sent
 from ._store import ClaimedEmail, KeptConnection, Outcome, Reaped, Recorded, Store
 from .transports import Delivered, Envelope, Failed, Result, Transport
 from .transports._base import NotAttempted
@@ -486,12 +486,13 @@ class Delivery:
         raise RuntimeError("unreachable")  # pragma: no cover - the loop returns or raises
 
     def _signal_sent(self, email: ClaimedEmail) -> None:
-        if not email_sent.receivers:
+        if not email_sent.receivers and not email_dispatched.receivers:
             return
         message = DeliveredMessage(email_id=email.id, message_id=email.message_id,
                                    sender=email.sender, send_to=email.recipients, mime=email.mime)
         self._signal(email_sent, email_id=email.id, message_id=email.message_id,
                      message=message, created_at=email.created_at)
+        self._signal(email_dispatched, message=message)
 
     def _signal(self, signal: Any, **kwargs: Any) -> None:
         """Send a signal; a failing receiver is logged and never breaks delivery."""

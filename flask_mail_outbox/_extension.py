@@ -7,11 +7,12 @@ several apps.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import ipaddress
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -19,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from flask import Flask, Response, current_app, got_request_exception
 
-from . import _health, _queries, _runtime, _staging
+from . import _compat, _health, _queries, _runtime, _staging
+from ._compat import Connection, FlaskMailState
 from ._config import _DEFAULTS, OutboxConfig, load_config
 from ._delivery import DeliveredMessage
 from ._errors import ConfigError, InvalidMessage
-from ._insert import email_dialect, insert_email
+from ._insert import email_dialect, insert_email, insert_emails
 from ._message import Message, prepare_message
 from ._models import Status, metadata
 from ._runtime import EXTENSION_KEY, _all_states, _AppState, app_state
@@ -105,6 +107,16 @@ def _prepare_sqlite(app: Flask, db: SQLAlchemy) -> None:
                 cursor.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class QueuedRow:
+    """A validated message as the row ``send()`` writes (not written yet)."""
+
+    values: dict[str, Any]
+    attachments: list[dict[str, Any]]
+    recipients: tuple[str, ...]
+    due_now: bool
+
+
 class OutboxMail:
     """Transactional email for Flask.
 
@@ -115,11 +127,19 @@ class OutboxMail:
 
     def __init__(self, app: Flask | None = None, db: SQLAlchemy | None = None) -> None:
         self._db = db
+        #: Flask-Mail's ``mail.state``: the Flask-Mail-compatible state of the app
+        #: given here; None in the factory style (``init_app`` returns it instead).
+        self.state: FlaskMailState | None = None
         if app is not None:
-            self.init_app(app, db)
+            self.state = self.init_app(app, db)
 
-    def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> None:
-        """Register with ``app``: read and check the configuration, hook the session."""
+    def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> FlaskMailState:
+        """Register with ``app``: read and check the configuration, hook the session.
+
+        Also puts a Flask-Mail-compatible object at ``app.extensions["mail"]``
+        unless another extension (Flask-Mail itself) holds that key, and
+        returns it, as Flask-Mail's ``init_app`` returns its state.
+        """
         if EXTENSION_KEY in app.extensions:
             raise RuntimeError(
                 "A flask-mail-outbox extension is already registered on this app. "
@@ -155,6 +175,7 @@ class OutboxMail:
             app.before_request(state.ensure_started)
             if _runtime.start_at_once(app):
                 state.start_scheduler()
+        return _compat.register(self, app)
 
     # -- state --------------------------------------------------------------------
 
@@ -175,13 +196,55 @@ class OutboxMail:
         nothing.
         """
         state = self._state()
-        config = state.config
-        if not isinstance(msg, Message):
-            raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got "
-                                        f"{type(msg).__name__}")
+        _check_message(msg)
         _check_key("key", key)
         _check_key("idempotency_key", idempotency_key)
+        row = self._prepare_row(msg, key=key, due_at=_due_at(send_after),
+                                idempotency_key=idempotency_key, config=state.config)
+        session = state.db.session()
+        dialect = email_dialect(session)
+        # What prepare_commit() would NOTIFY at commit, the insert does itself.
+        notify = state.config.listen and dialect == "postgresql" and state.durable()
+        email_id, created, waits = insert_email(session, row.values, row.attachments,
+                                                notify=notify, dialect=dialect,
+                                                recipients=row.recipients)
+        if created:
+            _staging.stage(session, _staging.StagedEmail(
+                email_id=email_id, due_now=row.due_now, publisher=state, notified=notify,
+                waits_on_key=key if waits else None))
+        return email_id
+
+    def send_many(self, messages: Iterable[Message], *, key: str | None = None,
+                  send_after: datetime | timedelta | None = None) -> list[int]:
+        """Queue many messages in the current transaction, all or nothing; their row ids.
+
+        The same rows, statuses, order, signals and delivery as
+        ``[mail.send(m, key=key, send_after=send_after) for m in messages]``,
+        in one multi-row INSERT. Every message is validated before anything
+        is written: a bad one raises :class:`InvalidMessage` naming its index
+        (``messages[3].recipients: ...``) and nothing is added. Does not commit.
+        """
+        _check_key("key", key)
         due_at = _due_at(send_after)
+        config = self._state().config
+        rows: list[QueuedRow] = []
+        for index, msg in enumerate(messages):
+            try:
+                rows.append(self._prepare_row(msg, key=key, due_at=due_at, config=config))
+            except InvalidMessage as exc:
+                raise InvalidMessage(f"messages[{index}].{exc.field}", exc.problem) from exc
+        return self._queue_rows(rows, key=key)
+
+    def _prepare_row(self, msg: Message, *, key: str | None, due_at: datetime | None,
+                     idempotency_key: str | None = None,
+                     config: OutboxConfig | None = None) -> QueuedRow:
+        """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad.
+
+        ``config`` (the current app's) spares the lookup in a loop.
+        """
+        if config is None:
+            config = self._state().config
+        _check_message(msg)
         prepared = prepare_message(
             msg, default_sender=config.default_sender,
             allow_local_addresses=config.allow_local_addresses,
@@ -207,21 +270,37 @@ class OutboxMail:
              "size": info.size}
             for index, info in enumerate(prepared.attachments)
         ]
+        return QueuedRow(values, attachments, prepared.recipients,
+                         due_now=due_at is None or due_at <= utcnow())
+
+    def _queue_rows(self, rows: list[QueuedRow], *, key: str | None) -> list[int]:
+        """Insert prepared rows in the current transaction and stage them; their ids."""
+        if not rows:
+            return []
+        state = self._state()
         session = state.db.session()
         dialect = email_dialect(session)
-        # What prepare_commit() would NOTIFY at commit, the insert does itself.
         notify = state.config.listen and dialect == "postgresql" and state.durable()
-        email_id, created, waits = insert_email(session, values, attachments, notify=notify,
-                                                dialect=dialect, recipients=prepared.recipients)
-        if created:
-            _staging.stage(session, _staging.StagedEmail(
-                email_id=email_id, due_now=due_at is None or due_at <= utcnow(),
-                publisher=state, notified=notify, waits_on_key=key if waits else None))
-        return email_id
+        inserted = insert_emails(session, [(row.values, row.attachments) for row in rows],
+                                 key=key, notify=notify, dialect=dialect)
+        _staging.stage_many(session, [
+            _staging.StagedEmail(email_id=email_id, due_now=row.due_now, publisher=state,
+                                 notified=notify, waits_on_key=key if waits else None)
+            for (email_id, waits), row in zip(inserted, rows, strict=True)])
+        return [email_id for email_id, _ in inserted]
 
-    def send_message(self, **kwargs: Any) -> int:
-        """``send(Message(**kwargs))``."""
-        return self.send(Message(**kwargs))
+    def send_message(self, *args: Any, **kwargs: Any) -> int:
+        """``send(Message(*args, **kwargs))`` (Flask-Mail's shortcut)."""
+        return self.send(Message(*args, **kwargs))
+
+    def connect(self) -> Connection:
+        """Flask-Mail's bulk idiom: ``with mail.connect() as conn: conn.send(msg)``.
+
+        Each ``conn.send(msg)`` validates at once; the block's messages are
+        queued in the current transaction with one ``send_many`` when it ends
+        (see :class:`~._compat.Connection`). It commits nothing.
+        """
+        return Connection(self)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -437,6 +516,14 @@ def _request_failed(sender: Flask, **_: Any) -> None:
 def _teardown_request(exc: BaseException | None) -> None:
     if exc is not None:
         _staging.mark_request_failed()
+
+
+def _check_message(msg: Any) -> None:
+    if not isinstance(msg, Message):
+        kind = f"{type(msg).__module__}.{type(msg).__qualname__}"
+        hint = ("; import Message from flask_mail_outbox instead of flask_mail"
+                if kind == "flask_mail.Message" else "")
+        raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got {kind}{hint}")
 
 
 def _check_key(field: str, value: Any) -> None:

@@ -81,6 +81,113 @@ def insert_email(session: Session, values: dict[str, Any], attachments: Sequence
     return email_id, created, waits
 
 
+def insert_emails(session: Session, rows: Sequence[tuple[dict[str, Any], Sequence[dict[str, Any]]]],
+                  *, key: str | None, clock: Callable[[], datetime] = utcnow,
+                  notify: bool = False, dialect: str | None = None) -> list[tuple[int, bool]]:
+    """Insert many email rows in ``session``, as N :func:`insert_email` would; ``[(id, waits)]``.
+
+    ``rows`` are ``(values, attachments)`` pairs in send order, all with the same
+    ``key`` (or none) and no idempotency key. Keyless, they go in one multi-row
+    INSERT (SQLAlchemy's insertmanyvalues, ids returned in parameter order).
+    With a key, the first goes through :func:`insert_email` (the producer lock,
+    and ``key_head`` when nothing of its key is open) and the rest in one
+    multi-row INSERT behind it: none of them can hold the key, and on
+    PostgreSQL each waits for the commit to advance the key, exactly as N
+    ``send()`` calls leave them. The attachments of all go in one executemany.
+    """
+    if not rows:
+        return []
+    if dialect is None:
+        dialect = email_dialect(session)
+    results: list[tuple[int, bool]] = []
+    rest = rows
+    if key is not None:
+        first_values, first_attachments = rows[0]
+        email_id, _, waits = insert_email(session, dict(first_values, key=key),
+                                          first_attachments, clock=clock, notify=notify,
+                                          dialect=dialect)
+        results.append((email_id, waits))
+        rest = rows[1:]
+    batch = [_batch_values(values, key, dialect, clock) for values, _ in rest]
+    if batch:
+        ids = (_insert_unnest(session, batch, notify) if dialect == "postgresql"
+               else _insert_values(session, batch, dialect, notify))
+        waits = key is not None and dialect == "postgresql"
+        results.extend((email_id, waits) for email_id in ids)
+    attachments = [dict(att, email_id=email_id)
+                   for (email_id, _), (_, atts) in zip(results[len(rows) - len(rest):], rest)
+                   for att in atts]
+    if attachments:
+        session.execute(attachment_table.insert(), attachments)
+    return results
+
+
+def _batch_values(values: dict[str, Any], key: str | None, dialect: str,
+                  clock: Callable[[], datetime]) -> dict[str, Any]:
+    """One row of a multi-row insert (every row has the same columns).
+
+    On PostgreSQL ``created_at`` and a missing ``due_at`` are the database's
+    "now", as for one email; elsewhere ``clock()``.
+    """
+    values = dict(values, key=key, key_head=False)
+    values.update(search_values(values["recipients"], values["subject"]))
+    if dialect != "postgresql":
+        now = clock()
+        values["created_at"] = now
+        if values.get("due_at") is None:
+            values["due_at"] = now
+    return values
+
+
+def _insert_values(session: Session, batch: list[dict[str, Any]], dialect: str,
+                   notify: bool) -> list[int]:
+    """``INSERT ... VALUES (...), (...) RETURNING id`` (insertmanyvalues); ids in row order.
+
+    Asked for RETURNING in parameter order, SQLAlchemy falls back to one
+    INSERT per row on SQLite. It needs no asking: the rows of a multi-row
+    INSERT take rowids in VALUES order, each one past the largest, under the
+    write lock, so the ids sorted are in row order.
+    """
+    stmt = _plain_insert(dialect, notify, many=dialect != "sqlite")
+    conn = session.connection(bind_arguments={"clause": stmt})
+    ids = [int(row[0]) for row in conn.execute(stmt, batch)]
+    return sorted(ids) if dialect == "sqlite" else ids
+
+
+def _insert_unnest(session: Session, batch: list[dict[str, Any]], notify: bool) -> list[int]:
+    """PostgreSQL: ``INSERT ... SELECT FROM unnest(arrays) ORDER BY ordinality``; ids in order.
+
+    One array parameter per column rather than one parameter per value:
+    psycopg parses the placeholders of a statement text it cannot cache, and
+    for a thousand-row VALUES list that cost more than the insert. The ids
+    come from the sequence in ``ORDER BY`` order, so sorted they are in row
+    order (SQLAlchemy's own insertmanyvalues relies on the same).
+    """
+    columns = [name for name in batch[0] if name != "created_at"]
+    conn = session.connection(bind_arguments={"clause": _INSERT_CLAUSE})
+    stmt = _unnest_insert(conn.dialect, tuple(columns), notify)
+    params = {f"p_{name}": [row[name] for row in batch] for name in columns}
+    return sorted(int(row[0]) for row in conn.execute(stmt, params))
+
+
+@functools.cache
+def _unnest_insert(dialect: sa.Dialect, columns: tuple[str, ...], notify: bool) -> sa.TextClause:
+    """The statement of :func:`_insert_unnest` for these columns, built once."""
+    # The column's type without its COLLATE (the column keeps it).
+    types = {name: email_table.c[name].type.compile(dialect=dialect).split(" COLLATE ")[0]
+             for name in columns}
+    arrays = ", ".join(f"CAST(:p_{name} AS {types[name]}[])" for name in columns)
+    now = "timezone('UTC', now())"
+    selected = ", ".join(f"coalesce(u.{name}, {now})" if name == "due_at" else f"u.{name}"
+                         for name in columns)
+    quoted = ", ".join(f'"{name}"' for name in columns)
+    returning = f"id, pg_notify('{CHANNEL}', '')" if notify else "id"
+    return sa.text(
+        f"INSERT INTO {email_table.name} ({quoted}, created_at) "
+        f"SELECT {selected}, {now} FROM unnest({arrays}) WITH ORDINALITY "
+        f"AS u({', '.join(columns)}, ord) ORDER BY u.ord RETURNING {returning}")
+
+
 def search_values(recipients: str | Sequence[str], subject: str) -> dict[str, str]:
     """The dashboard's search columns for a row: first recipient and subject, normalised.
 
@@ -106,19 +213,21 @@ def _returning(dialect: str, notify: bool) -> tuple[Any, ...]:
 
 
 @functools.cache
-def _plain_insert(dialect: str, notify: bool) -> sa.Insert:
+def _plain_insert(dialect: str, notify: bool, many: bool = False) -> sa.Insert:
     """The INSERT of an email with neither key nor idempotency key, built once.
 
     Building the statement for each email cost more than executing it: with
     it built once, ``send()`` + commit runs about 4x faster on SQLite and
-    2.5x on PostgreSQL (``python -m benchmarks enqueue``).
+    2.5x on PostgreSQL (``python -m benchmarks enqueue``). ``many``: for an
+    executemany, whose ids must come back in the order of the rows given.
     """
     t = email_table
-    if dialect != "postgresql":
-        return t.insert().returning(*_returning(dialect, notify))
-    now = now_expr(dialect)
-    due = sa.func.coalesce(sa.bindparam("due_at_or_now", type_=sa.DateTime()), now)
-    return t.insert().values(created_at=now, due_at=due).returning(*_returning(dialect, notify))
+    stmt = t.insert()
+    if dialect == "postgresql":
+        now = now_expr(dialect)
+        due = sa.func.coalesce(sa.bindparam("due_at_or_now", type_=sa.DateTime()), now)
+        stmt = stmt.values(created_at=now, due_at=due)
+    return stmt.returning(*_returning(dialect, notify), sort_by_parameter_order=many)
 
 
 def _insert_plain(session: Session, dialect: str, values: dict[str, Any],

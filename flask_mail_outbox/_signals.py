@@ -5,6 +5,11 @@
   created_at=datetime)``: ``created_at`` is when ``send()`` queued it (naive UTC).
 * ``email_failed(app, email_id=..., message_id=..., error=TransportError)``:
   terminal failures only (the row is ``failed``).
+* ``email_dispatched(app, message=DeliveredMessage)``: Flask-Mail 0.10's
+  signal, in a namespace of its own as in Flask-Mail, sent after each
+  successful delivery (the same moment and message as ``email_sent``), so a
+  receiver written for Flask-Mail (``def on_dispatched(app, message)``) works
+  once its import names ``flask_mail_outbox``.
 """
 
 from __future__ import annotations
@@ -16,3 +21,8 @@ _signals = Namespace()
 email_queued = _signals.signal("email-queued")
 email_sent = _signals.signal("email-sent")
 email_failed = _signals.signal("email-failed")
+
+# Flask-Mail keeps its signal in its own namespace; so does the outbox.
+_flask_mail_signals = Namespace()
+
+email_dispatched = _flask_mail_signals.signal("email-dispatched")

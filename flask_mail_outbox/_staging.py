@@ -63,11 +63,16 @@ class StagedEmail:
 
 def stage(session: Session, entry: StagedEmail) -> None:
     """Remember ``entry`` on the session's innermost active transaction."""
+    stage_many(session, [entry])
+
+
+def stage_many(session: Session, entries: list[StagedEmail]) -> None:
+    """Remember ``entries`` (``send_many()``'s, in order) as :func:`stage` each would."""
     trans = session.get_nested_transaction() or session.get_transaction()
     if trans is None:  # send() flushed, so there is always one; be explicit anyway
         raise RuntimeError("mail.send() needs an active session transaction")
     staged: dict[SessionTransaction, list[StagedEmail]] = session.info.setdefault(_KEY, {})
-    staged.setdefault(trans, []).append(entry)
+    staged.setdefault(trans, []).extend(entries)
 
 
 def mark_request_failed() -> None:

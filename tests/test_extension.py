@@ -28,7 +28,7 @@ def test_public_names_are_pinned() -> None:
     assert sorted(flask_mail_outbox.__all__) == [
         "Attachment", "ConfigError", "DeliveredMessage", "InvalidMessage", "Message",
         "OutboxError", "OutboxMail", "PermanentError", "Status", "SweepReport", "TransientError",
-        "TransportError", "email_failed", "email_queued", "email_sent",
+        "TransportError", "email_dispatched", "email_failed", "email_queued", "email_sent",
     ]
     for name in flask_mail_outbox.__all__:
         assert getattr(flask_mail_outbox, name).__doc__
