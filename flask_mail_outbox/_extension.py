@@ -27,7 +27,7 @@ from ._delivery import DeliveredMessage
 from ._errors import ConfigError, InvalidMessage
 from ._insert import email_dialect, insert_email, insert_emails
 from ._message import Message, prepare_message
-from ._models import Status, metadata
+from ._models import DEFAULT_PRIORITY, PRIORITIES, Status, metadata
 from ._runtime import EXTENSION_KEY, _all_states, _AppState, app_state
 from ._signals import email_sent
 from ._store import utcnow
@@ -115,6 +115,8 @@ class QueuedRow:
     attachments: list[dict[str, Any]]
     recipients: tuple[str, ...]
     due_now: bool
+    #: priority="high": an inline worker hands it over before what waits.
+    urgent: bool = False
 
 
 class OutboxMail:
@@ -186,21 +188,23 @@ class OutboxMail:
 
     def send(self, msg: Message, *, key: str | None = None,
              send_after: datetime | timedelta | None = None,
-             idempotency_key: str | None = None) -> int:
+             idempotency_key: str | None = None, priority: str = "normal") -> int:
         """Queue ``msg`` in the current ``db.session`` transaction; return the row id.
 
         Validates first and raises :class:`InvalidMessage` (nothing written) on
         bad input. Does not commit: the email goes out after the caller's
         outermost commit, and a rollback discards it. With an
         ``idempotency_key`` already stored, returns that row's id and adds
-        nothing.
+        nothing. ``priority`` (``"high"``, ``"normal"``, ``"low"``): among due
+        emails, higher goes first; within a ``key``, ``send()`` order wins.
         """
         state = self._state()
         _check_message(msg)
         _check_key("key", key)
         _check_key("idempotency_key", idempotency_key)
         row = self._prepare_row(msg, key=key, due_at=_due_at(send_after),
-                                idempotency_key=idempotency_key, config=state.config)
+                                idempotency_key=idempotency_key, config=state.config,
+                                priority=_priority(priority))
         session = state.db.session()
         dialect = email_dialect(session)
         # What prepare_commit() would NOTIFY at commit, the insert does itself.
@@ -211,33 +215,38 @@ class OutboxMail:
         if created:
             _staging.stage(session, _staging.StagedEmail(
                 email_id=email_id, due_now=row.due_now, publisher=state, notified=notify,
-                waits_on_key=key if waits else None))
+                waits_on_key=key if waits else None, urgent=row.urgent))
         return email_id
 
     def send_many(self, messages: Iterable[Message], *, key: str | None = None,
-                  send_after: datetime | timedelta | None = None) -> list[int]:
+                  send_after: datetime | timedelta | None = None,
+                  priority: str = "normal") -> list[int]:
         """Queue many messages in the current transaction, all or nothing; their row ids.
 
         The same rows, statuses, order, signals and delivery as
-        ``[mail.send(m, key=key, send_after=send_after) for m in messages]``,
+        ``[mail.send(m, key=key, send_after=send_after, priority=priority) for m
+        in messages]``,
         in one multi-row INSERT. Every message is validated before anything
         is written: a bad one raises :class:`InvalidMessage` naming its index
         (``messages[3].recipients: ...``) and nothing is added. Does not commit.
         """
         _check_key("key", key)
         due_at = _due_at(send_after)
+        rank = _priority(priority)
         config = self._state().config
         rows: list[QueuedRow] = []
         for index, msg in enumerate(messages):
             try:
-                rows.append(self._prepare_row(msg, key=key, due_at=due_at, config=config))
+                rows.append(self._prepare_row(msg, key=key, due_at=due_at, config=config,
+                                              priority=rank))
             except InvalidMessage as exc:
                 raise InvalidMessage(f"messages[{index}].{exc.field}", exc.problem) from exc
         return self._queue_rows(rows, key=key)
 
     def _prepare_row(self, msg: Message, *, key: str | None, due_at: datetime | None,
                      idempotency_key: str | None = None,
-                     config: OutboxConfig | None = None) -> QueuedRow:
+                     config: OutboxConfig | None = None,
+                     priority: int = DEFAULT_PRIORITY) -> QueuedRow:
         """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad.
 
         ``config`` (the current app's) spares the lookup in a loop.
@@ -264,6 +273,7 @@ class OutboxMail:
             "size": len(prepared.mime),
             "mime": prepared.mime,
             "smtp_options": _smtp_options(prepared.mail_options, prepared.rcpt_options),
+            "priority": priority,
         }
         attachments = [
             {"position": index, "filename": info.filename, "content_type": info.content_type,
@@ -271,7 +281,8 @@ class OutboxMail:
             for index, info in enumerate(prepared.attachments)
         ]
         return QueuedRow(values, attachments, prepared.recipients,
-                         due_now=due_at is None or due_at <= utcnow())
+                         due_now=due_at is None or due_at <= utcnow(),
+                         urgent=priority < DEFAULT_PRIORITY)
 
     def _queue_rows(self, rows: list[QueuedRow], *, key: str | None) -> list[int]:
         """Insert prepared rows in the current transaction and stage them; their ids."""
@@ -285,7 +296,8 @@ class OutboxMail:
                                  key=key, notify=notify, dialect=dialect)
         _staging.stage_many(session, [
             _staging.StagedEmail(email_id=email_id, due_now=row.due_now, publisher=state,
-                                 notified=notify, waits_on_key=key if waits else None)
+                                 notified=notify, waits_on_key=key if waits else None,
+                                 urgent=row.urgent)
             for (email_id, waits), row in zip(inserted, rows, strict=True)])
         return [email_id for email_id, _ in inserted]
 
@@ -524,6 +536,15 @@ def _check_message(msg: Any) -> None:
         hint = ("; import Message from flask_mail_outbox instead of flask_mail"
                 if kind == "flask_mail.Message" else "")
         raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got {kind}{hint}")
+
+
+def _priority(value: Any) -> int:
+    """The stored rank of ``send(priority=...)``; :class:`InvalidMessage` if not a known one."""
+    rank = PRIORITIES.get(value) if isinstance(value, str) else None
+    if rank is None:
+        raise InvalidMessage("priority", f"expected one of {', '.join(map(repr, PRIORITIES))}, "
+                                         f"got {value!r}")
+    return rank
 
 
 def _check_key(field: str, value: Any) -> None:
