@@ -83,6 +83,11 @@ class DeliveredMessage:
         return parsed
 
     @property
+    def msgId(self) -> str:  # noqa: N802 - Flask-Mail's name
+        """Flask-Mail's name of :attr:`message_id` (for receivers written for it)."""
+        return self.message_id
+
+    @property
     def subject(self) -> str:
         """The decoded Subject header."""
         return str(self.parsed.get("Subject", ""))

@@ -118,10 +118,12 @@ def test_outbox_send_message_takes_flask_mails_positions(
 def test_email_dispatched_reaches_a_flask_mail_receiver_once_per_email(
         app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
     seen: list[tuple[Flask, str, list[str], set[str]]] = []
+    ids: list[str] = []
 
     # Written exactly as for Flask-Mail 0.10, only the import changed.
     def log_dispatched(app: Flask, message: Any) -> None:
         seen.append((app, message.subject, message.recipients, set(message.send_to)))
+        ids.append(message.msgId)
 
     email_dispatched.connect(log_dispatched)
     try:
@@ -139,6 +141,7 @@ def test_email_dispatched_reaches_a_flask_mail_receiver_once_per_email(
         (app, "Dispatched", ["to@example.com"], {"to@example.com", "cc@example.com"}),
         (app, "Letter 7", ["user7@example.com"], {"user7@example.com"}),
     ]
+    assert sorted(ids) == sorted(smtp_server.message_ids())
 
 
 def test_a_raising_dispatched_receiver_breaks_no_delivery(
