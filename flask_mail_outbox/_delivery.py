@@ -83,7 +83,7 @@ class DeliveredMessage:
         return parsed
 
     @property
-    def msgId(self) -> str:  # noqa: N802 - Flask-Mail's name
+    def msgId(self) -> str:
         """Flask-Mail's name of :attr:`message_id` (for receivers written for it)."""
         return self.message_id
 
