@@ -604,6 +604,9 @@ IDENTIFIERS_ONLY = {
      "INSERT INTO outbox_email ({old_columns}) SELECT {old_columns}"),
     ("migrations/versions/outbox_0004_priority.py",
      "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
+    # send_many's PostgreSQL insert: the names of outbox_email's columns (the keys of
+    # the row send() builds) and their compiled types; every value is an array parameter.
+    ("_insert.py", "INSERT INTO {email_table.name} ({quoted}, created_at) SELECT {selected}"),
     # Offline `upgrade --sql`: {first} is one of two SQL literals chosen by dialect (the
     # name is bound again later, to a Python value that never reaches SQL text).
     ("migrations/versions/outbox_0002_dashboard_search.py",
