@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 #: Modules that register scenarios, in the order ``all`` runs them.
 SCENARIO_MODULES = ("benchmarks.idle", "benchmarks.throughput", "benchmarks.transport",
                     "benchmarks.enqueue", "benchmarks.history", "benchmarks.backlog",
-                    "benchmarks.request", "benchmarks.drain", "benchmarks.latency")
+                    "benchmarks.request", "benchmarks.drain", "benchmarks.latency",
+                    "benchmarks.limits")
 
 
 @dataclasses.dataclass(frozen=True)
