@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw-n", type=int, default=None,
                         help="messages per raw-client run (default 400000; --quick 50000)")
     parser.add_argument("--drain-n", type=int, default=None,
-                        help="backlog of the sink-limit drain (default 15000; --quick 3000)")
+                        help="backlog of the sink-limit drain (default 30000; --quick 3000)")
     parser.add_argument("--priority-n", type=int, default=None,
                         help="low-priority backlog (default 20000; --quick 5000)")
 
@@ -136,7 +136,7 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
                 window=args.window if args.window is not None else (5.0 if args.quick else 15.0),
                 rounds=args.rounds or (1 if args.quick else 3),
                 raw_n=args.raw_n or (50000 if args.quick else 400000),
-                drain_n=args.drain_n or (3000 if args.quick else 15000),
+                drain_n=args.drain_n or (3000 if args.quick else 30000),
                 priority_n=args.priority_n or (5000 if args.quick else 20000))
     bench = _Bench(ctx, plan)
     runners = _runners()
@@ -165,12 +165,14 @@ def _report(plan: Plan, rows: list[Row]) -> Report:
     quota = [r for r in rows if r.name.startswith("quota-") and "refused" in r.data]
     if quota:
         details = Table("Quota rows: what the server and the database saw",
-                        ["row", "delivered msg/s", "refused", "refused %", "charged",
-                         "dead-lettered", "deferrals", "rate config"])
+                        ["row", "delivered msg/s", "refused", "refused %",
+                         "refused in window", "charged", "dead-lettered", "deferrals",
+                         "rate config"])
         for r in quota:
             d = r.data
-            details.add(r.name, r.measured, d["refused"], d["refused_pct"], d["charged"],
-                        d["dead"], d["deferrals"], d["rate_config"])
+            details.add(r.name, r.measured, d["refused"], d["refused_pct"],
+                        d["refused_in_window"], d["charged"], d["dead"], d["deferrals"],
+                        d["rate_config"])
         report.tables.append(details)
     report.notes += [f"{r.name}: {r.note}" for r in rows if r.note]
     report.data = {"rows": {r.name: {**dataclasses.asdict(r)} for r in rows},
@@ -300,7 +302,11 @@ def steady_rate(times: list[float], t0: float, window: float, n: int
 
 
 def _db_outcome(url: str) -> dict[str, int]:
-    """Rows by status, dead letters, charged failed attempts and throttle deferrals."""
+    """Rows by status, dead letters, charged failed attempts and throttle deferrals.
+
+    ``charged``: error-history entries without the ``"deferred": true`` mark
+    the library gives a throttle deferral (whose attempt it gives back).
+    """
     from .drain import _admin
 
     rows = _admin(url, "SELECT status, attempts, error_history FROM outbox_email")[0]
@@ -311,6 +317,10 @@ def _db_outcome(url: str) -> dict[str, int]:
         out["attempts"] += int(attempts)
         for entry in json.loads(history or "[]"):
             out["deferrals" if entry.get("deferred") else "charged"] += 1
+    # A claim adds an attempt and a throttle deferral gives it back, so the attempts
+    # beyond each sent row's one are charged failures too: the two counts agree
+    # unless an attempt was charged without an error entry.
+    out["charged"] = max(out["charged"], out["attempts"] - out["sent"])
     return out
 
 
@@ -337,11 +347,13 @@ def _outbox_window(bench: _Bench, *, sink_kind: str, workers: int, concurrency: 
         _wait_until(t0 + plan.window + 0.5, lambda: sink.stats()["count"] >= n, procs)
         stats = sink.stats()
         times = [float(r[0]) for r in sink.receipts()]
+        refusals = sink.refusals() if isinstance(sink, QuotaSink) else []
     finally:
         codes = [stop_process(p) for p in procs]
     rate, note = steady_rate(times, t0, plan.window, n)
     return {"n": n, "rate": rate, "note": note, "stats": stats, "released": released,
-            "t0": t0, "db": _db_outcome(url), "exit_codes": codes, "url": url}
+            "t0": t0, "db": _db_outcome(url), "exit_codes": codes, "url": url,
+            "refused_in_window": sum(1 for t in refusals if t0 <= t < t0 + plan.window)}
 
 
 # -- latency-bound -------------------------------------------------------------------------
