@@ -19,10 +19,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ._harness import (
     Sink,
+    cpu_seconds,
     free_port,
     log,
     log_path,
@@ -131,8 +133,12 @@ def _raw(bench: _Bench, sink: Sink, depth: int) -> float:
     return float(result["rate"])
 
 
-def _drain(bench: _Bench, sink: Sink, url: str, producer: Any, round_no: int) -> float:
-    """One worker (library defaults, 4 connections) drains ``plan.drain_n`` committed emails."""
+def _drain(bench: _Bench, sink: Sink, url: str, producer: Any, round_no: int
+           ) -> tuple[float, dict[str, float]]:
+    """One worker (library defaults, 4 connections) drains ``plan.drain_n`` committed emails.
+
+    Returns msg/s and the CPU ms per message of the worker, PostgreSQL and the sink.
+    """
     from .drain import _counts, _release, _reset
 
     n = bench.plan.drain_n
@@ -140,11 +146,16 @@ def _drain(bench: _Bench, sink: Sink, url: str, producer: Any, round_no: int) ->
     _enqueue(producer, n, f"sink-limit r{round_no}", send_after=HOLD)
     procs = _spawn_workers(bench, url, sink.smtp_port, workers=1, concurrency=4, config={},
                            name=f"limits-sink-{round_no}")
+    parts: dict[str, Callable[[], list[int]]] = {
+        "worker": lambda: [p.pid for p in procs], "postgres": bench.ctx.postgres().pids,
+        "sink": lambda: [sink.pid]}
     try:
         sink.reset()
+        before = {k: cpu_seconds(pids()) for k, pids in parts.items()}
         released = _release(url)
         _wait_until(time.time() + 120 + n / 50, lambda: sink.stats()["count"] >= n, procs)
         stats = sink.stats()
+        cpu = {k: 1000 * (cpu_seconds(pids()) - before[k]) / n for k, pids in parts.items()}
     finally:
         for proc in procs:
             stop_process(proc)
@@ -153,7 +164,7 @@ def _drain(bench: _Bench, sink: Sink, url: str, producer: Any, round_no: int) ->
     counts = _counts(url)
     if counts.get("sent", 0) != n:
         raise RuntimeError(f"after the drain the rows are {counts}")
-    return n / max(float(stats["last"]) - released, 1e-9)
+    return n / max(float(stats["last"]) - released, 1e-9), cpu
 
 
 def sink_limit_row(bench: _Bench) -> Row:
@@ -169,11 +180,14 @@ def sink_limit_row(bench: _Bench) -> Row:
     producer = _producer(url, sink.smtp_port)
     raw: dict[int, list[float]] = {d: [] for d in RAW_DEPTHS}
     drains: list[float] = []
+    cpus: list[dict[str, float]] = []
     try:
         for round_no in range(bench.plan.rounds):
             for depth in RAW_DEPTHS:
                 raw[depth].append(_raw(bench, sink, depth))
-            drains.append(_drain(bench, sink, url, producer, round_no))
+            rate, cpu = _drain(bench, sink, url, producer, round_no)
+            drains.append(rate)
+            cpus.append(cpu)
             log(f"limits sink-limit round {round_no + 1}: raw "
                 + ", ".join(f"depth {d} {raw[d][-1]:.0f}" for d in RAW_DEPTHS)
                 + f" msg/s; drain {drains[-1]:.0f} msg/s")
@@ -183,14 +197,18 @@ def sink_limit_row(bench: _Bench) -> Row:
     best = max(RAW_DEPTHS, key=lambda d: raw_medians[d] or 0.0)
     limit = raw_medians[best]
     drain = median(drains)
+    cpu_ms = {k: median(c[k] for c in cpus) for k in cpus[0]} if cpus else {}
     r = ratio(drain, limit)
     return Row("sink-limit", drain, "msg/s", limit, r, goal, None if r is None else r >= 0.5,
                note=(f"limit = the raw client's median over {bench.plan.rounds} round(s), "
                      f"4 connections, {best} message(s) in flight each ("
                      + ", ".join(f"depth {d}: {raw_medians[d] or 0:.0f}" for d in RAW_DEPTHS)
                      + f" msg/s); drain = N={bench.plan.drain_n} / (last receipt - release), "
-                       "one worker, library defaults (4 connections)"),
-               data={"raw": raw, "raw_medians": raw_medians, "drains": drains})
+                       "one worker, library defaults (4 connections); CPU ms per message "
+                       "in the drain: "
+                     + ", ".join(f"{k} {v or 0:.3f}" for k, v in cpu_ms.items())),
+               data={"raw": raw, "raw_medians": raw_medians, "drains": drains,
+                     "drain_cpu_ms_per_msg": cpu_ms})
 
 
 # -- priority ------------------------------------------------------------------------------
