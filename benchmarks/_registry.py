@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 #: Modules that register scenarios, in the order ``all`` runs them.
 SCENARIO_MODULES = ("benchmarks.idle", "benchmarks.throughput", "benchmarks.transport",
                     "benchmarks.enqueue", "benchmarks.enqueue_many", "benchmarks.history",
-                    "benchmarks.backlog",
-                    "benchmarks.request", "benchmarks.drain", "benchmarks.latency")
+                    "benchmarks.backlog", "benchmarks.request", "benchmarks.drain",
+                    "benchmarks.latency", "benchmarks.limits")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """A throwaway SMTP sink in its own process: accepts everything, counts, timestamps.
 
     python -m benchmarks.sink [--port 0] [--control-port 0] [--delay SECONDS]
+                              [--quota RATE [--quota-burst N] [--quota-at data|mail]]
 
 It prints one JSON line when it listens, ``{"smtp_port": P, "control_port": C,
 "pid": N}``, then serves until SIGTERM/SIGINT. Every message is accepted with
@@ -9,10 +10,21 @@ latency-bound server, not a slow CPU). Its receipt is recorded just before the
 250: ``(time.time(), Message-ID, X-Bench-Id)``, the wall clock of this
 machine, which the benchmark process compares with its own ``time.time()``.
 
+With ``--quota RATE`` it is a provider's rate limit: one token bucket across
+all its sessions, refilled at RATE messages per second and holding at most
+``--quota-burst`` tokens (default: RATE, one second's worth). Each message
+takes a token when it is about to be accepted (at the end of DATA, or at
+MAIL FROM with ``--quota-at mail``); without one the server answers
+``421 4.7.28 Rate limit exceeded, slow down`` (Gmail's words) and closes the
+connection, as RFC 5321 says a 421 does. Refusals are counted, with their
+times.
+
 The control port speaks one line per connection and answers with one JSON line:
 
-* ``stats``: ``{"count", "unique", "first", "last"}`` (unique Message-IDs;
-  ``first``/``last`` are the first and last receipt times, or null);
+* ``stats``: ``{"count", "unique", "first", "last", "refused"}`` (unique
+  Message-IDs; ``first``/``last`` are the first and last receipt times, or
+  null; ``refused``: quota refusals);
+* ``refusals [START]``: ``[t, ...]``, the times of the quota refusals from index START;
 * ``receipts [START]``: ``[[t, message_id, bench_id], ...]`` from index START;
 * ``reset``: forget everything received so far.
 """
@@ -30,6 +42,9 @@ from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
+#: What the quota mode answers above its rate (Gmail's reply to a too-fast client).
+QUOTA_REPLY = "421 4.7.28 Rate limit exceeded, slow down"
+
 
 def _headers(data: bytes) -> tuple[str | None, str | None]:
     """Message-ID and X-Bench-Id from the header block (no full MIME parse)."""
@@ -45,17 +60,66 @@ def _headers(data: bytes) -> tuple[str | None, str | None]:
     return message_id, bench_id
 
 
-class SinkHandler:
-    """aiosmtpd handler: every recipient and every message is accepted."""
+class TokenBucket:
+    """``rate`` tokens a second, at most ``burst`` held; starts full."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.at = time.monotonic()
+
+    def take(self) -> bool:
+        """One token if there is one (True), else False (nothing taken)."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class SinkHandler:
+    """aiosmtpd handler: every recipient is accepted, and every message within the quota."""
+
+    def __init__(self, delay: float, quota: TokenBucket | None = None,
+                 quota_at: str = "data") -> None:
         self.delay = delay
+        self.quota = quota
+        self.quota_at = quota_at
         self.receipts: list[tuple[float, str | None, str | None]] = []
         self.message_ids: set[str | None] = set()
+        self.refusals: list[float] = []
+
+    def _refuse(self, server: SMTP) -> str | None:
+        """The 421 when the quota is spent (the connection then closes), else None."""
+        if self.quota is None or self.quota.take():
+            return None
+        self.refusals.append(time.time())
+        transport = server.transport
+        if transport is not None:
+            # After the reply is written (aiosmtpd writes it before it yields again).
+            asyncio.get_running_loop().call_soon(transport.close)
+        return QUOTA_REPLY
+
+    async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope,
+                          address: str, mail_options: list[str]) -> str:
+        if self.quota_at == "mail":
+            refused = self._refuse(server)
+            if refused is not None:
+                return refused
+        envelope.mail_from = address
+        envelope.mail_options.extend(mail_options)
+        return "250 OK"
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         if self.delay:
             await asyncio.sleep(self.delay)
+        if self.quota_at == "data":
+            refused = self._refuse(server)
+            if refused is not None:
+                return refused
         content = envelope.original_content or envelope.content or b""
         if isinstance(content, str):
             content = content.encode("utf-8", "replace")
@@ -67,17 +131,22 @@ class SinkHandler:
     def reset(self) -> None:
         self.receipts = []
         self.message_ids = set()
+        self.refusals = []
 
     def stats(self) -> dict[str, Any]:
         receipts = self.receipts
         return {"count": len(receipts), "unique": len(self.message_ids),
                 "first": receipts[0][0] if receipts else None,
-                "last": receipts[-1][0] if receipts else None}
+                "last": receipts[-1][0] if receipts else None,
+                "refused": len(self.refusals)}
 
 
 async def _serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
-    handler = SinkHandler(args.delay)
+    quota = None
+    if args.quota:
+        quota = TokenBucket(args.quota, args.quota_burst or args.quota)
+    handler = SinkHandler(args.delay, quota, args.quota_at)
 
     def make_smtp() -> SMTP:
         # An explicit hostname: without one aiosmtpd calls socket.getfqdn() per connection.
@@ -95,6 +164,9 @@ async def _serve(args: argparse.Namespace) -> None:
             elif command == "receipts":
                 start = int(words[1]) if len(words) > 1 else 0
                 answer = handler.receipts[start:]
+            elif command == "refusals":
+                start = int(words[1]) if len(words) > 1 else 0
+                answer = handler.refusals[start:]
             elif command == "reset":
                 handler.reset()
                 answer = {"ok": True}
@@ -125,6 +197,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--control-port", type=int, default=0)
     parser.add_argument("--delay", type=float, default=0.0,
                         help="seconds to wait before the 250 reply to each DATA")
+    parser.add_argument("--quota", type=float, default=None, metavar="RATE",
+                        help="accept at most RATE messages per second over all sessions "
+                             "(a token bucket); refuse the rest with a 421")
+    parser.add_argument("--quota-burst", type=float, default=None, metavar="N",
+                        help="tokens the bucket holds (default: RATE)")
+    parser.add_argument("--quota-at", choices=("data", "mail"), default="data",
+                        help="where a message over the quota is refused (default: at the "
+                             "end of DATA)")
     args = parser.parse_args(argv)
     asyncio.run(_serve(args))
     sys.exit(0)
