@@ -326,16 +326,13 @@ def prepare_message(
 ) -> PreparedEmail:
     """Validate ``msg`` and build the exact bytes to send.
 
-    Raises ``InvalidMessage(field, problem)`` for anything that cannot be sent:
-    no recipients, an address email-validator refuses (syntax only, no DNS),
-    no sender, CR/LF/NUL in a header, a wrong type, attachment data that is
-    not bytes or str, or a message larger than ``max_message_bytes``.
-    Single-label and special-use domains (``localhost``, ``*.test``,
-    ``*.local`` ...) are refused unless ``allow_local_addresses``.
-    ``now`` (default: the current UTC time) dates a message without ``date``
-    at its first build, kept for later builds, as a Message-ID made here is
-    kept as its ``msgId``. ``html_to_text`` (``OUTBOX_HTML_TO_TEXT``; None: the
-    current app's, True outside one) gives html without ``body`` a text part.
+    Raises ``InvalidMessage(field, problem)`` for anything that cannot be sent
+    (no recipients, an address email-validator refuses, no sender, CR/LF/NUL in
+    a header, a wrong type, a message over ``max_message_bytes``; local and
+    special-use domains unless ``allow_local_addresses``). ``now`` dates a
+    message without ``date`` at its first build (kept, as a Message-ID made
+    here is kept as its ``msgId``). ``html_to_text``: ``OUTBOX_HTML_TO_TEXT``
+    (None: the current app's).
     """
     if not isinstance(msg, Message):
         raise TypeError(f"prepare_message() expects a Message, got {type(msg).__name__}")
