@@ -270,14 +270,12 @@ class Worker:
         finally:
             self._close()
 
-    def step(self, *, record_now: bool = False) -> None:
-        """One round: record what came back (once its window is over), then claim."""
+    def step(self) -> None:
+        """One round: record what came back, then claim what there is room for."""
         with self._cond:
             self._busy = True
-            record_in = self._record_in()
         try:
-            if record_now or (record_in is not None and record_in <= 0):
-                self._record()
+            self._record()
             if self._stopping:
                 return
             room = self._room(self.in_flight())
@@ -302,7 +300,7 @@ class Worker:
         """
         with self._cond:
             self._woken = self.dispatching
-        self.step(record_now=True)
+        self.step()
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._in_flight and time.monotonic() < deadline:
@@ -322,7 +320,7 @@ class Worker:
         while time.monotonic() < deadline:
             with self._cond:
                 self._woken = self.dispatching  # claim whenever there is room
-            self.step(record_now=True)
+            self.step()
             if not self._wait_for_results(deadline):
                 with self._cond:
                     if not (self._handed or (self.dispatching and self.last_claimed)):
@@ -344,8 +342,8 @@ class Worker:
                 record_in = self._record_in()
                 if record_in is not None and record_in <= 0:
                     return
-                # As in step(): what came back counts until it is recorded.
-                room = self._room(len(self._in_flight) + len(self._results)) > 0
+                # What came back is recorded first, so only what is on the wire counts.
+                room = self._room(len(self._in_flight)) > 0
                 now = self.clock()
                 if room and (self._handed or (self.dispatching and self._woken)):
                     return
