@@ -46,6 +46,16 @@ class User(db.Model):  # type: ignore[name-defined,misc]
     email: Mapped[str] = mapped_column(sa.String(255))
 
 
+
+#: prepare_message()'s settings as an app with default configuration passes them.
+PREPARE_OPTIONS: dict[str, Any] = {
+    "default_sender": None,
+    "allow_local_addresses": False,
+    "max_message_bytes": 25 * 1024 * 1024,
+    "message_id_domain": None,
+    "ascii_attachments": False,
+}
+
 def pytest_report_header() -> str:
     """Which aiosmtplib this run's SMTP tests use (pyproject.toml allows a range)."""
     return f"aiosmtplib {aiosmtplib.__version__}"

@@ -19,7 +19,7 @@ from email.parser import BytesParser
 from typing import Any
 
 import pytest
-from conftest import db, rows
+from conftest import PREPARE_OPTIONS, db, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -27,13 +27,7 @@ from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._message import prepare_message
 
 SENDER = "sender@example.com"
-OPTIONS: dict[str, Any] = {
-    "default_sender": None,
-    "allow_local_addresses": False,
-    "max_message_bytes": 25 * 1024 * 1024,
-    "message_id_domain": None,
-    "ascii_attachments": False,
-}
+OPTIONS = PREPARE_OPTIONS
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
 GIF = b"GIF89a" + bytes(64)
 

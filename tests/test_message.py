@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import email_validator
 import pytest
+from conftest import PREPARE_OPTIONS
 from flask import Flask
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,13 +36,7 @@ from flask_mail_outbox._message import (
 )
 
 SENDER = "sender@example.com"
-OPTIONS: dict[str, Any] = {
-    "default_sender": None,
-    "allow_local_addresses": False,
-    "max_message_bytes": 25 * 1024 * 1024,
-    "message_id_domain": None,
-    "ascii_attachments": False,
-}
+OPTIONS = PREPARE_OPTIONS
 FLASK_MAIL_PARAMETERS = [
     "subject",
     "recipients",

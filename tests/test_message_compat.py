@@ -20,7 +20,7 @@ from email.parser import BytesParser
 from typing import Any
 
 import pytest
-from conftest import close_app, db, make_app, rows
+from conftest import PREPARE_OPTIONS, close_app, db, make_app, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -30,13 +30,7 @@ from flask_mail_outbox._errors import ConfigError
 from flask_mail_outbox._message import PreparedEmail, prepare_message
 
 SENDER = "sender@example.com"
-OPTIONS: dict[str, Any] = {
-    "default_sender": None,
-    "allow_local_addresses": False,
-    "max_message_bytes": 25 * 1024 * 1024,
-    "message_id_domain": None,
-    "ascii_attachments": False,
-}
+OPTIONS = PREPARE_OPTIONS
 _ENCODED_WORD = re.compile(r"=\?utf-8\?([qb])\?[^?]*\?=")
 
 

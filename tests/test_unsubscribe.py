@@ -15,7 +15,7 @@ from email.parser import BytesParser
 from typing import Any
 
 import pytest
-from conftest import db, rows
+from conftest import PREPARE_OPTIONS, db, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -23,13 +23,7 @@ from flask_mail_outbox import InvalidMessage, Message, OutboxMail
 from flask_mail_outbox._message import prepare_message
 
 SENDER = "news@example.com"
-OPTIONS: dict[str, Any] = {
-    "default_sender": None,
-    "allow_local_addresses": False,
-    "max_message_bytes": 25 * 1024 * 1024,
-    "message_id_domain": None,
-    "ascii_attachments": False,
-}
+OPTIONS = PREPARE_OPTIONS
 HTTPS = "https://example.com/unsubscribe?u=42&t=Zm9vYmFy"
 MAILTO = "mailto:unsubscribe@example.com?subject=unsubscribe%2042"
 
