@@ -113,7 +113,7 @@ def needs_smtputf8(address: str) -> bool:
     return not address.isascii()
 
 
-def _app_allows_smtputf8() -> bool:
+def app_allows_smtputf8() -> bool:
     """``OUTBOX_ALLOW_SMTPUTF8`` of the current app (as ``init_app`` parsed it); False outside one."""
     if not has_app_context():
         return False
@@ -254,14 +254,14 @@ def address_list(field: str, value: object, allow_local: bool, *,
         and "@" in value[1]
     ):
         raise InvalidMessage(field, f"got the single address tuple {value!r}; write [{value!r}]")
-    utf8 = _app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
+    utf8 = app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
     return [_address(f"{field}[{i}]", item, allow_local, utf8) for i, item in enumerate(value)]
 
 
 def resolve_sender(sender: object, default_sender: object, allow_local: bool, *,
                    allow_smtputf8: bool | None = None) -> Addr:
     """The message's sender, else ``MAIL_DEFAULT_SENDER``; neither is an error."""
-    utf8 = _app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
+    utf8 = app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
     if sender is not None and sender != "":
         return _address("sender", sender, allow_local, utf8)
     if default_sender is None or default_sender == "":
@@ -280,7 +280,7 @@ def reply_to_list(value: object, allow_local: bool, *,
     """Reply-To: one address or a list of them; None or "" is none."""
     if value is None or value == "":
         return []
-    utf8 = _app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
+    utf8 = app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
     if isinstance(value, list):
         return [_address(f"reply_to[{i}]", item, allow_local, utf8)
                 for i, item in enumerate(value)]

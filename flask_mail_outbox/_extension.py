@@ -207,8 +207,7 @@ class OutboxMail:
                                 priority=_priority(priority))
         session = state.db.session()
         dialect = email_dialect(session)
-        # What prepare_commit() would NOTIFY at commit, the insert does itself.
-        notify = state.config.listen and dialect == "postgresql" and state.durable()
+        notify = _notifies(state, dialect)
         email_id, created, waits = insert_email(session, row.values, row.attachments,
                                                 notify=notify, dialect=dialect,
                                                 recipients=row.recipients)
@@ -259,7 +258,8 @@ class OutboxMail:
             allow_local_addresses=config.allow_local_addresses,
             max_message_bytes=config.max_message_bytes,
             message_id_domain=config.message_id_domain,
-            ascii_attachments=config.ascii_attachments)
+            ascii_attachments=config.ascii_attachments,
+            html_to_text=config.html_to_text, allow_smtputf8=config.allow_smtputf8)
         values: dict[str, Any] = {
             "status": Status.QUEUED.value,
             "due_at": due_at,
@@ -291,7 +291,7 @@ class OutboxMail:
         state = self._state()
         session = state.db.session()
         dialect = email_dialect(session)
-        notify = state.config.listen and dialect == "postgresql" and state.durable()
+        notify = _notifies(state, dialect)
         inserted = insert_emails(session, [(row.values, row.attachments) for row in rows],
                                  key=key, notify=notify, dialect=dialect)
         _staging.stage_many(session, [
@@ -536,6 +536,11 @@ def _check_message(msg: Any) -> None:
         hint = ("; import Message from flask_mail_outbox instead of flask_mail"
                 if kind == "flask_mail.Message" else "")
         raise InvalidMessage("msg", f"expected a flask_mail_outbox.Message, got {kind}{hint}")
+
+
+def _notifies(state: _AppState, dialect: str) -> bool:
+    """Whether the insert itself runs the NOTIFY that prepare_commit() would send at commit."""
+    return state.config.listen and dialect == "postgresql" and state.durable()
 
 
 def _priority(value: Any) -> int:

@@ -26,6 +26,7 @@ from ._addresses import (
     UNDISCLOSED_RECIPIENTS,
     Addr,
     address_list,
+    app_allows_smtputf8,
     bare_address,
     check_header_text,
     display_list,
@@ -323,26 +324,25 @@ def prepare_message(
     ascii_attachments: bool,
     now: datetime | None = None,
     html_to_text: bool | None = None,
+    allow_smtputf8: bool | None = None,
 ) -> PreparedEmail:
     """Validate ``msg`` and build the exact bytes to send.
 
-    Raises ``InvalidMessage(field, problem)`` for anything that cannot be sent
-    (no recipients, an address email-validator refuses, no sender, CR/LF/NUL in
-    a header, a wrong type, a message over ``max_message_bytes``; local and
-    special-use domains unless ``allow_local_addresses``). ``now`` dates a
-    message without ``date`` at its first build (kept, as a Message-ID made
-    here is kept as its ``msgId``). ``html_to_text``: ``OUTBOX_HTML_TO_TEXT``
-    (None: the current app's).
+    Raises ``InvalidMessage(field, problem)`` for what cannot be sent (no
+    recipient or sender, a refused address, CR/LF/NUL in a header, a message
+    over ``max_message_bytes``; local domains unless ``allow_local_addresses``).
+    ``now`` dates a message without ``date`` at its first build (kept, like a
+    new ``msgId``). ``html_to_text`` / ``allow_smtputf8``: None reads the app's.
     """
     if not isinstance(msg, Message):
         raise TypeError(f"prepare_message() expects a Message, got {type(msg).__name__}")
     _check_max_message_bytes(max_message_bytes)
-
     # Checked in this order, so a message with several faults always reports the same one.
     subject = _checked_subject(msg.subject)
-    to, cc, bcc = _recipients(msg, allow_local_addresses)
-    sender = resolve_sender(msg.sender, default_sender, allow_local_addresses)
-    reply_to = reply_to_list(msg.reply_to, allow_local_addresses)
+    utf8 = app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
+    to, cc, bcc = _recipients(msg, allow_local_addresses, utf8)
+    sender = resolve_sender(msg.sender, default_sender, allow_local_addresses, allow_smtputf8=utf8)
+    reply_to = reply_to_list(msg.reply_to, allow_local_addresses, allow_smtputf8=utf8)
     check_esmtp_options("mail_options", msg.mail_options)
     check_esmtp_options("rcpt_options", msg.rcpt_options)
 
@@ -394,11 +394,12 @@ def _checked_subject(subject: object) -> str:
     return subject
 
 
-def _recipients(msg: Message, allow_local: bool) -> tuple[list[Addr], list[Addr], list[Addr]]:
+def _recipients(msg: Message, allow_local: bool,
+                allow_smtputf8: bool) -> tuple[list[Addr], list[Addr], list[Addr]]:
     """To, cc and bcc, checked; at least one of them must name someone."""
-    to = address_list("recipients", msg.recipients, allow_local)
-    cc = address_list("cc", msg.cc, allow_local)
-    bcc = address_list("bcc", msg.bcc, allow_local)
+    to = address_list("recipients", msg.recipients, allow_local, allow_smtputf8=allow_smtputf8)
+    cc = address_list("cc", msg.cc, allow_local, allow_smtputf8=allow_smtputf8)
+    bcc = address_list("bcc", msg.bcc, allow_local, allow_smtputf8=allow_smtputf8)
     if not (to or cc or bcc):
         raise InvalidMessage(
             "recipients",
