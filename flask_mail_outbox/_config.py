@@ -53,6 +53,9 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_LISTEN_BACKSTOP_SECONDS": 120.0,
     "OUTBOX_RUN_WORKER": True,
     "OUTBOX_RATE_LIMIT": None,
+    # Named transports: {name: {"transport": ..., MAIL_* keys, "rate_limit": "14/s",
+    # "concurrency": n, "failover": [names]}}; MAIL_*/OUTBOX_TRANSPORT are "default".
+    "OUTBOX_TRANSPORTS": None,
     "OUTBOX_SWEEP_ON_STARTUP": True,
     "OUTBOX_SWEEP_MIN_AGE_SECONDS": 300.0,
     "OUTBOX_SWEEP_BATCH": 500,
