@@ -26,11 +26,12 @@ CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sende
                    # created_at before key: the PostgreSQL claim's UNION with the
                    # reap lists key and error_history last.
                    email_table.c.created_at, email_table.c.smtp_options,
-                   email_table.c.key, email_table.c.error_history)
+                   email_table.c.transport, email_table.c.key, email_table.c.error_history)
 
 
-#: The order the claim takes due rows in: higher priority (a lower number) first,
-#: then oldest due first; ``ix_outbox_email_due`` holds them in this order.
+#: The order the claim takes one transport's due rows in: higher priority (a lower
+#: number) first, then oldest due first; ``ix_outbox_email_due`` holds them in this
+#: order after the transport.
 CLAIM_ORDER = (email_table.c.priority, email_table.c.due_at, email_table.c.id)
 
 
@@ -50,7 +51,7 @@ def claimable(now: Now, *, sqlite: bool) -> sa.ColumnElement[bool]:
     return sa.and_(queued, t.c.due_at <= now(), free)
 
 
-def sqlite_pick(now: datetime, limit: int) -> Any:
+def sqlite_pick(now: datetime, limit: int, transport: str) -> Any:
     """The claim's choice of rows on SQLite, pinned to ``ix_outbox_email_due``.
 
     SQLite's planner, on a table it has no statistics for (nobody runs
@@ -62,20 +63,24 @@ def sqlite_pick(now: datetime, limit: int) -> Any:
     return sa.text(
         "SELECT id FROM outbox_email INDEXED BY ix_outbox_email_due "
         "WHERE status = 'queued' AND (\"key\" IS NULL OR key_head) AND due_at <= :now "
-        "ORDER BY priority, due_at, id LIMIT :limit"
+        "AND transport = :transport ORDER BY priority, due_at, id LIMIT :limit"
     ).bindparams(sa.bindparam("now", now, type_=sa.DateTime()),
-                 sa.bindparam("limit", limit)).columns(email_table.c.id)
+                 sa.bindparam("limit", limit),
+                 sa.bindparam("transport", transport)).columns(email_table.c.id)
 
 
 def pg_claim(now: Now, *, reap: bool) -> Any:
     """PostgreSQL's claim (and with ``reap`` the reap): one statement, bound per tick.
 
-    It binds ``claim_limit``, ``claim_owner`` and ``claim_lease``, and returns
+    It binds ``claim_transport``, ``claim_limit``, ``claim_owner`` and
+    ``claim_lease``, and returns
     :data:`CLAIM_RETURNING` with an ``outcome`` column first: ``sending`` for
     a claimed row, ``queued`` for a reaped one.
     """
     t = email_table
-    pick = (sa.select(t.c.id).where(claimable(now, sqlite=False))
+    pick = (sa.select(t.c.id).where(claimable(now, sqlite=False),
+                                    t.c.transport == sa.bindparam("claim_transport",
+                                                                  type_=sa.String()))
             .order_by(*CLAIM_ORDER).limit(sa.bindparam("claim_limit", type_=sa.Integer)))
     due = pick.with_for_update(skip_locked=True).cte("due").prefix_with("MATERIALIZED")
     # ``id = ANY(ARRAY(...))`` and nothing else: a queue's statistics are always

@@ -15,6 +15,7 @@ from typing import Any
 from ._dkim import DKIMSigner, signed_header_names, signer_from
 from ._errors import ConfigError
 from ._retry import RetryPolicy
+from ._transport_specs import DEFAULT, TransportSpec, named_transports, parse_rate
 
 _MIB = 1024 * 1024
 
@@ -142,6 +143,20 @@ class OutboxConfig:
     allow_smtputf8: bool = False
     #: None when DKIM signing is off.
     dkim: DKIMSigner | None = None
+    #: Every transport by name, "default" first (OUTBOX_TRANSPORTS; see _transport_specs).
+    transport_specs: tuple[TransportSpec, ...] = ()
+
+    def transport_spec(self, name: str) -> TransportSpec:
+        """The transport called ``name`` (KeyError when there is none)."""
+        for spec in self.transport_specs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    @property
+    def transport_names(self) -> tuple[str, ...]:
+        """The names ``mail.send(transport=...)`` accepts, "default" first."""
+        return tuple(spec.name for spec in self.transport_specs)
 
     def retry_policy(self) -> RetryPolicy:
         """The retry policy these settings describe (both modes use it)."""
@@ -214,25 +229,25 @@ def _sender(value: Any) -> str | tuple[str, str] | None:
                       f"expected 'addr@example.com' or ('Name', 'addr@example.com'), got {value!r}")
 
 
-def _transport(value: Any) -> str:
+def _transport(value: Any, key: str = "OUTBOX_TRANSPORT") -> str:
     if not isinstance(value, str) or not value:
-        raise ConfigError("OUTBOX_TRANSPORT", f"expected a transport name, got {value!r}")
+        raise ConfigError(key, f"expected a transport name, got {value!r}")
     if value in BUILTIN_TRANSPORTS:
         return value
     module, sep, attr = value.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(
-            "OUTBOX_TRANSPORT",
+            key,
             f"{value!r} is neither one of {', '.join(BUILTIN_TRANSPORTS)} nor 'package.module:Class'",
         )
     try:
         obj = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError("OUTBOX_TRANSPORT", f"cannot import {value!r}: {exc}") from exc
+        raise ConfigError(key, f"cannot import {value!r}: {exc}") from exc
     from .transports import Transport
 
     if not isinstance(obj, type) or not issubclass(obj, Transport):
-        raise ConfigError("OUTBOX_TRANSPORT",
+        raise ConfigError(key,
                           f"{value!r} must be a subclass of flask_mail_outbox.transports.Transport")
     return value
 
@@ -266,7 +281,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
     """
     keys = _Keys(config)
     suppress = config.get("MAIL_SUPPRESS_SEND", testing)
-    smtp = _smtp_settings(keys)
+    smtp = _smtp_settings(keys.get)
     file_path = _file_path(keys, instance_path)
     poll, poll_max = _poll_intervals(keys)
     base, retry_max = _retry_delays(keys)
@@ -297,6 +312,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         run_worker=keys.flag("OUTBOX_RUN_WORKER"),
         rate_limit=keys.number("OUTBOX_RATE_LIMIT", minimum=0, strict_minimum=True,
                                allow_none=True),
+        transport_specs=_transport_specs(keys, smtp),
         sweep_on_startup=keys.flag("OUTBOX_SWEEP_ON_STARTUP"),
         sweep_min_age_seconds=keys.number("OUTBOX_SWEEP_MIN_AGE_SECONDS", minimum=0),
         sweep_batch=keys.number("OUTBOX_SWEEP_BATCH", minimum=1, integer=True),
@@ -324,38 +340,70 @@ MAX_CONCURRENCY = 256
 
 def _concurrency(keys: _Keys) -> int:
     """OUTBOX_CONCURRENCY: connections per process (a stream's sends in flight)."""
-    value: int = keys.number("OUTBOX_CONCURRENCY", minimum=1, integer=True)
-    if value > MAX_CONCURRENCY:
-        raise ConfigError("OUTBOX_CONCURRENCY",
-                          f"must be at most {MAX_CONCURRENCY}, got {value!r}")
-    return value
+    return _concurrency_value("OUTBOX_CONCURRENCY", keys.get("OUTBOX_CONCURRENCY"))
 
 
-def _smtp_settings(keys: _Keys) -> SMTPSettings:
-    """The ``smtp`` transport's settings, from Flask-Mail's keys and the TLS ones."""
-    port = keys.number("MAIL_PORT", minimum=1, integer=True)
+def _concurrency_value(key: str, value: Any) -> int:
+    checked: int = _number(key, value, minimum=1, integer=True)
+    if checked > MAX_CONCURRENCY:
+        raise ConfigError(key, f"must be at most {MAX_CONCURRENCY}, got {value!r}")
+    return checked
+
+
+def _transport_specs(keys: _Keys, smtp: SMTPSettings) -> tuple[TransportSpec, ...]:
+    """OUTBOX_TRANSPORTS, with the ``MAIL_*`` / ``OUTBOX_*`` keys as the implicit default."""
+    default = TransportSpec(
+        name=DEFAULT, kind=_transport(keys.get("OUTBOX_TRANSPORT")), smtp=smtp,
+        rate=parse_rate("OUTBOX_RATE_LIMIT", keys.number(
+            "OUTBOX_RATE_LIMIT", minimum=0, strict_minimum=True, allow_none=True)))
+
+    def smtp_of(get: Any, prefix: str) -> SMTPSettings:
+        def entry_get(key: str) -> Any:
+            # TLS verification stays the app's: one trust policy per app.
+            return keys.get(key) if key.startswith("OUTBOX_TLS_") else get(key)
+        return _smtp_settings(entry_get, prefix)
+
+    specs = named_transports(keys.get("OUTBOX_TRANSPORTS"), default, smtp_of=smtp_of,
+                             kind_of=_transport, concurrency_of=_concurrency_value)
+    return tuple(specs.values())
+
+
+def _smtp_settings(get: Any, prefix: str = "") -> SMTPSettings:
+    """The ``smtp`` transport's settings, from Flask-Mail's keys and the TLS ones.
+
+    ``get(key)`` reads a key; errors name ``prefix + key`` (a named transport's entry).
+    """
+    def field(key: str) -> str:
+        return f'{prefix}["{key}"]' if prefix else key
+
+    def number(key: str, **kw: Any) -> Any:
+        return _number(field(key), get(key), **kw)
+
+    port = number("MAIL_PORT", minimum=1, integer=True)
     if port > 65535:
-        raise ConfigError("MAIL_PORT", f"must be at most 65535, got {port!r}")
-    use_tls = keys.flag("MAIL_USE_TLS")
-    use_ssl = keys.flag("MAIL_USE_SSL")
+        raise ConfigError(field("MAIL_PORT"), f"must be at most 65535, got {port!r}")
+    use_tls = _bool(field("MAIL_USE_TLS"), get("MAIL_USE_TLS"))
+    use_ssl = _bool(field("MAIL_USE_SSL"), get("MAIL_USE_SSL"))
     if use_tls and use_ssl:
-        raise ConfigError("MAIL_USE_TLS",
+        raise ConfigError(field("MAIL_USE_TLS"),
                           "MAIL_USE_TLS (STARTTLS) and MAIL_USE_SSL (implicit TLS) are exclusive; "
                           "use MAIL_USE_SSL with port 465 or MAIL_USE_TLS with port 587")
-    host = keys.get("MAIL_SERVER")
+    host = get("MAIL_SERVER")
     if not isinstance(host, str) or not host:
-        raise ConfigError("MAIL_SERVER", f"expected a host name, got {host!r}")
-    ca_file = keys.text("OUTBOX_TLS_CA_FILE")
+        raise ConfigError(field("MAIL_SERVER"), f"expected a host name, got {host!r}")
+    password = get("MAIL_PASSWORD")
+    if prefix and password is not None and not (isinstance(password, str) and password):
+        raise ConfigError(field("MAIL_PASSWORD"), "expected a non-empty string or None")
     return SMTPSettings(
         host=host,
         port=port,
         use_tls=use_tls,
         use_ssl=use_ssl,
-        username=keys.text("MAIL_USERNAME"),
-        password=_password(keys.get("MAIL_PASSWORD")),
-        timeout=keys.number("MAIL_TIMEOUT", minimum=0, strict_minimum=True),
-        tls_verify=keys.flag("OUTBOX_TLS_VERIFY"),
-        tls_ca_file=ca_file,
+        username=_optional_str(field("MAIL_USERNAME"), get("MAIL_USERNAME")),
+        password=password if prefix else _password(password),
+        timeout=number("MAIL_TIMEOUT", minimum=0, strict_minimum=True),
+        tls_verify=_bool("OUTBOX_TLS_VERIFY", get("OUTBOX_TLS_VERIFY")),
+        tls_ca_file=_optional_str("OUTBOX_TLS_CA_FILE", get("OUTBOX_TLS_CA_FILE")),
     )
 
 

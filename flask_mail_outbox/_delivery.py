@@ -170,6 +170,14 @@ def outcome_for(email: ClaimedEmail, result: Result | None, policy: RetryPolicy,
     """
     if result is None:
         return Outcome(email, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
+    outcome = _outcome_of(email, result, policy, retry_now=retry_now)
+    if result.failovers:
+        outcome = dataclasses.replace(outcome, failovers=result.failovers)
+    return outcome
+
+
+def _outcome_of(email: ClaimedEmail, result: Result, policy: RetryPolicy, *,
+                retry_now: bool) -> Outcome:
     if isinstance(result, Delivered):
         refused = "; ".join(f"{addr}: {code} {text}"
                             for addr, (code, text) in result.refused.items())
@@ -246,11 +254,13 @@ class Delivery:
     """Claimed rows -> outcomes recorded, for one app in one process."""
 
     def __init__(self, *, app: Flask, config: OutboxConfig, store: Store,
-                 transport: Transport, faults: _degrade.FaultTracker) -> None:
+                 transports: dict[str, Transport], faults: _degrade.FaultTracker) -> None:
         self.app = app
         self.config = config
         self.store = store
-        self.transport = transport
+        #: Every named transport, "default" first (a failover chain is one transport).
+        self.transports = transports
+        self.transport = next(iter(transports.values()))
         self.faults = faults
         self.heartbeat = Heartbeat(store, config.lease_seconds, faults)
         self.policy = config.retry_policy()
@@ -338,8 +348,15 @@ class Delivery:
         self.heartbeat.track(claimed)
         try:
             sendable = [e for e in claimed if e.attempt <= self.policy.max_attempts]
-            results = self.transport.send_many([envelope_of(e, self.config.dkim) for e in sendable])
-            by_id = {e.id: r for e, r in zip(sendable, results)}
+            by_id: dict[int, Result] = {}
+            for name in dict.fromkeys(e.transport for e in sendable):
+                mine = [e for e in sendable if e.transport == name]
+                transport = self.transports.get(name)
+                results = (transport.send_many([envelope_of(e, self.config.dkim) for e in mine])
+                           if transport is not None else
+                           [Failed(TransientError(f"transport {name!r} is not configured "
+                                                  "in this app"))] * len(mine))
+                by_id.update((e.id, r) for e, r in zip(mine, results, strict=True))
             report = self.finish([(e, by_id.get(e.id)) for e in claimed])
         finally:
             self.heartbeat.done(claimed)

@@ -60,11 +60,17 @@ class TransientError(TransportError):
 
     ``throttled`` is True when the server said we are sending too fast; the
     delivery layer then slows down instead of charging the row an attempt.
+    ``transport_fault`` is True when the failure is the transport's, not the
+    message's; the attempt then moves to the transport's ``failover`` list.
     """
 
-    def __init__(self, message: str, *, code: int = 0, throttled: bool = False) -> None:
+    def __init__(self, message: str, *, code: int = 0, throttled: bool = False,
+                 transport_fault: bool = False) -> None:
         super().__init__(message, code=code)
         self.throttled = throttled
+        #: The transport itself is broken, not this message (refused connection,
+        #: TLS or login failure, timeout, 421): a transport's ``failover`` takes it.
+        self.transport_fault = transport_fault
 
 
 class PermanentError(TransportError):

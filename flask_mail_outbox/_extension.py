@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import ipaddress
 import json
 import logging
 from collections.abc import Iterable, Iterator
@@ -32,6 +31,8 @@ from ._runtime import EXTENSION_KEY, _all_states, _AppState, app_state
 from ._signals import email_sent
 from ._store import utcnow
 from ._sweep import SweepReport, load_last_report, run_sweep
+from ._transport_specs import DEFAULT as DEFAULT_TRANSPORT
+from ._transport_specs import warn_plaintext_logins
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -49,32 +50,6 @@ def _check_unknown_keys(config: Any) -> None:
             close = difflib.get_close_matches(key, _KNOWN_OUTBOX_KEYS, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(key, f"is not a flask-mail-outbox setting{hint}")
-
-
-def _warn_plaintext_login(config: OutboxConfig) -> None:
-    """Warn when the SMTP login would cross the network unencrypted.
-
-    Flask-Mail logs in whatever the connection, and so does the outbox (a
-    relay on the same host is a fair setup); to another host the password
-    travels in clear unless ``MAIL_USE_TLS`` or ``MAIL_USE_SSL`` is on.
-    """
-    s = config.smtp
-    if (config.transport != "smtp" or config.suppress_send or not s.username
-            or s.use_tls or s.use_ssl or _is_loopback(s.host)):
-        return
-    logger.warning(
-        "MAIL_USERNAME is set but neither MAIL_USE_TLS nor MAIL_USE_SSL is: the SMTP "
-        "login to %s:%s will send the password unencrypted. Set MAIL_USE_TLS=True "
-        "(STARTTLS) or MAIL_USE_SSL=True.", s.host, s.port)
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _refuse_memory_sqlite(uri: Any) -> None:
@@ -156,7 +131,7 @@ class OutboxMail:
         _check_unknown_keys(app.config)
         config = load_config(app.config, instance_path=app.instance_path,
                              testing=bool(app.config.get("TESTING")))
-        _warn_plaintext_login(config)
+        warn_plaintext_logins(config)
         if config.dkim is not None:
             config.dkim.check()  # signs a probe: a key that cannot sign fails here
         state = _AppState(self, app, db, config)
@@ -188,15 +163,17 @@ class OutboxMail:
 
     def send(self, msg: Message, *, key: str | None = None,
              send_after: datetime | timedelta | None = None,
-             idempotency_key: str | None = None, priority: str = "normal") -> int:
+             idempotency_key: str | None = None, transport: str | None = None,
+             priority: str = "normal") -> int:
         """Queue ``msg`` in the current ``db.session`` transaction; return the row id.
 
         Validates first and raises :class:`InvalidMessage` (nothing written) on
         bad input. Does not commit: the email goes out after the caller's
         outermost commit, and a rollback discards it. With an
         ``idempotency_key`` already stored, returns that row's id and adds
-        nothing. ``priority`` (``"high"``, ``"normal"``, ``"low"``): among due
-        emails, higher goes first; within a ``key``, ``send()`` order wins.
+        nothing. ``transport`` names one of ``OUTBOX_TRANSPORTS`` (None: the
+        default one). ``priority`` (``"high"``, ``"normal"``, ``"low"``): among
+        due emails, higher goes first; within a ``key``, ``send()`` order wins.
         """
         state = self._state()
         _check_message(msg)
@@ -204,7 +181,8 @@ class OutboxMail:
         _check_key("idempotency_key", idempotency_key)
         row = self._prepare_row(msg, key=key, due_at=_due_at(send_after),
                                 idempotency_key=idempotency_key, config=state.config,
-                                priority=_priority(priority))
+                                priority=_priority(priority),
+                                transport=_transport_name(transport, state.config))
         session = state.db.session()
         dialect = email_dialect(session)
         notify = _notifies(state, dialect)
@@ -219,13 +197,12 @@ class OutboxMail:
 
     def send_many(self, messages: Iterable[Message], *, key: str | None = None,
                   send_after: datetime | timedelta | None = None,
-                  priority: str = "normal") -> list[int]:
+                  transport: str | None = None, priority: str = "normal") -> list[int]:
         """Queue many messages in the current transaction, all or nothing; their row ids.
 
         The same rows, statuses, order, signals and delivery as
-        ``[mail.send(m, key=key, send_after=send_after, priority=priority) for m
-        in messages]``,
-        in one multi-row INSERT. Every message is validated before anything
+        ``[mail.send(m, key=key, send_after=send_after, transport=transport,
+        priority=priority) for m in messages]``, in one multi-row INSERT. Every message is validated before anything
         is written: a bad one raises :class:`InvalidMessage` naming its index
         (``messages[3].recipients: ...``) and nothing is added. Does not commit.
         """
@@ -233,11 +210,12 @@ class OutboxMail:
         due_at = _due_at(send_after)
         rank = _priority(priority)
         config = self._state().config
+        name = _transport_name(transport, config)
         rows: list[QueuedRow] = []
         for index, msg in enumerate(messages):
             try:
                 rows.append(self._prepare_row(msg, key=key, due_at=due_at, config=config,
-                                              priority=rank))
+                                              priority=rank, transport=name))
             except InvalidMessage as exc:
                 raise InvalidMessage(f"messages[{index}].{exc.field}", exc.problem) from exc
         return self._queue_rows(rows, key=key)
@@ -245,7 +223,8 @@ class OutboxMail:
     def _prepare_row(self, msg: Message, *, key: str | None, due_at: datetime | None,
                      idempotency_key: str | None = None,
                      config: OutboxConfig | None = None,
-                     priority: int = DEFAULT_PRIORITY) -> QueuedRow:
+                     priority: int = DEFAULT_PRIORITY,
+                     transport: str = DEFAULT_TRANSPORT) -> QueuedRow:
         """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad.
 
         ``config`` (the current app's) spares the lookup in a loop.
@@ -274,6 +253,7 @@ class OutboxMail:
             "mime": prepared.mime,
             "smtp_options": _smtp_options(prepared.mail_options, prepared.rcpt_options),
             "priority": priority,
+            "transport": transport,
         }
         attachments = [
             {"position": index, "filename": info.filename, "content_type": info.content_type,
@@ -550,6 +530,17 @@ def _priority(value: Any) -> int:
         raise InvalidMessage("priority", f"expected one of {', '.join(map(repr, PRIORITIES))}, "
                                          f"got {value!r}")
     return rank
+
+
+def _transport_name(value: Any, config: OutboxConfig) -> str:
+    """``send(transport=...)``: a configured name; :class:`InvalidMessage` otherwise."""
+    if value is None:
+        return DEFAULT_TRANSPORT
+    if not isinstance(value, str) or value not in config.transport_names:
+        raise InvalidMessage("transport", f"expected one of the transports configured in "
+                             f"OUTBOX_TRANSPORTS ({', '.join(config.transport_names)}), "
+                             f"got {value!r}")
+    return value
 
 
 def _check_key(field: str, value: Any) -> None:

@@ -122,6 +122,9 @@ class OutboxEmail(Base):
     # rows the claim takes the lowest number first. A key's order ignores it.
     priority: Mapped[int] = mapped_column(sa.SmallInteger(), nullable=False,
                                           server_default="1")
+    # mail.send(transport=...): the name of the OUTBOX_TRANSPORTS entry that sends it.
+    transport: Mapped[str] = mapped_column(sa.String(64), nullable=False,
+                                           server_default="default")
 
     __table_args__ = (
         sa.CheckConstraint(
@@ -129,8 +132,8 @@ class OutboxEmail(Base):
         ),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
         # Due work: only rows that may go now (keyless, or the head of their key),
-        # in the order the claim takes them.
-        sa.Index("ix_outbox_email_due", "priority", "due_at", "id",
+        # in the order the claim takes them. Each transport claims its own rows, so the transport comes first.
+        sa.Index("ix_outbox_email_due", "transport", "priority", "due_at", "id",
                  **_where("status = 'queued' AND (key IS NULL OR key_head)")),
         # The sweep: oldest queued first.
         sa.Index("ix_outbox_email_queued_created", "created_at", "id",
@@ -179,6 +182,23 @@ class OutboxSetting(Base):
     updated_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
 
 
+class OutboxRate(Base):
+    """A transport's shared rate limit: the schedule every process takes slots from.
+
+    Times are seconds since the epoch on the database clock (Python's on
+    SQLite). ``tat``: when the next message may go (GCRA's theoretical
+    arrival time). ``cut_rate`` / ``cut_at``: the rate after the last halving
+    (a throttling reply) and when; NULL when none is in force.
+    """
+
+    __tablename__ = "outbox_rate"
+
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    tat: Mapped[float] = mapped_column(sa.Float(), nullable=False, server_default="0")
+    cut_rate: Mapped[float | None] = mapped_column(sa.Float())
+    cut_at: Mapped[float] = mapped_column(sa.Float(), nullable=False, server_default="0")
+
+
 def search_key(text: str, length: int) -> str:
     """``text`` as the search columns hold it: lower-cased, at most ``length`` characters.
 
@@ -190,5 +210,6 @@ def search_key(text: str, length: int) -> str:
 email_table: sa.Table = OutboxEmail.__table__  # type: ignore[assignment]
 attachment_table: sa.Table = OutboxAttachment.__table__  # type: ignore[assignment]
 setting_table: sa.Table = OutboxSetting.__table__  # type: ignore[assignment]
+rate_table: sa.Table = OutboxRate.__table__  # type: ignore[assignment]
 
 TABLE_NAMES = frozenset(metadata.tables)

@@ -11,6 +11,7 @@ mode is decided.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import socket
@@ -33,9 +34,12 @@ from ._insert import email_connection, email_dialect
 from ._listen import Listener, libpq_url, notify_statement
 from ._scheduler import SweepScheduler
 from ._signals import email_queued
+from ._transport_specs import DEFAULT as DEFAULT_TRANSPORT
+from ._transport_specs import TransportSpec
 from ._worker import Worker
 from .transports import (
     ConsoleTransport,
+    FailoverTransport,
     FileTransport,
     MemoryTransport,
     NullTransport,
@@ -51,12 +55,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _build_transport(config: OutboxConfig, *, concurrency: int) -> Transport:
-    if config.suppress_send:
-        return MemoryTransport(config)
-    name = config.transport
+def _build_transport(config: OutboxConfig, spec: TransportSpec, *,
+                     concurrency: int) -> Transport:
+    """One named transport, with the settings of its OUTBOX_TRANSPORTS entry."""
+    if spec.name != DEFAULT_TRANSPORT or spec.smtp is not config.smtp:
+        config = dataclasses.replace(config, smtp=spec.smtp, transport=spec.kind)
+    name = spec.kind
     if name == "smtp":
-        return SMTPTransport(config, concurrency=concurrency)
+        return SMTPTransport(config, concurrency=spec.concurrency or concurrency)
     builtin: dict[str, type[Transport]] = {
         "console": ConsoleTransport, "file": FileTransport,
         "memory": MemoryTransport, "null": NullTransport,
@@ -72,6 +78,22 @@ def _build_transport(config: OutboxConfig, *, concurrency: int) -> Transport:
         raise ConfigError("OUTBOX_TRANSPORT",
                           f"{name!r} must subclass flask_mail_outbox.transports.Transport")
     return transport
+
+
+def build_transports(config: OutboxConfig, *, concurrency: int) -> dict[str, Transport]:
+    """Every named transport, "default" first; one with a ``failover`` list is wrapped.
+
+    With ``MAIL_SUPPRESS_SEND`` (``TESTING``) every name is one memory transport.
+    """
+    if config.suppress_send:
+        memory = MemoryTransport(config)
+        return dict.fromkeys(config.transport_names, memory)
+    own = {spec.name: _build_transport(config, spec, concurrency=concurrency)
+           for spec in config.transport_specs}
+    return {spec.name: FailoverTransport([(name, own[name]) for name in
+                                          (spec.name, *spec.failover)])
+            if spec.failover else own[spec.name]
+            for spec in config.transport_specs}
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -121,10 +143,12 @@ class _Runtime:
         from ._store import Store
 
         self.store = Store(self.engine)
-        self.transport = _build_transport(config, concurrency=state.concurrency)
-        self.synchronous = isinstance(self.transport, MemoryTransport)
+        self.transports = build_transports(config, concurrency=state.concurrency)
+        #: The default transport (``MAIL_*`` / ``OUTBOX_TRANSPORT``).
+        self.transport = self.transports[DEFAULT_TRANSPORT]
+        self.synchronous = all(isinstance(t, MemoryTransport) for t in self.transports.values())
         self.delivery = Delivery(app=app, config=config, store=self.store,
-                                 transport=self.transport, faults=state.faults)
+                                 transports=self.transports, faults=state.faults)
         self.worker = Worker(self.delivery, config)
         self.listener: Listener | None = None
         self._lock = threading.Lock()
@@ -172,7 +196,8 @@ class _Runtime:
             # record their outcomes in the worker's daemon thread; closing the
             # transport or the engine under it would leave their rows sending.
             return
-        self.transport.close()
+        for transport in {id(t): t for t in self.transports.values()}.values():
+            transport.close()
         self.engine.dispose()
 
     def _mark_given_back(self, *, in_flight: int) -> None:

@@ -39,6 +39,7 @@ from . import _claim, _degrade, _ordering
 from ._claim import CLAIM_RETURNING
 from ._housekeeping import Housekeeping
 from ._models import Status, email_table
+from .transports import FailedOver
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +68,8 @@ class ClaimedEmail:
     # ESMTP parameters for MAIL FROM and each RCPT TO (Message's mail/rcpt_options).
     mail_options: tuple[str, ...] = ()
     rcpt_options: tuple[str, ...] = ()
+    #: The named transport that sends it (OUTBOX_TRANSPORTS).
+    transport: str = "default"
 
     @property
     def throttle_deferrals(self) -> int:
@@ -105,6 +108,8 @@ class Outcome:
     due_in: float | None = None
     give_back_attempt: bool = False
     deferred: bool = False
+    #: The transports this attempt failed over from (written to the error history).
+    failovers: tuple[FailedOver, ...] = ()
 
 
 class Recorded(NamedTuple):
@@ -211,13 +216,13 @@ class Store(Housekeeping):
         return self._claimed(rows, owner)
 
     def claim_due(self, limit: int, *, owner: str, lease_seconds: float,
-                  reap: bool = False,
+                  reap: bool = False, transport: str = "default",
                   conn: Connection | None = None) -> tuple[list[ClaimedEmail], Reaped]:
         """One dispatcher tick's database work: reap once, then claim up to ``limit``.
 
-        Due rows are taken by priority, then oldest first (``priority, due_at,
-        id``); only keyless rows and key holders are candidates, read from the
-        partial index that holds exactly those.
+        Due rows of ``transport`` are taken by priority, then oldest first
+        (``priority, due_at, id``); only keyless rows and key holders are
+        candidates, read from the partial index that holds exactly those.
 
         * PostgreSQL: ONE statement, in autocommit: the reap and the claim are
           data-modifying CTEs; the ids are picked in a materialized CTE with
@@ -233,12 +238,13 @@ class Store(Housekeeping):
         if conn is None:
             with self.dispatch_connection() as own:
                 return self.claim_due(limit, owner=owner, lease_seconds=lease_seconds,
-                                      reap=reap, conn=own)
+                                      reap=reap, transport=transport, conn=own)
         t = email_table
         if not self.is_postgres:
-            pick: Any = (_claim.sqlite_pick(self.clock(), limit) if self.is_sqlite else
-                         sa.select(t.c.id)
-                         .where(_claim.claimable(self.now_expr, sqlite=self.is_sqlite))
+            pick: Any = (_claim.sqlite_pick(self.clock(), limit, transport) if self.is_sqlite
+                         else sa.select(t.c.id)
+                         .where(_claim.claimable(self.now_expr, sqlite=self.is_sqlite),
+                                t.c.transport == transport)
                          .order_by(*_claim.CLAIM_ORDER).limit(limit))
             if self.is_sqlite:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
@@ -255,7 +261,8 @@ class Store(Housekeeping):
                 raise
             conn.commit()
             return self._claimed(rows, owner), reaped
-        rows, reaped = self._claim_due_postgres(conn, limit, owner, lease_seconds, reap)
+        rows, reaped = self._claim_due_postgres(conn, limit, owner, lease_seconds, reap,
+                                                transport)
         if reaped.keys:
             self._advance_reaped(reaped)
         return self._claimed(rows, owner), reaped
@@ -278,10 +285,12 @@ class Store(Housekeeping):
                 fix="check the database connection", exc=exc)
 
     def _claim_due_postgres(self, conn: Connection, limit: int, owner: str,
-                            lease_seconds: float, reap: bool) -> tuple[list[Any], Reaped]:
+                            lease_seconds: float, reap: bool,
+                            transport: str) -> tuple[list[Any], Reaped]:
         """The PostgreSQL claim (and reap): one statement, in autocommit."""
         stmt = self._pg_claim_statement(reap=reap)
-        params: dict[str, Any] = {"claim_limit": limit, "claim_owner": owner,
+        params: dict[str, Any] = {"claim_transport": transport, "claim_limit": limit,
+                                  "claim_owner": owner,
                                   "claim_lease": timedelta(seconds=lease_seconds)}
         rows = conn.execute(stmt, params).all()
         conn.commit()  # a no-op in autocommit; ends SQLAlchemy's transaction marker
@@ -351,6 +360,7 @@ class Store(Housekeeping):
                 created_at=row.created_at,
                 mail_options=tuple(options.get("mail", ())),
                 rcpt_options=tuple(options.get("rcpt", ())),
+                transport=row.transport,
             ))
         claimed.sort(key=lambda email: email.id)
         return claimed
@@ -409,7 +419,8 @@ class Store(Housekeeping):
         plain_sent: list[Outcome] = []
         others: list[Outcome] = []
         for outcome in outcomes:
-            if outcome.status is Status.SENT and not outcome.error_message:
+            if outcome.status is Status.SENT and not outcome.error_message \
+                    and not outcome.failovers:
                 plain_sent.append(outcome)
             else:
                 others.append(outcome)
@@ -451,15 +462,21 @@ class Store(Housekeeping):
             values["due_at"] = self.later_expr(outcome.due_in) if outcome.due_in else now
         if outcome.give_back_attempt:
             values["attempts"] = t.c.attempts - 1
+        at = self.clock().isoformat(timespec="seconds") + "Z"
+        entries: list[dict[str, Any]] = [
+            {"code": step.error.code, "message": step.error.message, "at": at,
+             "attempt": outcome.email.attempt, "transport": step.transport,
+             "failed_over_to": step.to} for step in outcome.failovers]
         if outcome.error_message is not None:
             values["last_error"] = _error_text(outcome.error_code, outcome.error_message)
             entry: dict[str, Any] = {
                 "code": outcome.error_code, "message": outcome.error_message,
-                "at": self.clock().isoformat(timespec="seconds") + "Z",
-                "attempt": outcome.email.attempt}
+                "at": at, "attempt": outcome.email.attempt}
             if outcome.deferred:
                 entry["deferred"] = True
-            values["error_history"] = json.dumps([*outcome.email.error_history, entry])
+            entries.append(entry)
+        if entries:
+            values["error_history"] = json.dumps([*outcome.email.error_history, *entries])
         return values
 
     def _record_sent(self, conn: Connection, emails: list[ClaimedEmail], *,

@@ -10,12 +10,12 @@ work from two sources:
   *dispatcher* (durable mode, ``flask outbox worker``): at its poll, or at
   once when a commit or a NOTIFY wakes it.
 
-Both go through the same compare-and-set claim, and into one long-lived
-stream of the transport (:meth:`~.transports.Transport.open`). At most a batch
-is claimed and unrecorded (:attr:`Worker.capacity`), and the next claim comes
-at :attr:`Worker.refill_at`, so the connections stay fed while it runs. Results
-are recorded as they arrive, coalesced over :data:`RECORD_WINDOW` (a killed
-process re-sends only what was in flight or came back in its last few ms).
+Both go through the same compare-and-set claim, and into the long-lived
+stream of each row's transport (a :class:`~._lanes.Lane` each, rate-limited
+or not). At most a batch is claimed and unrecorded (:attr:`Worker.capacity`),
+the next claim comes at :attr:`Worker.refill_at`, so the connections stay fed.
+Results are recorded as they arrive, coalesced over :data:`RECORD_WINDOW` (a
+killed process re-sends only what was in flight or came back in its last ms).
 
 A dispatcher's claims follow :class:`~._pacing.IdleBackoff` (gaps measured
 from the start of a claim; wakes during a round collapse into one claim), on
@@ -33,13 +33,15 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from . import _retry
-from ._delivery import BatchReport, Delivery, Waiter, envelope_of, new_owner
-from ._pacing import IdleBackoff, RateLimiter, ReapSchedule, inline_backoff, pace
+from ._delivery import BatchReport, Delivery, Waiter, new_owner
+from ._hand_ticked import HandTicked
+from ._lanes import Lanes
+from ._pacing import IdleBackoff, ReapSchedule, inline_backoff
 from ._store import ClaimedEmail, KeptConnection, Reaped
 
 if TYPE_CHECKING:
     from ._config import OutboxConfig
-    from .transports import Envelope, Result, Sending
+    from .transports import Envelope, Result
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ RECORD_WINDOW = 0.005
 MAX_HANDED = 20_000
 
 
-class Worker:
+class Worker(HandTicked):
     """The delivery loop of one app in one process (see the module docstring)."""
 
     def __init__(self, delivery: Delivery, config: OutboxConfig, *,
@@ -60,20 +62,20 @@ class Worker:
         self.config = config
         self.policy = config.retry_policy()
         self.clock = clock
-        concurrency = max(1, int(getattr(delivery.transport, "concurrency", 1)))
+        #: A lane per named transport: its stream, rate and paced rows (see _lanes).
+        self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, clock)
         #: Rows claimed and not yet recorded, at most (a claim takes at most a batch).
         self.capacity = max(1, config.batch_size)
         #: Claim again once no more than this is in flight: half a batch (at
         #: least a message on each connection and one waiting for it), so the
         #: connections stay fed while the claim runs, and a claim takes many
         #: rows, not one per result.
-        self.refill_at = min(self.capacity - 1, max(2 * concurrency, self.capacity // 2))
+        self.refill_at = min(self.capacity - 1, max(2 * self.lanes.concurrency,
+                                                          self.capacity // 2))
         #: Claims due rows itself (durable mode): see :meth:`dispatch`.
         self.dispatching = False
         self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
         self.listening = False  # set by the LISTEN thread while its connection is up
-        self.rate_limiter: RateLimiter | None = (
-            RateLimiter(config.rate_limit, clock=clock) if config.rate_limit else None)
         self._cond = threading.Condition()
         self._handed: dict[int, None] = {}
         self._retries: dict[int, tuple[float, int]] = {}  # id -> (due, retry number)
@@ -90,7 +92,6 @@ class Worker:
         self.hand_ticked = False
         self.started = False  # whether the loop ever ran in this process
         self._thread: threading.Thread | None = None
-        self._sending: Sending | None = None
         # Kept across rounds: the dispatcher's claims (autocommit on PostgreSQL),
         # and the records and the claims of handed ids (transactions).
         self._claims = KeptConnection(lambda: self.store.dispatch_connection(), doing="claiming")
@@ -226,16 +227,9 @@ class Worker:
 
     def cancel_unstarted(self) -> int:
         """Stop handing claimed messages to the server; they are given back. How many."""
-        sending, self._sending = self._sending, None  # a cancelled stream takes no more
-        never = sending.cancel_pending() if sending is not None else set()
-        if never or sending is not None and sending.pending():
-            # Said whenever something was in flight, so the operator (and a test
-            # holding the server's replies) sees the stop reach the stream.
-            logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) in "
-                        "flight not yet handed to the server; %d being sent may still "
-                        "finish", os.getpid(), len(never),
-                        max(0, sending.pending() - len(never)) if sending else 0)
-        return len(never)
+        never, paced = self.lanes.cancel()
+        self._give_back_unsent(paced)
+        return len(never) + len(paced)
 
     def in_flight(self) -> int:
         """Rows claimed and not yet recorded."""
@@ -278,6 +272,7 @@ class Worker:
             self._record()
             if self._stopping:
                 return
+            self.lanes.release_due(self._on_result)
             room = self._room(self.in_flight())
             if room > 0:
                 room -= self._claim_handed(room)
@@ -290,51 +285,6 @@ class Worker:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-
-    def tick(self, timeout: float = 60.0) -> float:
-        """One round now, whatever the poll gap: claim, send, wait for every result, record.
-
-        For loops ticked by hand (tests): returns the seconds the loop would
-        wait before its next round (0.0 when handed ids are waiting, such as
-        the next emails of keys this round handed on).
-        """
-        with self._cond:
-            self._woken = self.dispatching
-        self.step()
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._in_flight and time.monotonic() < deadline:
-                self._cond.wait(0.05)
-        self._record()
-        if self._handed or not self.dispatching or self.last_claim_at is None:
-            return 0.0
-        return max(0.0, self._next_claim - self.last_claim_at)
-
-    def drain(self, timeout: float = 3600.0) -> int:
-        """Rounds until nothing is in flight or due now (hand-ticked loops, ``--once``).
-
-        Returns how many rows it finished (sent, failed, queued again, given back).
-        """
-        deadline = time.monotonic() + timeout
-        before = self.finished
-        while time.monotonic() < deadline:
-            with self._cond:
-                self._woken = self.dispatching  # claim whenever there is room
-            self.step()
-            if not self._wait_for_results(deadline):
-                with self._cond:
-                    if not (self._handed or (self.dispatching and self.last_claimed)):
-                        break
-        return self.finished - before
-
-    def _wait_for_results(self, deadline: float) -> bool:
-        """Wait for the results of what is in flight; False when nothing is."""
-        with self._cond:
-            while self._in_flight and not self._results:
-                if not self._cond.wait(min(0.5, max(0.0, deadline - time.monotonic()))) \
-                        and time.monotonic() >= deadline:
-                    return False
-            return bool(self._in_flight or self._results)
 
     def _wait(self) -> None:
         with self._cond:
@@ -353,6 +303,10 @@ class Worker:
                 next_due = min(deadlines, default=None)
                 if room and next_due is not None and next_due <= now:
                     return
+                # A paced row's slot needs no room: it is claimed already.
+                slot = self.lanes.next_slot()
+                if slot is not None and slot <= now:
+                    return
                 if self._stopping and not self._in_flight:
                     return
                 # A dispatcher waits in slices: a signal handler (the worker's
@@ -361,6 +315,8 @@ class Worker:
                         0.5 if next_due is None or not room else min(0.5, next_due - now))
                 if record_in is not None:
                     wait = record_in if wait is None else min(wait, record_in)
+                if slot is not None:
+                    wait = slot - now if wait is None else min(wait, slot - now)
                 self._cond.wait(None if wait is None else max(wait, 0.001))
 
     def _record_in(self) -> float | None:
@@ -420,16 +376,30 @@ class Worker:
         return len(claimed)
 
     def _claim_due(self, room: int) -> None:
-        """A dispatcher's claim of due rows (with the reap, at its intervals)."""
-        limit = room if self.rate_limiter is None else self.rate_limiter.acquire(room)
+        """A dispatcher's claim of due rows, lane by lane (with the reap, at its intervals)."""
         started = self.clock()
         self.claims += 1
         self.last_claim_at = started
+        claimed: list[ClaimedEmail] = []
+        reaped = Reaped()
+        full = False
+        reap = self.reaps.due(started)
         try:
-            claimed, reaped = self._claim_on_kept_connection(limit, reap=self.reaps.due(self.clock()))
+            for lane in self.lanes:
+                limit = lane.claim_limit(room - len(claimed))
+                if limit <= 0:
+                    continue
+                got, lane_reaped = self._claim_on_kept_connection(limit, reap=reap,
+                                                                  transport=lane.name)
+                if reap:
+                    reaped, reap = lane_reaped, False
+                lane.backlog = len(got) >= limit
+                full = full or lane.backlog
+                claimed += got
         except Exception as exc:  # noqa: BLE001 - reported; the next claim retries
             self.last_claim_failed = True
             self.last_claimed = 0
+            self.reaps.found(0)  # the next claim reaps: leases may have run out
             self._schedule(started, claimed=0, full=False, failed=True)
             self.delivery.faults.failing(
                 "dispatcher-tick", "A dispatcher could not reap or claim due emails",
@@ -439,12 +409,13 @@ class Worker:
                 fix="check the database connection and that the outbox tables exist "
                     "(`flask db upgrade outbox@head`)",
                 exc=exc)
+            self._put(claimed)  # what an earlier lane claimed before the failure
             return
         self.delivery.faults.recovered("dispatcher-tick")
+        self.reaps.found(len(claimed))
         self.last_claim_failed = False
         self.last_claimed = len(claimed)
-        self._schedule(started, claimed=len(claimed), full=len(claimed) >= limit,
-                       failed=False)
+        self._schedule(started, claimed=len(claimed), full=full, failed=False)
         try:
             self.delivery.report_reaped(reaped)
         finally:
@@ -455,22 +426,18 @@ class Worker:
         gap = self.backoff.after_claim(
             claimed=claimed, full=full, failed=failed,
             maximum=max(cap, self.config.poll_max_interval) if cap else None)
+        # A rate-limited lane with more due claims again once its slots run low.
+        ready = self.lanes.ready_at()
         with self._cond:
-            self._next_claim = started + gap
+            self._next_claim = started + gap if ready is None else min(started + gap, ready)
             self._cond.notify_all()
 
-    def _claim_on_kept_connection(self, limit: int, *,
-                                  reap: bool) -> tuple[list[ClaimedEmail], Reaped]:
+    def _claim_on_kept_connection(self, limit: int, *, reap: bool,
+                                  transport: str) -> tuple[list[ClaimedEmail], Reaped]:
         """The claim on the dispatcher's kept connection (a new owner for each try)."""
-        try:
-            claimed, reaped = self._claims.run(lambda conn: self.store.claim_due(
-                limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
-                reap=reap, conn=conn))
-        except BaseException:
-            self.reaps.found(0)  # the next claim reaps: leases may have run out
-            raise
-        self.reaps.found(len(claimed))
-        return claimed, reaped
+        return self._claims.run(lambda conn: self.store.claim_due(
+            limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
+            reap=reap, transport=transport, conn=conn))
 
     # -- sending and recording ------------------------------------------------------------
 
@@ -487,16 +454,27 @@ class Worker:
             self.delivery.give_back(claimed)
             return
         self.delivery.heartbeat.track(claimed)
-        envelopes = []
+        sendable: list[ClaimedEmail] = []
+        unknown: list[ClaimedEmail] = []
         for email in claimed:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent
             else:
-                envelopes.append(envelope_of(email, self.config.dkim))
-        if envelopes:
-            if self._sending is None:
-                self._sending = self.delivery.transport.open(self._on_result)
-            self._sending.put_many(envelopes)
+                (sendable if email.transport in self.lanes else unknown).append(email)
+        if unknown:  # named by a process with another OUTBOX_TRANSPORTS
+            self._give_back_unsent(unknown)
+            self.lanes.report_unknown(unknown)
+        self.lanes.send(sendable, self._on_result)
+
+    def _give_back_unsent(self, emails: list[ClaimedEmail]) -> None:
+        """Claimed rows that never reach a stream: queued again, attempt returned."""
+        if not emails:
+            return
+        with self._cond:
+            for email in emails:
+                self._in_flight.pop(email.id, None)
+        self.delivery.give_back(emails)
+        self._settle(BatchReport(released=[email.id for email in emails]))
 
     def _on_result(self, envelope: Envelope, result: Result) -> None:
         """The transport's report (a transport thread): record it at the next round."""
@@ -533,9 +511,7 @@ class Worker:
             self._forget([email.id for email, _ in done])
             return
         self.finished += report.count
-        if self.dispatching:
-            self.rate_limiter = pace(self.rate_limiter, report, tried=len(done),
-                                     config=self.config, clock=self.clock)
+        self.lanes.after_record(done, report, dispatching=self.dispatching)
         self._settle(report, retry_now)
         self.hand(report.holders)
 
@@ -578,9 +554,7 @@ class Worker:
                 self._waiters.remove(waiter)
 
     def _close(self) -> None:
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            sending.close(timeout=0)
+        self.lanes.close()
         self._claims.close()
         self._writes.close()
         with self._cond:

@@ -295,6 +295,8 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_RUN_WORKER", "both"),
     ("OUTBOX_RATE_LIMIT", 0),
     ("OUTBOX_RATE_LIMIT", float("inf")),
+    ("OUTBOX_TRANSPORTS", "bulk"),  # a dict of name -> settings is expected
+    ("OUTBOX_TRANSPORTS", 7),
     ("OUTBOX_SWEEP_ON_STARTUP", "later"),
     ("OUTBOX_SWEEP_MIN_AGE_SECONDS", -5),
     ("OUTBOX_SWEEP_BATCH", 0),

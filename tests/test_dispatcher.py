@@ -115,7 +115,7 @@ class ScriptedWorker(Worker):
     def __init__(self, clock: FakeClock, script: list[Any]) -> None:
         config = make_config()
         delivery = type("Delivery", (), {
-            "store": None, "faults": _Faults(), "transport": None,
+            "store": None, "faults": _Faults(), "transports": {"default": None},
             "report_reaped": lambda self, reaped: None})()
         super().__init__(delivery, config, clock=clock)  # type: ignore[arg-type]
         self.capacity = config.batch_size
@@ -123,8 +123,8 @@ class ScriptedWorker(Worker):
         self.script = script
         self.tick_times: list[float] = []
 
-    def _claim_on_kept_connection(self, limit: int, *,
-                                  reap: bool) -> tuple[list[Any], Reaped]:
+    def _claim_on_kept_connection(self, limit: int, *, reap: bool,
+                                  transport: str = "default") -> tuple[list[Any], Reaped]:
         self.tick_times.append(self.clock())
         action = self.script.pop(0) if self.script else 0
         if action == "fail":

@@ -184,7 +184,7 @@ def _hand_ticked(tmp_path: Path, smtp_server: FaultSMTPServer,
     dispatcher.policy = dataclasses.replace(dispatcher.policy, rand=lambda: 1.0)
     # The process's own pacing after a throttle sleeps on the real clock; these
     # tests are about due times.
-    dispatcher.rate_limiter = RateLimiter(1000.0, sleep=lambda seconds: None)
+    dispatcher.lanes.lanes["default"].limiter = RateLimiter(1000.0, sleep=lambda seconds: None)
     return app, dispatcher
 
 

@@ -604,6 +604,8 @@ IDENTIFIERS_ONLY = {
      "INSERT INTO outbox_email ({old_columns}) SELECT {old_columns}"),
     ("migrations/versions/outbox_0004_priority.py",
      "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
+    ("migrations/versions/outbox_0005_transport.py",
+     "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
     # send_many's PostgreSQL insert: the names of outbox_email's columns (the keys of
     # the row send() builds) and their compiled types; every value is an array parameter.
     ("_insert.py", "INSERT INTO {email_table.name} ({quoted}, created_at) SELECT {selected}"),

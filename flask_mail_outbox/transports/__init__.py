@@ -13,12 +13,14 @@ from ._base import (
     Delivered,
     Envelope,
     Failed,
+    FailedOver,
     NotAttempted,
     Report,
     Result,
     Sending,
     Transport,
 )
+from ._failover import FailoverTransport
 from ._simple import ConsoleTransport, FileTransport, MemoryTransport, NullTransport
 from ._smtp import SMTPTransport
 
@@ -27,6 +29,8 @@ __all__ = [
     "Delivered",
     "Envelope",
     "Failed",
+    "FailedOver",
+    "FailoverTransport",
     "FileTransport",
     "MemoryTransport",
     "NotAttempted",

@@ -46,6 +46,8 @@ class Delivered:
     """The server accepted the message; ``refused`` lists recipients it refused."""
 
     refused: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    #: The transports this attempt failed on first, with why (see :class:`FailedOver`).
+    failovers: tuple[FailedOver, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,17 @@ class Failed:
     """Nothing was accepted; ``error`` says whether to try again."""
 
     error: TransportError
+    #: The transports this attempt failed on before the one that said ``error``.
+    failovers: tuple[FailedOver, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedOver:
+    """One step of a failover: ``transport`` failed with ``error``, ``to`` took the attempt."""
+
+    transport: str
+    error: TransportError
+    to: str
 
 
 Result = Delivered | Failed

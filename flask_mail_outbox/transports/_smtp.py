@@ -422,7 +422,8 @@ class _SMTPSending(Sending):
                 # envelope sent ahead): send on a fresh one, the row not charged.
                 self._requeue(job)
             else:
-                self._finish(job, Failed(TransientError("connection lost before MAIL FROM")))
+                self._finish(job, Failed(TransientError("connection lost before MAIL FROM",
+                                                       transport_fault=True)))
             return None, False, None
         self._finish(job, outcome)
         if not keep:

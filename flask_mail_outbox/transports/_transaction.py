@@ -39,7 +39,8 @@ def map_smtp_error(exc: BaseException) -> TransportError:
     """Translate an aiosmtplib (or socket) error into the outbox's error tree."""
     if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
         # A bad password is fixed by configuration, not by giving up on the email.
-        return TransientError(f"authentication failed: {exc.message}", code=exc.code)
+        return TransientError(f"authentication failed: {exc.message}", code=exc.code,
+                              transport_fault=True)
     if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
         codes = [err.code for err in exc.recipients]
         text = "; ".join(f"{err.recipient}: {err.code} {err.message}" for err in exc.recipients)
@@ -54,13 +55,18 @@ def map_smtp_error(exc: BaseException) -> TransportError:
                                             for err in temporary))
     if isinstance(exc, aiosmtplib.SMTPResponseException):
         if isinstance(exc, aiosmtplib.SMTPConnectResponseError) or exc.code < 500:
-            return TransientError(exc.message, code=exc.code,
-                                  throttled=_is_throttle(exc.code, exc.message))
+            throttled = _is_throttle(exc.code, exc.message)
+            # 421: the service is closing the channel; a throttle paces instead.
+            fault = not throttled and (exc.code == 421 or isinstance(
+                exc, aiosmtplib.SMTPConnectResponseError))
+            return TransientError(exc.message, code=exc.code, throttled=throttled,
+                                  transport_fault=fault)
         return PermanentError(exc.message, code=exc.code)
     if isinstance(exc, (aiosmtplib.SMTPTimeoutError, TimeoutError)):
-        return TransientError(f"timed out: {exc}")
+        return TransientError(f"timed out: {exc}", transport_fault=True)
     if isinstance(exc, (aiosmtplib.SMTPException, OSError)):
-        return TransientError(f"{type(exc).__name__}: {exc}")
+        # Refused or dropped connections, TLS handshakes: the server, not the message.
+        return TransientError(f"{type(exc).__name__}: {exc}", transport_fault=True)
     return TransientError(f"unexpected {type(exc).__name__}: {exc}")
 
 
