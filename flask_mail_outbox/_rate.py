@@ -40,6 +40,17 @@ CUT_INTERVAL_SECONDS = 1.0
 BLOCK_SECONDS = 0.25
 
 
+def effective_rate(max_rate: float, cut_rate: float | None, cut_at: float,
+                   now: float) -> float:
+    """The rate in force at ``now``: the configured one, or a halved one growing back.
+
+    The same rule as :meth:`SharedRate._effective` writes in SQL.
+    """
+    if cut_rate is None:
+        return max_rate
+    return min(max_rate, cut_rate + (now - cut_at) * max_rate / RECOVERY_SECONDS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Slots:
     """``count`` send times: ``start`` (on the caller's clock) and every ``spacing`` after."""
@@ -75,19 +86,22 @@ class SharedRate:
         if count <= 0:
             return Slots(0, self.clock(), 0.0)
         self._ensure()
-        params = {"name": self.name, "n": float(count), "max_rate": self.rate.per_second}
+        params: dict[str, Any] = {"rate_name": self.name, "n": float(count),
+                                  "max_rate": self.rate.per_second}
         if not self.store.is_postgres:
             params["now"] = self.wall()
         with self.store.write() as conn:
             row = conn.execute(self._take_statement(), params).one()
-        # start_in: seconds from the database's "now" to the first slot.
-        return Slots(count, self.clock() + max(0.0, float(row.start_in)),
-                     1.0 / float(row.rate))
+        now = float(row.now) if self.store.is_postgres else params["now"]
+        rate = effective_rate(self.rate.per_second, row.cut_rate, row.cut_at, now)
+        # The block's first slot, in seconds from the database's "now".
+        start_in = float(row.tat) - count / rate - now
+        return Slots(count, self.clock() + max(0.0, start_in), 1.0 / rate)
 
     def throttled(self) -> None:
         """The server said this transport sends too fast: halve the shared rate."""
         self._ensure()
-        params: dict[str, Any] = {"name": self.name, "max_rate": self.rate.per_second}
+        params: dict[str, Any] = {"rate_name": self.name, "max_rate": self.rate.per_second}
         if not self.store.is_postgres:
             params["now"] = self.wall()
         with self.store.write() as conn:
@@ -127,10 +141,14 @@ class SharedRate:
             greatest = sa.func.greatest if self.store.is_postgres else sa.func.max
             n = sa.bindparam("n", type_=sa.Float())
             rate = self._effective(now)
-            self._take = (t.update().where(t.c.name == sa.bindparam("name"))
+            # RETURNING holds no parameters (SQLite would bind them out of order):
+            # the caller computes the rate in force from the columns.
+            returned = [t.c.tat, t.c.cut_rate, t.c.cut_at]
+            if self.store.is_postgres:
+                returned.append(now.label("now"))
+            self._take = (t.update().where(t.c.name == sa.bindparam("rate_name"))
                           .values(tat=greatest(t.c.tat, now) + n / rate)
-                          .returning((t.c.tat - n / rate - now).label("start_in"),
-                                     rate.label("rate")))
+                          .returning(*returned))
         return self._take
 
     def _cut_statement(self) -> Any:
@@ -140,7 +158,7 @@ class SharedRate:
             greatest = sa.func.greatest if self.store.is_postgres else sa.func.max
             max_rate = sa.bindparam("max_rate", type_=sa.Float())
             self._cut = (t.update()
-                         .where(t.c.name == sa.bindparam("name"),
+                         .where(t.c.name == sa.bindparam("rate_name"),
                                 t.c.cut_at <= now - CUT_INTERVAL_SECONDS)
                          .values(cut_rate=greatest(max_rate / 64, self._effective(now) / 2),
                                  cut_at=now))

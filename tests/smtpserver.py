@@ -32,6 +32,7 @@ import ssl
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from email.message import EmailMessage
@@ -161,6 +162,8 @@ class ReceivedMessage:
     auth_username: str | None = None
     #: Whether the session was encrypted (STARTTLS) when the message arrived.
     tls: bool = False
+    #: When the server accepted it (``time.monotonic()``): rates measured at the server.
+    received_at: float = field(default_factory=time.monotonic)
 
     @property
     def parsed(self) -> EmailMessage:

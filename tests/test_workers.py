@@ -541,3 +541,36 @@ def test_sigterm_in_the_first_second_during_a_send_still_stops_the_worker(
     [row] = rows(producer)
     assert row["status"] == "sent" and row["attempts"] == 1
     assert len(smtp_server.messages) == 1
+
+
+# -- a rate limit shared by two workers ---------------------------------------------------
+
+
+def test_two_workers_sharing_a_rate_limit_stay_under_it_together(
+        producer: Flask, spawn: Callable[..., Worker], smtp_server: FaultSMTPServer) -> None:
+    """OUTBOX_RATE_LIMIT is the default transport's shared rate: 25/s for both, not each."""
+    rate, total = 25, 100
+    workers = [spawn(name, concurrency=4, WORKER_RATE_LIMIT=str(rate), **FAST)
+               for name in ("w1", "w2")]
+    for worker in workers:
+        worker.wait_ready()
+    mail: OutboxMail = producer.extensions["test_mail"]
+    with producer.app_context():
+        mail.send_many([Message(f"rated {i}", recipients=["r@example.com"], body="x")
+                        for i in range(total)])
+        db.session.commit()
+    assert smtp_server.wait_for(total, timeout=60), len(smtp_server.messages)
+    times = sorted(m.received_at for m in smtp_server.messages)
+    # Both workers delivered, and the server saw one stream at the rate: each one
+    # alone would have sent 25/s, 50/s together.
+    per_worker = {w.name: len(w.sent_ids()) for w in workers}
+    assert all(per_worker.values()), per_worker
+    span = times[-1] - times[0]
+    assert span >= (total - 1) / rate * 0.9, span
+    most = max(sum(1 for t in times if start <= t < start + 1.0) for start in times)
+    assert most <= rate + 3, (most, per_worker)
+    assert len(set(smtp_server.message_ids())) == total
+    current = wait_rows(producer, all_done(total), timeout=30.0, interval=0.1)
+    assert {r["attempts"] for r in current} == {1}
+    print(f"\n[workers] {total} emails at a shared {rate}/s: span {span:.2f} s, busiest "
+          f"second {most}, per worker {per_worker}")

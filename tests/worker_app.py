@@ -21,6 +21,7 @@ variable                   setting                             default
 ``WORKER_BATCH_SIZE``      ``OUTBOX_BATCH_SIZE``               library's
 ``WORKER_MAX_ATTEMPTS``    ``OUTBOX_MAX_ATTEMPTS``             library's
 ``WORKER_MAIL_TIMEOUT``    ``MAIL_TIMEOUT``                    30
+``WORKER_RATE_LIMIT``      ``OUTBOX_RATE_LIMIT`` (shared)      none
 =========================  ==================================  =========
 
 The tables must exist already (the test process creates them).
@@ -64,6 +65,7 @@ _ENV_KEYS: dict[str, tuple[str, type]] = {
     "WORKER_BATCH_SIZE": ("OUTBOX_BATCH_SIZE", int),
     "WORKER_MAX_ATTEMPTS": ("OUTBOX_MAX_ATTEMPTS", int),
     "WORKER_MAIL_TIMEOUT": ("MAIL_TIMEOUT", float),
+    "WORKER_RATE_LIMIT": ("OUTBOX_RATE_LIMIT", float),
 }
 
 
