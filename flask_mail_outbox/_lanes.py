@@ -201,6 +201,10 @@ class Lanes:
                 lane.limiter = pace(lane.limiter, BatchReport(transient=transient),
                                     tried=len(mine), config=self.config, clock=self.clock)
 
+    def take_back(self) -> list[ClaimedEmail]:
+        """Every lane's paced rows, unsent (the worker stops): the caller gives them back."""
+        return [email for lane in self for email in lane.take_back()]
+
     def report_unknown(self, emails: Sequence[ClaimedEmail]) -> None:
         """Rows naming a transport this app does not configure (given back): at ERROR."""
         names = sorted({email.transport for email in emails})

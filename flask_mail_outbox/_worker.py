@@ -270,7 +270,8 @@ class Worker(HandTicked):
             self._busy = True
         try:
             self._record()
-            if self._stopping:
+            if self._stopping:  # rows waiting for a rate slot go back at once
+                self._give_back_unsent(self.lanes.take_back())
                 return
             self.lanes.release_due(self._on_result)
             room = self._room(self.in_flight())

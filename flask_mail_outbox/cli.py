@@ -69,9 +69,16 @@ def _log_start(command: str, *, mode: str, concurrency: int | None = None) -> No
     with current_app.app_context():
         url = state.db.engine.url.render_as_string(hide_password=True)
     config = state.config
-    transport = "memory (MAIL_SUPPRESS_SEND)" if config.suppress_send else config.transport
-    if transport == "smtp":
-        transport = f"smtp {config.smtp.host}:{config.smtp.port}"
+    if config.suppress_send:
+        transport = "memory (MAIL_SUPPRESS_SEND)"
+    else:
+        specs = config.transport_specs
+        transport = "; ".join(
+            ("" if len(specs) == 1 else f"{spec.name}: ")
+            + (f"smtp {spec.smtp.host}:{spec.smtp.port}" if spec.kind == "smtp" else spec.kind)
+            + (f" at {spec.rate}" if spec.rate else "")
+            + (f", failing over to {', '.join(spec.failover)}" if spec.failover else "")
+            for spec in specs)
     logging.getLogger("flask_mail_outbox.cli").info(
         "flask outbox %s (pid %d): database %s, transport %s, mode %s%s", command,
         os.getpid(), url, transport, mode,
@@ -98,7 +105,9 @@ def _extension() -> OutboxMail:
 @click.option("--subject", default="flask-mail-outbox test email", show_default=True)
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=60.0,
               show_default=True, help="Seconds to wait for the delivery.")
-def send_test(to: str, subject: str, timeout: float) -> None:
+@click.option("--transport", "transport", default=None, metavar="NAME",
+              help="One of OUTBOX_TRANSPORTS (default: the default transport).")
+def send_test(to: str, subject: str, timeout: float, transport: str | None) -> None:
     """Send one real email through the configured transport and report the outcome."""
     from ._queries import email_outcome
 
@@ -107,9 +116,9 @@ def send_test(to: str, subject: str, timeout: float) -> None:
     message = Message(subject, recipients=[to],
                       body="This is a test email from flask-mail-outbox (flask outbox send-test).")
     try:
-        email_id = mail.send(message)
+        email_id = mail.send(message, transport=transport)
     except InvalidMessage as exc:
-        hint = "--subject" if exc.field == "subject" else "--to"
+        hint = {"subject": "--subject", "transport": "--transport"}.get(exc.field, "--to")
         raise click.BadParameter(str(exc), param_hint=hint) from exc
     db.session.commit()
     idle = mail.wait_idle(timeout)

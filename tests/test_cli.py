@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from conftest import close_app, free_port, make_app
 from flask import Flask
 from smtpserver import FaultSMTPServer
@@ -25,6 +28,33 @@ def test_send_test_reports_a_failure_with_exit_1(db_url: str) -> None:
         assert "queued" in result.output and "Connect call failed" in result.output
     finally:
         close_app(app)
+
+
+def test_send_test_goes_through_the_named_transport_and_refuses_an_unknown_one(
+        db_url: str, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
+    with FaultSMTPServer() as bulk:
+        app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                       OUTBOX_TRANSPORTS={"bulk": {"MAIL_SERVER": bulk.host,
+                                                   "MAIL_PORT": bulk.port,
+                                                   "rate_limit": "5/s"}})
+        try:
+            runner = app.test_cli_runner()
+            result = runner.invoke(args=["outbox", "send-test", "--to", "ops@example.com",
+                                         "--transport", "bulk"])
+            assert result.exit_code == 0, result.output
+            assert bulk.wait_for(1) and smtp_server.messages == []
+            # The start line of a command names every transport.
+            with caplog.at_level(logging.INFO, logger="flask_mail_outbox.cli"):
+                swept = runner.invoke(args=["outbox", "sweep", "--dry-run"])
+            assert swept.exit_code == 0, swept.output
+            assert f"transport default: smtp 127.0.0.1:{smtp_server.port}; bulk: smtp " \
+                   f"127.0.0.1:{bulk.port} at 5/s" in caplog.text + swept.output
+            result = runner.invoke(args=["outbox", "send-test", "--to", "ops@example.com",
+                                         "--transport", "nope"])
+            assert result.exit_code == 2
+            assert "--transport" in result.output and "default, bulk" in result.output
+        finally:
+            close_app(app)
 
 
 def test_send_test_rejects_a_bad_address(app: Flask) -> None:

@@ -574,3 +574,26 @@ def test_two_workers_sharing_a_rate_limit_stay_under_it_together(
     assert {r["attempts"] for r in current} == {1}
     print(f"\n[workers] {total} emails at a shared {rate}/s: span {span:.2f} s, busiest "
           f"second {most}, per worker {per_worker}")
+
+
+def test_sigterm_gives_back_the_emails_waiting_for_a_rate_slot_at_once(
+        producer: Flask, spawn: Callable[..., Worker], smtp_server: FaultSMTPServer) -> None:
+    """Claimed and paced (2/s) but not yet sent: queued again, attempt returned, no lease left."""
+    worker = spawn("slow", concurrency=2, WORKER_RATE_LIMIT="2", **FAST)
+    worker.wait_ready()
+    mail: OutboxMail = producer.extensions["test_mail"]
+    with producer.app_context():
+        mail.send_many([Message(f"paced {i}", recipients=["r@example.com"], body="x")
+                        for i in range(8)])
+        db.session.commit()
+    assert smtp_server.wait_for(1, timeout=10)
+    began = time.monotonic()
+    assert worker.terminate_and_wait(10) == 0, worker.log()[-3000:]
+    assert time.monotonic() - began < 5  # not held until the paced slots came
+    current = rows(producer)
+    sent = [r for r in current if r["status"] == "sent"]
+    waiting = [r for r in current if r["status"] != "sent"]
+    assert 1 <= len(sent) < 8 and waiting, [(r["status"], r["attempts"]) for r in current]
+    assert {(r["status"], r["attempts"], r["lease_owner"]) for r in waiting} == {
+        ("queued", 0, None)}
+    assert len(smtp_server.messages) == len(sent)
