@@ -36,6 +36,10 @@ class HandTicked:
     def _record(self) -> None:
         raise NotImplementedError
 
+    def _release_paced(self) -> float | None:
+        """Send the rows whose rate slot has come; when the next one comes (None: none)."""
+        raise NotImplementedError
+
     def tick(self, timeout: float = 60.0) -> float:
         """One round now, whatever the poll gap: claim, send, wait for every result, record.
 
@@ -47,9 +51,12 @@ class HandTicked:
             self._woken = self.dispatching
         self.step()
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._in_flight and time.monotonic() < deadline:
+        while True:
+            with self._cond:
+                if not self._in_flight or time.monotonic() >= deadline:
+                    break
                 self._cond.wait(0.05)
+            self._release_paced()  # rows waiting for a rate slot are in flight too
         self._record()
         if self._handed or not self.dispatching or self.last_claim_at is None:
             return 0.0
@@ -74,10 +81,14 @@ class HandTicked:
 
     def _wait_for_results(self, deadline: float) -> bool:
         """Wait for the results of what is in flight; False when nothing is."""
-        with self._cond:
-            while self._in_flight and not self._results:
-                if not self._cond.wait(min(0.5, max(0.0, deadline - time.monotonic()))) \
-                        and time.monotonic() >= deadline:
+        while True:
+            slot = self._release_paced()  # rows waiting for a rate slot are in flight too
+            with self._cond:
+                if not self._in_flight or self._results:
+                    return bool(self._in_flight or self._results)
+                wait = min(0.5, max(0.0, deadline - time.monotonic()))
+                if slot is not None:
+                    wait = min(wait, max(0.001, slot - time.monotonic()))
+                if not self._cond.wait(wait) and time.monotonic() >= deadline:
                     return False
-            return bool(self._in_flight or self._results)
 

@@ -467,6 +467,10 @@ class Worker(HandTicked):
             self.lanes.report_unknown(unknown)
         self.lanes.send(sendable, self._on_result)
 
+    def _release_paced(self) -> float | None:
+        self.lanes.release_due(self._on_result)
+        return self.lanes.next_slot()
+
     def _give_back_unsent(self, emails: list[ClaimedEmail]) -> None:
         """Claimed rows that never reach a stream: queued again, attempt returned."""
         if not emails:

@@ -154,3 +154,30 @@ def test_a_throttling_reply_halves_the_shared_rate_and_charges_no_attempt(
         assert cut is not None and cut <= 20.0 + 1e-6  # halved from 40 (once or twice)
     finally:
         close_app(app, timeout=5)
+
+
+def test_a_hand_ticked_drain_sends_the_paced_rows_as_their_slots_come(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """``flask outbox worker --once`` (a drain in the caller's thread) under a rate limit."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False,
+                   OUTBOX_RATE_LIMIT=10.0)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        with app.app_context():
+            mail.send_many([Message(f"once {i}", recipients=["a@example.com"], body="x")
+                            for i in range(8)])
+            db.session.commit()
+        worker = app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
+        assert worker.drain(timeout=30) == 8
+        assert len(smtp_server.messages) == 8
+        times = sorted(m.received_at for m in smtp_server.messages)
+        assert times[-1] - times[0] >= 7 / 10 * 0.9
+        # One round, one claim's worth: the round waits for its paced rows.
+        with app.app_context():
+            mail.send(Message("one more", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        worker.tick(timeout=10)
+        assert len(smtp_server.messages) == 9
+    finally:
+        close_app(app, timeout=5)
