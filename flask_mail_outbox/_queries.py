@@ -42,6 +42,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ._models import (
+    PRIORITIES,
     SEARCH_RECIPIENT_LENGTH,
     SEARCH_SUBJECT_LENGTH,
     Status,
@@ -250,6 +251,9 @@ class EmailDetail:
     mime: bytes | None
     error_history: list[dict[str, Any]]
     attachments: list[Attachment]
+    #: The named transport (OUTBOX_TRANSPORTS) and priority (high/normal/low) it was sent with.
+    transport: str = "default"
+    priority: str = "normal"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +332,7 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
     a = attachment_table
     row = conn.execute(
         sa.select(*_LIST_COLUMNS, t.c.message_id, t.c.sender, t.c.due_at, t.c.failed_at,
-                  t.c.size, t.c.mime, t.c.error_history)
+                  t.c.size, t.c.mime, t.c.error_history, t.c.transport, t.c.priority)
         .where(t.c.id == email_id)
     ).first()
     if row is None:
@@ -342,6 +346,8 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
         due_at=row.due_at, failed_at=row.failed_at, size=row.size, mime=row.mime,
         error_history=json.loads(row.error_history or "[]"),
         attachments=[Attachment(x.filename, x.content_type, x.size) for x in attachments],
+        transport=row.transport,
+        priority={rank: name for name, rank in PRIORITIES.items()}.get(row.priority, "normal"),
     )
 
 

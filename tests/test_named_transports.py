@@ -341,3 +341,22 @@ def test_when_every_transport_of_the_chain_is_down_the_attempt_counts_once(
         assert "failed_over_to" not in last and "Backup shutting down" in last["message"]
     finally:
         close_app(app, timeout=5)
+
+
+def test_the_dashboard_shows_the_transport_the_priority_and_the_failover(
+        db_url: str, smtp_server: FaultSMTPServer, bulk_server: FaultSMTPServer) -> None:
+    smtp_server.reply("connect", 421, "4.3.2 Service shutting down")
+    app = _failover_app(db_url, smtp_server, bulk_server)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        app.register_blueprint(mail.dashboard_blueprint(authorize=lambda: True),
+                               url_prefix="/outbox")
+        email_id = _send(app, "shown", priority="high")
+        wait_rows(app, _finished(1), timeout=20)
+        page = app.test_client().get(f"/outbox/emails/{email_id}").get_data(as_text=True)
+        assert "<dt>Transport</dt><dd>default</dd>" in page
+        assert "<dt>Priority</dt><dd>high</dd>" in page
+        assert "Service shutting down" in page
+        assert "(default failed; sent on through backup)" in page
+    finally:
+        close_app(app, timeout=5)
