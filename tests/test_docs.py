@@ -243,3 +243,21 @@ def test_the_existing_project_recipe_runs_as_written(tmp_path: Path) -> None:
     (tmp_path / "app.py").write_text(recipe_file("app.py"), encoding="utf-8")
     run_recipe("existing-project", tmp_path)
     assert_migrated(tmp_path, before)
+
+
+# --- the retry schedule, stated twice -----------------------------------------------------
+
+
+def test_the_retry_schedule_on_the_modes_page_is_the_readmes() -> None:
+    # tests/test_retries.py checks the README's table and bounds against the code; this
+    # keeps docs/guide/modes.md saying the same.
+    def schedule_of(text: str) -> tuple[list[str], list[str]]:
+        section = text[text.index("The retry schedule"):]
+        rows = re.findall(r"^\| \d+ \| .+ \|$", section, re.MULTILINE)
+        bounds = re.findall(r"(?:durable|inline) mode: at most [\d.]+ h", section)
+        return rows, bounds
+
+    readme = schedule_of((ROOT / "README.md").read_text(encoding="utf-8"))
+    modes = schedule_of((DOCS / "guide" / "modes.md").read_text(encoding="utf-8"))
+    assert len(readme[0]) == 29 and len(readme[1]) == 2
+    assert modes == readme
