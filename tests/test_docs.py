@@ -1,0 +1,263 @@
+"""The docs site is tested: it builds clean, its examples run, its recipes work.
+
+- The site builds with ``sphinx-build -W --keep-going -b html docs <tmp>``: any warning
+  (a broken link or anchor, a bad directive, an autodoc import error) fails.
+- The configuration reference (docs/configuration.md, rendered by docs/_ext/) describes
+  exactly the keys of ``flask_mail_outbox._config._DEFAULTS``, both ways.
+- Every public name (``flask_mail_outbox.__all__``) is documented on docs/api.md.
+- Every Python block marked ``<!-- runnable -->`` on a page runs, in a fresh interpreter
+  in an empty temporary folder; ``<!-- runnable: pytest -->`` blocks run as a test module.
+- The migration recipes of docs/migrations.md run exactly as written (the commands parsed
+  from the page, with the app file the page shows), in a temporary folder, on SQLite, with
+  this environment's ``flask``.
+
+Sphinx and myst-parser come with the ``test`` extra; when they are missing these tests
+fail (they never skip).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+BIN = Path(sys.executable).parent
+
+# A marker comment, then a fenced block: the block's info string and its text.
+_MARKED_BLOCK = re.compile(
+    r"^<!-- (?P<marker>[a-z-]+)(?:: (?P<arg>[^ ]+))? -->\n"
+    r"```(?P<info>[a-z]*)\n(?P<body>.*?)^```$",
+    re.MULTILINE | re.DOTALL,
+)
+
+
+def marked_blocks(page: Path, marker: str) -> list[tuple[int, str | None, str]]:
+    """``(line, argument, text)`` of every block after ``<!-- marker[: argument] -->``."""
+    text = page.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start()) + 1, m.group("arg"), m.group("body"))
+            for m in _MARKED_BLOCK.finditer(text) if m.group("marker") == marker]
+
+
+def pages() -> list[Path]:
+    return sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
+
+
+def clean_env() -> dict[str, str]:
+    """This environment's tools first on PATH; no FLASK_* from the caller's shell."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASK_")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def run(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+# --- the build -------------------------------------------------------------------------
+
+
+def test_the_docs_build_without_warnings(tmp_path: Path) -> None:
+    import myst_parser  # noqa: F401  (the test extra brings them: missing is a failure)
+    import sphinx  # noqa: F401
+
+    result = run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+                  str(DOCS), str(tmp_path / "html")], cwd=ROOT, timeout=300)
+    assert result.returncode == 0, f"sphinx-build failed:\n{result.stdout}\n{result.stderr}"
+    assert (tmp_path / "html" / "configuration.html").is_file()
+    built = (tmp_path / "html" / "configuration.html").read_text(encoding="utf-8")
+    assert "OUTBOX_SCRUB_SENT" in built and "OUTBOX_TRANSPORTS" in built
+
+
+# --- the configuration reference --------------------------------------------------------
+
+
+def _descriptions() -> dict[str, tuple[str, str]]:
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import config_descriptions
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    return config_descriptions.DESCRIPTIONS
+
+
+def test_the_configuration_reference_describes_exactly_the_keys_in_the_code() -> None:
+    from flask_mail_outbox._config import _DEFAULTS
+
+    described = _descriptions()
+    assert sorted(set(_DEFAULTS) - set(described)) == [], \
+        "keys in _config._DEFAULTS without a description in docs/_ext/config_descriptions.py"
+    assert sorted(set(described) - set(_DEFAULTS)) == [], \
+        "keys described in docs/_ext/config_descriptions.py that _config._DEFAULTS lacks"
+    for key, (type_, meaning) in described.items():
+        assert type_.strip() and meaning.strip(), key
+
+
+def test_the_configuration_page_renders_the_reference() -> None:
+    text = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert "```{outbox-config}" in text
+
+
+# --- the API page -----------------------------------------------------------------------
+
+
+def test_every_public_name_is_on_the_api_page() -> None:
+    import flask_mail_outbox
+
+    api = (DOCS / "api.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\.\. auto\w+:: flask_mail_outbox\.(\w+)$", api, re.MULTILINE))
+    assert sorted(set(flask_mail_outbox.__all__) - documented) == []
+
+
+# --- runnable examples ------------------------------------------------------------------
+
+RUNNABLE = [(page, line, arg, body) for page in pages()
+            for line, arg, body in marked_blocks(page, "runnable")]
+
+
+def test_the_guide_has_runnable_examples() -> None:
+    # A marker lost in an edit must not turn this file's examples test into nothing.
+    runnable_pages = {page.relative_to(DOCS).as_posix() for page, *_ in RUNNABLE}
+    assert {"getting-started.md", "guide/sending.md", "guide/transactions.md",
+            "guide/testing.md", "guide/transports.md"} <= runnable_pages
+
+
+@pytest.mark.parametrize(("page", "line", "arg", "body"), RUNNABLE,
+                         ids=[f"{p.relative_to(DOCS).as_posix()}:{line}"
+                              for p, line, _, _ in RUNNABLE])
+def test_a_runnable_example_runs(page: Path, line: int, arg: str | None, body: str,
+                                 tmp_path: Path) -> None:
+    if arg == "pytest":
+        (tmp_path / "test_example.py").write_text(body, encoding="utf-8")
+        args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "-W", "error", "--rootdir", str(tmp_path), "test_example.py"]
+    else:
+        assert arg is None, f"{page}:{line}: unknown runnable kind {arg!r}"
+        (tmp_path / "example.py").write_text(body, encoding="utf-8")
+        args = [sys.executable, "example.py"]
+    result = run(args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, (
+        f"the example at {page.relative_to(ROOT)}:{line} failed (exit {result.returncode}):\n"
+        f"{result.stdout}\n{result.stderr}")
+
+
+# --- migration recipes ------------------------------------------------------------------
+
+MIGRATIONS = DOCS / "migrations.md"
+
+# The project of "An existing Flask-Migrate project" before the outbox joins it.
+_EXISTING_APP = '''\
+from flask import Flask
+from flask_migrate import Migrate
+from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy.orm import Mapped, mapped_column
+
+app = Flask(__name__)
+app.config["SQLALCHEMY_DATABASE_URI"] = "sqlite:///app.db"
+db = SQLAlchemy(app)
+migrate = Migrate(app, db)
+
+
+class User(db.Model):
+    id: Mapped[int] = mapped_column(primary_key=True)
+    email: Mapped[str]
+'''
+
+
+def recipe(name: str) -> str:
+    [(_, _, body)] = [b for b in marked_blocks(MIGRATIONS, "recipe") if b[1] == name]
+    return body
+
+
+def recipe_file(name: str) -> str:
+    [(_, _, body)] = [b for b in marked_blocks(MIGRATIONS, "recipe-file") if b[1] == name]
+    return body
+
+
+def run_recipe(name: str, cwd: Path) -> None:
+    assert (BIN / "flask").exists(), f"no flask next to {sys.executable}"
+    script = cwd / f"{name}.sh"
+    script.write_text(recipe(name), encoding="utf-8")
+    result = run(["bash", "-e", "-x", str(script)], cwd=cwd)
+    assert result.returncode == 0, (
+        f"the {name} recipe of docs/migrations.md failed as written:\n"
+        f"{result.stdout}\n{result.stderr}")
+
+
+def versions_in_the_package() -> set[str]:
+    from flask_mail_outbox.migrations import VERSIONS_DIR
+
+    return {p.name for p in Path(VERSIONS_DIR).glob("*.py")}
+
+
+def tables(cwd: Path) -> set[str]:
+    with sqlite3.connect(cwd / "instance" / "app.db") as conn:
+        return {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+def heads(cwd: Path) -> list[str]:
+    result = run([str(BIN / "flask"), "db", "heads"], cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stdout.splitlines() if line.strip()]
+
+
+def assert_migrated(cwd: Path, package_before: set[str]) -> None:
+    assert {"user", "outbox_email", "outbox_attachment", "outbox_setting"} <= tables(cwd)
+    assert len(heads(cwd)) == 1, "the recipe should leave one head"
+    # Nothing was written into the installed package's folder (a revision there would be
+    # lost with the next install, and Alembic puts one there when the order is wrong).
+    assert versions_in_the_package() == package_before
+
+
+def test_the_recipes_say_the_commands_in_order() -> None:
+    new = [line for line in recipe("new-project").splitlines() if line.strip()]
+    assert new[0] == "flask db init"
+    assert new.index("flask db upgrade outbox@head") < next(
+        i for i, line in enumerate(new) if line.startswith("flask db migrate"))
+    assert "outbox_0" not in MIGRATIONS.read_text(encoding="utf-8").split("## A new project")[1]\
+        .split("## When a release")[0], "the recipes must not name an outbox revision id"
+
+
+def test_the_new_project_recipe_runs_as_written(tmp_path: Path) -> None:
+    before = versions_in_the_package()
+    (tmp_path / "app.py").write_text(recipe_file("app.py"), encoding="utf-8")
+    run_recipe("new-project", tmp_path)
+    assert_migrated(tmp_path, before)
+    assert len(list((tmp_path / "migrations" / "versions").glob("*.py"))) == 2  # initial, merge
+
+
+def test_the_existing_project_recipe_runs_as_written(tmp_path: Path) -> None:
+    before = versions_in_the_package()
+    (tmp_path / "app.py").write_text(_EXISTING_APP, encoding="utf-8")
+    for command in (["db", "init"], ["db", "migrate", "-m", "users"], ["db", "upgrade"]):
+        result = run([str(BIN / "flask"), *command], cwd=tmp_path)
+        assert result.returncode == 0, f"setting up the existing project: {result.stderr}"
+    (tmp_path / "app.py").write_text(recipe_file("app.py"), encoding="utf-8")
+    run_recipe("existing-project", tmp_path)
+    assert_migrated(tmp_path, before)
+
+
+# --- the retry schedule, stated twice -----------------------------------------------------
+
+
+def test_the_retry_schedule_on_the_modes_page_is_the_readmes() -> None:
+    # tests/test_retries.py checks the README's table and bounds against the code; this
+    # keeps docs/guide/modes.md saying the same.
+    def schedule_of(text: str) -> tuple[list[str], list[str]]:
+        section = text[text.index("The retry schedule"):]
+        rows = re.findall(r"^\| \d+ \| .+ \|$", section, re.MULTILINE)
+        bounds = re.findall(r"(?:durable|inline) mode: at most [\d.]+ h", section)
+        return rows, bounds
+
+    readme = schedule_of((ROOT / "README.md").read_text(encoding="utf-8"))
+    modes = schedule_of((DOCS / "guide" / "modes.md").read_text(encoding="utf-8"))
+    assert len(readme[0]) == 29 and len(readme[1]) == 2
+    assert modes == readme
