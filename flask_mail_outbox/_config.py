@@ -38,7 +38,7 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_DURABLE": False,
     # 1 min, 2, 4, ... capped at an hour: a greylisting server (5-15 min) is
     # passed by the 4th or 5th attempt, and 30 attempts keep trying for about a
-    # day, so a provider outage of hours dead-letters nothing (README's table).
+    # day, so a provider outage of hours dead-letters nothing (the table in docs/guide/modes.md).
     "OUTBOX_MAX_ATTEMPTS": 30,
     "OUTBOX_INLINE_RETRIES": 3,
     "OUTBOX_RETRY_BASE_SECONDS": 60.0,

@@ -419,7 +419,7 @@ class OutboxMail:
         return scheduler.startup_report
 
     def dashboard_blueprint(self, authorize: Any, **options: Any) -> Any:
-        """An operator dashboard as a Flask blueprint (opt-in; see the README).
+        """An operator dashboard as a Flask blueprint (opt-in; see docs/operations.md).
 
         ``authorize`` is a callable with no arguments, called on every page and
         action; when it returns a false value the answer is 403. Register the
@@ -433,7 +433,7 @@ class OutboxMail:
         """Counts per status, oldest queued age, dead letters, mode, last sweep, dispatcher.
 
         The shape ``flask outbox status --json`` prints (without
-        ``dispatcher``), listed field by field in the README. The last sweep
+        ``dispatcher``), listed field by field in docs/operations.md. The last sweep
         comes from the database, so it is the last of any process; the
         dispatcher is this process's (None when it runs none).
         """
@@ -464,7 +464,7 @@ class OutboxMail:
         ``OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS``, when dead letters grew in
         the last 15 minutes, when this process's last dispatcher tick failed,
         or when the database cannot be read (a reason, never an exception).
-        One indexed SQL statement; see the README for every field.
+        One indexed SQL statement; see docs/operations.md for every field.
         """
         return _health.check(self._state())
 
