@@ -116,3 +116,39 @@ def test_send_many_stores_the_priority_of_every_row(make_apps: MakeApps) -> None
         mail.send(Message("default", recipients=["a@example.com"], body="x"))
         db.session.commit()
     assert sorted(r["priority"] for r in rows(app)) == [0, 0, 0, 1]
+
+
+def test_a_high_email_goes_first_only_once_it_is_due_on_a_fake_clock(tmp_path: Any) -> None:
+    """Priority orders due rows; it never makes a row due early (SQLite: the store's clock)."""
+    from datetime import timedelta
+
+    from conftest import close_app, make_app
+
+    from flask_mail_outbox._store import utcnow
+
+    app = make_app(f"sqlite:///{tmp_path / 'clock.db'}", OUTBOX_DURABLE=True,
+                   OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
+    try:
+        start = utcnow()
+        _send(app, "high later", "high", send_after=timedelta(minutes=10))
+        _send(app, "low 1", "low")
+        _send(app, "normal later", None, send_after=timedelta(minutes=5))
+        _send(app, "low 2", "low")
+        store = app.extensions["mail_outbox"].runtime().store
+        now = start + timedelta(minutes=1)
+        store.clock = lambda: now
+        first, _ = store.claim_due(1, owner="a", lease_seconds=3600)
+        assert _subjects(first, app) == ["low 1"]  # the high one is not due yet
+        now = start + timedelta(minutes=6)
+        second, _ = store.claim_due(1, owner="b", lease_seconds=3600)
+        assert _subjects(second, app) == ["normal later"]  # due now, and above low 2
+        now = start + timedelta(minutes=11)
+        third, _ = store.claim_due(2, owner="c", lease_seconds=3600)
+        assert sorted(_subjects(third, app)) == ["high later", "low 2"]
+        assert store.claim_due(1, owner="d", lease_seconds=3600)[0] == []
+        # Given back, both due: a claim of one row takes the high one over the older low.
+        store.release(third)
+        [again], _ = store.claim_due(1, owner="e", lease_seconds=3600)
+        assert _subjects([again], app) == ["high later"]
+    finally:
+        close_app(app, timeout=5)
