@@ -171,6 +171,8 @@ def outcome_for(email: ClaimedEmail, result: Result | None, policy: RetryPolicy,
     if result is None:
         return Outcome(email, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
     if isinstance(result, Delivered):
+        if not result.refused:
+            return Outcome(email, Status.SENT)  # nearly every result: nothing to write down
         refused = "; ".join(f"{addr}: {code} {text}"
                             for addr, (code, text) in result.refused.items())
         return Outcome(email, Status.SENT,
