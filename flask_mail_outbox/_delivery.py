@@ -179,6 +179,8 @@ def outcome_for(email: ClaimedEmail, result: Result | None, policy: RetryPolicy,
 def _outcome_of(email: ClaimedEmail, result: Result, policy: RetryPolicy, *,
                 retry_now: bool) -> Outcome:
     if isinstance(result, Delivered):
+        if not result.refused:
+            return Outcome(email, Status.SENT)  # nearly every result: nothing to write down
         refused = "; ".join(f"{addr}: {code} {text}"
                             for addr, (code, text) in result.refused.items())
         return Outcome(email, Status.SENT,

@@ -501,9 +501,11 @@ class Store(Housekeeping):
         params: dict[str, Any]
         if self.is_postgres:
             params = {"ids": [e.id for e in emails], "owners": [e.owner for e in emails]}
+        elif self.is_sqlite:
+            params = {"pairs": json.dumps([(e.id, e.owner) for e in emails]), "now": self.clock()}
         else:
             params = {"pairs": [(e.id, e.owner) for e in emails], "now": self.clock()}
-        return {int(i) for i in conn.execute(stmt, params).scalars()}
+        return set(conn.execute(stmt, params).scalars().all())
 
     def _build_record_sent(self, scrub: bool) -> Any:
         t = email_table
@@ -518,6 +520,21 @@ class Store(Housekeeping):
                 " AND CASE WHEN e.status = 'sending' THEN e.lease_owner = c.owner END"
                 " RETURNING e.id"
             ).columns(sa.column("id", sa.BigInteger()))
+        if self.is_sqlite:
+            # The pairs as one JSON parameter, as unnest() takes arrays above: an
+            # expanding IN of pairs was rendered anew for every record, two bound
+            # names per row, a third of the record's Python time. (json_each is
+            # JSON1, built into SQLite since 3.38 and into Python's builds before.)
+            scrub_sql = ", mime = NULL" if scrub else ""
+            return sa.text(
+                "UPDATE outbox_email SET status = 'sent', sent_at = :now, lease_owner = NULL,"
+                f" lease_expires_at = NULL{scrub_sql}"
+                " WHERE status = 'sending' AND (id, lease_owner) IN"
+                " (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')"
+                "  FROM json_each(:pairs))"
+                " RETURNING id"
+            ).bindparams(sa.bindparam("now", type_=sa.DateTime())).columns(
+                sa.column("id", sa.BigInteger()))
         return (t.update()
                 .where(sa.tuple_(t.c.id, t.c.lease_owner).in_(
                            sa.bindparam("pairs", expanding=True)),

@@ -29,6 +29,8 @@ from aiosmtplib import SMTPResponse
 
 _LINE_ENDINGS = re.compile(rb"\r\n|\n|\r(?!\n)")
 _LEADING_DOT = re.compile(rb"(?m)^\.")
+_PROHIBITED_IN_ADDRESS = re.compile(rb"[\x00-\x1f\x7f\s]")
+_PROHIBITED_IN_COMMAND = re.compile(rb"[\x00-\x1f\x7f]")
 _MAX_LINE = 8192
 _MAX_REPLY = 65536
 
@@ -64,30 +66,36 @@ class Pipe(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        while True:
-            end = self._buffer.find(b"\n")
-            if end < 0:
-                if len(self._buffer) > _MAX_LINE:
-                    self._fail(aiosmtplib.SMTPResponseException(-1, "Response too long"))
-                break
-            line = bytes(self._buffer[:end + 1])
-            del self._buffer[:end + 1]
-            try:
-                code = int(line[:3])
-            except ValueError:
-                self._fail(aiosmtplib.SMTPResponseException(
-                    -1, f"Malformed SMTP response line: {line[:80]!r}"))
-                return
-            self._lines.append(line[4:].strip(b" \t\r\n"))
-            if line[3:4] == b"-":
-                if sum(len(x) for x in self._lines) > _MAX_REPLY:
-                    self._fail(aiosmtplib.SMTPResponseException(-1, "Response too long"))
+        buffer = self._buffer
+        buffer += data
+        end = buffer.rfind(b"\n")
+        if end >= 0:
+            # Every complete line at once: one copy and one cut of the buffer,
+            # not one of each per line.
+            lines = bytes(buffer[:end]).split(b"\n")
+            del buffer[:end + 1]
+            for line in lines:
+                try:
+                    code = int(line[:3])
+                except ValueError:
+                    line += b"\n"
+                    self._fail(aiosmtplib.SMTPResponseException(
+                        -1, f"Malformed SMTP response line: {line[:80]!r}"))
                     return
-                continue
-            text = b"\n".join(self._lines).decode("utf-8", "surrogateescape")
-            self._lines = []
-            self._replies.append(SMTPResponse(code, text))
+                text = line[4:].strip(b" \t\r\n")
+                if line[3:4] == b"-":
+                    self._lines.append(text)
+                    if sum(len(x) for x in self._lines) > _MAX_REPLY:
+                        self._fail(aiosmtplib.SMTPResponseException(-1, "Response too long"))
+                        return
+                    continue
+                if self._lines:
+                    self._lines.append(text)
+                    text = b"\n".join(self._lines)
+                    self._lines = []
+                self._replies.append(SMTPResponse(code, text.decode("utf-8", "surrogateescape")))
+        if len(buffer) > _MAX_LINE:
+            self._fail(aiosmtplib.SMTPResponseException(-1, "Response too long"))
         self._wake()
 
     def eof_received(self) -> bool:
@@ -200,7 +208,7 @@ class Session:
 def _address(address: str, utf8: bool) -> bytes:
     # An SMTPUTF8 transaction carries UTF-8 addresses (RFC 6531); any other is ASCII.
     data = f"<{address}>".encode("utf-8" if utf8 else "ascii")
-    if re.search(rb"[\x00-\x1f\x7f\s]", data[1:-1]):
+    if _PROHIBITED_IN_ADDRESS.search(data, 1, len(data) - 1):
         raise ValueError("address contains a prohibited character")
     return data
 
@@ -219,7 +227,7 @@ def envelope_commands(sender: str, recipients: Sequence[str], mail_options: Sequ
     lines = [mail + b"\r\n"]
     lines += [b"RCPT TO:" + _address(r, utf8) + rcpt_tail + b"\r\n" for r in recipients]
     for line in lines:
-        if re.search(rb"[\x00-\x1f\x7f]", line[:-2]):
+        if _PROHIBITED_IN_COMMAND.search(line, 0, len(line) - 2):
             raise ValueError("Command arg contains a prohibited control character")
     return lines
 
