@@ -483,10 +483,10 @@ class Worker(HandTicked):
 
     def _on_result(self, envelope: Envelope, result: Result) -> None:
         """The transport's report (a transport thread): record it at the next round."""
-        with self._cond:
+        with self._cond:  # an RLock: _on_result_of takes it again without a wait
             email = self._in_flight.get(envelope.email_id)
-        if email is not None:
-            self._on_result_of(email, result)
+            if email is not None:
+                self._on_result_of(email, result)
 
     def _on_result_of(self, email: ClaimedEmail, result: Result | None) -> None:
         with self._cond:
