@@ -3,6 +3,9 @@
 * ``celery-peer``: Celery (Redis broker, prefork, 4 processes) running
   :mod:`benchmarks.celery_peer`'s Flask-Mail task on the 100 ms sink, compared
   with the outbox's ``latency-4x8`` row of the same run;
+* ``post-office-peer``: django-post-office (:mod:`benchmarks.post_office_peer`,
+  its own virtualenv), ``send_queued_mail --processes 4`` on the same sink,
+  compared with the same row;
 * ``sink-limit``: :mod:`benchmarks.rawclient` against Postfix's ``smtp-sink``
   (the fastest a client goes there), then one worker draining a committed
   backlog to the same sink;
@@ -15,15 +18,19 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ._harness import (
     Sink,
+    children_of,
     cpu_seconds,
     free_port,
     log,
@@ -110,6 +117,144 @@ def celery_row(bench: _Bench) -> Row:
                      + (f"; {note}" if note else "")),
                data={"n": n, "rate": rate, "outbox_rate": outbox.measured,
                      "exit_code": code})
+
+
+# -- post-office-peer ------------------------------------------------------------------------
+
+#: django-post-office's ``send_queued_mail --processes``, as the brief of issue 18 runs it.
+PO_PROCESSES = 4
+#: Its ``THREADS_PER_PROCESS`` default: each thread keeps one SMTP connection for a batch.
+PO_THREADS = 5
+#: Its ``STATUS`` integers (``post_office.models.STATUS``).
+PO_STATUS = {0: "sent", 1: "failed", 2: "queued", 3: "requeued"}
+
+
+def _django(bench: _Bench, python: Path, project: Path, args: list[str], name: str,
+            timeout: float = 600) -> str:
+    """Run one of the project's commands to the end; returns its stdout."""
+    from .post_office_peer import project_env
+
+    child = bench.ctx.spawn([str(python), *args], env=project_env(project), name=name,
+                            stdout=subprocess.PIPE)
+    out, _ = child.communicate(timeout=timeout)
+    if child.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:2])} exited {child.returncode}:\n"
+                           f"{tail(log_path(child))}")
+    return str(out)
+
+
+def _post_office_project(bench: _Bench, sink: Sink) -> tuple[Path, Path, str]:
+    """The virtualenv's python, the migrated project and its database URL."""
+    from .bench_app import RECIPIENT, SENDER
+    from .drain import BODY
+    from .post_office_peer import ensure_venv, write_project
+
+    python = ensure_venv()
+    _, url = bench.ctx.postgres().create_database("limits_post_office")
+    project = write_project(bench.ctx.workdir / "post-office", database_url=url,
+                            smtp_port=sink.smtp_port,
+                            message={"sender": SENDER, "recipient": RECIPIENT, "body": BODY})
+    _django(bench, python, project, [str(project / "manage.py"), "migrate", "-v", "0"],
+            "post-office-migrate")
+    return python, project, url
+
+
+def _stop_tree(proc: subprocess.Popen[Any]) -> int | None:
+    """SIGTERM the command and then the pool processes it forked (orphans otherwise)."""
+    children = children_of(proc.pid)
+    code = stop_process(proc)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    return code
+
+
+def _post_office_drain(bench: _Bench, python: Path, project: Path, sink: Sink, n: int
+                       ) -> dict[str, Any]:
+    """``send_queued_mail --processes 4`` on the queued backlog, for the steady window."""
+    from .post_office_peer import project_env
+
+    plan = bench.plan
+    sink.reset()
+    started = time.time()
+    proc = bench.ctx.spawn([str(python), str(project / "manage.py"), "send_queued_mail",
+                            "--processes", str(PO_PROCESSES),
+                            "--lockfile", str(project / "send_queued_mail")],
+                           env=project_env(project), name="post-office-send")
+    t0 = started + plan.warmup
+    try:
+        # The command exits once nothing is queued: that ends the wait too.
+        while (time.time() < t0 + plan.window + 0.5 and proc.poll() is None
+               and sink.stats()["count"] < n):
+            time.sleep(0.1)
+        exited = proc.poll()
+        stats = sink.stats()
+        times = [float(r[0]) for r in sink.receipts()]
+    finally:
+        code = _stop_tree(proc)
+    if exited not in (None, 0):
+        raise RuntimeError(f"send_queued_mail exited {exited}:\n{tail(log_path(proc))}")
+    return {"times": times, "t0": t0, "stats": stats, "exit_code": code,
+            "stopped_mid_run": exited is None}
+
+
+def _post_office_statuses(url: str) -> dict[str, int]:
+    from .drain import _admin
+
+    rows = _admin(url, "SELECT status, count(*) FROM post_office_email GROUP BY status")[0]
+    return {PO_STATUS.get(status, str(status)): int(count) for status, count in rows}
+
+
+def post_office_row(bench: _Bench) -> Row:
+    """django-post-office, ``send_queued_mail --processes 4``, on the latency-bound sink."""
+    from .post_office_peer import VenvUnavailable
+
+    plan = bench.plan
+    goal = "reported"
+    sink = bench.sink("delayed")
+    try:
+        python, project, url = _post_office_project(bench, sink)
+    except VenvUnavailable as exc:
+        return Row("post-office-peer", None, "msg/s", None, None, goal, None,
+                   note=f"skipped: {exc} (benchmarks/setup makes the virtualenv)")
+    limit = PO_PROCESSES * PO_THREADS / plan.delay
+    n = plan.backlog(limit)
+    queued = json.loads(_django(bench, python, project, [str(project / "enqueue.py"), str(n)],
+                                "post-office-enqueue").strip().splitlines()[-1])
+    got = _post_office_drain(bench, python, project, sink, n)
+    rate, note = steady_rate(got["times"], got["t0"], plan.window, n)
+    statuses = _post_office_statuses(url)
+    outbox = bench.done.get("latency-4x8")
+    if outbox is None or outbox.measured is None:
+        log("limits post-office-peer: measuring the outbox's 4 workers x 8 for the comparison")
+        outbox = _latency(4, 8)(bench)
+    r = ratio(outbox.measured, rate)
+    own = ratio(rate, limit)
+    enqueue_rate = n / max(float(queued["seconds"]), 1e-9)
+    # Delivered, yet still "queued": a batch's statuses are written after the whole batch.
+    unrecorded = int(got["stats"]["count"]) - statuses.get("sent", 0)
+    outbox_enqueue = outbox.data.get("enqueue_rate")
+    return Row(
+        "post-office-peer", rate, "msg/s", None, r, goal, None,
+        note=(f"ratio = outbox latency-4x8 ({outbox.measured or 0:.0f} msg/s, 32 connections) "
+              f"/ django-post-office send_queued_mail --processes {PO_PROCESSES} (library "
+              f"defaults: {PO_THREADS} threads, one SMTP connection each, batches of 100), "
+              f"same {plan.delay * 1000:g} ms sink; its own limit {PO_PROCESSES} x "
+              f"{PO_THREADS} / {plan.delay * 1000:g} ms = {limit:.0f} msg/s, reached "
+              f"{own or 0:.2f}; no goal: the two limits differ by configuration (320 vs "
+              f"{limit:.0f}), not design; enqueue (500 per transaction) "
+              f"{enqueue_rate:.0f} msg/s" + (f" vs outbox {outbox_enqueue:.0f}"
+                                             if outbox_enqueue else "")
+              + f"; stopped by SIGTERM with {unrecorded} delivered emails still unmarked"
+              + (f"; {note}" if note else "")),
+        data={"n": n, "rate": rate, "limit": limit, "of_limit": own,
+              "outbox_rate": outbox.measured, "enqueue_rate": enqueue_rate,
+              "outbox_enqueue_rate": outbox_enqueue, "statuses": statuses,
+              "delivered_unrecorded": unrecorded, "processes": PO_PROCESSES,
+              "threads": PO_THREADS, "exit_code": got["exit_code"],
+              "stopped_mid_run": got["stopped_mid_run"]})
 
 
 # -- sink-limit ----------------------------------------------------------------------------
