@@ -41,9 +41,6 @@ __all__ = ["SMTPTransport", "map_smtp_error"]
 #: Seconds a connection worker with nothing to send waits for another message
 #: before it parks its connection in the pool and ends.
 IDLE_SECONDS = 1.0
-#: Loop turns at most that results finished in a row wait to go to the reporter
-#: thread together (see ``_SMTPSending._finish``).
-HAND_OVER_TURNS = 8
 #: After a connection is refused while others are open (a server that limits
 #: connections per client), seconds before the stream tries another one.
 CONNECT_BACKOFF_SECONDS = 1.0
@@ -216,9 +213,7 @@ class _SMTPSending(Sending):
                  report: Report) -> None:
         super().__init__(report)
         self._transport, self._loop = transport, loop
-        # Results in batches of a few loop turns (see _finish); None: closed.
-        self._results: queue.SimpleQueue[list[tuple[Envelope, Result]] | None] = (
-            queue.SimpleQueue())
+        self._results: queue.SimpleQueue[tuple[Envelope, Result] | None] = queue.SimpleQueue()
         self._reporter: threading.Thread | None = None
         # -- the loop thread's -------------------------------------------------------------
         self._queue: collections.deque[_Job] = collections.deque()
@@ -229,9 +224,6 @@ class _SMTPSending(Sending):
         self._ending = False  # closed or cancelled: workers end once out of work
         self._cancelled = False
         self._no_spawn_until = 0.0
-        # Results not yet handed to the reporter, and the turns they waited (_finish).
-        self._finished: list[tuple[Envelope, Result]] = []
-        self._held = (0, 0)  # (how many results at the last turn, turns waited)
 
     # -- the caller's side ---------------------------------------------------------------
 
@@ -258,9 +250,9 @@ class _SMTPSending(Sending):
 
     def _report_results(self) -> None:
         while True:
-            batch = self._results.get()
-            for envelope, result in batch or ():
-                self._reported(envelope, result)
+            item = self._results.get()
+            if item is not None:
+                self._reported(*item)
             with self._lock:
                 if self._closed and self._unreported == 0:
                     return
@@ -318,24 +310,7 @@ class _SMTPSending(Sending):
             return  # cancel_pending() reported it already
         job.reported = True
         del self._jobs[job]
-        # Handed to the reporter in batches, not one by one: each hand-over wakes
-        # that thread, and against a fast server the wake cost more CPU than
-        # sending the message. A batch goes at the first loop turn that finished
-        # nothing more, once no worker is left, or after HAND_OVER_TURNS turns:
-        # a result waits a few turns of the loop at most, never a timer.
-        if not self._finished:
-            self._held = (0, 0)
-            self._loop.call_soon(self._hand_results)
-        self._finished.append((job.envelope, result))
-
-    def _hand_results(self) -> None:
-        count, turns = self._held
-        if len(self._finished) > count and turns < HAND_OVER_TURNS and self._live:
-            self._held = (len(self._finished), turns + 1)
-            self._loop.call_soon(self._hand_results)
-            return
-        finished, self._finished = self._finished, []
-        self._results.put(finished)
+        self._results.put((job.envelope, result))
 
     def _requeue(self, job: _Job) -> None:
         """``job`` goes again, first in line: the server accepted nothing of it."""
