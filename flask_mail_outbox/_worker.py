@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the results that came back wait for more before they are recorded
 #: (see :meth:`Worker._record_in`): a record per result would cost a transaction each.
-RECORD_WINDOW = 0.005
+RECORD_WINDOW = 0.003
 #: Ids waiting in memory at most; past it, hand-overs fall back to the sweep.
 MAX_HANDED = 20_000
 
