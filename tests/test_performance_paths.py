@@ -384,4 +384,6 @@ def test_results_that_come_back_together_are_recorded_in_one_statement(
         assert poll(lambda: all(r["status"] == "sent" for r in rows(worker_app)), timeout=10)
     finally:
         sa_event.remove(engine, "before_cursor_execute", note)
-    assert 1 <= len(records) <= 20, len(records)
+    # 100 results, one record per ~3 ms window: a few results each (a record per
+    # result would be 100). The window is short for the chaos bound.
+    assert 1 <= len(records) <= 40, len(records)
