@@ -126,7 +126,6 @@ class OutboxConfig:
     listen_url: str | None
     listen_backstop_seconds: float
     run_worker: bool
-    rate_limit: float | None
     sweep_on_startup: bool
     sweep_min_age_seconds: float
     sweep_batch: int
@@ -310,8 +309,6 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         listen_backstop_seconds=keys.number("OUTBOX_LISTEN_BACKSTOP_SECONDS", minimum=0,
                                             strict_minimum=True),
         run_worker=keys.flag("OUTBOX_RUN_WORKER"),
-        rate_limit=keys.number("OUTBOX_RATE_LIMIT", minimum=0, strict_minimum=True,
-                               allow_none=True),
         transport_specs=_transport_specs(keys, smtp),
         sweep_on_startup=keys.flag("OUTBOX_SWEEP_ON_STARTUP"),
         sweep_min_age_seconds=keys.number("OUTBOX_SWEEP_MIN_AGE_SECONDS", minimum=0),
