@@ -6,20 +6,33 @@ is delivered in the background after commit, and a rollback sends nothing.
 
 from __future__ import annotations
 
-from ._delivery import DeliveredMessage
+from typing import TYPE_CHECKING, Any
+
+from ._compose.message import Attachment, Message
 from ._errors import (
-                      ConfigError,
-                      InvalidMessage,
-                      OutboxError,
-                      PermanentError,
-                      TransientError,
-                      TransportError,
+    ConfigError,
+    InvalidMessage,
+    OutboxError,
+    PermanentError,
+    TransientError,
+    TransportError,
 )
-from ._extension import OutboxMail
-from ._message import Attachment, Message
-from ._models import Status
-from ._signals import email_dispatched, email_failed, email_queued, email_sent
-from ._sweep import SweepReport
+from ._flask.signals import email_dispatched, email_failed, email_queued, email_sent
+from .core import DeliveredMessage, Status, SweepReport
+
+if TYPE_CHECKING:
+    from ._mail import OutboxMail
+
+
+def __getattr__(name: str) -> Any:
+    # OutboxMail imports Flask; importing it on first use keeps `import
+    # flask_mail_outbox.core` (which imports this package first) free of Flask.
+    if name == "OutboxMail":
+        from ._mail import OutboxMail
+
+        globals()["OutboxMail"] = OutboxMail
+        return OutboxMail
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Attachment",

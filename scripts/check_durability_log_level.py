@@ -3,7 +3,7 @@
 
 For each ``try`` in ``flask_mail_outbox/`` (Alembic revisions excluded) whose
 body calls one of ``CRITICAL_CALLEES`` (matched by the final name: both
-``self.delivery.deliver_now(...)`` and ``deliver_now(...)`` match), every
+``self.delivery.deliver_soon(...)`` and ``deliver_soon(...)`` match), every
 ``except`` handler must re-raise, report through ``_degrade`` (``report(...)``
 or ``<tracker>.failing(...)``) or log at ERROR or above. Only the ``try`` body
 counts: calls in ``else:`` and ``finally:`` are not protected by the handlers,
@@ -55,7 +55,6 @@ from typing import NamedTuple
 # Signal.send (receivers run after the outcome is recorded). The route's transport
 # seam is `send_many`, listed below.
 CRITICAL_CALLEES: dict[str, str] = {
-    "deliver_now": "claim -> send -> record in the caller's thread (memory transport, sweep)",
     "deliver_soon": "the one mode decision: hands committed rows to delivery",
     "finish": "records the outcomes of sent rows; a failure leaves them sending",
     "claim_ids": "the compare-and-set queued -> sending gate for handed-over ids",
@@ -481,7 +480,7 @@ class Sample(NamedTuple):
     says: str = ""  # must appear in the violation text
     opt_outs: int = 0
     marker: str = ""  # a comment on the except line
-    body: str = "delivery.deliver_now(ids)"  # the try body
+    body: str = "delivery.deliver_soon(ids)"  # the try body
     after: str = ""  # else:/finally: clauses
     helper: str = "helper"  # the HelperSample it is checked with; "" for no _degrade.py
 
@@ -514,11 +513,11 @@ SAMPLES = [
     Sample("report-not-from-degrade", "report('x')", violations=1, says="without reporting"),
     Sample("future-exception-is-not-logging", "return fut.exception()", violations=1),
     Sample("else-only", "pass", seams=0, body="int(ids)",
-           after="    else:\n        delivery.deliver_now(ids)\n"),
+           after="    else:\n        delivery.deliver_soon(ids)\n"),
     Sample("finally-only", "pass", seams=0, body="int(ids)",
            after="    finally:\n        worker.hand(ids)\n"),
     Sample("call-in-nested-def", "pass", seams=0,
-           body="def later():\n            delivery.deliver_now(ids)"),
+           body="def later():\n            delivery.deliver_soon(ids)"),
     Sample("report-without-helper", "_degrade.report('x', consequence='c', fix='f')",
            violations=1, helper="",
            says="(_degrade.report() is not loud: there is no _degrade.py"),

@@ -28,8 +28,8 @@ from smtpserver import FaultSMTPServer
 from sqlalchemy.orm import Mapped, mapped_column
 
 from flask_mail_outbox import OutboxMail
-from flask_mail_outbox._models import email_table
-from flask_mail_outbox._models import metadata as outbox_metadata
+from flask_mail_outbox.core import email_table
+from flask_mail_outbox.core import metadata as outbox_metadata
 
 PG_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL")
 REQUIRE_PG = bool(os.environ.get("OUTBOX_REQUIRE_POSTGRES")) or \
@@ -275,7 +275,7 @@ def hand_ticked_app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask
 
 def hand_ticked_worker(app: Flask) -> Any:
     """``app``'s worker as a dispatcher that never starts a thread: tests call its tick()."""
-    return app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
+    return app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_mail_outbox import ConfigError, InvalidMessage, Message, OutboxMail
-from flask_mail_outbox._models import metadata as outbox_metadata
+from flask_mail_outbox.core import metadata as outbox_metadata
 
 MAX_BYTES = 20_000
 LONG_LOCAL = "l" * 65 + "@example.com"  # local part over 64 octets
@@ -330,7 +330,7 @@ _TOGETHER = {("MAIL_USE_TLS", True): {"MAIL_USE_SSL": True}}
 
 
 def test_every_key_the_library_reads_has_a_bad_value_case() -> None:
-    from flask_mail_outbox._config import _DEFAULTS
+    from flask_mail_outbox.core._config import _DEFAULTS
 
     covered = {key for key, _ in CONFIG_CASES}
     assert set(_DEFAULTS) <= covered | {"MAIL_SUPPRESS_SEND"}, set(_DEFAULTS) - covered

@@ -37,7 +37,7 @@ from smtpserver import FaultSMTPServer
 from test_workers import FAST, Worker, all_done, pg_url, producer, spawn  # noqa: F401
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 TOTAL = 5000
 KILLS = 20

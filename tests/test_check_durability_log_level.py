@@ -70,33 +70,33 @@ def test_list_callees_names_each_seam_with_a_reason() -> None:
     result = run_checker("--list-callees")
     assert result.returncode == 0
     names = dict(line.split(": ", 1) for line in result.stdout.splitlines())
-    assert {"deliver_now", "claim_ids", "send_many", "record", "renew_leases"} <= set(names)
+    assert {"deliver_soon", "claim_ids", "send_many", "record", "renew_leases"} <= set(names)
     assert "send" not in names  # ambiguous: transport, mail.send and blinker signals
     assert all(reason.strip() for reason in names.values())
 
 
-def _loud_handler_around_deliver_now(package: Path) -> tuple[Path, ast.ExceptHandler]:
-    """The first ``except`` in ``package`` around a ``deliver_now()`` call that reports loudly."""
+def _loud_handler_around_deliver_soon(package: Path) -> tuple[Path, ast.ExceptHandler]:
+    """The first ``except`` in ``package`` around a ``deliver_soon()`` call that reports loudly."""
     for path in sorted(package.rglob("*.py")):
         source = path.read_text(encoding="utf-8")
         for node in ast.walk(ast.parse(source)):
             if not isinstance(node, ast.Try):
                 continue
             calls = [n for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Call)]
-            if not any(isinstance(c.func, ast.Attribute) and c.func.attr == "deliver_now"
+            if not any(isinstance(c.func, ast.Attribute) and c.func.attr == "deliver_soon"
                        for c in calls):
                 continue
             for handler in node.handlers:
                 text = ast.get_source_segment(source, handler) or ""
                 if LOUD_CALL.search(text) and "raise" not in text:
                     return path, handler
-    raise AssertionError("no loud except around deliver_now() in the package")
+    raise AssertionError("no loud except around deliver_soon() in the package")
 
 
 def test_weakening_a_seam_to_warning_fails_with_its_location(tmp_path: Path) -> None:
     copy = tmp_path / "flask_mail_outbox"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    path, handler = _loud_handler_around_deliver_now(copy)
+    path, handler = _loud_handler_around_deliver_soon(copy)
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     first, last = handler.lineno - 1, handler.end_lineno or handler.lineno
     lines[first:last] = [LOUD_CALL.sub("logger.warning(", line) for line in lines[first:last]]
@@ -108,7 +108,7 @@ def test_weakening_a_seam_to_warning_fails_with_its_location(tmp_path: Path) -> 
     violation = next((line for line in result.stdout.splitlines()
                       if line.startswith(f"{path}:{handler.lineno}: ")), None)
     assert violation is not None, result.stdout
-    assert "deliver_now()" in violation and "(logs at WARNING)" in violation
+    assert "deliver_soon()" in violation and "(logs at WARNING)" in violation
     assert re.search(r"checked \d+ seams in \d+ files: 1 violations", result.stdout)
 
 

@@ -44,7 +44,7 @@ def test_send_test_goes_through_the_named_transport_and_refuses_an_unknown_one(
             assert result.exit_code == 0, result.output
             assert bulk.wait_for(1) and smtp_server.messages == []
             # The start line of a command names every transport.
-            with caplog.at_level(logging.INFO, logger="flask_mail_outbox.cli"):
+            with caplog.at_level(logging.INFO, logger="flask_mail_outbox._operator.cli"):
                 swept = runner.invoke(args=["outbox", "sweep", "--dry-run"])
             assert swept.exit_code == 0, swept.output
             assert f"transport default: smtp 127.0.0.1:{smtp_server.port}; bulk: smtp " \

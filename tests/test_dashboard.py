@@ -44,12 +44,12 @@ from flask.testing import FlaskClient
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
-from flask_mail_outbox._insert import search_values
-from flask_mail_outbox._models import Status, attachment_table, email_table
-from flask_mail_outbox._ordering import producer_lock
-from flask_mail_outbox._queries import get_setting, list_emails, prefix_bounds
-from flask_mail_outbox._store import Outcome, Store
-from flask_mail_outbox.dashboard import CONTENT_SECURITY_POLICY, make_blueprint
+from flask_mail_outbox.core._insert import search_values
+from flask_mail_outbox.core import Status, attachment_table, email_table
+from flask_mail_outbox.core._ordering import producer_lock
+from flask_mail_outbox.core._queries import get_setting, list_emails, prefix_bounds
+from flask_mail_outbox.core._store import Outcome, Store
+from flask_mail_outbox._operator.dashboard import CONTENT_SECURITY_POLICY, make_blueprint
 from flask_mail_outbox.migrations import VERSIONS_DIR
 
 PREFIX = "/outbox"
@@ -438,7 +438,7 @@ def test_keyset_pagination_walks_every_row_exactly_once_without_offset(
             offsets.append(parameters[-1] if " OFFSET " in statement.upper() else None)
 
     with dashboard.app_context():
-        engine = mail._state().runtime().engine
+        engine = mail._state().outbox().engine
     sa.event.listen(engine, "before_cursor_execute", note_offsets)
 
     seen = walk(client, f"{PREFIX}/emails")
@@ -563,7 +563,7 @@ def test_overview_shows_counts_mode_and_the_per_hour_chart(
 def test_the_chart_reads_the_sent_and_failed_rows_by_index(
         dashboard: Flask, client: FlaskClient, mail: OutboxMail, backend: str) -> None:
     with dashboard.app_context():
-        store: Store = mail._state().runtime().store
+        store: Store = mail._state().outbox().store
     executed: list[tuple[str, Any]] = []
 
     def note(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
@@ -593,7 +593,7 @@ def test_mode_toggle_switches_delivery_for_every_process(
     assert response.status_code == 303
     with dashboard.app_context():
         assert mail.durable is True
-        with mail._state().runtime().store.read() as conn:
+        with mail._state().outbox().store.read() as conn:
             assert get_setting(conn, "durable") is True
     page = client.get(response.headers["Location"]).get_data(as_text=True)
     assert '<span id="mode">durable</span>' in page and "now durable" in page
@@ -693,7 +693,7 @@ def test_purge_spares_a_dead_letter_retried_while_it_runs(
     purged = dead_letter_with_attachment(dashboard, mail, smtp_server)
     token = csrf_token(client)
     with dashboard.app_context():
-        store: Store = mail._state().runtime().store
+        store: Store = mail._state().outbox().store
     # A retry commits at the last moment it can: on PostgreSQL just before the purge
     # deletes (after any read of ids it made); on SQLite just before the purge's
     # BEGIN IMMEDIATE, which shuts every other writer out until it commits.
@@ -760,7 +760,7 @@ def test_retry_all_is_one_update_and_keeps_each_keys_order(
     smtp_server.reset_faults()
     smtp_server.hold()  # nothing is delivered until the statements are counted
     with dashboard.app_context():
-        store: Store = mail._state().runtime().store
+        store: Store = mail._state().outbox().store
     statements: list[str] = []
     request_thread = threading.get_ident()  # the test client runs the request here
 
@@ -883,7 +883,7 @@ def test_recording_sent_with_scrub_drops_the_mime_and_the_page_says_scrubbed(
         dashboard: Flask, client: FlaskClient, mail: OutboxMail) -> None:
     ids = send(dashboard, mail, count=3, later=True, html="<p>secret</p>")
     with dashboard.app_context():
-        store = mail._state().runtime().store
+        store = mail._state().outbox().store
         with store.write() as conn:
             conn.execute(email_table.update().values(due_at=store.now_expr()))
         claimed = store.claim_ids(ids, owner="t", lease_seconds=30)
@@ -907,7 +907,7 @@ def test_a_reaped_row_whose_attempts_are_spent_gets_its_failed_at(
     (email_id,) = send(dashboard, mail, later=True)
     max_attempts = dashboard.config["OUTBOX_MAX_ATTEMPTS"]
     with dashboard.app_context():
-        runtime = mail._state().runtime()
+        runtime = mail._state().outbox()
         store = runtime.store
         with store.write() as conn:
             conn.execute(email_table.update().values(due_at=store.now_expr()))
@@ -918,7 +918,7 @@ def test_a_reaped_row_whose_attempts_are_spent_gets_its_failed_at(
                 lease_expires_at=sa.literal(datetime(2000, 1, 1), sa.DateTime())))
         assert store.reap_expired().requeued == (email_id,)
         # The next claim finds no attempt left: dead-lettered, not sent.
-        report = runtime.delivery.deliver_now([email_id])
+        report = runtime.worker.deliver([email_id], timeout=30)
     assert report.failed == [email_id]
     (row,) = rows(dashboard)
     assert row["status"] == "failed" and row["failed_at"] is not None
@@ -1010,7 +1010,7 @@ def test_list_query_reads_one_row_more_to_know_about_the_next_page(
         app: Flask, mail: OutboxMail) -> None:
     ids = send(app, mail, count=3, later=True)
     with app.app_context():
-        store: Store = mail._state().runtime().store
+        store: Store = mail._state().outbox().store
     with store.read() as conn:
         full = list_emails(conn, limit=3)
         short = list_emails(conn, limit=2)

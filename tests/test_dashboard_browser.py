@@ -41,7 +41,7 @@ from werkzeug.serving import BaseWSGIServer, make_server
 from example_app import create_app
 from example_app.extensions import db, mail
 from flask_mail_outbox import Message
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 CHROMIUM = "/usr/bin/chromium"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -325,7 +325,7 @@ def test_in_process_dispatcher_and_a_request_during_the_outage(
         assert not [r for r in rows(app) if r["subject"].startswith("signed up")]
         assert not [m for m in smtp_server.messages
                     if str(m.parsed["Subject"]).startswith("signed up")]
-        dispatcher = app.extensions["mail_outbox"].current_runtime().dispatcher
+        dispatcher = app.extensions["mail_outbox"].current_outbox().dispatcher
         assert dispatcher is not None and dispatcher.running
     finally:
         close_app(app, timeout=5)

@@ -16,15 +16,15 @@ from flask_mail_outbox import (
     PermanentError,
     TransientError,
 )
-from flask_mail_outbox._pacing import IdleBackoff, RateLimiter
-from flask_mail_outbox._retry import (
+from flask_mail_outbox.core._pacing import IdleBackoff, RateLimiter
+from flask_mail_outbox.core._retry import (
     RetryPolicy,
     human_seconds,
     longest_unfinished,
     schedule,
 )
-from flask_mail_outbox._store import Reaped
-from flask_mail_outbox._worker import Worker
+from flask_mail_outbox.core._store import Reaped
+from flask_mail_outbox.core import Worker
 
 # -- the retry policy (pure) -------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class _Faults:
 
 
 def make_config() -> Any:
-    from flask_mail_outbox._config import load_config
+    from flask_mail_outbox.core._config import load_config
     return load_config({"OUTBOX_POLL_INTERVAL": 0.5, "OUTBOX_POLL_MAX_INTERVAL": 30,
                         "OUTBOX_BATCH_SIZE": 10}, instance_path="/tmp", testing=False)
 
@@ -290,7 +290,7 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
     app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null")
     try:
         state = app.extensions["mail_outbox"]
-        runtime = state.runtime()
+        runtime = state.outbox()
         dispatcher = runtime.dispatch(hand_ticked=True)
         seen: list[str] = []
 
@@ -326,7 +326,7 @@ class _Drain:
                                        "OUTBOX_BATCH_SIZE": 2, "OUTBOX_RUN_WORKER": False,
                                        **config})
         self.mail: OutboxMail = self.app.extensions["test_mail"]
-        self.runtime = self.app.extensions["mail_outbox"].runtime()
+        self.runtime = self.app.extensions["mail_outbox"].outbox()
         self.dispatcher = self.runtime.dispatch(hand_ticked=True)
         self.now = [100.0]
         self.dispatcher.clock = lambda: self.now[0]
@@ -447,7 +447,7 @@ def test_an_idle_process_sends_no_sql_for_the_mode(db_url: str) -> None:
             mail.send(Message("x", recipients=["a@example.com"], body="x"))
             db.session.commit()
             assert mail.wait_idle(10)
-        runtime = app.extensions["mail_outbox"].runtime()
+        runtime = app.extensions["mail_outbox"].outbox()
         seen = count_statements(runtime.engine)
         import time
         time.sleep(1.0)
@@ -463,7 +463,7 @@ def test_a_claim_takes_at_most_the_room_oldest_due_first(make_apps: MakeApps) ->
         ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
                for i in range(12)]
         db.session.commit()
-    worker = app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
+    worker = app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
     assert worker.capacity == 5  # a batch
     claimed: list[list[int]] = []
     for _ in range(3):

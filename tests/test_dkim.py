@@ -27,7 +27,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 from flask_mail_outbox.transports import MemoryTransport
 
 DOMAIN = "example.com"
@@ -191,7 +191,7 @@ def test_memory_transport_gets_the_signed_bytes(
         with app.app_context(), mail.record_messages() as recorded:
             mail.send(Message("Test", recipients=["to@example.org"], body="x"))
             db.session.commit()
-        transport = app.extensions["mail_outbox"].runtime().delivery.transport
+        transport = app.extensions["mail_outbox"].outbox().delivery.transport
         assert isinstance(transport, MemoryTransport)
         [envelope] = transport.outbox
         assert verifies(envelope.mime, key_pair[1])
@@ -370,7 +370,7 @@ def test_a_key_file_signs(db_url: str, tmp_path: Path, key_pair: tuple[str, byte
         with app.app_context():
             mail.send(Message("Test", recipients=["to@example.org"], body="x"))
             db.session.commit()
-        transport = app.extensions["mail_outbox"].runtime().delivery.transport
+        transport = app.extensions["mail_outbox"].outbox().delivery.transport
         assert verifies(transport.outbox[0].mime, key_pair[1])
     finally:
         close_app(app, timeout=5)

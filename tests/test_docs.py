@@ -3,7 +3,7 @@
 - The site builds with ``sphinx-build -W --keep-going -b html docs <tmp>``: any warning
   (a broken link or anchor, a bad directive, an autodoc import error) fails.
 - The configuration reference (docs/configuration.md, rendered by docs/_ext/) describes
-  exactly the keys of ``flask_mail_outbox._config._DEFAULTS``, both ways.
+  exactly the keys of ``flask_mail_outbox.core._config._DEFAULTS``, both ways.
 - Every public name (``flask_mail_outbox.__all__``) is documented on docs/api.md.
 - Every Python block marked ``<!-- runnable -->`` on a page runs, in a fresh interpreter
   in an empty temporary folder; ``<!-- runnable: pytest -->`` blocks run as a test module.
@@ -90,7 +90,7 @@ def _descriptions() -> dict[str, tuple[str, str]]:
 
 
 def test_the_configuration_reference_describes_exactly_the_keys_in_the_code() -> None:
-    from flask_mail_outbox._config import _DEFAULTS
+    from flask_mail_outbox.core._config import _DEFAULTS
 
     described = _descriptions()
     assert sorted(set(_DEFAULTS) - set(described)) == [], \

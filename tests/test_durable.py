@@ -13,7 +13,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_durable_send_is_delivered_by_the_dispatcher(
         db.session.commit()
         assert smtp_server.wait_for(1)
         assert mail.wait_idle(10)
-        runtime = durable_app.extensions["mail_outbox"].current_runtime()
+        runtime = durable_app.extensions["mail_outbox"].current_outbox()
         assert runtime.dispatcher is not None and runtime.worker.running
     [row] = rows(durable_app)
     assert row["status"] == "sent" and row["attempts"] == 1
@@ -235,7 +235,7 @@ def test_commit_wakes_the_dispatcher_long_before_its_next_poll(
                    OUTBOX_LISTEN=False)
     mail: OutboxMail = app.extensions["test_mail"]
     try:
-        dispatcher = app.extensions["mail_outbox"].runtime().dispatch()
+        dispatcher = app.extensions["mail_outbox"].outbox().dispatch()
         poll(lambda: dispatcher.claims, timeout=10, interval=0.01)
         assert dispatcher.claims == 1  # ticked once at start; the next poll is 60 s away
         with app.app_context():
@@ -247,8 +247,8 @@ def test_commit_wakes_the_dispatcher_long_before_its_next_poll(
 
 
 def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
-    from flask_mail_outbox._models import Status
-    from flask_mail_outbox._store import Outcome
+    from flask_mail_outbox.core import Status
+    from flask_mail_outbox.core._store import Outcome
 
     app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False)
     mail: OutboxMail = app.extensions["test_mail"]
@@ -258,7 +258,7 @@ def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
                                  send_after=timedelta(hours=1))
             db.session.execute(email_table.update().values(due_at=email_table.c.created_at))
             db.session.commit()
-        store = app.extensions["mail_outbox"].runtime().store
+        store = app.extensions["mail_outbox"].outbox().store
         [first] = store.claim_ids([email_id], owner="A", lease_seconds=1)
         with app.app_context():  # A's lease runs out while A is still sending
             db.session.execute(email_table.update().values(
@@ -284,8 +284,8 @@ def test_one_record_of_several_claims_pairs_each_row_with_its_own_claim(db_url: 
     same record took is lost, even though that claim's owner is in the record."""
     from sqlalchemy import event as sa_event
 
-    from flask_mail_outbox._models import Status
-    from flask_mail_outbox._store import Outcome
+    from flask_mail_outbox.core import Status
+    from flask_mail_outbox.core._store import Outcome
 
     app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False)
     mail: OutboxMail = app.extensions["test_mail"]
@@ -295,7 +295,7 @@ def test_one_record_of_several_claims_pairs_each_row_with_its_own_claim(db_url: 
                                  send_after=timedelta(hours=1)) for s in "xyz")
             db.session.execute(email_table.update().values(due_at=email_table.c.created_at))
             db.session.commit()
-        store = app.extensions["mail_outbox"].runtime().store
+        store = app.extensions["mail_outbox"].outbox().store
         [x_by_a] = store.claim_ids([x], owner="A", lease_seconds=1)
         with app.app_context():  # A's lease on x runs out while A is still sending
             db.session.execute(email_table.update().where(email_table.c.id == x).values(
@@ -335,7 +335,7 @@ def test_heartbeat_keeps_a_slow_send_from_being_sent_twice(
     sender = make_app(db_url, **common)
     rival = make_app(db_url, **common)  # a second dispatcher, reaping every 0.2 s
     try:
-        rival.extensions["mail_outbox"].runtime().dispatch()
+        rival.extensions["mail_outbox"].outbox().dispatch()
         smtp_server.hold()
         with sender.app_context():
             sender.extensions["test_mail"].send(
@@ -405,7 +405,7 @@ def test_sqlite_write_transactions_wait_for_the_lock(tmp_path: Any) -> None:
 
         committer = threading.Thread(target=commit_later)
         committer.start()
-        store = app.extensions["mail_outbox"].runtime().store
+        store = app.extensions["mail_outbox"].outbox().store
         assert store.retry_failed(email_id) is True  # waited for the lock, no SQLITE_BUSY
         committer.join()
         other.close()
@@ -431,7 +431,7 @@ def test_notify_survives_a_rolled_back_savepoint(pg_database: str | None) -> Non
     require_postgres()
     import psycopg
 
-    from flask_mail_outbox._listen import CHANNEL, libpq_url
+    from flask_mail_outbox.core._listen import CHANNEL, libpq_url
 
     assert pg_database is not None
     app = make_app(pg_database, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,

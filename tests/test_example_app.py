@@ -35,7 +35,7 @@ import example_app.views
 from example_app import create_app
 from example_app.extensions import db, mail
 from flask_mail_outbox import InvalidMessage, Message
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS_DIR = REPO_ROOT / "migrations"

@@ -170,7 +170,7 @@ def test_a_server_slower_than_the_lease_gets_one_copy(
         "OUTBOX_POLL_MAX_INTERVAL": 0.2}
     app, mail = make_apps(**common)
     rival, _ = make_apps(**common)  # reaps expired leases every 0.2 s
-    rival.extensions["mail_outbox"].runtime().dispatch()
+    rival.extensions["mail_outbox"].outbox().dispatch()
     smtp_server.delay("data", 3.5, times=1)  # 3.5 leases between content and reply
     _send(app, mail, [GOOD])
     [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", timeout=30.0)

@@ -16,7 +16,7 @@ from flask_sqlalchemy import SQLAlchemy
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail, email_dispatched
-from flask_mail_outbox._compat import Connection, FlaskMailState
+from flask_mail_outbox._flask.compat import Connection, FlaskMailState
 
 
 def letter(i: int) -> Message:

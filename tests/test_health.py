@@ -27,8 +27,8 @@ from flask_sqlalchemy import SQLAlchemy
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._health import DeadLetterTrend
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox._operator.health import DeadLetterTrend
+from flask_mail_outbox.core import email_table
 
 HEALTH_FIELDS = {"status", "reasons", "oldest_due_age_seconds", "dead_letters",
                  "dead_letters_added", "dispatcher", "checked_at"}
@@ -178,7 +178,7 @@ def test_dispatcher_tick_failed(make_apps: MakeApps, smtp_server: FaultSMTPServe
                           OUTBOX_DURABLE=True, OUTBOX_LISTEN=False)
     add_health_routes(app, mail)
     state = app.extensions["mail_outbox"]
-    dispatcher = state.runtime().dispatch(hand_ticked=True)
+    dispatcher = state.outbox().dispatch(hand_ticked=True)
 
     def no_wait(_deadline: float) -> None:
         """Ticks by hand: no pause between them."""
@@ -253,7 +253,7 @@ def test_one_indexed_statement_per_check(make_apps: MakeApps, backend: str) -> N
     app, mail = make_apps(OUTBOX_TRANSPORT="null")
     app.add_url_rule("/healthz", view_func=mail.health_view)
     state = app.extensions["mail_outbox"]
-    engine = state.runtime().store.engine
+    engine = state.outbox().store.engine
     statements: list[str] = []
     executed: list[tuple[str, Any]] = []
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flask_mail_outbox import _html_text
-from flask_mail_outbox._html_text import (
+from flask_mail_outbox._compose import html_text as _html_text
+from flask_mail_outbox._compose.html_text import (
     _clean_input,
     _render_inscriptis,
     _render_stdlib,

@@ -16,8 +16,8 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail, _degrade
-from flask_mail_outbox._models import Status
-from flask_mail_outbox._store import Outcome
+from flask_mail_outbox.core import Status
+from flask_mail_outbox.core._store import Outcome
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def app(hand_ticked_app: Flask) -> Flask:
 
 
 def _dispatcher(app: Flask) -> Any:
-    return app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
+    return app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
 
 
 def _step(app: Flask) -> None:

@@ -19,7 +19,7 @@ from conftest import MakeApps, db, poll, rows
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._housekeeping import GIVEN_BACK
+from flask_mail_outbox.core._store import GIVEN_BACK
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -98,7 +98,7 @@ def test_a_serving_process_starts_its_jobs_on_first_use_not_at_import(
     app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                        OUTBOX_RUN_SCHEDULER=True)
     state = app.extensions["mail_outbox"]
-    assert state.serving and state.scheduler is None and state.current_runtime() is None
+    assert state.serving and state.scheduler is None and state.current_outbox() is None
 
     @app.get("/ping")
     def ping() -> str:
@@ -151,11 +151,11 @@ def test_a_sweep_that_found_nothing_is_stored_and_shown(
 
 def test_a_periodic_sweep_that_found_nothing_is_stored_too(
         make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
-    from flask_mail_outbox._sweep import run_sweep
+    from flask_mail_outbox.core import run_sweep
 
     app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     state = app.extensions["mail_outbox"]
-    report = run_sweep(state, kind="periodic")
+    report = run_sweep(state.outbox(), kind="periodic")
     with app.app_context():
         assert mail.stats()["last_sweep"] == report.as_dict()
     assert report.kind == "periodic" and report.scanned == 0
@@ -167,15 +167,15 @@ def test_a_periodic_sweep_that_found_nothing_is_stored_too(
         if "outbox_setting" in statement and not statement.lstrip().startswith("SELECT"):
             writes.append(statement)
 
-    engine = state.runtime().engine
+    engine = state.outbox().engine
     sa.event.listen(engine, "before_cursor_execute", count)
     try:
-        run_sweep(state, kind="periodic")
+        run_sweep(state.outbox(), kind="periodic")
         assert writes == []
         with app.app_context():
             assert mail.stats()["last_sweep"] == report.as_dict()
-        manual = run_sweep(state)  # a sweep of another kind ends the run
-        again = run_sweep(state, kind="periodic")
+        manual = run_sweep(state.outbox())  # a sweep of another kind ends the run
+        again = run_sweep(state.outbox(), kind="periodic")
     finally:
         sa.event.remove(engine, "before_cursor_execute", count)
     assert len(writes) == 2 and manual.kind == "manual"
@@ -225,7 +225,7 @@ def test_cli_commands_log_a_start_line_without_the_password(
     assert smtp_server.wait_for(1)
     start = [line for line in done.stderr.splitlines() if "flask outbox worker --once (pid" in line]
     assert len(start) == 1, done.stderr
-    assert " INFO flask_mail_outbox.cli " in start[0]
+    assert " INFO flask_mail_outbox._operator.cli " in start[0]
     assert f"transport smtp 127.0.0.1:{smtp_server.port}" in start[0]
     assert "mode durable" in start[0] and "concurrency 4" in start[0]
     assert "s3cret-pw" not in done.stderr and "s3cret-pw" not in done.stdout
@@ -248,7 +248,7 @@ def test_a_mark_the_database_refuses_at_stop_is_an_error_and_loses_nothing(
     smtp_server.hold()
     app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                           OUTBOX_BATCH_SIZE=1)
-    store = app.extensions["mail_outbox"].runtime().store
+    store = app.extensions["mail_outbox"].outbox().store
 
     def refuse(ids: list[int]) -> int:
         raise sa.exc.OperationalError("UPDATE outbox_email", {}, Exception("database gone"))

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from email.message import EmailMessage, MIMEPart
 from email.parser import BytesParser
-from types import SimpleNamespace
 from typing import Any, cast
 
 import email_validator
@@ -27,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flask_mail_outbox._errors import ConfigError, InvalidMessage
-from flask_mail_outbox._message import (
+from flask_mail_outbox._compose.message import (
     Attachment,
     AttachmentInfo,
     Message,
@@ -1086,22 +1085,23 @@ def test_as_bytes_inside_an_app_context_uses_mail_default_sender() -> None:
     assert msg.sender is None  # building does not change the message
 
 
-def test_as_bytes_prefers_the_extension_settings() -> None:
+def test_as_bytes_prefers_the_extension_settings(tmp_path: Any) -> None:
+    from flask_sqlalchemy import SQLAlchemy
+
+    from flask_mail_outbox import OutboxMail
+
     app = Flask(__name__)
-    app.config["MAIL_DEFAULT_SENDER"] = "raw-config@example.com"
-    app.extensions["mail_outbox"] = SimpleNamespace(
-        config=SimpleNamespace(
-            default_sender="parsed@localhost",
-            allow_local_addresses=True,
-            max_message_bytes=10_000,
-            message_id_domain=None,
-            ascii_attachments=True,
-        )
-    )
+    # As init_app parses them: "yes" is True for the extension, a truthy string raw.
+    app.config.update(SQLALCHEMY_DATABASE_URI=f"sqlite:///{tmp_path}/app.db",
+                      OUTBOX_RUN_SCHEDULER=False, MAIL_DEFAULT_SENDER="parsed@localhost",
+                      OUTBOX_ALLOW_LOCAL_ADDRESSES="yes", MAIL_ASCII_ATTACHMENTS="yes")
+    SQLAlchemy(app)
+    mail = OutboxMail(app)
     msg = Message("Hi", ["to@localhost"], "body")
     msg.attach("é.txt", "text/plain", b"x")
     with app.app_context():
         parsed = parse(msg.as_bytes())
+    mail.stop()
     assert parsed["From"] == "parsed@localhost"
     assert [a.get_filename() for a in parsed.iter_attachments()] == ["e.txt"]
 

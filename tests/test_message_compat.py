@@ -25,9 +25,9 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._config import load_config
+from flask_mail_outbox.core._config import load_config
 from flask_mail_outbox._errors import ConfigError
-from flask_mail_outbox._message import PreparedEmail, prepare_message
+from flask_mail_outbox._compose.message import PreparedEmail, prepare_message
 
 SENDER = "sender@example.com"
 OPTIONS = PREPARE_OPTIONS

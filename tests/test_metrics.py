@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,7 +90,7 @@ def test_gauges_are_read_from_the_database_at_scrape_time(
         smtp_app: tuple[Flask, OutboxMail], smtp_server: FaultSMTPServer, backend: str) -> None:
     app, mail = smtp_app
     registry = CollectorRegistry(auto_describe=True)  # as the default REGISTRY
-    engine = app.extensions["mail_outbox"].runtime().store.engine
+    engine = app.extensions["mail_outbox"].outbox().store.engine
     statements: list[str] = []
 
     def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
@@ -229,7 +229,7 @@ def test_init_metrics_outside_the_app_needs_init_app(smtp_app: tuple[Flask, Outb
 def test_missing_prometheus_client_names_the_extra() -> None:
     # A real interpreter in which prometheus_client cannot be imported.
     code = ("import sys; sys.modules['prometheus_client'] = None\n"
-            "try:\n    import flask_mail_outbox._metrics\n"
+            "try:\n    import flask_mail_outbox._operator.metrics\n"
             "except ImportError as exc:\n    print(exc)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=False,
@@ -240,7 +240,7 @@ def test_missing_prometheus_client_names_the_extra() -> None:
 
 def test_the_scrape_reads_indexes_only(smtp_app: tuple[Flask, OutboxMail], backend: str) -> None:
     app, mail = smtp_app
-    store = app.extensions["mail_outbox"].runtime().store
+    store = app.extensions["mail_outbox"].outbox().store
     registry = CollectorRegistry()
     mail.init_metrics(registry, app=app)
     executed: list[tuple[str, Any]] = []

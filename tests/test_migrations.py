@@ -1,4 +1,4 @@
-"""The ``outbox`` Alembic branch builds exactly the schema of ``flask_mail_outbox._models``.
+"""The ``outbox`` Alembic branch builds exactly the schema of ``flask_mail_outbox.core._models``.
 
 Each database test runs on a SQLite file and on PostgreSQL (a fresh database per test,
 created through ``OUTBOX_TEST_POSTGRES_URL``). Equality is checked twice: Alembic's own
@@ -25,7 +25,7 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from flask_mail_outbox import _models
+from flask_mail_outbox.core import _models
 from flask_mail_outbox.migrations import (
     BRANCH_LABEL,
     VERSIONS_DIR,

@@ -21,7 +21,7 @@ from flask_sqlalchemy import SQLAlchemy
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, InvalidMessage, Message, OutboxMail
-from flask_mail_outbox._config import load_config
+from flask_mail_outbox.core._config import load_config
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from smtpserver import FaultSMTPServer
 from sqlalchemy import event as sa_event
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._models import Status
+from flask_mail_outbox.core import Status
 
 POLL = 5.0  # long enough that a gap of 0 can only come from "more is due now"
 
@@ -36,7 +36,7 @@ def worker_app(db_url: str, smtp_server: FaultSMTPServer) -> Iterator[Flask]:
 
 
 def _dispatcher(app: Flask) -> Any:
-    return app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
+    return app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
 
 
 def _step(app: Flask) -> float:
@@ -98,7 +98,7 @@ def test_the_insert_wakes_listeners_and_the_commit_sends_no_notify(db_url: str) 
     import psycopg
     from sqlalchemy import event
 
-    from flask_mail_outbox._listen import CHANNEL, libpq_url
+    from flask_mail_outbox.core._listen import CHANNEL, libpq_url
 
     app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                    OUTBOX_TRANSPORT="null")
@@ -167,7 +167,7 @@ def test_a_request_holding_a_keys_lock_does_not_hold_up_its_delivery(
     whole request (see _ordering): both committed emails go while one is held."""
     import sqlalchemy as sa
 
-    from flask_mail_outbox._ordering import producer_lock
+    from flask_mail_outbox.core._ordering import producer_lock
 
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                    OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_POLL_INTERVAL=POLL)
@@ -200,7 +200,7 @@ def _frozen_dispatcher(app: Flask) -> Any:
 
 
 def _statements(app: Flask) -> Any:
-    engine = app.extensions["mail_outbox"].runtime().engine
+    engine = app.extensions["mail_outbox"].outbox().engine
     statements: list[str] = []
 
     class Counting:
@@ -293,7 +293,7 @@ def test_the_sqlite_claim_reads_only_the_rows_that_may_go_now(worker_app: Flask)
         if statement.lstrip().upper().startswith("UPDATE") and "LIMIT" in statement:
             claims.append((statement, parameters))
 
-    store = worker_app.extensions["mail_outbox"].runtime().store
+    store = worker_app.extensions["mail_outbox"].outbox().store
     sa_event.listen(store.engine, "before_cursor_execute", capture)
     try:
         _step(worker_app)
@@ -316,10 +316,10 @@ def test_the_record_fetches_its_batch_by_primary_key_on_a_queue_with_stale_stati
     ANALYZE (here: empty). The record must fetch its batch by primary key, not
     walk those entries.
     """
-    from flask_mail_outbox._store import Outcome
+    from flask_mail_outbox.core._store import Outcome
 
-    engine = worker_app.extensions["mail_outbox"].runtime().engine
-    store = worker_app.extensions["mail_outbox"].runtime().store
+    engine = worker_app.extensions["mail_outbox"].outbox().engine
+    store = worker_app.extensions["mail_outbox"].outbox().store
     with engine.begin() as conn:
         conn.exec_driver_sql("ANALYZE outbox_email")
         conn.exec_driver_sql(
@@ -369,7 +369,7 @@ def test_results_that_come_back_together_are_recorded_in_one_statement(
         for i in range(100):
             mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
         db.session.commit()
-    runtime = worker_app.extensions["mail_outbox"].runtime()
+    runtime = worker_app.extensions["mail_outbox"].outbox()
     engine = runtime.engine
     records: list[str] = []
 

@@ -19,19 +19,15 @@ import pytest
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import PermanentError, TransientError
-from flask_mail_outbox._config import load_config
 from flask_mail_outbox.transports import Delivered, Envelope, Failed
 from flask_mail_outbox.transports._pipeline import dot_stuffed
-from flask_mail_outbox.transports._smtp import SMTPTransport
+from flask_mail_outbox.transports import SMTPSettings, SMTPTransport
 
 SENDER = "sender@example.com"
 
 
 def _transport(port: int, *, timeout: float = 5.0, concurrency: int = 1) -> SMTPTransport:
-    config = load_config({"MAIL_SERVER": "127.0.0.1", "MAIL_PORT": port, "MAIL_TIMEOUT": timeout,
-                          "MAIL_SUPPRESS_SEND": False}, instance_path="/nonexistent",
-                         testing=False)
-    return SMTPTransport(config, concurrency=concurrency)
+    return SMTPTransport(SMTPSettings(port=port, timeout=timeout), concurrency=concurrency)
 
 
 def _envelope(n: int, *recipients: str) -> Envelope:

@@ -16,7 +16,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 
 def _send(app: Flask, subject: str, priority: str | None = None, **options: Any) -> int:
@@ -42,7 +42,7 @@ def test_the_claim_takes_high_then_normal_then_low_each_in_send_order(
         _send(app, subject, priority)
     assert {r["subject"]: r["priority"] for r in rows(app)} == {
         "low 1": 2, "normal 1": 1, "low 2": 2, "high 1": 0, "normal 2": 1, "high 2": 0}
-    store = app.extensions["mail_outbox"].runtime().store
+    store = app.extensions["mail_outbox"].outbox().store
     first, _ = store.claim_due(3, owner="a", lease_seconds=60)
     second, _ = store.claim_due(3, owner="b", lease_seconds=60)
     # Each claim takes the rows first in (priority, due_at, id) order; it
@@ -57,7 +57,7 @@ def test_within_a_key_send_order_wins_over_priority(
     _send(app, "k first, low", "low", key="k")
     _send(app, "k second, high", "high", key="k")
     _send(app, "keyless normal")
-    worker = app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
+    worker = app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
     worker.drain(timeout=30)
     assert [r["status"] for r in rows(app)] == ["sent"] * 3
     received = [m.parsed["Subject"] for m in smtp_server.messages]
@@ -124,7 +124,7 @@ def test_a_high_email_goes_first_only_once_it_is_due_on_a_fake_clock(tmp_path: A
 
     from conftest import close_app, make_app
 
-    from flask_mail_outbox._store import utcnow
+    from flask_mail_outbox.core import utcnow
 
     app = make_app(f"sqlite:///{tmp_path / 'clock.db'}", OUTBOX_DURABLE=True,
                    OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
@@ -134,7 +134,7 @@ def test_a_high_email_goes_first_only_once_it_is_due_on_a_fake_clock(tmp_path: A
         _send(app, "low 1", "low")
         _send(app, "normal later", None, send_after=timedelta(minutes=5))
         _send(app, "low 2", "low")
-        store = app.extensions["mail_outbox"].runtime().store
+        store = app.extensions["mail_outbox"].outbox().store
         now = start + timedelta(minutes=1)
         store.clock = lambda: now
         first, _ = store.claim_due(1, owner="a", lease_seconds=3600)

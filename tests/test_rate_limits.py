@@ -19,8 +19,8 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._rate import RECOVERY_SECONDS, SharedRate
-from flask_mail_outbox._transport_specs import Rate
+from flask_mail_outbox.core._rate import RECOVERY_SECONDS, SharedRate
+from flask_mail_outbox.core import Rate
 
 
 class Clock:
@@ -42,7 +42,7 @@ def test_slots_follow_one_schedule_and_a_throttle_halves_it_until_it_grows_back(
         tmp_path: Path) -> None:
     app = make_app(f"sqlite:///{tmp_path / 'rate.db'}")
     try:
-        store = app.extensions["mail_outbox"].runtime().store
+        store = app.extensions["mail_outbox"].outbox().store
         wall, mono = Clock(1_000_000.0), Clock(50.0)
         rate = SharedRate(store, "bulk", Rate(10, 1.0), clock=mono, wall=wall)
         other = SharedRate(store, "bulk", Rate(10, 1.0), clock=mono, wall=wall)  # a 2nd process
@@ -87,8 +87,8 @@ def test_two_processes_engines_share_one_schedule(make_apps: Any) -> None:
     """Two engines (as two processes have) take consecutive slots of one schedule."""
     first_app, _ = make_apps()
     second_app, _ = make_apps()
-    one = SharedRate(first_app.extensions["mail_outbox"].runtime().store, "t", Rate(50, 1.0))
-    two = SharedRate(second_app.extensions["mail_outbox"].runtime().store, "t", Rate(50, 1.0))
+    one = SharedRate(first_app.extensions["mail_outbox"].outbox().store, "t", Rate(50, 1.0))
+    two = SharedRate(second_app.extensions["mail_outbox"].outbox().store, "t", Rate(50, 1.0))
     a = one.take(10)
     b = two.take(10)
     c = one.take(10)
@@ -169,7 +169,7 @@ def test_a_hand_ticked_drain_sends_the_paced_rows_as_their_slots_come(
             mail.send_many([Message(f"once {i}", recipients=["a@example.com"], body="x")
                             for i in range(8)])
             db.session.commit()
-        worker = app.extensions["mail_outbox"].runtime().dispatch(hand_ticked=True)
+        worker = app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
         assert worker.drain(timeout=30) == 8
         assert len(smtp_server.messages) == 8
         times = sorted(m.received_at for m in smtp_server.messages)

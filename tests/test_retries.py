@@ -22,12 +22,13 @@ from conftest import close_app, db, make_app, poll, rows, wait_rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox import Message, OutboxMail, _retry
-from flask_mail_outbox._config import _DEFAULTS
-from flask_mail_outbox._models import email_table
-from flask_mail_outbox._pacing import RateLimiter
-from flask_mail_outbox._retry import longest_unfinished, schedule
-from flask_mail_outbox._store import utcnow
+from flask_mail_outbox import Message, OutboxMail
+from flask_mail_outbox.core import _retry
+from flask_mail_outbox.core._config import _DEFAULTS
+from flask_mail_outbox.core import email_table
+from flask_mail_outbox.core._pacing import RateLimiter
+from flask_mail_outbox.core._retry import longest_unfinished, schedule
+from flask_mail_outbox.core import utcnow
 
 GREYLISTED = "4.7.1 Greylisted, please try again later"
 THROTTLED = "Throttling failure: Maximum sending rate exceeded."
@@ -177,7 +178,7 @@ def _hand_ticked(tmp_path: Path, smtp_server: FaultSMTPServer,
     app = make_app(f"sqlite:///{tmp_path / 'clock.db'}", MAIL_SERVER=smtp_server.host,
                    MAIL_PORT=smtp_server.port, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                    OUTBOX_LISTEN=False, **DEFAULT_RETRY)
-    runtime = app.extensions["mail_outbox"].runtime()
+    runtime = app.extensions["mail_outbox"].outbox()
     runtime.store.clock = clock
     dispatcher = runtime.dispatch(hand_ticked=True)
     # Jitter at its top: the slowest schedule the defaults allow.
@@ -372,7 +373,7 @@ def test_an_inline_sweep_dead_letters_a_lost_lease_whose_attempts_are_spent(
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                    OUTBOX_MAX_ATTEMPTS=2)
     mail: OutboxMail = app.extensions["test_mail"]
-    store = app.extensions["mail_outbox"].runtime().store
+    store = app.extensions["mail_outbox"].outbox().store
     try:
         ids = [_send(app), _send(app)]
         assert smtp_server.wait_for(2)

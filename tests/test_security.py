@@ -40,7 +40,7 @@ from flask_mail_outbox import (
     Message,
     OutboxMail,
 )
-from flask_mail_outbox._message import PreparedEmail, prepare_message
+from flask_mail_outbox._compose.message import PreparedEmail, prepare_message
 
 SENDER = "sender@example.com"
 OPTIONS: dict[str, Any] = {
@@ -309,13 +309,12 @@ def test_the_password_never_leaves_the_config(
 
 def test_the_transport_error_text_and_cause_hold_no_password(
         smtp_server: FaultSMTPServer, make_apps: MakeApps) -> None:
-    from flask_mail_outbox.transports import Envelope
-    from flask_mail_outbox.transports._smtp import SMTPTransport
+    from flask_mail_outbox.transports import Envelope, SMTPTransport
 
     smtp_server.require_auth(USER, "other")
     app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                        MAIL_USERNAME=USER, MAIL_PASSWORD=SECRET)
-    transport = SMTPTransport(app.extensions["mail_outbox"].config)
+    transport = SMTPTransport(app.extensions["mail_outbox"].config.smtp)
     try:
         with pytest.raises(flask_mail_outbox.TransientError) as excinfo:
             transport.send(Envelope(1, SENDER, ("a@example.com",), b"Subject: x\r\n\r\nx\r\n",
@@ -608,7 +607,7 @@ IDENTIFIERS_ONLY = {
      "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
     # send_many's PostgreSQL insert: the names of outbox_email's columns (the keys of
     # the row send() builds) and their compiled types; every value is an array parameter.
-    ("_insert.py", "INSERT INTO {email_table.name} ({quoted}, created_at) SELECT {selected}"),
+    ("core/_insert.py", "INSERT INTO {email_table.name} ({quoted}, created_at) SELECT {selected}"),
     # Offline `upgrade --sql`: {first} is one of two SQL literals chosen by dialect (the
     # name is bound again later, to a Python value that never reaches SQL text).
     ("migrations/versions/outbox_0002_dashboard_search.py",

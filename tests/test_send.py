@@ -13,7 +13,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
-from flask_mail_outbox._models import attachment_table
+from flask_mail_outbox.core import attachment_table
 
 
 def welcome(to: str = "user@example.com", **kwargs: Any) -> Message:

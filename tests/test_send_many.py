@@ -13,7 +13,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail, email_queued
-from flask_mail_outbox._models import attachment_table
+from flask_mail_outbox.core import attachment_table
 
 # Columns that differ between two sends of the same message whatever the route.
 _PER_SEND = {"id", "message_id", "mime", "created_at", "due_at", "size"}

@@ -23,21 +23,18 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail, PermanentError
-from flask_mail_outbox._addresses import address_list, parse_address
-from flask_mail_outbox._config import load_config
-from flask_mail_outbox._mime import top_headers
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox._compose.addresses import address_list, parse_address
+from flask_mail_outbox._compose.mime import top_headers
+from flask_mail_outbox.core import email_table
 from flask_mail_outbox.transports import Delivered, Envelope, Failed
-from flask_mail_outbox.transports._smtp import SMTPTransport
+from flask_mail_outbox.transports import SMTPSettings, SMTPTransport
 
 UTF8 = "grüße@example.org"
 ASCII = "plain@example.org"
 
 def _transport(server: FaultSMTPServer) -> SMTPTransport:
-    config = load_config({"MAIL_SERVER": server.host, "MAIL_PORT": server.port,
-                          "MAIL_TIMEOUT": 5, "MAIL_SUPPRESS_SEND": False},
-                         instance_path="/nonexistent", testing=False)
-    return SMTPTransport(config, concurrency=1)
+    return SMTPTransport(SMTPSettings(host=server.host, port=server.port, timeout=5),
+                         concurrency=1)
 
 
 def _envelope(n: int, *recipients: str, sender: str = "sender@example.com") -> Envelope:

@@ -28,7 +28,7 @@ from smtpserver import FaultSMTPServer
 from test_workers import FAST, Worker
 
 from flask_mail_outbox import OutboxMail
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

@@ -23,7 +23,7 @@ from flask_sqlalchemy import SQLAlchemy
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

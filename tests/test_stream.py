@@ -19,7 +19,6 @@ from conftest import free_port, poll
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import PermanentError, TransientError
-from flask_mail_outbox._config import OutboxConfig, load_config
 from flask_mail_outbox.transports import (
     Delivered,
     Envelope,
@@ -29,15 +28,14 @@ from flask_mail_outbox.transports import (
     Sending,
     Transport,
 )
-from flask_mail_outbox.transports._smtp import SMTPTransport, _SMTPSending
+from flask_mail_outbox.transports import SMTPSettings, SMTPTransport
+from flask_mail_outbox.transports._smtp import _SMTPSending
 
 SENDER = "sender@example.com"
 
 
-def _config(port: int = 25, *, timeout: float = 5.0) -> OutboxConfig:
-    return load_config({"MAIL_SERVER": "127.0.0.1", "MAIL_PORT": port, "MAIL_TIMEOUT": timeout,
-                        "MAIL_SUPPRESS_SEND": False}, instance_path="/nonexistent",
-                       testing=False)
+def _settings(port: int = 25, *, timeout: float = 5.0) -> SMTPSettings:
+    return SMTPSettings(port=port, timeout=timeout)
 
 
 def _envelope(n: int, *recipients: str) -> Envelope:
@@ -91,7 +89,7 @@ class Gate(Transport):
     """Records each send() in order; waits for ``opened`` before each while it is clear."""
 
     def __init__(self) -> None:
-        super().__init__(_config())
+        super().__init__()
         self.sent: list[int] = []
         self.threads: set[str] = set()
         self.opened = threading.Event()
@@ -250,7 +248,7 @@ def test_send_many_over_the_stream_keeps_its_order(gate: Gate) -> None:
 
 def _smtp(server: FaultSMTPServer, *, concurrency: int = 2,
           timeout: float = 5.0) -> SMTPTransport:
-    return SMTPTransport(_config(server.port, timeout=timeout), concurrency=concurrency)
+    return SMTPTransport(_settings(server.port, timeout=timeout), concurrency=concurrency)
 
 
 @pytest.fixture(params=[True, False], ids=["pipelined", "lock-step"])
@@ -461,7 +459,7 @@ def test_each_server_fault_maps_to_its_result_through_the_stream(
 def test_nobody_can_reach_the_server_fails_what_is_queued_then_tries_again(
         transports: list[SMTPTransport]) -> None:
     port = free_port()
-    transports.append(transport := SMTPTransport(_config(port), concurrency=2))
+    transports.append(transport := SMTPTransport(_settings(port), concurrency=2))
     reports = Reports()
     sending = transport.open(reports)
     for n in (1, 2, 3):

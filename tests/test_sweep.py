@@ -13,7 +13,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 
 def strand(make_apps: MakeApps, count: int, **config: Any) -> list[int]:
@@ -118,7 +118,7 @@ def test_sweep_takes_expired_leases_and_skips_live_ones(
         dead = mail.send(Message("dead", recipients=["a@example.com"], body="x"))
         alive = mail.send(Message("alive", recipients=["a@example.com"], body="x"))
         db.session.commit()
-    store = app.extensions["mail_outbox"].runtime().store
+    store = app.extensions["mail_outbox"].outbox().store
     store.claim_ids([dead], owner="dead-process", lease_seconds=60)
     store.claim_ids([alive], owner="live-process", lease_seconds=600)
     with app.app_context():
@@ -143,7 +143,7 @@ def test_durable_sweeps_requeue_without_delivering_and_twice_is_harmless(
         ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
                for i in range(3)]
         db.session.commit()
-    store = app.extensions["mail_outbox"].runtime().store
+    store = app.extensions["mail_outbox"].outbox().store
     store.claim_ids(ids[:1], owner="dead-process", lease_seconds=60)
     with app.app_context():
         db.session.execute(email_table.update().where(email_table.c.id == ids[0]).values(
@@ -194,7 +194,7 @@ def test_a_failing_sweep_is_reported_and_the_scheduler_survives(
         caplog: pytest.LogCaptureFixture) -> None:
     app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     with app.app_context():
-        from flask_mail_outbox._models import metadata
+        from flask_mail_outbox.core import metadata
         metadata.drop_all(db.engine)  # the database "has no outbox" any more
     scheduler = app.extensions["mail_outbox"].start_scheduler()
     assert scheduler.startup_done.wait(20)
@@ -290,7 +290,7 @@ def test_cli_status_dlq_and_purge(make_apps: MakeApps, smtp_server: FaultSMTPSer
     assert [r["status"] for r in rows(app)] == ["sent", "sent"]
 
     with app.app_context():  # make the first one old
-        from flask_mail_outbox._store import utcnow
+        from flask_mail_outbox.core import utcnow
         db.session.execute(email_table.update().where(email_table.c.id == good).values(
             sent_at=utcnow() - timedelta(days=40)))
         db.session.commit()

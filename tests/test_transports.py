@@ -14,9 +14,18 @@ from conftest import MakeApps, db, make_app
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox import Message, OutboxMail, PermanentError, TransientError
-from flask_mail_outbox._models import email_table
-from flask_mail_outbox.transports import Envelope, Transport
+from flask_mail_outbox import ConfigError, Message, OutboxMail, PermanentError, TransientError
+from flask_mail_outbox.core import email_table
+from flask_mail_outbox.transports import (
+    BUILTIN,
+    Envelope,
+    SMTPSettings,
+    SMTPTransport,
+    Transport,
+    TransportSettings,
+    build,
+    transport_class,
+)
 
 
 def statuses(app: Flask) -> list[str]:
@@ -150,3 +159,86 @@ def test_use_tls_true_never_falls_back_to_plain_text(smtp_server: FaultSMTPServe
     send_one(app, mail)
     assert statuses(app) == ["queued"]
     assert smtp_server.messages == []
+
+
+# -- transports built from their own settings ------------------------------------------------
+
+
+class TokenTransport(Transport):
+    """A custom transport that needs its OUTBOX_TRANSPORTS entry: its own key, its name."""
+
+    built: list[TransportSettings] = []
+    seen: list[tuple[str, str]] = []
+
+    def __init__(self, token: str, name: str) -> None:
+        super().__init__()
+        self.token, self.name = token, name
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> TokenTransport:
+        cls.built.append(settings)
+        return cls(settings.options["token"], settings.name)
+
+    def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
+        self.seen.append((self.name, self.token))
+        return {}
+
+
+def test_a_custom_transport_gets_its_own_entry_never_the_app_config(
+        make_apps: MakeApps) -> None:
+    TokenTransport.built, TokenTransport.seen = [], []
+    app, mail = make_apps(OUTBOX_TRANSPORTS={"api": {
+        "transport": "test_transports:TokenTransport", "token": "tok-1", "concurrency": 2}})
+    with app.app_context():
+        mail.send(Message("x", recipients=["a@example.com"], body="x"), transport="api")
+        db.session.commit()
+        assert mail.wait_idle(20)
+    assert statuses(app) == ["sent"]
+    (settings,) = TokenTransport.built
+    assert (settings.name, dict(settings.options), settings.concurrency) == \
+        ("api", {"token": "tok-1"}, 2)
+    assert TokenTransport.seen == [("api", "tok-1")]
+
+
+def test_a_builtin_entry_still_refuses_an_unknown_key(make_apps: MakeApps) -> None:
+    with pytest.raises(ConfigError, match=r'OUTBOX_TRANSPORTS\["bulk"\]\["token"\]'):
+        make_apps(OUTBOX_TRANSPORTS={"bulk": {"transport": "smtp", "token": "x"}})
+
+
+class LegacyTransport(Transport):
+    """Written against the deprecated ``Transport(config)``: reads the app's settings."""
+
+    ports: list[int] = []
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+
+    def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
+        self.ports.append(self.config.smtp.port)
+        return {}
+
+
+def test_a_transport_taking_the_app_config_works_for_a_release_with_a_warning(
+        make_apps: MakeApps) -> None:
+    LegacyTransport.ports = []
+    with pytest.warns(DeprecationWarning, match=r"__init__\(config\).*from_settings"):
+        app, mail = make_apps(OUTBOX_TRANSPORT="test_transports:LegacyTransport",
+                              MAIL_PORT=2525)
+    send_one(app, mail)
+    assert statuses(app) == ["sent"]
+    assert LegacyTransport.ports == [2525]
+
+
+def test_the_registry_names_every_builtin_and_refuses_what_is_not_a_transport() -> None:
+    assert {name: cls.__name__ for name, cls in BUILTIN.items()} == {
+        "smtp": "SMTPTransport", "console": "ConsoleTransport", "file": "FileTransport",
+        "memory": "MemoryTransport", "null": "NullTransport"}
+    assert transport_class("test_transports:TokenTransport", "K") is TokenTransport
+    with pytest.raises(ConfigError, match="^K: .*must be a subclass"):
+        transport_class("test_transports:statuses", "K")
+    with pytest.raises(ConfigError, match="^K: cannot import"):
+        transport_class("no_such_module:X", "K")
+    smtp = build(BUILTIN["smtp"], TransportSettings(smtp=SMTPSettings(port=2525),
+                                                    concurrency=3))
+    assert isinstance(smtp, SMTPTransport) and smtp.concurrency == 3
+    assert smtp.settings.port == 2525

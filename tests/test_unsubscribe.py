@@ -20,7 +20,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
-from flask_mail_outbox._message import prepare_message
+from flask_mail_outbox._compose.message import prepare_message
 
 SENDER = "news@example.com"
 OPTIONS = PREPARE_OPTIONS

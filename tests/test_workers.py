@@ -44,7 +44,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox._models import email_table
+from flask_mail_outbox.core import email_table
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

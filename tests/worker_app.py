@@ -52,8 +52,8 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_mail_outbox import OutboxMail
-from flask_mail_outbox._signals import email_sent
-from flask_mail_outbox._worker import Worker
+from flask_mail_outbox import email_sent
+from flask_mail_outbox.core import Worker
 
 log = logging.getLogger("outbox_test_worker")
 

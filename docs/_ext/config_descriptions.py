@@ -1,7 +1,7 @@
 """Type and meaning of every configuration key, for docs/configuration.md.
 
 Keys and defaults are not written here: the ``{outbox-config}`` directive takes them from
-``flask_mail_outbox._config._DEFAULTS``. Every key there needs an entry here and every
+``flask_mail_outbox.core._config._DEFAULTS``. Every key there needs an entry here and every
 entry here a key there (the build warns, and tests/test_docs.py fails, otherwise).
 Each value is ``(type, meaning)`` in MyST Markdown, on one line.
 """

@@ -1,6 +1,6 @@
 """``{outbox-config}``: the configuration reference, rendered from the code.
 
-The keys and their defaults come from ``flask_mail_outbox._config._DEFAULTS``, the one
+The keys and their defaults come from ``flask_mail_outbox.core._config._DEFAULTS``, the one
 table of defaults the library reads; the type and meaning of each come from
 :data:`config_descriptions.DESCRIPTIONS` beside this file. A key in one and not the
 other is a build warning (so ``sphinx-build -W`` fails), and tests/test_docs.py checks
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def defaults() -> dict[str, Any]:
     """The library's table of defaults (imported late: conf.py puts the package on the path)."""
-    from flask_mail_outbox._config import _DEFAULTS
+    from flask_mail_outbox.core._config import _DEFAULTS
 
     return dict(_DEFAULTS)
 
@@ -51,11 +51,12 @@ class OutboxConfigDirective(SphinxDirective):
         undocumented, unknown = mismatch(code, DESCRIPTIONS)
         location = self.get_location()
         for key in undocumented:
-            logger.warning("outbox-config: %s is in _config._DEFAULTS but has no description "
-                           "in docs/_ext/config_descriptions.py", key, location=location)
+            logger.warning("outbox-config: %s is in _flask.config._DEFAULTS but has no "
+                           "description in docs/_ext/config_descriptions.py", key,
+                           location=location)
         for key in unknown:
             logger.warning("outbox-config: %s is described in docs/_ext/config_descriptions.py "
-                           "but is not in _config._DEFAULTS", key, location=location)
+                           "but is not in _flask.config._DEFAULTS", key, location=location)
         # MyST parses what a directive nests in a Markdown page, so this is MyST Markdown.
         lines = [
             "```{list-table}",

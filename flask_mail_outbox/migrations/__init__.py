@@ -18,7 +18,7 @@ module itself needs neither Flask-Migrate nor Alembic) uses them in three steps.
 2. Keep autogenerate away from the outbox tables: in ``migrations/env.py``, pass the hook
    to ``context.configure``::
 
-       from flask_mail_outbox.migrations import include_object
+       from . import include_object
 
        context.configure(connection=connection, target_metadata=get_metadata(),
                          include_object=include_object, **conf_args)
@@ -45,7 +45,7 @@ from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
-from flask_mail_outbox._models import TABLE_NAMES
+from ..core._models import TABLE_NAMES
 
 __all__ = ["BRANCH_LABEL", "VERSIONS_DIR", "combine_include_object", "include_object"]
 
@@ -82,7 +82,7 @@ def include_object(
     everything on them (columns, indexes, unique constraints, foreign keys), and includes
     everything else::
 
-        from flask_mail_outbox.migrations import include_object
+        from . import include_object
 
         context.configure(connection=connection, target_metadata=target_metadata,
                           include_object=include_object)
@@ -98,7 +98,7 @@ def combine_include_object(user_hook: IncludeObject | None) -> IncludeObject:
 
     For a project that already filters objects in autogenerate::
 
-        from flask_mail_outbox.migrations import combine_include_object
+        from . import combine_include_object
 
         context.configure(connection=connection, target_metadata=target_metadata,
                           include_object=combine_include_object(my_include_object))

@@ -4,7 +4,10 @@ A transport is a class with one required method, :meth:`Transport.send`;
 :meth:`Transport.open` streams messages through it (a :class:`Sending`: put
 messages in, each result is reported as it is known) and ``send_many`` sends a
 batch over such a stream. Built-in transports are chosen by name in
-``OUTBOX_TRANSPORT``; a custom one as ``"package.module:Class"``.
+``OUTBOX_TRANSPORT`` (:data:`BUILTIN`); a custom one as
+``"package.module:Class"``. Each is built from its own
+:class:`TransportSettings` (:meth:`Transport.from_settings`), never from the
+whole app config.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from ._base import (
     Transport,
 )
 from ._failover import FailoverTransport
+from ._registry import BUILTIN, build, takes_legacy_config, transport_class
+from ._settings import SMTPSettings, TransportSettings
 from ._simple import ConsoleTransport, FileTransport, MemoryTransport, NullTransport
 from ._smtp import SMTPTransport
 
 __all__ = [
+    "BUILTIN",
     "ConsoleTransport",
     "Delivered",
     "Envelope",
@@ -37,7 +43,12 @@ __all__ = [
     "NullTransport",
     "Report",
     "Result",
+    "SMTPSettings",
     "SMTPTransport",
     "Sending",
     "Transport",
+    "TransportSettings",
+    "build",
+    "takes_legacy_config",
+    "transport_class",
 ]

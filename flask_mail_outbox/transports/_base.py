@@ -16,14 +16,13 @@ import collections
 import dataclasses
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Self
 
 from .. import _degrade
 from .._errors import TransientError, TransportError
-
-if TYPE_CHECKING:
-    from .._config import OutboxConfig
+from ._settings import TransportSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,8 +278,39 @@ class Transport:
     stream: a transport used by several streams at once must be thread-safe.
     """
 
-    def __init__(self, config: OutboxConfig) -> None:
-        self.config = config
+    def __init__(self, config: Any = None) -> None:
+        if config is not None:  # written as Transport(config): warned about at init_app
+            self._legacy_config = config
+
+    @property
+    def config(self) -> Any:
+        """Deprecated: the app's settings, for transports written against ``Transport(config)``.
+
+        Transports are built from their own :class:`TransportSettings`
+        (:meth:`from_settings`); this stays for one release.
+        """
+        legacy = getattr(self, "_legacy_config", None)
+        if legacy is None:
+            raise AttributeError(f"{type(self).__name__} has no app config: transports are "
+                                 "built from their own settings (Transport.from_settings)")
+        if getattr(self, "_legacy_config_unasked", False):
+            self._legacy_config_unasked = False
+            warnings.warn(
+                f"{type(self).__module__}.{type(self).__qualname__} reads self.config, the "
+                "whole app config, which is deprecated and goes in the next release: read "
+                "its own settings in a classmethod from_settings(cls, settings) instead "
+                "(flask_mail_outbox.transports.TransportSettings)", DeprecationWarning,
+                stacklevel=2)
+        return legacy
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> Self:
+        """The transport for one configured entry. The base class takes no settings.
+
+        Override it in a transport that needs its ``OUTBOX_TRANSPORTS`` entry
+        (``settings.options`` holds the entry's own keys).
+        """
+        return cls()
 
     def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
         """Send one message; return refused recipients (``{addr: (code, text)}``).

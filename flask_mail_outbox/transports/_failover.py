@@ -39,7 +39,7 @@ class FailoverTransport(Transport):
     def __init__(self, chain: Sequence[tuple[str, Transport]]) -> None:
         if len(chain) < 2:
             raise ValueError("a failover chain needs a transport and at least one more")
-        super().__init__(chain[0][1].config)
+        super().__init__()
         self.chain = list(chain)
         self.concurrency = max(1, int(getattr(chain[0][1], "concurrency", 1)))
         self._down = [False] * len(chain)  # said at WARNING until it delivers again

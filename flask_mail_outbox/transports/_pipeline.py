@@ -13,7 +13,7 @@ as the previous message's content (RFC 2920 lets the content open a group):
 one write and one round trip per message.
 
 Errors are aiosmtplib's exception types, so ``map_smtp_error`` maps them
-as before.
+like any other aiosmtplib error.
 """
 
 from __future__ import annotations

@@ -6,12 +6,10 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Self
 
 from ._base import Envelope, Transport
-
-if TYPE_CHECKING:
-    from .._config import OutboxConfig
+from ._settings import TransportSettings
 
 
 class ConsoleTransport(Transport):
@@ -35,9 +33,14 @@ class ConsoleTransport(Transport):
 class FileTransport(Transport):
     """Writes one ``.eml`` file per message into ``OUTBOX_FILE_PATH``."""
 
-    def __init__(self, config: OutboxConfig) -> None:
-        super().__init__(config)
-        self.path = config.file_path
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> Self:
+        """A file transport writing into ``settings.file_path``."""
+        return cls(settings.file_path)
 
     def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
         os.makedirs(self.path, exist_ok=True)
@@ -54,8 +57,8 @@ class FileTransport(Transport):
 class MemoryTransport(Transport):
     """Keeps messages in ``outbox`` (tests; what ``MAIL_SUPPRESS_SEND`` selects)."""
 
-    def __init__(self, config: OutboxConfig) -> None:
-        super().__init__(config)
+    def __init__(self) -> None:
+        super().__init__()
         self.outbox: list[Envelope] = []
         self._lock = threading.Lock()
 

@@ -24,17 +24,15 @@ import socket
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Self
 
 import aiosmtplib
 
 from .._errors import TransientError, TransportError
 from ._base import Envelope, Failed, NotAttempted, Report, Result, Sending, Transport
 from ._pipeline import Pipe, Session
+from ._settings import SMTPSettings, TransportSettings
 from ._transaction import map_smtp_error, send_message
-
-if TYPE_CHECKING:
-    from .._config import OutboxConfig
 
 __all__ = ["SMTPTransport", "map_smtp_error"]
 
@@ -65,9 +63,9 @@ class SMTPTransport(Transport):
     ``concurrency`` bounds the connections of each open stream.
     """
 
-    def __init__(self, config: OutboxConfig, *, concurrency: int = 4) -> None:
-        super().__init__(config)
-        self.settings = config.smtp
+    def __init__(self, settings: SMTPSettings, *, concurrency: int = 4) -> None:
+        super().__init__()
+        self.settings = settings
         self.concurrency = max(1, concurrency)
         #: Seconds an idle connection worker waits for more (see :data:`IDLE_SECONDS`).
         self.idle_seconds = IDLE_SECONDS
@@ -81,6 +79,11 @@ class SMTPTransport(Transport):
         # and the workers running.
         self._idle: list[Session] = []
         self._workers: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> Self:
+        """An SMTP transport for ``settings.smtp``, with ``settings.concurrency`` connections."""
+        return cls(settings.smtp, concurrency=settings.concurrency)
 
     def open(self, report: Report) -> Sending:
         """Open a stream over up to ``concurrency`` connections (see :class:`Sending`).

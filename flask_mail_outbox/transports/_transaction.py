@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import aiosmtplib
 
-from .._addresses import needs_smtputf8
+from .._compose.addresses import needs_smtputf8
 from .._errors import PermanentError, TransientError, TransportError
 from ._base import Delivered, Envelope, Failed, Result
 from ._pipeline import Session, dot_stuffed, envelope_commands

@@ -1,0 +1,387 @@
+"""The Flask extension's sending and administration API (``OutboxMail`` without its
+operator surfaces, which ``flask_mail_outbox._mail`` adds on top).
+
+Per-app state lives in ``app.extensions["mail_outbox"]`` (see :mod:`.state`);
+the extension object itself keeps no app, so one ``OutboxMail`` can serve
+several apps.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from flask import Flask, current_app, got_request_exception
+
+from .._compose.message import Message
+from .._errors import ConfigError, InvalidMessage
+from ..core import (
+    CONFIG_DEFAULTS,
+    DeliveredMessage,
+    Mode,
+    QueuedRow,
+    Status,
+    SweepReport,
+    check_key,
+    check_message,
+    due_at_of,
+    email_dialect,
+    ensure_wal,
+    insert_email,
+    load_config,
+    load_last_report,
+    metadata,
+    prepare_row,
+    priority_rank,
+    run_sweep,
+    transport_name,
+    warn_plaintext_logins,
+)
+from . import compat, staging
+from . import state as app_states
+from .compat import Connection, FlaskMailState
+from .queueing import notifies, queue_rows
+from .signals import email_sent
+from .state import EXTENSION_KEY, AppState, app_state
+
+if TYPE_CHECKING:
+    from flask_sqlalchemy import SQLAlchemy
+
+logger = logging.getLogger(__name__)
+
+# One table of keys: the defaults in _config (a key added there is known here).
+_KNOWN_OUTBOX_KEYS = frozenset(key for key in CONFIG_DEFAULTS if key.startswith("OUTBOX_"))
+_MAX_KEY_LENGTH = 255
+
+
+def _check_unknown_keys(config: Any) -> None:
+    for key in config:
+        if key.startswith("OUTBOX_") and key not in _KNOWN_OUTBOX_KEYS:
+            close = difflib.get_close_matches(key, _KNOWN_OUTBOX_KEYS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(key, f"is not a flask-mail-outbox setting{hint}")
+
+
+def _refuse_memory_sqlite(uri: Any) -> None:
+    if not isinstance(uri, (str, sa.URL)):
+        return
+    url = sa.make_url(uri)
+    if url.get_backend_name() != "sqlite":
+        return
+    database = url.database or ""
+    if database in ("", ":memory:") or url.query.get("mode") == "memory" or \
+            database.startswith("file::memory:"):
+        raise ConfigError(
+            "SQLALCHEMY_DATABASE_URI",
+            f"{url.render_as_string()!r} is an in-memory SQLite database; the request and "
+            "the delivery thread would share one connection and one transaction. Use a file, "
+            "e.g. 'sqlite:///app.db' (tests: a file under tmp_path)")
+
+
+def _prepare_sqlite(app: Flask, db: SQLAlchemy) -> None:
+    """Put the app's SQLite database in WAL mode at start, before any writer."""
+    with app.app_context():
+        engine = db.engine
+        if engine.dialect.name != "sqlite":
+            return
+        with engine.connect() as conn:
+            cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                ensure_wal(cursor)
+            finally:
+                cursor.close()
+
+
+class OutboxExtension:
+    """Transactional email for Flask: registration, sending, and the outbox's own API.
+
+    ``mail.send(msg)`` adds the email to ``db.session`` as a ``queued`` row in
+    the caller's transaction; it is delivered in the background after the
+    outermost commit, and a rollback sends nothing.
+    """
+
+    def __init__(self, app: Flask | None = None, db: SQLAlchemy | None = None) -> None:
+        self._db = db
+        #: Flask-Mail's ``mail.state``: the Flask-Mail-compatible state of the app
+        #: given here; None in the factory style (``init_app`` returns it instead).
+        self.state: FlaskMailState | None = None
+        if app is not None:
+            self.state = self.init_app(app, db)
+
+    def init_app(self, app: Flask, db: SQLAlchemy | None = None) -> FlaskMailState:
+        """Register with ``app``: read and check the configuration, hook the session.
+
+        Also puts a Flask-Mail-compatible object at ``app.extensions["mail"]``
+        unless another extension (Flask-Mail itself) holds that key, and
+        returns it, as Flask-Mail's ``init_app`` returns its state.
+        """
+        if EXTENSION_KEY in app.extensions:
+            raise RuntimeError(
+                "A flask-mail-outbox extension is already registered on this app. "
+                "Create one OutboxMail per app and call init_app(app) once "
+                "(use the existing app.extensions['mail_outbox'].ext).")
+        db = db or self._db or app.extensions.get("sqlalchemy")
+        if db is None:
+            raise RuntimeError(
+                "flask-mail-outbox needs Flask-SQLAlchemy: create SQLAlchemy(app) (or call "
+                "db.init_app(app)) before OutboxMail(app), or pass OutboxMail(app, db=db).")
+        _refuse_memory_sqlite(app.config.get("SQLALCHEMY_DATABASE_URI"))
+        _check_unknown_keys(app.config)
+        config = load_config(app.config, instance_path=app.instance_path,
+                             testing=bool(app.config.get("TESTING")))
+        warn_plaintext_logins(config)
+        if config.dkim is not None:
+            config.dkim.check()  # signs a probe: a key that cannot sign fails here
+        state = AppState(self, app, db, config)
+        _prepare_sqlite(app, db)
+        app.extensions[EXTENSION_KEY] = state
+        app_states.all_states.add(state)
+        staging.install(db.session)
+        got_request_exception.connect(_request_failed, app, weak=False)
+        app.teardown_request(_teardown_request)
+        app_states.install_process_hooks()
+        if config.run_scheduler and app_states.serving_process(app):
+            state.serving = True
+            app.before_request(state.ensure_started)
+            if app_states.start_at_once(app):
+                state.start_scheduler()
+        return compat.register(self, app)
+
+    # -- state --------------------------------------------------------------------
+
+    def _state(self) -> AppState:
+        return app_state()
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send(self, msg: Message, *, key: str | None = None,
+             send_after: datetime | timedelta | None = None,
+             idempotency_key: str | None = None, transport: str | None = None,
+             priority: str = "normal") -> int:
+        """Queue ``msg`` in the current ``db.session`` transaction; return the row id.
+
+        Validates first and raises :class:`InvalidMessage` (nothing written) on
+        bad input. Does not commit: the email goes out after the caller's
+        outermost commit, and a rollback discards it. With an
+        ``idempotency_key`` already stored, returns that row's id and adds
+        nothing. ``transport`` names one of ``OUTBOX_TRANSPORTS`` (None: the
+        default one). ``priority`` (``"high"``, ``"normal"``, ``"low"``): among
+        due emails, higher goes first; within a ``key``, ``send()`` order wins.
+        """
+        state = self._state()
+        check_message(msg)
+        check_key("key", key)
+        check_key("idempotency_key", idempotency_key)
+        row = prepare_row(msg, state.config, key=key, due_at=due_at_of(send_after),
+                          idempotency_key=idempotency_key, priority=priority_rank(priority),
+                          transport=transport_name(transport, state.config))
+        session = state.db.session()
+        dialect = email_dialect(session)
+        notify = notifies(state, dialect)
+        email_id, created, waits = insert_email(session, row.values, row.attachments,
+                                                notify=notify, dialect=dialect,
+                                                recipients=row.recipients)
+        if created:
+            staging.stage(session, staging.StagedEmail(
+                email_id=email_id, due_now=row.due_now, publisher=state, notified=notify,
+                waits_on_key=key if waits else None, urgent=row.urgent))
+        return email_id
+
+    def send_many(self, messages: Iterable[Message], *, key: str | None = None,
+                  send_after: datetime | timedelta | None = None,
+                  transport: str | None = None, priority: str = "normal") -> list[int]:
+        """Queue many messages in the current transaction, all or nothing; their row ids.
+
+        The same rows, statuses, order, signals and delivery as
+        ``[mail.send(m, key=key, send_after=send_after, transport=transport,
+        priority=priority) for m in messages]``, in one multi-row INSERT. Every message is validated before anything
+        is written: a bad one raises :class:`InvalidMessage` naming its index
+        (``messages[3].recipients: ...``) and nothing is added. Does not commit.
+        """
+        check_key("key", key)
+        due_at = due_at_of(send_after)
+        rank = priority_rank(priority)
+        state = self._state()
+        name = transport_name(transport, state.config)
+        rows: list[QueuedRow] = []
+        for index, msg in enumerate(messages):
+            try:
+                check_message(msg)
+                rows.append(prepare_row(msg, state.config, key=key, due_at=due_at,
+                                        priority=rank, transport=name))
+            except InvalidMessage as exc:
+                raise InvalidMessage(f"messages[{index}].{exc.field}", exc.problem) from exc
+        return queue_rows(state, rows, key=key)
+
+    def send_message(self, *args: Any, **kwargs: Any) -> int:
+        """``send(Message(*args, **kwargs))`` (Flask-Mail's shortcut)."""
+        return self.send(Message(*args, **kwargs))
+
+    def connect(self) -> Connection:
+        """Flask-Mail's bulk idiom: ``with mail.connect() as conn: conn.send(msg)``.
+
+        Each ``conn.send(msg)`` validates at once; the block's messages are
+        queued in the current transaction with one ``send_many`` when it ends
+        (see :class:`~._compat.Connection`). It commits nothing.
+        """
+        return Connection(self)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def create_all(self) -> None:
+        """Create the outbox tables (development and tests; production uses migrations)."""
+        state = self._state()
+        metadata.create_all(state.db.engine)
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until this process has no delivery in flight; True when idle.
+
+        It does not wait for other processes.
+        """
+        outbox = self._state().current_outbox()
+        if outbox is None or not outbox.has_worker:
+            return True
+        return outbox.worker.wait_idle(timeout)
+
+    def stop(self, timeout: float = 10) -> None:
+        """Stop this process's delivery threads for every app; idempotent.
+
+        Messages claimed but not yet handed to the server are given back at
+        once; the ones the server is receiving get ``timeout`` seconds to
+        finish and have their outcomes recorded. What this
+        process gives back, or had been handed after a commit and never
+        claimed, is ``queued`` and marked so the next sweep of any process
+        takes it whatever its age; rows still being sent past the timeout
+        stay ``sending`` until their lease expires and a sweep takes them.
+        Logs at INFO what it gave back and what takes it.
+        """
+        for state in list(app_states.all_states):
+            if state.ext is self:
+                state.stop(timeout)
+
+    @property
+    def durable(self) -> bool:
+        """Whether durable delivery is in force (the shared runtime setting)."""
+        return self._state().durable()
+
+    def set_durable(self, on: bool) -> None:
+        """Switch every process sharing the database to durable (True) or inline delivery.
+
+        Commits its own work. Nothing is stranded either way: the claim is the
+        single gate, and whichever mode is in force takes due rows.
+        """
+        if not isinstance(on, bool):
+            raise TypeError(f"set_durable() takes True or False, got {on!r}")
+        self._state().outbox().set_mode(Mode.DURABLE if on else Mode.INLINE)
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest dead-lettered (``failed``) emails, with their failure history."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive integer, got {limit!r}")
+        return self._state().outbox().reader.dead_letters(limit)
+
+    def retry(self, email_id: int) -> None:
+        """Put a dead letter back: ``queued``, attempts reset to 0, due now (commits).
+
+        Raises ``LookupError`` when ``email_id`` is not a dead-lettered email,
+        ``TypeError`` when it is not an int.
+        """
+        if isinstance(email_id, bool) or not isinstance(email_id, int):
+            raise TypeError(f"email_id must be an int, got {type(email_id).__name__}")
+        if not 1 <= email_id < 2**63:  # ids are BIGINT: larger ones overflow the driver
+            raise LookupError(f"email {email_id} is not a dead letter (no such id)")
+        state = self._state()
+        if not state.outbox().store.retry_failed(email_id):
+            raise LookupError(f"email {email_id} is not a dead letter (no failed row with "
+                              "that id)")
+        state.deliver_soon([email_id])
+
+    def retry_all(self) -> int:
+        """Put every dead letter back at once (commits); how many went back.
+
+        One set-based UPDATE however many there are (``retry()`` in a loop
+        would be a transaction each), then delivery starts as for ``retry()``.
+        In inline mode at most the worker's queue is handed over at once; the
+        sweep delivers the rest.
+        """
+        state = self._state()
+        ids = state.outbox().store.retry_all_failed()
+        state.deliver_soon(ids)
+        return len(ids)
+
+    @contextmanager
+    def record_messages(self) -> Iterator[list[DeliveredMessage]]:
+        """Yield a list that fills with every message delivered meanwhile.
+
+        Works with any transport; with the memory transport (``TESTING``)
+        delivery happens inside ``commit()``, so messages are there as soon as
+        ``commit()`` returns.
+        """
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        outbox: list[DeliveredMessage] = []
+
+        def record(sender: Flask, message: DeliveredMessage, **_: Any) -> None:
+            outbox.append(message)
+
+        with email_sent.connected_to(record, app):
+            yield outbox
+
+    def sweep(self, min_age: float | None = None, limit: int | None = None,
+              dry_run: bool = False) -> SweepReport:
+        """Run one sweep now, in this thread (see :class:`SweepReport`).
+
+        ``min_age`` defaults to ``OUTBOX_SWEEP_MIN_AGE_SECONDS`` and ``limit``
+        to ``OUTBOX_SWEEP_BATCH``. Commits its own work; database errors raise.
+        """
+        return run_sweep(self._state().outbox(), min_age=min_age, limit=limit, dry_run=dry_run)
+
+    def wait_sweep(self, timeout: float) -> SweepReport | None:
+        """Wait for this process's startup sweep; its report, or None (not run, failed)."""
+        state = self._state()
+        state.ensure_started()
+        scheduler = state.scheduler
+        if scheduler is None:
+            return None
+        scheduler.startup_done.wait(timeout)
+        return scheduler.startup_report
+
+    def stats(self) -> dict[str, Any]:
+        """Counts per status, oldest queued age, dead letters, mode, last sweep, dispatcher.
+
+        The shape ``flask outbox status --json`` prints (without
+        ``dispatcher``), listed field by field in docs/operations.md. The last sweep
+        comes from the database, so it is the last of any process; the
+        dispatcher is this process's (None when it runs none).
+        """
+        outbox = self._state().outbox()
+        reader = outbox.reader
+        counts = reader.counts()
+        oldest_queued_age = reader.oldest_queued_age()
+        last = load_last_report(reader)
+        dispatcher = outbox.dispatcher
+        return {
+            "counts": counts,
+            "oldest_queued_age_seconds": oldest_queued_age,
+            "dead_letters": counts.get(Status.FAILED.value, 0),
+            "mode": outbox.mode().value,
+            "last_sweep": last.as_dict() if last is not None else None,
+            "dispatcher": None if dispatcher is None else {
+                "running": dispatcher.running, "ticks": dispatcher.claims,
+                "last_tick_failed": dispatcher.last_claim_failed,
+                "listening": dispatcher.listening,
+            },
+        }
+
+
+def _request_failed(sender: Flask, **_: Any) -> None:
+    staging.mark_request_failed()
+
+
+def _teardown_request(exc: BaseException | None) -> None:
+    if exc is not None:
+        staging.mark_request_failed()

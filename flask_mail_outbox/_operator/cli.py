@@ -1,0 +1,374 @@
+"""The ``flask outbox`` command group (registered through ``flask.commands``)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import click
+from flask import current_app
+from flask.cli import AppGroup
+
+from .._compose.message import Message
+from .._errors import InvalidMessage
+from .._flask.state import AppState, app_state
+from ..core import MAX_CONCURRENCY, utcnow
+
+if TYPE_CHECKING:
+    from .._flask.extension import OutboxExtension
+
+outbox_cli = AppGroup("outbox", help="Inspect and operate the email outbox.")
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _log_level_option(command: _F) -> _F:
+    """``--log-level``: a CLI command is an entry point, so it may set up logging.
+
+    When the root logger has no handler (the app configures no logging), the
+    library's records at that level (default INFO) go to stderr; otherwise
+    the app's handlers stay in charge and only the library's level is set
+    when the option is given.
+    """
+    # In the command's body, so after the app (and whatever logging it sets up) loaded.
+    @functools.wraps(command)
+    def configured(*args: Any, log_level: str | None = None, **kwargs: Any) -> Any:
+        _configure_logging(log_level)
+        return command(*args, **kwargs)
+
+    return cast(_F, click.option(
+        "--log-level", type=click.Choice(_LOG_LEVELS, case_sensitive=False), default=None,
+        help="Level of the outbox's log lines (default info, to stderr when the app "
+             "configures no logging).")(configured))
+
+
+def _configure_logging(level: str | None) -> None:
+    library = logging.getLogger("flask_mail_outbox")
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"))
+        root.addHandler(handler)
+        library.setLevel((level or "info").upper())
+    elif level is not None:
+        library.setLevel(level.upper())
+
+
+def _log_start(command: str, *, mode: str, concurrency: int | None = None) -> None:
+    """One INFO line: which database, transport, mode and concurrency (no password)."""
+    state = _state()
+    with current_app.app_context():
+        url = state.db.engine.url.render_as_string(hide_password=True)
+    config = state.config
+    if config.suppress_send:
+        transport = "memory (MAIL_SUPPRESS_SEND)"
+    else:
+        specs = config.transport_specs
+        transport = "; ".join(
+            ("" if len(specs) == 1 else f"{spec.name}: ")
+            + (f"smtp {spec.smtp.host}:{spec.smtp.port}" if spec.kind == "smtp" else spec.kind)
+            + (f" at {spec.rate}" if spec.rate else "")
+            + (f", failing over to {', '.join(spec.failover)}" if spec.failover else "")
+            for spec in specs)
+    logging.getLogger("flask_mail_outbox._operator.cli").info(
+        "flask outbox %s (pid %d): database %s, transport %s, mode %s%s", command,
+        os.getpid(), url, transport, mode,
+        "" if concurrency is None else f", concurrency {concurrency}")
+
+
+def _state() -> AppState:
+    try:
+        return app_state()
+    except RuntimeError:
+        raise click.ClickException(
+            "flask-mail-outbox is not registered on this app (call OutboxMail(app) or "
+            "mail.init_app(app) in your app factory)") from None
+
+
+def _extension() -> OutboxExtension:
+    mail: OutboxExtension = _state().ext
+    return mail
+
+
+@outbox_cli.command("send-test")
+@_log_level_option
+@click.option("--to", "to", required=True, metavar="ADDRESS", help="Recipient address.")
+@click.option("--subject", default="flask-mail-outbox test email", show_default=True)
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=60.0,
+              show_default=True, help="Seconds to wait for the delivery.")
+@click.option("--transport", "transport", default=None, metavar="NAME",
+              help="One of OUTBOX_TRANSPORTS (default: the default transport).")
+def send_test(to: str, subject: str, timeout: float, transport: str | None) -> None:
+    """Send one real email through the configured transport and report the outcome."""
+    state = _state()
+    mail, db = state.ext, state.db
+    message = Message(subject, recipients=[to],
+                      body="This is a test email from flask-mail-outbox (flask outbox send-test).")
+    try:
+        email_id = mail.send(message, transport=transport)
+    except InvalidMessage as exc:
+        hint = {"subject": "--subject", "transport": "--transport"}.get(exc.field, "--to")
+        raise click.BadParameter(str(exc), param_hint=hint) from exc
+    db.session.commit()
+    idle = mail.wait_idle(timeout)
+    row = state.outbox().reader.email_outcome(email_id)
+    click.echo(f"email {email_id} {row['message_id']}: {row['status']} "
+               f"after {row['attempts']} attempt(s)")
+    if row["status"] != "sent":
+        detail = row["last_error"] or ("still in progress" if not idle else "not delivered")
+        click.echo(f"error: {detail}", err=True)
+        mail.stop()
+        sys.exit(1)
+    mail.stop()
+
+
+@outbox_cli.command("worker")
+@_log_level_option
+@click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=None,
+              help="Concurrent SMTP connections (sends in flight) in this process "
+                   "[default: OUTBOX_CONCURRENCY, 4 unless set].")
+@click.option("--once", is_flag=True, help="Deliver what is due now, then exit 0.")
+@click.option("--shutdown-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="Seconds sends in flight get to finish on SIGTERM/SIGINT.")
+def worker(concurrency: int | None, once: bool, shutdown_timeout: float) -> None:
+    """Run a durable dispatcher in the foreground (whatever the mode setting says).
+
+    Any number of workers, on any number of machines sharing one PostgreSQL,
+    cooperate: each claims its rows with FOR UPDATE SKIP LOCKED under a lease.
+    SIGTERM or SIGINT stops claiming, lets sends in flight finish (or releases
+    them after --shutdown-timeout) and exits 0.
+    """
+    state = _state()
+    if concurrency is not None and state.current_outbox() is None:
+        state.concurrency = concurrency
+    worker = state.outbox().dispatch(hand_ticked=True)  # its loop runs here, in the foreground
+    log = logging.getLogger("flask_mail_outbox.worker")
+    _log_start("worker" + (" --once" if once else ""), mode="durable (a worker always is)",
+               concurrency=state.concurrency)
+    if not once and state.config.run_scheduler:
+        # The startup sweep, as in any serving process; the dispatcher is this loop.
+        state.start_scheduler(start_dispatcher=False)
+    if once:
+        delivered = worker.drain()
+        click.echo(f"worker --once: {delivered} email(s) handled")
+        state.stop(shutdown_timeout)
+        return
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("Received %s: finishing sends in flight, then exiting",
+                 signal.Signals(signum).name)
+        worker.request_stop()
+        # Past the timeout, messages not yet handed to the server are given back.
+        timer = threading.Timer(shutdown_timeout, worker.cancel_unstarted)
+        timer.daemon = True
+        timer.start()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    log.info("outbox worker started (pid %d, concurrency %d)", os.getpid(),
+             state.concurrency)
+    try:
+        worker.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        state.stop(shutdown_timeout)
+    log.info("outbox worker stopped")
+
+
+@outbox_cli.command("durable")
+@_log_level_option
+@click.argument("action", type=click.Choice(["on", "off", "status"]))
+def durable(action: str) -> None:
+    """Switch every process sharing the database to durable (on) or inline (off) delivery."""
+    mail = _extension()
+    if action == "status":
+        click.echo("durable" if mail.durable else "inline")
+        return
+    mail.set_durable(action == "on")
+    click.echo(f"delivery mode is now {'durable' if action == 'on' else 'inline'} "
+               "for every process (each sees it within OUTBOX_SETTINGS_TTL_SECONDS)")
+    mail.stop()
+
+
+def _print_report(report: Any) -> None:
+    fields = report.as_dict()
+    width = max(len(k) for k in fields)
+    for name, value in fields.items():
+        click.echo(f"{name:<{width}}  {value}")
+
+
+@outbox_cli.command("sweep")
+@_log_level_option
+@click.option("--min-age", type=click.FloatRange(0), default=None,
+              help="Seconds a queued row must have waited (default OUTBOX_SWEEP_MIN_AGE_SECONDS).")
+@click.option("--limit", type=click.IntRange(1), default=None,
+              help="Rows at most (default OUTBOX_SWEEP_BATCH).")
+@click.option("--dry-run", is_flag=True, help="Count what would be taken; change nothing.")
+def sweep(min_age: float | None, limit: int | None, dry_run: bool) -> None:
+    """Take rows left behind by a crash or a failed hand-over; exit 1 if any failed."""
+    mail = _extension()
+    _log_start("sweep" + (" --dry-run" if dry_run else ""),
+               mode="durable" if mail.durable else "inline",
+               concurrency=_state().concurrency)
+    try:
+        report = mail.sweep(min_age=min_age, limit=limit, dry_run=dry_run)
+    finally:
+        mail.wait_idle(5)
+    _print_report(report)
+    mail.stop()
+    if report.failed:
+        sys.exit(1)
+
+
+@outbox_cli.command("status")
+@_log_level_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(as_json: bool) -> None:
+    """Rows per status, the oldest queued row's age, the mode and the last sweep."""
+    import json
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    mail = _extension()
+    try:
+        stats = mail.stats()
+    except SQLAlchemyError as exc:
+        # The type only: a driver's message may name hosts and users.
+        raise click.ClickException(
+            f"cannot read the outbox tables ({type(exc).__name__}): check the database "
+            "connection and that the tables exist (`flask db upgrade outbox@head`)") from exc
+    finally:
+        mail.stop()
+    stats.pop("dispatcher", None)  # this CLI process runs none
+    if as_json:
+        click.echo(json.dumps(stats, indent=2, sort_keys=True))
+        return
+    click.echo(f"mode: {stats['mode']}")
+    for name, count in stats["counts"].items():
+        click.echo(f"  {name:<8} {count:>10}")
+    age = stats["oldest_queued_age_seconds"]
+    click.echo("oldest queued: " + ("none" if age is None else f"{age:.0f} s"))
+    last = stats["last_sweep"]
+    if last is None:
+        click.echo("last sweep: never")
+    else:
+        kind = f", {last['kind']}" if last.get("kind") else ""
+        gated = (f", {last['age_gated']} younger under the age gate until "
+                 f"{last['age_gated_until']}" if last.get("age_gated") else "")
+        click.echo(f"last sweep: {last['started_at']} ({last['mode']}{kind}): scanned "
+                   f"{last['scanned']}, requeued {last['requeued']}, sent {last['sent']}, "
+                   f"failed {last['failed']}, skipped {last['skipped']}, truncated "
+                   f"{last['truncated']}{gated}")
+
+
+@outbox_cli.group("dlq")
+def dlq() -> None:
+    """The dead-letter list (emails whose delivery failed for good)."""
+
+
+@dlq.command("list")
+@_log_level_option
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+def dlq_list(limit: int) -> None:
+    """The newest dead letters with their last error."""
+    mail = _extension()
+    rows = mail.dead_letters(limit)
+    mail.stop()
+    if not rows:
+        click.echo("no dead letters")
+        return
+    click.echo(f"{'id':>8}  {'attempts':>8}  {'created':<19}  recipients / subject / last error")
+    for row in rows:
+        created = row["created_at"].isoformat(sep=" ", timespec="seconds")
+        click.echo(f"{row['id']:>8}  {row['attempts']:>8}  {created:<19}  "
+                   f"{', '.join(row['recipients'])}")
+        click.echo(f"{'':>41}{row['subject']!r}")
+        click.echo(f"{'':>41}{row['last_error']}")
+
+
+@dlq.command("retry")
+@_log_level_option
+@click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
+@click.option("--all", "retry_all", is_flag=True, help="Every dead letter.")
+def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
+    """Put dead letters back in the queue (attempts reset, due now)."""
+    if bool(ids) == retry_all:
+        raise click.UsageError("give dead-letter ids, or --all (not both)")
+    mail = _extension()
+    missing = []
+    if retry_all:
+        done = mail.retry_all()
+    else:
+        for email_id in ids:
+            try:
+                mail.retry(email_id)
+            except LookupError:  # durability: ok unknown ids go to stderr with exit 1 below
+                missing.append(email_id)
+        done = len(ids) - len(missing)
+    mail.wait_idle(30)
+    mail.stop()
+    click.echo(f"{done} email(s) queued again")
+    if missing:
+        click.echo(f"not dead letters: {', '.join(map(str, missing))}", err=True)
+        sys.exit(1)
+
+
+@dlq.command("purge")
+@_log_level_option
+@click.option("--older-than", "days", type=click.FloatRange(0), default=None,
+              help="Only emails dead-lettered more than DAYS ago.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def dlq_purge(days: float | None, yes: bool) -> None:
+    """Delete dead letters for good."""
+    from datetime import timedelta
+
+    state = _state()
+    if not yes:
+        click.confirm("Delete dead letters" + (f" older than {days:g} days" if days else "")
+                      + " for good?", abort=True)
+    cutoff = None if days is None else utcnow() - timedelta(days=days)
+    deleted = state.outbox().store.delete_failed(older_than=cutoff)
+    state.stop(5)
+    click.echo(f"deleted {deleted} dead letter(s)")
+
+
+@outbox_cli.command("purge")
+@_log_level_option
+@click.option("--older-than", "days", type=click.FloatRange(0, min_open=True), required=True,
+              help="Delete sent emails sent more than DAYS ago.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--dry-run", is_flag=True, help="Only count them.")
+@click.option("--batch", type=click.IntRange(1), default=1000, show_default=True)
+def purge(days: float, yes: bool, dry_run: bool, batch: int) -> None:
+    """Delete old sent emails in batches (queued, sending and failed rows are kept)."""
+    from datetime import timedelta
+
+    state = _state()
+    outbox = state.outbox()
+    store = outbox.store
+    cutoff = utcnow() - timedelta(days=days)
+    total = outbox.reader.count_sent_before(cutoff)
+    if dry_run:
+        click.echo(f"{total} sent email(s) older than {days:g} day(s) would be deleted")
+        state.stop(5)
+        return
+    if total and not yes:
+        click.confirm(f"Delete {total} sent email(s) older than {days:g} day(s)?", abort=True)
+    deleted = 0
+    with click.progressbar(length=total, label="deleting", file=sys.stderr) as bar:
+        while True:
+            count = store.delete_sent(older_than=cutoff, batch=batch)
+            deleted += count
+            bar.update(count)
+            if count < batch:
+                break
+    state.stop(5)
+    click.echo(f"deleted {deleted} sent email(s)")

@@ -1,0 +1,156 @@
+"""The operator dashboard: an opt-in blueprint (``mail.dashboard_blueprint(authorize=...)``).
+
+Server-rendered pages (Jinja, one CSS file, no JavaScript) that answer "is mail
+flowing, what is stuck, and why", and fix it: retry or purge dead letters, switch
+the delivery mode.
+
+Security is not left to the host app:
+
+* ``authorize()`` runs before every page, action and static file; only ``True``
+  lets the request in, anything else is a 403 (a truthy user object, a redirect
+  response or a string is a mistake, not a yes; it is logged at ERROR once).
+  There is no default: without a callable the blueprint is refused.
+* Every action is a POST carrying a per-session CSRF token (kept in Flask's signed
+  session, so registering on an app without ``SECRET_KEY`` fails at once).
+* Jinja autoescapes every page; an email's html is shown only inside an
+  ``<iframe sandbox srcdoc=...>`` (no scripts, an opaque origin).
+* Every response carries a Content-Security-Policy that loads nothing but the
+  dashboard's stylesheet, lets the preview neither load from the app nor
+  navigate, and forbids framing the dashboard.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from flask import Blueprint, abort, request, session
+from flask.blueprints import BlueprintSetupState
+from werkzeug.wrappers import Response
+
+from ..._errors import ConfigError
+from ._views import Dashboard
+
+if TYPE_CHECKING:
+    from ..._flask.extension import OutboxExtension
+
+__all__ = ["CONTENT_SECURITY_POLICY", "make_blueprint"]
+
+logger = logging.getLogger(__name__)
+
+# The preview's srcdoc frame inherits this policy: an email's html may load no
+# image but an inline data: one (not even from the app: that would be a false
+# "opened" hit or a GET of an app page with the operator's cookies), and may not
+# navigate its frame anywhere (frame-src does not apply to srcdoc itself).
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; style-src 'self'; img-src data:; frame-src 'none'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+_CSRF_SESSION_KEY = "outbox_dashboard_csrf"
+_CSRF_FIELD = "csrf_token"
+
+
+def make_blueprint(mail: OutboxExtension, authorize: Callable[[], Any], *,
+                   name: str = "outbox_dashboard", page_size: int = 50) -> Blueprint:
+    """The dashboard for ``mail``, as a blueprint to register under a prefix.
+
+    ``authorize`` is called with no arguments (inside the request: read
+    ``flask.request``, ``flask_login.current_user``, ...) on every request to
+    the blueprint; only a result that ``is True`` lets the request in, any
+    other answers 403. A gate that fails open on a mistake such as
+    ``lambda: current_user`` (always truthy) is worse than none, so a result
+    that is not a bool is also logged at ERROR, once per blueprint.
+    ``page_size`` is the number of emails per list page.
+    """
+    if authorize is None or not callable(authorize):
+        raise TypeError(
+            "dashboard_blueprint() needs authorize=<callable returning True for operators>, "
+            f"got {authorize!r}: an operator page open to everyone is not a default this "
+            "library offers (e.g. authorize=lambda: current_user.is_admin)")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 500:
+        raise ValueError(f"page_size must be an integer from 1 to 500, got {page_size!r}")
+    bp = Blueprint(name, __name__, template_folder="templates", static_folder="static",
+                   static_url_path="/static")
+    bp.record_once(_require_secret_key)
+    bp.record(_require_safe_mount)
+
+    misused = False
+
+    @bp.before_request
+    def authorize_and_check_csrf() -> None:
+        nonlocal misused
+        allowed = authorize()
+        if allowed is not True:
+            if not isinstance(allowed, bool) and not misused:
+                misused = True
+                logger.error(
+                    "The outbox dashboard's authorize() returned a %s, not True or False; "
+                    "consequence: every request to the dashboard %r is refused with 403; "
+                    "fix: return a bool, e.g. authorize=lambda: current_user.is_authenticated "
+                    "and current_user.is_admin (not lambda: current_user)",
+                    type(allowed).__name__, name)
+            abort(403)
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            _check_csrf_token()
+
+    bp.after_request(_security_headers)
+    bp.context_processor(lambda: {"csrf_token": csrf_token})
+    Dashboard(mail, page_size=page_size).register(bp)
+    return bp
+
+
+def csrf_token() -> str:
+    """This session's CSRF token (created on first use)."""
+    token = session.get(_CSRF_SESSION_KEY)
+    if not isinstance(token, str):
+        token = session[_CSRF_SESSION_KEY] = secrets.token_urlsafe(32)
+    return token
+
+
+def _check_csrf_token() -> None:
+    expected = session.get(_CSRF_SESSION_KEY)
+    sent = request.form.get(_CSRF_FIELD, "")
+    if not isinstance(expected, str) or not hmac.compare_digest(sent.encode(), expected.encode()):
+        abort(400, description="The form's CSRF token is missing or does not match this "
+                               "session; reload the page and try again.")
+
+
+def _security_headers(response: Response) -> Response:
+    response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Frame-Options"] = "DENY"
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+def _require_safe_mount(state: BlueprintSetupState) -> None:
+    """At ``register_blueprint``: a prefix of its own, and templates that autoescape.
+
+    Without a prefix the dashboard's ``/`` and ``/static`` would be the app's.
+    Escaping is Jinja's, switched on by the app for ``.html`` templates (Flask's
+    default): an app that turned it off would render emails' subjects as markup.
+    """
+    if not (state.url_prefix or "").strip("/"):
+        raise ValueError(
+            "the outbox dashboard needs a url_prefix of its own, e.g. "
+            "app.register_blueprint(bp, url_prefix='/outbox'): without one its / and "
+            "/static would take the app's")
+    if not state.app.select_jinja_autoescape("outbox_dashboard/base.html"):
+        raise RuntimeError(
+            "the outbox dashboard needs Jinja autoescaping for .html templates (Flask's "
+            "default), which this app's select_jinja_autoescape() turns off: subjects and "
+            "error texts from emails would be rendered as markup")
+
+
+def _require_secret_key(state: BlueprintSetupState) -> None:
+    """At ``register_blueprint``: the CSRF token needs a signed session."""
+    if not state.app.config.get("SECRET_KEY"):
+        raise ConfigError(
+            "SECRET_KEY",
+            "the outbox dashboard keeps its CSRF token in Flask's session, which needs a "
+            "secret key; set app.config['SECRET_KEY'] (a long random value kept out of the "
+            "code) before registering the blueprint")

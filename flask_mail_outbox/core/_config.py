@@ -1,0 +1,501 @@
+"""Reading and validating configuration, once, in ``init_app``.
+
+Every ``MAIL_*`` / ``OUTBOX_*`` key is read here into a frozen
+:class:`OutboxConfig`. A value that cannot work raises :class:`ConfigError`
+naming the key, so a typo fails at start-up instead of at the first email.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any
+
+from .._compose.dkim import DKIMSigner, signed_header_names, signer_from
+from .._errors import ConfigError
+from ..transports import (
+    BUILTIN,
+    SMTPSettings,
+    Transport,
+    TransportSettings,
+    takes_legacy_config,
+    transport_class,
+)
+from ._settings import DEFAULT_TRANSPORT, OutboxConfig, Rate, TransportSpec
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1024 * 1024
+
+#: A stored transport name is at most this long (the ``transport`` column).
+MAX_NAME_LENGTH = 64
+
+#: The SMTP keys an entry may set (read like the app's keys of the same name).
+SMTP_KEYS = ("MAIL_SERVER", "MAIL_PORT", "MAIL_USE_TLS", "MAIL_USE_SSL", "MAIL_USERNAME",
+             "MAIL_PASSWORD", "MAIL_TIMEOUT")
+ENTRY_KEYS = ("transport", *SMTP_KEYS, "rate_limit", "concurrency", "failover")
+
+_PERIODS = {"s": 1.0, "sec": 1.0, "second": 1.0, "min": 60.0, "minute": 60.0,
+            "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*([a-z]+)\s*$")
+
+# Flask-Mail's keys keep Flask-Mail's defaults; the outbox's own keys follow
+# DESIGN.md. ``None`` for OUTBOX_SWEEP_INTERVAL_SECONDS means "by mode".
+_DEFAULTS: dict[str, Any] = {
+    "MAIL_SERVER": "127.0.0.1",
+    "MAIL_PORT": 25,
+    "MAIL_USE_TLS": False,
+    "MAIL_USE_SSL": False,
+    "MAIL_USERNAME": None,
+    "MAIL_PASSWORD": None,
+    "MAIL_DEFAULT_SENDER": None,
+    "MAIL_ASCII_ATTACHMENTS": False,
+    "MAIL_TIMEOUT": 10.0,
+    "OUTBOX_TRANSPORT": "smtp",
+    "OUTBOX_FILE_PATH": None,
+    "OUTBOX_DURABLE": False,
+    # 1 min, 2, 4, ... capped at an hour: a greylisting server (5-15 min) is
+    # passed by the 4th or 5th attempt, and 30 attempts keep trying for about a
+    # day, so a provider outage of hours dead-letters nothing (the table in docs/guide/modes.md).
+    "OUTBOX_MAX_ATTEMPTS": 30,
+    "OUTBOX_INLINE_RETRIES": 3,
+    "OUTBOX_RETRY_BASE_SECONDS": 60.0,
+    "OUTBOX_RETRY_MAX_SECONDS": 3600.0,
+    "OUTBOX_MAX_THROTTLE_DEFERRALS": 10,
+    "OUTBOX_LEASE_SECONDS": 30.0,
+    "OUTBOX_BATCH_SIZE": 100,
+    "OUTBOX_CONCURRENCY": 4,
+    "OUTBOX_POLL_INTERVAL": 0.5,
+    "OUTBOX_POLL_MAX_INTERVAL": 30.0,
+    "OUTBOX_LISTEN": True,
+    "OUTBOX_LISTEN_URL": None,
+    "OUTBOX_LISTEN_BACKSTOP_SECONDS": 120.0,
+    "OUTBOX_RUN_WORKER": True,
+    "OUTBOX_RATE_LIMIT": None,
+    # Named transports: {name: {"transport": ..., MAIL_* keys, "rate_limit": "14/s",
+    # "concurrency": n, "failover": [names]}}; MAIL_*/OUTBOX_TRANSPORT are "default".
+    "OUTBOX_TRANSPORTS": None,
+    "OUTBOX_SWEEP_ON_STARTUP": True,
+    "OUTBOX_SWEEP_MIN_AGE_SECONDS": 300.0,
+    "OUTBOX_SWEEP_BATCH": 500,
+    "OUTBOX_SWEEP_INTERVAL_SECONDS": None,
+    "OUTBOX_SETTINGS_TTL_SECONDS": 5.0,
+    "OUTBOX_MAX_MESSAGE_BYTES": 25 * _MIB,
+    "OUTBOX_ALLOW_LOCAL_ADDRESSES": False,
+    "OUTBOX_MESSAGE_ID_DOMAIN": None,
+    # An html message without ``body`` gets a text/plain rendering of the html.
+    "OUTBOX_HTML_TO_TEXT": True,
+    # RFC 6531 addresses (non-ASCII local parts), sent with SMTPUTF8.
+    "OUTBOX_ALLOW_SMTPUTF8": False,
+    # DKIM signing at delivery (extra ``dkim``): on when a key is set.
+    "OUTBOX_DKIM_DOMAIN": None,
+    "OUTBOX_DKIM_SELECTOR": None,
+    "OUTBOX_DKIM_PRIVATE_KEY": None,
+    "OUTBOX_DKIM_PRIVATE_KEY_FILE": None,
+    "OUTBOX_DKIM_HEADERS": None,  # None: _dkim.DEFAULT_SIGNED_HEADERS
+    "OUTBOX_TLS_VERIFY": True,
+    "OUTBOX_TLS_CA_FILE": None,
+    "OUTBOX_RETENTION_DAYS": None,
+    "OUTBOX_SCRUB_SENT": False,
+    "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS": 600.0,
+    # Not in Flask-Mail nor DESIGN.md's table: lets a process that imports the
+    # app without serving it (a script, a test) skip the sweep jobs.
+    "OUTBOX_RUN_SCHEDULER": True,
+}
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"1", "true", "yes", "on"}:
+        return True
+    if isinstance(value, str) and value.strip().lower() in {"0", "false", "no", "off", ""}:
+        return False
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(key, f"expected True or False, got {value!r}")
+
+
+def _number(key: str, value: Any, *, minimum: float, integer: bool = False,
+            allow_none: bool = False, strict_minimum: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value) if integer else float(value)
+        except ValueError:
+            raise ConfigError(key, f"expected a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if integer and value != int(value):
+        raise ConfigError(key, f"expected a whole number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ConfigError(key, f"expected a finite number, got {value!r}")
+    if value < minimum or (strict_minimum and value == minimum):
+        relation = "greater than" if strict_minimum else "at least"
+        raise ConfigError(key, f"must be {relation} {minimum:g}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _optional_str(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, f"expected a non-empty string or None, got {value!r}")
+    return value
+
+
+def _password(value: Any) -> str | None:
+    # Never echo the value: a wrong type is still somebody's password.
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ConfigError("MAIL_PASSWORD", f"expected a non-empty string or None, got "
+                                       f"{'an empty string' if value == '' else type(value).__name__}")
+
+
+def _sender(value: Any) -> str | tuple[str, str] | None:
+    if value is None or isinstance(value, str):
+        return value or None
+    if (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(isinstance(part, str) for part in value)):
+        return (value[0], value[1])
+    raise ConfigError("MAIL_DEFAULT_SENDER",
+                      f"expected 'addr@example.com' or ('Name', 'addr@example.com'), got {value!r}")
+
+
+class _Keys:
+    """``app.config`` read one key at a time, a key not set at its default (``_DEFAULTS``)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self._config = config
+
+    def get(self, key: str) -> Any:
+        return self._config.get(key, _DEFAULTS[key])
+
+    def flag(self, key: str) -> bool:
+        return _bool(key, self.get(key))
+
+    def number(self, key: str, *, minimum: float, integer: bool = False,
+               allow_none: bool = False, strict_minimum: bool = False) -> Any:
+        return _number(key, self.get(key), minimum=minimum, integer=integer,
+                       allow_none=allow_none, strict_minimum=strict_minimum)
+
+    def text(self, key: str) -> str | None:
+        return _optional_str(key, self.get(key))
+
+
+def load_config(config: Mapping[str, Any], *, instance_path: str,
+                testing: bool) -> OutboxConfig:
+    """Validate ``app.config`` and return the frozen settings.
+
+    Raises :class:`ConfigError` naming the first bad key.
+    """
+    keys = _Keys(config)
+    suppress = config.get("MAIL_SUPPRESS_SEND", testing)
+    smtp = _smtp_settings(keys.get)
+    file_path = _file_path(keys, instance_path)
+    poll, poll_max = _poll_intervals(keys)
+    base, retry_max = _retry_delays(keys)
+    domain = _message_id_domain(keys)
+    return OutboxConfig(
+        default_sender=_sender(keys.get("MAIL_DEFAULT_SENDER")),
+        ascii_attachments=keys.flag("MAIL_ASCII_ATTACHMENTS"),
+        suppress_send=_bool("MAIL_SUPPRESS_SEND", suppress),
+        durable=keys.flag("OUTBOX_DURABLE"),
+        max_attempts=keys.number("OUTBOX_MAX_ATTEMPTS", minimum=1, integer=True),
+        inline_retries=keys.number("OUTBOX_INLINE_RETRIES", minimum=0, integer=True),
+        retry_base_seconds=base,
+        retry_max_seconds=retry_max,
+        max_throttle_deferrals=keys.number("OUTBOX_MAX_THROTTLE_DEFERRALS", minimum=0,
+                                           integer=True),
+        lease_seconds=keys.number("OUTBOX_LEASE_SECONDS", minimum=1),
+        batch_size=keys.number("OUTBOX_BATCH_SIZE", minimum=1, integer=True),
+        concurrency=_concurrency(keys),
+        poll_interval=poll,
+        poll_max_interval=poll_max,
+        listen=keys.flag("OUTBOX_LISTEN"),
+        listen_url=keys.text("OUTBOX_LISTEN_URL"),
+        listen_backstop_seconds=keys.number("OUTBOX_LISTEN_BACKSTOP_SECONDS", minimum=0,
+                                            strict_minimum=True),
+        run_worker=keys.flag("OUTBOX_RUN_WORKER"),
+        transport_specs=_transport_specs(keys, smtp, file_path),
+        sweep_on_startup=keys.flag("OUTBOX_SWEEP_ON_STARTUP"),
+        sweep_min_age_seconds=keys.number("OUTBOX_SWEEP_MIN_AGE_SECONDS", minimum=0),
+        sweep_batch=keys.number("OUTBOX_SWEEP_BATCH", minimum=1, integer=True),
+        sweep_interval_seconds=keys.number("OUTBOX_SWEEP_INTERVAL_SECONDS", minimum=0,
+                                           strict_minimum=True, allow_none=True),
+        settings_ttl_seconds=keys.number("OUTBOX_SETTINGS_TTL_SECONDS", minimum=0),
+        max_message_bytes=keys.number("OUTBOX_MAX_MESSAGE_BYTES", minimum=1, integer=True),
+        allow_local_addresses=keys.flag("OUTBOX_ALLOW_LOCAL_ADDRESSES"),
+        message_id_domain=domain,
+        retention_days=keys.number("OUTBOX_RETENTION_DAYS", minimum=0, strict_minimum=True,
+                                   allow_none=True),
+        scrub_sent=keys.flag("OUTBOX_SCRUB_SENT"),
+        health_max_queued_age_seconds=keys.number("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
+                                                  minimum=0, strict_minimum=True),
+        run_scheduler=keys.flag("OUTBOX_RUN_SCHEDULER"),
+        html_to_text=keys.flag("OUTBOX_HTML_TO_TEXT"),
+        allow_smtputf8=keys.flag("OUTBOX_ALLOW_SMTPUTF8"),
+        dkim=_dkim_signer(keys),
+    )
+
+
+#: The most SMTP connections one process opens per transport (``--concurrency`` too).
+MAX_CONCURRENCY = 256
+
+
+def _concurrency(keys: _Keys) -> int:
+    """OUTBOX_CONCURRENCY: connections per process (a stream's sends in flight)."""
+    return _concurrency_value("OUTBOX_CONCURRENCY", keys.get("OUTBOX_CONCURRENCY"))
+
+
+def _concurrency_value(key: str, value: Any) -> int:
+    checked: int = _number(key, value, minimum=1, integer=True)
+    if checked > MAX_CONCURRENCY:
+        raise ConfigError(key, f"must be at most {MAX_CONCURRENCY}, got {value!r}")
+    return checked
+
+
+def _transport_specs(keys: _Keys, smtp: SMTPSettings,
+                     file_path: str) -> tuple[TransportSpec, ...]:
+    """OUTBOX_TRANSPORTS, with the ``MAIL_*`` / ``OUTBOX_*`` keys as the implicit default.
+
+    Each entry names a transport (a built-in or ``module:Class``), its SMTP
+    settings spelled like Flask-Mail's keys, and its own ``concurrency``,
+    ``rate_limit`` and ``failover`` list; an entry named ``"default"`` replaces
+    the implicit one. An entry's SMTP settings never inherit the app's
+    ``MAIL_*`` values (a second provider must not receive the first one's
+    password): what it leaves out takes Flask-Mail's defaults.
+    """
+    kind = keys.get("OUTBOX_TRANSPORT")
+    specs = {DEFAULT_TRANSPORT: TransportSpec(
+        name=DEFAULT_TRANSPORT, kind=kind, cls=_transport_class(kind, "OUTBOX_TRANSPORT"),
+        settings=TransportSettings(name=DEFAULT_TRANSPORT, smtp=smtp, file_path=file_path),
+        rate=parse_rate("OUTBOX_RATE_LIMIT", keys.number(
+            "OUTBOX_RATE_LIMIT", minimum=0, strict_minimum=True, allow_none=True)))}
+    raw = keys.get("OUTBOX_TRANSPORTS")
+    if raw is None:
+        return tuple(specs.values())
+    if not isinstance(raw, Mapping) or not raw:
+        raise ConfigError("OUTBOX_TRANSPORTS",
+                          f"expected a dict of transport name -> settings, got {raw!r}")
+    for name, entry in raw.items():
+        check_name("OUTBOX_TRANSPORTS", name)
+        specs[name] = _entry(name, entry, keys, file_path)
+    for spec in specs.values():
+        for other in spec.failover:
+            if other not in specs:
+                raise ConfigError(f'OUTBOX_TRANSPORTS["{spec.name}"]["failover"]',
+                                  f"names {other!r}, which is not a transport here "
+                                  f"(known: {', '.join(sorted(specs))})")
+            if other == spec.name:
+                raise ConfigError(f'OUTBOX_TRANSPORTS["{spec.name}"]["failover"]',
+                                  "a transport cannot fail over to itself")
+    return tuple(specs.values())
+
+
+def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
+    prefix = f'OUTBOX_TRANSPORTS["{name}"]'
+    if not isinstance(entry, Mapping):
+        raise ConfigError(prefix, f"expected a dict of settings, got {entry!r}")
+    kind = entry.get("transport", "smtp")
+    cls = _transport_class(kind, f'{prefix}["transport"]')
+    unknown = sorted(set(entry) - set(ENTRY_KEYS), key=str)
+    if unknown and kind in BUILTIN:
+        raise ConfigError(f'{prefix}["{unknown[0]}"]',
+                          f"unknown setting; an entry takes {', '.join(ENTRY_KEYS)}")
+    failover = entry.get("failover", ())
+    if isinstance(failover, str) or not isinstance(failover, (list, tuple)):
+        raise ConfigError(f'{prefix}["failover"]',
+                          f"expected a list of transport names, got {failover!r}")
+
+    def get(key: str) -> Any:
+        # TLS verification stays the app's: one trust policy per app.
+        return keys.get(key) if key.startswith("OUTBOX_TLS_") else entry.get(key, _DEFAULTS[key])
+
+    concurrency = entry.get("concurrency")
+    return TransportSpec(
+        name=name,
+        kind=kind,
+        cls=cls,
+        # A custom transport's own keys reach it as ``settings.options``.
+        settings=TransportSettings(name=name, smtp=_smtp_settings(get, prefix),
+                                   file_path=file_path,
+                                   options={key: entry[key] for key in unknown}),
+        rate=parse_rate(f'{prefix}["rate_limit"]', entry.get("rate_limit")),
+        concurrency=(None if concurrency is None
+                     else _concurrency_value(f'{prefix}["concurrency"]', concurrency)),
+        failover=tuple(check_name(f'{prefix}["failover"]', n) for n in failover),
+    )
+
+
+def _transport_class(kind: Any, key: str) -> type[Transport]:
+    """The class ``kind`` names; a deprecation warning for one built from the app config."""
+    cls = transport_class(kind, key)
+    if takes_legacy_config(cls):
+        warnings.warn(
+            f"{key}: {cls.__module__}.{cls.__qualname__}.__init__(config) takes the whole app "
+            "config, which is deprecated and stops working in the next release: give it an "
+            "__init__ without that argument, and a classmethod from_settings(cls, settings) "
+            "when it needs its OUTBOX_TRANSPORTS entry (flask_mail_outbox.transports."
+            "TransportSettings: .smtp, .file_path, .concurrency, .options)",
+            DeprecationWarning, stacklevel=_caller_outside_package())
+    return cls
+
+
+def _caller_outside_package() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside this package."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _smtp_settings(get: Any, prefix: str = "") -> SMTPSettings:
+    """The ``smtp`` transport's settings, from Flask-Mail's keys and the TLS ones.
+
+    ``get(key)`` reads a key; errors name ``prefix + key`` (a named transport's entry).
+    """
+    def field(key: str) -> str:
+        return f'{prefix}["{key}"]' if prefix else key
+
+    def number(key: str, **kw: Any) -> Any:
+        return _number(field(key), get(key), **kw)
+
+    port = number("MAIL_PORT", minimum=1, integer=True)
+    if port > 65535:
+        raise ConfigError(field("MAIL_PORT"), f"must be at most 65535, got {port!r}")
+    use_tls = _bool(field("MAIL_USE_TLS"), get("MAIL_USE_TLS"))
+    use_ssl = _bool(field("MAIL_USE_SSL"), get("MAIL_USE_SSL"))
+    if use_tls and use_ssl:
+        raise ConfigError(field("MAIL_USE_TLS"),
+                          "MAIL_USE_TLS (STARTTLS) and MAIL_USE_SSL (implicit TLS) are exclusive; "
+                          "use MAIL_USE_SSL with port 465 or MAIL_USE_TLS with port 587")
+    host = get("MAIL_SERVER")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(field("MAIL_SERVER"), f"expected a host name, got {host!r}")
+    password = get("MAIL_PASSWORD")
+    if prefix and password is not None and not (isinstance(password, str) and password):
+        raise ConfigError(field("MAIL_PASSWORD"), "expected a non-empty string or None")
+    return SMTPSettings(
+        host=host,
+        port=port,
+        use_tls=use_tls,
+        use_ssl=use_ssl,
+        username=_optional_str(field("MAIL_USERNAME"), get("MAIL_USERNAME")),
+        password=password if prefix else _password(password),
+        timeout=number("MAIL_TIMEOUT", minimum=0, strict_minimum=True),
+        tls_verify=_bool("OUTBOX_TLS_VERIFY", get("OUTBOX_TLS_VERIFY")),
+        tls_ca_file=_optional_str("OUTBOX_TLS_CA_FILE", get("OUTBOX_TLS_CA_FILE")),
+    )
+
+
+def _file_path(keys: _Keys, instance_path: str) -> str:
+    """The ``file`` transport's folder: ``OUTBOX_FILE_PATH``, or one in the instance folder."""
+    file_path = keys.get("OUTBOX_FILE_PATH")
+    if file_path is None:
+        return f"{instance_path}/outbox-mail"
+    if not isinstance(file_path, str) or not file_path:
+        raise ConfigError("OUTBOX_FILE_PATH", f"expected a folder path, got {file_path!r}")
+    return file_path
+
+
+def _poll_intervals(keys: _Keys) -> tuple[float, float]:
+    """The idle poll's first and longest interval, the longest no shorter than the first."""
+    poll = keys.number("OUTBOX_POLL_INTERVAL", minimum=0, strict_minimum=True)
+    poll_max = keys.number("OUTBOX_POLL_MAX_INTERVAL", minimum=0, strict_minimum=True)
+    if poll_max < poll:
+        raise ConfigError("OUTBOX_POLL_MAX_INTERVAL",
+                          f"must be at least OUTBOX_POLL_INTERVAL ({poll:g}), got {poll_max:g}")
+    return poll, poll_max
+
+
+def _retry_delays(keys: _Keys) -> tuple[float, float]:
+    """The retry backoff's first and longest delay, the longest no shorter than the first."""
+    base = keys.number("OUTBOX_RETRY_BASE_SECONDS", minimum=0)
+    retry_max = keys.number("OUTBOX_RETRY_MAX_SECONDS", minimum=0)
+    if retry_max < base:
+        raise ConfigError("OUTBOX_RETRY_MAX_SECONDS",
+                          f"must be at least OUTBOX_RETRY_BASE_SECONDS ({base:g}), got {retry_max:g}")
+    return base, retry_max
+
+
+def _dkim_signer(keys: _Keys) -> DKIMSigner | None:
+    """The ``OUTBOX_DKIM_*`` keys: None when DKIM is off (``init_app`` probes the key)."""
+    headers = signed_header_names(keys.get("OUTBOX_DKIM_HEADERS"))
+    return signer_from(keys.text, keys.get("OUTBOX_DKIM_PRIVATE_KEY"),
+                       keys.get("OUTBOX_DKIM_PRIVATE_KEY_FILE"), headers)
+
+
+def _message_id_domain(keys: _Keys) -> str | None:
+    """``OUTBOX_MESSAGE_ID_DOMAIN``: None, or a name that fits in a Message-ID."""
+    domain = keys.text("OUTBOX_MESSAGE_ID_DOMAIN")
+    if domain is not None and any(c in domain for c in "\r\n\0<>@ "):
+        raise ConfigError("OUTBOX_MESSAGE_ID_DOMAIN", f"not a domain name: {domain!r}")
+    return domain
+
+
+def parse_rate(key: str, value: Any) -> Rate | None:
+    """``"14/s"``, ``"600/min"``, ``"1000/h"``, ``"50000/day"``, or a number (per second)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(key, f"must be a positive number of messages per second, "
+                                   f"got {value!r}")
+        return Rate(float(value), 1.0)
+    match = _RATE.match(value) if isinstance(value, str) else None
+    if match is None or match.group(2) not in _PERIODS:
+        raise ConfigError(key, f"expected a rate such as '14/s', '600/min', '1000/h' or "
+                               f"'50000/day', got {value!r}")
+    count = float(match.group(1))
+    if count <= 0:
+        raise ConfigError(key, f"must be more than 0 messages, got {value!r}")
+    return Rate(count, _PERIODS[match.group(2)])
+
+
+def check_name(field: str, name: Any) -> str:
+    """A transport name as stored: a non-empty string of at most 64 characters."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
+        raise ConfigError(field, f"a transport name is a non-empty string of at most "
+                                 f"{MAX_NAME_LENGTH} characters, got {name!r}")
+    return name
+
+
+def warn_plaintext_logins(config: OutboxConfig) -> None:
+    """Warn for each SMTP transport whose login would cross the network unencrypted.
+
+    Flask-Mail logs in whatever the connection, and so does the outbox (a
+    relay on the same host is a fair setup); to another host the password
+    travels in clear unless ``MAIL_USE_TLS`` or ``MAIL_USE_SSL`` is on.
+    """
+    if config.suppress_send:
+        return
+    for spec in config.transport_specs:
+        s = spec.smtp
+        if spec.kind != "smtp" or not s.username or s.use_tls or s.use_ssl \
+                or _is_loopback(s.host):
+            continue
+        where = "" if spec.name == DEFAULT_TRANSPORT else f' (OUTBOX_TRANSPORTS["{spec.name}"])'
+        logger.warning(
+            "MAIL_USERNAME is set but neither MAIL_USE_TLS nor MAIL_USE_SSL is%s: the SMTP "
+            "login to %s:%s will send the password unencrypted. Set MAIL_USE_TLS=True "
+            "(STARTTLS) or MAIL_USE_SSL=True.", where, s.host, s.port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

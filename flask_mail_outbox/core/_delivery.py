@@ -1,0 +1,494 @@
+"""Delivering claimed rows: what each result means, and recording it.
+
+Every way of delivering goes through :class:`Delivery`: the store's
+compare-and-set claim is the only gate, the transport sends, and
+:meth:`Delivery.finish` turns each result into an outcome
+(:func:`outcome_for`, a pure function of the result and the retry policy),
+records it (retried while the database is briefly away), reports what needs
+reporting and tells the owner's :class:`Callbacks`. A :class:`Heartbeat` renews the leases of
+rows still being sent, so a slow server never causes a second copy.
+
+The loop that feeds it, in both modes, is :class:`~._worker.Worker`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection, Sequence
+from email.message import EmailMessage
+from email.parser import BytesParser
+from email.policy import default as default_policy
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from .. import _degrade
+from .._errors import PermanentError, TransientError, TransportError
+from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Transport
+from ._models import Status
+from ._retry import RetryPolicy
+from ._store import ClaimedEmail, KeptConnection, Outcome, Reaped, Recorded, Store
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from .._compose.dkim import DKIMSigner
+    from ._settings import OutboxConfig
+
+logger = logging.getLogger(__name__)
+
+_owner_counter = itertools.count(1)
+_HOST = socket.gethostname()
+
+#: Why a row claimed past its last attempt is dead-lettered unsent.
+SPENT_LEASE = "lease expired: the process sending it stopped, and its attempts are spent"
+
+
+def new_owner() -> str:
+    """A lease owner token, unique per claim (host, pid, sequence, random)."""
+    return f"{_HOST[:40]}:{os.getpid()}:{next(_owner_counter)}:{uuid.uuid4().hex[:8]}"
+
+
+def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None) -> Envelope:
+    """What the transport needs of a claimed row, DKIM-signed afresh when ``dkim`` is given."""
+    mime = email.mime if dkim is None else dkim.signed(email.id, email.mime)
+    return Envelope(email_id=email.id, sender=email.sender, recipients=email.recipients,
+                    mime=mime, message_id=email.message_id,
+                    mail_options=email.mail_options, rcpt_options=email.rcpt_options)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliveredMessage:
+    """A delivered email as ``record_messages()`` yields it (Flask-Mail-like)."""
+
+    email_id: int
+    message_id: str
+    sender: str
+    send_to: tuple[str, ...]
+    mime: bytes
+
+    @cached_property
+    def parsed(self) -> EmailMessage:
+        """The message parsed back with the stdlib parser."""
+        parsed = BytesParser(policy=default_policy).parsebytes(self.mime)
+        return parsed
+
+    @property
+    def msgId(self) -> str:
+        """Flask-Mail's name of :attr:`message_id` (for receivers written for it)."""
+        return self.message_id
+
+    @property
+    def subject(self) -> str:
+        """The decoded Subject header."""
+        return str(self.parsed.get("Subject", ""))
+
+    @property
+    def recipients(self) -> list[str]:
+        """The To addresses, as written in the header."""
+        return [str(a.addr_spec) for h in self.parsed.get_all("To", []) for a in h.addresses]
+
+    def _part(self, subtype: str) -> str | None:
+        part = self.parsed.get_body(preferencelist=(subtype,))
+        if part is None or part.get_content_subtype() != subtype:
+            return None
+        # Text travels in canonical CRLF form; hand it back with Python newlines.
+        return str(part.get_content()).replace("\r\n", "\n")
+
+    @property
+    def body(self) -> str | None:
+        """The text/plain body, if any."""
+        return self._part("plain")
+
+    @property
+    def html(self) -> str | None:
+        """The text/html body, if any."""
+        return self._part("html")
+
+
+@dataclasses.dataclass
+class BatchReport:
+    """What happened to the rows of one :meth:`Delivery.finish` (or to ids handed over)."""
+
+    sent: list[int] = dataclasses.field(default_factory=list)
+    failed: list[int] = dataclasses.field(default_factory=list)
+    # Transient failures, back to queued: (id, attempt, error).
+    transient: list[tuple[int, int, TransientError]] = dataclasses.field(default_factory=list)
+    not_claimed: list[int] = dataclasses.field(default_factory=list)
+    lost: list[int] = dataclasses.field(default_factory=list)
+    # Claimed but never handed to the server (shutdown): back to queued, attempt returned.
+    released: list[int] = dataclasses.field(default_factory=list)
+    # Emails that now hold their key (a finished one handed it on): next to claim.
+    holders: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        """Rows finished one way or another."""
+        return len(self.sent) + len(self.failed) + len(self.transient) + len(self.released)
+
+
+@dataclasses.dataclass
+class Waiter:
+    """Someone waiting for the outcomes of ids handed over (:meth:`._worker.Worker.deliver`)."""
+
+    ids: set[int]
+    report: BatchReport = dataclasses.field(default_factory=BatchReport)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def take(self, report: BatchReport) -> bool:
+        """Note the outcomes of its ids in ``report``; True once it has them all."""
+        for name in ("sent", "failed", "not_claimed", "lost", "released"):
+            mine = [i for i in getattr(report, name) if i in self.ids]
+            getattr(self.report, name).extend(mine)
+            self.ids.difference_update(mine)
+        transient = [t for t in report.transient if t[0] in self.ids]
+        self.report.transient.extend(transient)
+        self.ids.difference_update(t[0] for t in transient)
+        if not self.ids:
+            self.done.set()
+        return not self.ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Callbacks:
+    """What the core's owner hears of outcomes, each called once the outcome is recorded.
+
+    ``sent(email)`` for a delivered one; ``failed(email, error)`` for a
+    dead-lettered one. They run in a delivery thread; an exception they
+    raise is logged and delivery goes on.
+    """
+
+    sent: Callable[[ClaimedEmail], None] | None = None
+    failed: Callable[[ClaimedEmail, TransportError | None], None] | None = None
+
+
+def outcome_for(email: ClaimedEmail, result: Result | None, policy: RetryPolicy, *,
+                retry_now: bool = False) -> Outcome:
+    """What to record for ``email`` after ``result`` (None: claimed past its last attempt).
+
+    The retry policy decides every failure in both modes: a transient one sets
+    the row's next due time, or dead-letters it on its last allowed attempt; a
+    throttled one gives the attempt back a bounded number of times.
+    ``retry_now``: the caller retries it in process, so it is due again at once
+    (a throttle deferral still waits its few seconds).
+    """
+    if result is None:
+        return Outcome(email, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
+    outcome = _outcome_of(email, result, policy, retry_now=retry_now)
+    if result.failovers:
+        outcome = dataclasses.replace(outcome, failovers=result.failovers)
+    return outcome
+
+
+def _outcome_of(email: ClaimedEmail, result: Result, policy: RetryPolicy, *,
+                retry_now: bool) -> Outcome:
+    if isinstance(result, Delivered):
+        if not result.refused:
+            return Outcome(email, Status.SENT)  # nearly every result: nothing to write down
+        refused = "; ".join(f"{addr}: {code} {text}"
+                            for addr, (code, text) in result.refused.items())
+        return Outcome(email, Status.SENT,
+                       error_code=max((c for c, _ in result.refused.values()), default=0),
+                       error_message=f"some recipients refused: {refused}" if refused else None)
+    error = result.error
+    if isinstance(error, PermanentError):
+        return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
+    if isinstance(error, NotAttempted):
+        return Outcome(email, Status.QUEUED, give_back_attempt=True)
+    decision = policy.decide(email.attempt, error, deferrals=email.throttle_deferrals)
+    if decision.dead:
+        return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
+    return Outcome(email, Status.QUEUED, error_code=error.code, error_message=error.message,
+                   due_in=None if retry_now and decision.charge else decision.delay,
+                   give_back_attempt=not decision.charge, deferred=decision.deferral)
+
+
+class Heartbeat:
+    """Renews the leases of rows in flight every third of a lease."""
+
+    def __init__(self, store: Store, lease_seconds: float,
+                 faults: _degrade.FaultTracker) -> None:
+        self.store = store
+        self.lease_seconds = lease_seconds
+        self.faults = faults
+        self._tracked: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def track(self, claimed: Sequence[ClaimedEmail]) -> None:
+        """Keep the leases of ``claimed`` alive until :meth:`done`."""
+        with self._lock:
+            for email in claimed:
+                self._tracked.setdefault(email.owner, set()).add(email.id)
+            if self._tracked and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._run, name="outbox-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+
+    def done(self, claimed: Sequence[ClaimedEmail]) -> None:
+        """Stop renewing the leases of ``claimed`` (recorded, or given back)."""
+        with self._lock:
+            for email in claimed:
+                ids = self._tracked.get(email.owner)
+                if ids is not None:
+                    ids.discard(email.id)
+                    if not ids:
+                        del self._tracked[email.owner]
+
+    def _run(self) -> None:
+        interval = self.lease_seconds / 3
+        while True:
+            time.sleep(interval)
+            with self._lock:
+                tracked = [(owner, sorted(ids)) for owner, ids in self._tracked.items()]
+            for owner, ids in tracked:
+                try:
+                    self.store.renew_leases(owner, ids, self.lease_seconds)
+                    self.faults.recovered("heartbeat")
+                except Exception as exc:  # noqa: BLE001 - reported; the next beat retries
+                    self.faults.failing(
+                        "heartbeat", "Could not renew the leases of emails being sent",
+                        consequence=(f"{len(ids)} email(s) in flight may be claimed again by "
+                                     "another process once their lease expires, which can "
+                                     "send a duplicate with the same Message-ID"),
+                        fix="check the database connection; raise OUTBOX_LEASE_SECONDS if the "
+                            "database is slow",
+                        exc=exc)
+
+
+class Delivery:
+    """Claimed rows -> outcomes recorded, for one app in one process."""
+
+    def __init__(self, *, config: OutboxConfig, store: Store,
+                 transports: dict[str, Transport], faults: _degrade.FaultTracker,
+                 callbacks: Callbacks | None = None) -> None:
+        self.callbacks = callbacks or Callbacks()
+        self.config = config
+        self.store = store
+        #: Every named transport, "default" first (a failover chain is one transport).
+        self.transports = transports
+        self.transport = next(iter(transports.values()))
+        self.faults = faults
+        self.heartbeat = Heartbeat(store, config.lease_seconds, faults)
+        self.policy = config.retry_policy()
+        #: Set by the runtime's stop(): from then on, ids given back are kept in
+        #: :attr:`given_back` so stop() can mark them for the next sweep.
+        self.stopping = False
+        self.given_back: list[int] = []
+        #: Set once stop() marked what it knew of: rows that finish in the
+        #: background afterwards are marked as they are given back.
+        self.mark_at_once = False
+        self._given_lock = threading.Lock()
+
+    # -- given back at stop ---------------------------------------------------------
+
+    def take_given_back(self) -> list[int]:
+        """The ids given back so far at stop; later ones are marked as they come."""
+        with self._given_lock:
+            self.mark_at_once = True
+            ids, self.given_back = sorted(set(self.given_back)), []
+            return ids
+
+    def mark_given_back(self, ids: list[int], *, when: str) -> int | None:
+        """Mark ``ids`` given back for any process's next sweep; how many, None if it failed.
+
+        A failure is reported here: the rows are queued either way, only later.
+        """
+        try:
+            return self.store.mark_given_back(ids)
+        except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
+            _degrade.report(
+                f"Could not mark {len(ids)} email(s) {ids[:20]} given back {when}",
+                consequence="they stay queued and wait for the age gate: a sweep takes them "
+                            "OUTBOX_SWEEP_MIN_AGE_SECONDS "
+                            f"({self.config.sweep_min_age_seconds:g} s) after they were created",
+                fix="check the database connection; once every process that could hold them "
+                    "has stopped or restarted, `flask outbox sweep --min-age 0` sends them now",
+                exc=exc)
+            return None
+
+    def note_given_back(self, ids: list[int]) -> None:
+        """Keep ids given back at stop for stop()'s mark, or mark them now if it is past."""
+        if not ids:
+            return
+        with self._given_lock:
+            if not self.mark_at_once:
+                self.given_back.extend(ids)
+                return
+        marked = self.mark_given_back(ids, when="after stop")
+        if marked is None:
+            return
+        logger.info("Outbox delivery gave back %d more unsent email(s) %s after stop, "
+                    "marked for the next sweep of any process", marked, ids[:20])
+
+    def give_back(self, claimed: Sequence[ClaimedEmail]) -> int:
+        """Release claimed rows unsent (queued, attempt returned); stop renewing their leases."""
+        if not claimed:
+            return 0
+        try:
+            released = self.store.release(claimed)
+            if self.stopping:
+                self.note_given_back(released)
+            return len(released)
+        finally:
+            self.heartbeat.done(claimed)
+
+    # -- delivering -------------------------------------------------------------------
+
+    def finish(self, done: Sequence[tuple[ClaimedEmail, Result | None]], *,
+               policy: RetryPolicy | None = None, retry_now: Collection[int] = (),
+               kept: KeptConnection | None = None) -> BatchReport:
+        """Record the results of ``done`` in one transaction; report and signal them.
+
+        A result of None: claimed past its last attempt (its lease had expired
+        on that one), dead-lettered without a send. ``retry_now``: ids the
+        caller retries in process (see :func:`outcome_for`). ``kept``: the
+        caller's own connection for the record.
+        """
+        policy = policy or self.policy
+        report = BatchReport()
+        if not done:
+            return report
+        outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now)
+                    for email, result in done]
+        try:
+            recorded, lost, report.holders = self._record(outcomes, kept)
+        finally:
+            self.heartbeat.done([email for email, _ in done])
+        errors: dict[int, TransportError] = {
+            email.id: (result.error if isinstance(result, Failed) else TransientError(SPENT_LEASE))
+            for email, result in done if not isinstance(result, Delivered)}
+        for outcome in recorded:
+            self._report(outcome, errors.get(outcome.email.id), report, policy)
+        for outcome in lost:
+            report.lost.append(outcome.email.id)
+            _degrade.report(
+                f"Email {outcome.email.id} ({outcome.email.message_id}) lost its lease while "
+                f"being sent (outcome {outcome.status.value} not recorded)",
+                consequence="another delivery claimed it after the lease expired; it may have "
+                            "been sent twice with the same Message-ID",
+                fix="raise OUTBOX_LEASE_SECONDS above the slowest SMTP transaction, or check "
+                    "that the database keeps up with lease renewals")
+        return report
+
+    def _report(self, outcome: Outcome, error: TransportError | None, report: BatchReport,
+                policy: RetryPolicy) -> None:
+        """Count one recorded outcome, report it when it needs it, send its signal."""
+        email = outcome.email
+        if outcome.status is Status.SENT:
+            report.sent.append(email.id)
+            if outcome.error_message:
+                _degrade.report(
+                    f"Email {email.id} ({email.message_id}) was accepted for some "
+                    f"recipients and refused for others: {outcome.error_message}",
+                    consequence="it is marked sent and will not be retried, since a retry "
+                                "would send a second copy to the recipients who got it",
+                    fix="check the refused addresses and send them a new email if needed")
+            self._tell(self.callbacks.sent, email)
+        elif outcome.status is Status.FAILED:
+            report.failed.append(email.id)
+            why = ("failed permanently" if isinstance(error, PermanentError) else
+                   "had an expired lease (the process sending it stopped) and no attempt "
+                   f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
+                   "not have accepted its last one" if outcome.error_message == SPENT_LEASE else
+                   f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
+                   f"{policy.max_attempts})")
+            _degrade.report(
+                f"Email {email.id} ({email.message_id}) {why} on attempt {email.attempt}: "
+                f"{error}",
+                consequence="it is dead-lettered (status failed) and will not be sent",
+                fix=f"correct the cause, then put it back with mail.retry({email.id}) or "
+                    f"`flask outbox dlq retry {email.id}`")
+            self._tell(self.callbacks.failed, email, error)
+        elif isinstance(error, NotAttempted):
+            report.released.append(email.id)
+            if self.stopping:
+                self.note_given_back([email.id])
+        else:
+            report.transient.append(
+                (email.id, email.attempt,
+                 error if isinstance(error, TransientError) else TransientError(str(error))))
+
+    def report_left_queued(self, email_id: int, attempt: int, error: Exception, *,
+                           due_now: bool) -> None:
+        """Report a row inline delivery leaves queued after its in-process retries."""
+        when = ("due again now: this process stopped before retrying it" if due_now else
+                "due again after its retry backoff, OUTBOX_RETRY_BASE_SECONDS doubling per "
+                "attempt up to OUTBOX_RETRY_MAX_SECONDS, or in a few seconds with its attempt "
+                "given back if the server was throttling")
+        _degrade.report(
+            f"Email {email_id} could not be delivered after {attempt} attempt(s): {error}",
+            consequence=f"it stays queued ({when}); the periodic sweep (every "
+                        "OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it when "
+                        f"due, and it is dead-lettered if attempt {self.policy.max_attempts} "
+                        "(OUTBOX_MAX_ATTEMPTS) fails too",
+            fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
+                "`flask outbox status` shows what waits")
+
+    def report_reaped(self, reaped: Reaped) -> None:
+        """Report what a reap found: rows whose sender died mid-delivery."""
+        if reaped.requeued:
+            _degrade.report(
+                f"{len(reaped.requeued)} email(s) {list(reaped.requeued)[:20]} had an expired "
+                "lease: the process sending them stopped mid-delivery",
+                consequence="they are queued again and will be delivered; one may arrive "
+                            "twice, with the same Message-ID, if its server had accepted it "
+                            "already",
+                fix="nothing for these emails; find why the other process stopped "
+                    "(killed, out of memory) and give workers time to stop on SIGTERM")
+
+    #: Seconds between attempts to record outcomes while the database refuses.
+    record_retry_delays = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+
+    def _record(self, outcomes: list[Outcome], kept: KeptConnection | None = None) -> Recorded:
+        """Record outcomes, retrying while the database is briefly unavailable.
+
+        The messages were handed to the server already: giving up here means
+        they are sent again once their lease expires. The heartbeat keeps the
+        leases alive meanwhile (when the database lets it).
+        """
+        def record(conn: Connection | None = None) -> Recorded:
+            return self.store.record(outcomes, scrub_sent=self.config.scrub_sent, conn=conn)
+
+        for delay in (*self.record_retry_delays, None):
+            try:
+                result = record() if kept is None else kept.run(record)
+            except Exception as exc:
+                if delay is None:
+                    sent = sum(o.status is Status.SENT for o in outcomes)
+                    _degrade.report(
+                        f"Could not record the outcome of {len(outcomes)} email(s) "
+                        f"({sent} accepted by the server)",
+                        consequence="they stay sending until their lease expires, then are "
+                                    "delivered again: the accepted ones arrive twice, with the "
+                                    "same Message-ID",
+                        fix="check the database connection; on SQLite, keep other writers' "
+                            "transactions short",
+                        exc=exc)
+                    raise
+                self.faults.failing(
+                    "record", "Could not record delivery outcomes; retrying",
+                    consequence="the outcomes are retried for about a minute while the "
+                                "leases are kept alive",
+                    fix="check the database connection", exc=exc)
+                time.sleep(delay)
+            else:
+                self.faults.recovered("record")
+                return result
+        raise RuntimeError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _tell(self, callback: Callable[..., None] | None, *args: Any) -> None:
+        """Call one of the owner's callbacks; one that raises is logged, never breaks delivery."""
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:
+            logger.exception("An outcome callback raised (email %s); the email's outcome is "
+                             "recorded and delivery goes on", args[0].id if args else None)

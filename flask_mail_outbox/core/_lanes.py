@@ -1,0 +1,241 @@
+"""A worker's lane per named transport: its stream, its rate, the rows waiting for a slot.
+
+A :class:`~._worker.Worker` has one :class:`Lane` per transport of
+``OUTBOX_TRANSPORTS``. A lane claims its own due rows (a dispatcher claims
+each lane's in turn), sends over its own stream (its transport's
+connections and concurrency), and paces by its own ``rate_limit``: rows of a
+rate-limited lane wait in :attr:`Lane.paced` for their slot on the shared
+schedule (:class:`~._rate.SharedRate`), the others go at once. A lane without
+a configured rate starts a per-process :class:`~._pacing.RateLimiter` when
+the server first says it sends too fast (see :func:`~._pacing.pace`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from ._delivery import BatchReport, envelope_of
+from ._pacing import RateLimiter, pace
+from ._rate import SharedRate, Slots
+
+if TYPE_CHECKING:
+    from .. import _degrade
+    from ..transports import Envelope, Report, Result, Sending, Transport
+    from ._settings import OutboxConfig
+    from ._store import ClaimedEmail, Store
+
+logger = logging.getLogger(__name__)
+
+
+class Lane:
+    """One transport's share of a worker (see the module docstring)."""
+
+    def __init__(self, name: str, transport: Transport, rate: SharedRate | None) -> None:
+        self.name = name
+        self.transport = transport
+        self.rate = rate
+        #: Started by the first throttled reply when no rate is configured.
+        self.limiter: RateLimiter | None = None
+        self.sending: Sending | None = None
+        #: The dispatcher's last claim of this lane was full: more is due.
+        self.backlog = False
+        #: Claimed rows of a rate-limited lane, with the time their slot comes.
+        self.paced: collections.deque[tuple[float, ClaimedEmail]] = collections.deque()
+
+    def put(self, envelopes: Sequence[Envelope], report: Report) -> None:
+        """Hand ``envelopes`` to this lane's stream (opened on first use)."""
+        if not envelopes:
+            return
+        if self.sending is None:
+            self.sending = self.transport.open(report)
+        self.sending.put_many(envelopes)
+
+    def pace(self, claimed: Sequence[ClaimedEmail], slots: Slots) -> None:
+        """Queue ``claimed`` for their slots (one each, in order)."""
+        self.paced.extend((slots.at(i), email) for i, email in enumerate(claimed))
+
+    def due(self, now: float) -> list[ClaimedEmail]:
+        """The paced rows whose slot has come, taken off the queue."""
+        due = []
+        while self.paced and self.paced[0][0] <= now:
+            due.append(self.paced.popleft()[1])
+        return due
+
+    def next_slot(self) -> float | None:
+        """When the next paced row may go; None when none waits."""
+        return self.paced[0][0] if self.paced else None
+
+    def claim_limit(self, room: int) -> int:
+        """How many due rows a dispatcher's claim of this lane takes now (0: not now).
+
+        A rate-limited lane claims a block, and again only once nearly all of
+        the last one went: the rows it holds are what the schedule lets it
+        send soon, so a high-priority email is never stuck behind a long
+        local queue.
+        """
+        if self.rate is None:
+            return room if self.limiter is None else self.limiter.acquire(room)
+        if len(self.paced) > self.rate.block // 4:
+            return 0
+        return min(room, self.rate.block)
+
+    def ready_at(self) -> float | None:
+        """When :meth:`claim_limit` allows a claim again; None when it does now."""
+        if self.rate is None or len(self.paced) <= self.rate.block // 4:
+            return None
+        return self.paced[len(self.paced) - self.rate.block // 4 - 1][0]
+
+    def take_back(self) -> list[ClaimedEmail]:
+        """Every paced row, unsent (the worker stops): the caller gives them back."""
+        rows = [email for _, email in self.paced]
+        self.paced.clear()
+        return rows
+
+    def cancel(self) -> tuple[set[int], int]:
+        """Cancel the stream: the ids never handed to the server, and how many remain."""
+        sending, self.sending = self.sending, None
+        if sending is None:
+            return set(), 0
+        never = sending.cancel_pending()
+        return never, sending.pending()
+
+    def close(self) -> None:
+        sending, self.sending = self.sending, None
+        if sending is not None:
+            sending.close(timeout=0)
+
+
+class Lanes:
+    """A worker's lanes, "default" first, and what it does with all of them."""
+
+    def __init__(self, store: Store, config: OutboxConfig, transports: dict[str, Transport],
+                 faults: _degrade.FaultTracker, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.faults = faults
+        self.clock = clock
+        self.lanes = {
+            spec.name: Lane(spec.name, transports[spec.name],
+                            SharedRate(store, spec.name, spec.rate, clock=clock)
+                            if spec.rate else None)
+            for spec in config.transport_specs}
+
+    def __iter__(self) -> Iterator[Lane]:
+        return iter(self.lanes.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.lanes
+
+    @property
+    def concurrency(self) -> int:
+        """The most connections any lane's transport opens."""
+        return max(max(1, int(getattr(lane.transport, "concurrency", 1))) for lane in self)
+
+    def send(self, claimed: Sequence[ClaimedEmail], report: Report) -> None:
+        """Each row to its lane: at once, or (rate-limited) when its slot comes."""
+        by_lane: dict[str, list[ClaimedEmail]] = {}
+        for email in claimed:
+            by_lane.setdefault(email.transport, []).append(email)
+        for name, emails in by_lane.items():
+            lane = self.lanes[name]
+            if lane.rate is None:
+                lane.put([envelope_of(e, self.config.dkim) for e in emails], report)
+            else:
+                lane.pace(emails, self._slots(lane.rate, len(emails)))
+        self.release_due(report)
+
+    def release_due(self, report: Report) -> None:
+        """Send the paced rows whose slot has come."""
+        now = self.clock()
+        for lane in self:
+            due = lane.due(now)
+            if due:
+                lane.put([envelope_of(e, self.config.dkim) for e in due], report)
+
+    def next_slot(self) -> float | None:
+        """When the next paced row of any lane may go."""
+        return min((at for lane in self if (at := lane.next_slot()) is not None), default=None)
+
+    def ready_at(self) -> float | None:
+        """When a rate-limited lane with more due may claim again (see Lane.claim_limit)."""
+        return min((at for lane in self if lane.backlog and (at := lane.ready_at()) is not None),
+                   default=None)
+
+    def _slots(self, rate: SharedRate, count: int) -> Slots:
+        """``count`` slots of a shared rate; paced by this process alone if that fails."""
+        try:
+            slots = rate.take(count)
+        except Exception as exc:  # noqa: BLE001 - reported; the emails still go, paced here
+            self.faults.failing(
+                f"rate-{rate.name}",
+                f"Could not take slots of transport {rate.name!r}'s shared rate limit",
+                consequence=f"this process paces its {count} email(s) at the whole rate "
+                            f"({rate.rate}) by itself, so processes sharing the limit "
+                            "may together send faster than it until the database answers",
+                fix="check the database connection and that the outbox tables are migrated "
+                    "(`flask db upgrade outbox@head` creates outbox_rate)",
+                exc=exc)
+            return Slots(count, self.clock(), 1.0 / rate.rate.per_second)
+        self.faults.recovered(f"rate-{rate.name}")
+        return slots
+
+    def after_record(self, done: Sequence[tuple[ClaimedEmail, Result | None]],
+                     report: BatchReport, *, dispatching: bool) -> None:
+        """Each lane's rate after a record: a throttled reply halves it."""
+        for lane in self:
+            mine = {email.id for email, _ in done if email.transport == lane.name}
+            if not mine:
+                continue
+            transient = [t for t in report.transient if t[0] in mine]
+            if lane.rate is not None:
+                if any(error.throttled for _, _, error in transient):
+                    try:
+                        lane.rate.throttled()
+                    except Exception:
+                        logger.exception("Could not halve transport %r's shared rate "
+                                         "after a throttled reply", lane.name)
+            elif dispatching:
+                lane.limiter = pace(lane.limiter, BatchReport(transient=transient),
+                                    tried=len(mine), config=self.config, clock=self.clock)
+
+    def take_back(self) -> list[ClaimedEmail]:
+        """Every lane's paced rows, unsent (the worker stops): the caller gives them back."""
+        return [email for lane in self for email in lane.take_back()]
+
+    def report_unknown(self, emails: Sequence[ClaimedEmail]) -> None:
+        """Rows naming a transport this app does not configure (given back): at ERROR."""
+        names = sorted({email.transport for email in emails})
+        self.faults.failing(
+            "unknown-transport",
+            f"{len(emails)} email(s) {[e.id for e in emails][:20]} name transport(s) "
+            f"{names} that this app does not configure",
+            consequence="they stay queued and are not delivered by this process",
+            fix="add the transport back to OUTBOX_TRANSPORTS (or run this app's processes "
+                "with one configuration); to send them through another transport, update "
+                "their outbox_email.transport")
+
+    def cancel(self) -> tuple[set[int], list[ClaimedEmail]]:
+        """Cancel every stream: the ids never handed over, and the paced rows (unsent)."""
+        never: set[int] = set()
+        pending = 0
+        paced: list[ClaimedEmail] = []
+        for lane in self:
+            lane_never, lane_pending = lane.cancel()
+            never |= lane_never
+            pending += lane_pending
+            paced += lane.take_back()
+        if never or pending or paced:
+            # Said whenever something was in flight, so the operator (and a test
+            # holding the server's replies) sees the stop reach the stream.
+            logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) in "
+                        "flight not yet handed to the server; %d being sent may still "
+                        "finish", os.getpid(), len(never) + len(paced),
+                        max(0, pending - len(never)))
+        return never, paced
+
+    def close(self) -> None:
+        for lane in self:
+            lane.close()

@@ -1,0 +1,339 @@
+"""The delivery core of one process: built from plain values, it knows no Flask.
+
+:class:`Outbox` takes a database URL, the settings (:class:`~._settings.OutboxConfig`),
+optionally ready transports, and :class:`~._delivery.Callbacks` for outcomes.
+It owns the engine and the :class:`~._store.Store` from the start, and builds
+what delivers (the transports, :class:`~._delivery.Delivery`, the
+:class:`~._worker.Worker`, LISTEN) only when something is to be delivered: a
+read through :attr:`Outbox.reader` never makes a worker.
+
+:meth:`Outbox.mode` is the one place the delivery mode is decided, and
+:meth:`Outbox.deliver_soon` the one place committed rows start on their way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+
+from .. import _degrade
+from ..transports import (
+    FailoverTransport,
+    MemoryTransport,
+    Transport,
+    TransportSettings,
+    build,
+)
+from ._delivery import Callbacks, Delivery
+from ._listen import Listener, libpq_url
+from ._queries import Reader
+from ._settings import DEFAULT_TRANSPORT, OutboxConfig
+from ._store import Store
+from ._worker import Worker
+
+logger = logging.getLogger(__name__)
+
+#: The ``outbox_setting`` row of the runtime delivery-mode switch.
+DURABLE_SETTING = "durable"
+
+
+class Mode(enum.Enum):
+    """The delivery mode in force for every process sharing the database."""
+
+    INLINE = "inline"
+    DURABLE = "durable"
+
+
+def build_transports(config: OutboxConfig, *, concurrency: int) -> dict[str, Transport]:
+    """Every configured transport by name, "default" first; one with a failover list is wrapped.
+
+    With ``suppress_send`` (``MAIL_SUPPRESS_SEND``) every name is one memory transport.
+    """
+    if config.suppress_send:
+        return dict.fromkeys(config.transport_names, MemoryTransport())
+    own: dict[str, Transport] = {}
+    for spec in config.transport_specs:
+        settings = dataclasses.replace(spec.settings,
+                                       concurrency=spec.concurrency or concurrency)
+        own[spec.name] = build(spec.cls, settings, legacy_config=_EntryConfig(config, settings))
+    return {spec.name: FailoverTransport([(name, own[name]) for name in
+                                          (spec.name, *spec.failover)])
+            if spec.failover else own[spec.name]
+            for spec in config.transport_specs}
+
+
+class _EntryConfig:
+    """The settings as a custom transport written against ``Transport(config)`` reads them.
+
+    The app's settings, with the SMTP settings and file path of the transport's
+    own entry. Deprecated with ``Transport(config)``; goes with it.
+    """
+
+    def __init__(self, config: OutboxConfig, settings: TransportSettings) -> None:
+        self._config = config
+        self.smtp = settings.smtp
+        self.file_path = settings.file_path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def create_engine(url: str | sa.URL) -> sa.Engine:
+    """The outbox's own engine on the app's database (its own pool, its own transactions)."""
+    url = sa.make_url(url)
+    if url.get_backend_name() == "sqlite":
+        engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return sa.create_engine(url, pool_size=4, max_overflow=8, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    try:
+        # The busy timeout makes writers queue for the lock instead of failing.
+        cursor.execute("PRAGMA busy_timeout=30000")
+        ensure_wal(cursor)
+    finally:
+        cursor.close()
+
+
+def ensure_wal(cursor: Any) -> None:
+    """Switch a SQLite database to WAL (persistent, per file) unless it already is.
+
+    WAL lets request threads read and commit while the delivery thread
+    writes; in the default rollback-journal mode readers block the writer.
+    """
+    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+        return
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+    except Exception as exc:  # noqa: BLE001 - reported; SQLite still works, only slower
+        _degrade.report(
+            "Could not switch the SQLite database to WAL journal mode",
+            consequence="request threads and the delivery thread block each other more, "
+                        "and concurrent commits may wait up to the busy timeout",
+            fix="run `PRAGMA journal_mode=WAL` on the database once while nothing else uses it",
+            exc=exc)
+
+
+class Outbox:
+    """One process's delivery core for one database (see the module docstring).
+
+    ``transports``: ready ones by name (None: built from ``config`` when first
+    needed); ``concurrency``: sends in flight per transport where its spec sets
+    none (``OUTBOX_CONCURRENCY``, or ``flask outbox worker --concurrency``).
+    """
+
+    def __init__(self, url: str | sa.URL, config: OutboxConfig, *,
+                 transports: Mapping[str, Transport] | None = None,
+                 callbacks: Callbacks | None = None,
+                 faults: _degrade.FaultTracker | None = None,
+                 concurrency: int | None = None) -> None:
+        self.pid = os.getpid()
+        self.config = config
+        self.callbacks = callbacks or Callbacks()
+        self.faults = faults or _degrade.FaultTracker()
+        self.concurrency = concurrency or config.concurrency
+        self.engine = create_engine(url)
+        self.store = Store(self.engine)
+        #: The read API (counts, lists, one email, figures): no worker needed.
+        self.reader = Reader(self.store)
+        self._transports = dict(transports) if transports is not None else None
+        self._delivery: Delivery | None = None
+        self._worker: Worker | None = None
+        self.listener: Listener | None = None
+        self._lock = threading.RLock()
+        self._mode_cache: tuple[Mode, float] | None = None
+        #: The last sweep report this process stored was a periodic one that
+        #: found nothing: the next such one need not be stored (see run_sweep).
+        self.quiet_sweep_stored = False
+
+    # -- what delivers, built on first need ---------------------------------------------
+
+    @property
+    def transports(self) -> dict[str, Transport]:
+        """Every transport by name, "default" first (a failover chain is one transport)."""
+        with self._lock:
+            if self._transports is None:
+                self._transports = build_transports(self.config, concurrency=self.concurrency)
+            return self._transports
+
+    @property
+    def synchronous(self) -> bool:
+        """Every transport keeps messages in memory: deliver in the committing thread."""
+        return all(isinstance(t, MemoryTransport) for t in self.transports.values())
+
+    @property
+    def delivery(self) -> Delivery:
+        """Claimed rows to recorded outcomes."""
+        with self._lock:
+            if self._delivery is None:
+                self._delivery = Delivery(config=self.config, store=self.store,
+                                          transports=self.transports, faults=self.faults,
+                                          callbacks=self.callbacks)
+            return self._delivery
+
+    @property
+    def worker(self) -> Worker:
+        """This process's delivery loop."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = Worker(self.delivery, self.config)
+            return self._worker
+
+    @property
+    def has_worker(self) -> bool:
+        """Whether this process built its worker (without building it)."""
+        return self._worker is not None
+
+    @property
+    def dispatcher(self) -> Worker | None:
+        """The worker when it claims due rows too (durable mode); else None."""
+        worker = self._worker
+        return worker if worker is not None and worker.dispatching else None
+
+    # -- the mode ----------------------------------------------------------------------
+
+    def mode(self) -> Mode:
+        """The delivery mode in force: the shared setting, or ``config.durable`` without one.
+
+        Read lazily and cached for ``settings_ttl_seconds``, so an idle process
+        never asks.
+        """
+        cached = self._mode_cache
+        now = time.monotonic()
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        stored = self.reader.setting(DURABLE_SETTING)
+        durable = self.config.durable if stored is None else bool(stored)
+        mode = Mode.DURABLE if durable else Mode.INLINE
+        self._mode_cache = (mode, now + self.config.settings_ttl_seconds)
+        return mode
+
+    def set_mode(self, mode: Mode) -> None:
+        """Store ``mode`` for every process sharing the database (commits its own work)."""
+        self.store.set_setting(DURABLE_SETTING, mode is Mode.DURABLE)
+        self._mode_cache = (mode, time.monotonic() + self.config.settings_ttl_seconds)
+        if mode is Mode.DURABLE and self.config.run_worker:
+            self.dispatch()
+
+    def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = ()) -> None:
+        """Start delivering committed rows that are due now.
+
+        Memory transports deliver them before this returns, through the same
+        worker (a test sees its messages as soon as ``commit()`` returns); inline mode hands them to this process's worker (``urgent``
+        ones before what waits); durable mode wakes this process's dispatcher
+        when it runs one (``run_worker``), and otherwise leaves them to the
+        dispatchers the commit's NOTIFY wakes. Raises on a database error; the
+        rows are safe in the database either way.
+        """
+        if self.synchronous:
+            if ids:
+                self.worker.deliver(ids, timeout=3600.0)
+        elif self.mode() is Mode.INLINE:
+            self.worker.hand(ids, urgent=urgent)
+        elif self.config.run_worker or self.dispatcher is not None:
+            self.dispatch()  # wakes it: it claims them with whatever else is due
+
+    def dispatch(self, *, hand_ticked: bool = False) -> Worker:
+        """Make this process's worker a dispatcher (and LISTEN on PostgreSQL), once.
+
+        ``hand_ticked``: its loop runs in the caller's thread (``flask outbox
+        worker``), or is ticked by hand: no thread of its own.
+        """
+        with self._lock:
+            worker = self.worker
+            if hand_ticked:
+                worker.hand_ticked = True
+            if not worker.dispatching and self.config.listen and self.store.is_postgres:
+                def on_state(up: bool) -> None:
+                    worker.listening = up
+
+                self.listener = Listener(libpq_url(self.config.listen_url or self.engine.url),
+                                         worker.wake, on_state, self.faults)
+                self.listener.start()
+        worker.dispatch()
+        return worker
+
+    # -- stopping ----------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        """Nothing in flight or due in this process's worker (True without one)."""
+        worker = self._worker
+        return worker is None or worker.idle()
+
+    def stop(self, timeout: float, *, serving: bool = False) -> None:
+        """Stop delivering: no new claims; sends in flight get ``timeout`` seconds.
+
+        What this process gives back is marked for the next sweep of any
+        process, and logged at INFO (``serving``: also when nothing was given
+        back, a line worth having where the app is served).
+        """
+        delivery = self._delivery
+        if delivery is not None:
+            delivery.stopping = True
+        if self.listener is not None:
+            self.listener.stop()
+        worker = self._worker
+        in_flight = 0
+        if worker is not None:
+            worker.stop(timeout)
+            in_flight = worker.in_flight() if worker.running else 0
+        self._mark_given_back(delivery, in_flight=in_flight,
+                              ran=serving or (worker is not None and worker.started))
+        if in_flight:
+            # Messages are still being sent past the timeout: let them finish and
+            # record their outcomes in the worker's daemon thread; closing the
+            # transport or the engine under it would leave their rows sending.
+            return
+        for transport in {id(t): t for t in (self._transports or {}).values()}.values():
+            transport.close()
+        self.engine.dispose()
+
+    def forget_parent(self) -> None:
+        """In a forked child: drop the parent's pooled connections without closing them."""
+        self.engine.dispose(close=False)
+
+    def _mark_given_back(self, delivery: Delivery | None, *, in_flight: int,
+                         ran: bool) -> None:
+        """Mark what this process gave back for the next sweep, and say what happens next.
+
+        Those rows are queued and provably in flight nowhere (this process
+        held them and lets go), so any process's next sweep takes them at once
+        instead of after ``sweep_min_age_seconds``.
+        """
+        config = self.config
+        ids = delivery.take_given_back() if delivery is not None else []
+        pid = os.getpid()
+        still = (f"; {in_flight} email(s) still being sent finish in the background, or, if "
+                 f"this process exits first, stay sending until their lease expires "
+                 f"(OUTBOX_LEASE_SECONDS, {config.lease_seconds:g} s) and a sweep takes them"
+                 if in_flight else "")
+        if delivery is None or not ids:
+            logger.log(logging.INFO if ran or in_flight else logging.DEBUG,
+                       "Outbox delivery stopped (pid %d): nothing given back%s", pid,
+                       still or ", nothing in flight")
+            return
+        marked = delivery.mark_given_back(ids, when="at stop")
+        if marked is None:
+            return
+        interval = config.sweep_interval_for(False)
+        logger.info(
+            "Outbox delivery stopped (pid %d): gave back %d unsent email(s) %s, queued and "
+            "marked so the next sweep of any process takes them whatever their age (the "
+            "startup sweep of the next start, or a running process's periodic sweep%s)%s",
+            pid, marked, ids[:20], f" within {interval:g} s" if interval else "", still)
+
+
+__all__ = ["DEFAULT_TRANSPORT", "DURABLE_SETTING", "Mode", "Outbox", "build_transports",
+           "create_engine", "ensure_wal"]

@@ -1,0 +1,473 @@
+"""Every read-only statement behind status, stats, health, metrics, the dashboard and
+the dead-letter list.
+
+Each function takes a :class:`~sqlalchemy.engine.Connection` the caller opened,
+normally with :meth:`Store.read` (on the store's own engine, never the host
+app's session; autocommit on PostgreSQL, so a read costs no BEGIN/ROLLBACK
+trips), and returns plain values. None writes, commits or opens a connection of
+its own, so a caller that needs several reads runs them on one connection. A
+function that compares with "now" takes ``clock``, the store's
+(:attr:`Store.clock`): on PostgreSQL "now" is the database clock whatever
+``clock`` says, on SQLite it is ``clock()`` (see :func:`._store.now_expr`).
+
+Every query is shaped to use an index whatever the table holds, so it costs
+the same with a million retained ``sent`` rows as with none:
+
+* counts, ages, health and the gauges: each (sub)query is limited to one
+  status, so it reads index entries of that status's rows (which index is the
+  planner's choice: a partial one, or ``ix_outbox_email_status_id``);
+* listing: newest first by ``id`` (the primary key, or ``(status, id)`` within
+  a status), paginated by keyset (``id < last seen``), never ``OFFSET``;
+* search: a prefix is a range ``lo <= search_column < hi`` on
+  ``(search_column, id)``, in that index's order, paginated by ``(value, id)``;
+* per hour: the ``sent`` rows since a day ago through the partial index on
+  ``sent_at``, and the dead letters through the one on ``failed`` rows.
+
+Not here: the reads that are part of a write (the idempotency lookup of
+:func:`._insert.insert_email`, the claim's pick, the keys of
+:meth:`Store.retry_all_failed`), and the sweep's selection
+(:meth:`Store.sweep_candidates`, :meth:`Store.age_gated`), which is the
+claim's predicate (:func:`._claim.claimable`) and goes with the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ._clock import now_expr, utcnow
+from ._models import (
+    PRIORITIES,
+    SEARCH_RECIPIENT_LENGTH,
+    SEARCH_SUBJECT_LENGTH,
+    Status,
+    attachment_table,
+    email_table,
+    search_key,
+    setting_table,
+)
+
+Clock = Callable[[], datetime]
+
+SEARCH_FIELDS = ("recipient", "subject")
+_LIST_COLUMNS = (
+    email_table.c.id, email_table.c.status, email_table.c.created_at, email_table.c.sent_at,
+    email_table.c.attempts, email_table.c.subject, email_table.c.recipients,
+    email_table.c.last_error, email_table.c.key,
+)
+_MAX_CODE_POINT = 0x10FFFF
+
+
+def _now(conn: Connection, clock: Clock) -> sa.ColumnElement[datetime]:
+    return now_expr(conn.dialect.name, clock)
+
+
+# -- status and stats ---------------------------------------------------------------
+
+
+def counts(conn: Connection) -> dict[str, int]:
+    """Rows per status (every status present, 0 when it has none)."""
+    t = email_table
+    rows = conn.execute(sa.select(t.c.status, sa.func.count()).group_by(t.c.status)).all()
+    result = {status.value: 0 for status in Status}
+    result.update({row[0]: int(row[1]) for row in rows})
+    return result
+
+
+def oldest_queued_age(conn: Connection, *, clock: Clock = utcnow) -> float | None:
+    """Seconds since the oldest ``queued`` row was created, or None."""
+    t = email_table
+    oldest = conn.execute(sa.select(sa.func.min(t.c.created_at)).where(
+        t.c.status == Status.QUEUED.value)).scalar()
+    if oldest is None:
+        return None
+    now = conn.execute(sa.select(_now(conn, clock))).scalar_one()
+    return max(0.0, float((now - oldest).total_seconds()))
+
+
+def get_setting(conn: Connection, name: str) -> Any:
+    """The JSON value of a shared setting (``outbox_setting``), or None when unset."""
+    raw = conn.execute(
+        sa.select(setting_table.c.value).where(setting_table.c.name == name)
+    ).scalar()
+    return None if raw is None else json.loads(raw)
+
+
+def count_sent_before(conn: Connection, older_than: datetime) -> int:
+    """How many ``sent`` rows were sent before ``older_than`` (what a purge would delete)."""
+    t = email_table
+    return int(conn.execute(
+        sa.select(sa.func.count()).where(
+            t.c.status == Status.SENT.value,
+            t.c.sent_at < sa.literal(older_than, sa.DateTime()))
+    ).scalar_one())
+
+
+def email_outcome(conn: Connection, email_id: int) -> sa.RowMapping:
+    """``message_id``, ``status``, ``attempts`` and ``last_error`` of one row (it must exist)."""
+    t = email_table
+    return conn.execute(
+        sa.select(t.c.message_id, t.c.status, t.c.attempts, t.c.last_error)
+        .where(t.c.id == email_id)).mappings().one()
+
+
+def dead_letters(conn: Connection, limit: int) -> list[dict[str, Any]]:
+    """The newest ``failed`` rows with their failure history."""
+    t = email_table
+    rows = conn.execute(
+        sa.select(t.c.id, t.c.message_id, t.c.subject, t.c.recipients, t.c.key,
+                  t.c.attempts, t.c.last_error, t.c.error_history, t.c.created_at)
+        .where(t.c.status == Status.FAILED.value)
+        .order_by(t.c.id.desc()).limit(limit)
+    ).mappings().all()
+    return [
+        {**dict(row), "recipients": json.loads(row["recipients"]),
+         "error_history": json.loads(row["error_history"] or "[]")}
+        for row in rows
+    ]
+
+
+# -- health and metrics ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthFigures:
+    """What a health check reads: the earliest due time of what may go now, dead letters, now."""
+
+    earliest_due: datetime | None
+    dead_letters: int
+    now: datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueFigures:
+    """What a metrics scrape reads: rows per unfinished status, the oldest queued, now."""
+
+    queued: int
+    sending: int
+    failed: int
+    oldest: datetime | None
+    earliest_due: datetime | None
+    now: datetime
+
+
+def _count(status: Status) -> sa.ScalarSelect[Any]:
+    t = email_table
+    return (sa.select(sa.func.count()).select_from(t)
+            .where(t.c.status == status.value).scalar_subquery())
+
+
+def _earliest_due() -> sa.ScalarSelect[Any]:
+    """The due time of the longest-waiting email that may go now (keyless or its key's head).
+
+    A key's blocked followers are not counted themselves: they wait through
+    their head, whose due time this is.
+    """
+    t = email_table
+    return (sa.select(sa.func.min(t.c.due_at))
+            .where(t.c.status == Status.QUEUED.value, sa.or_(t.c.key.is_(None), t.c.key_head))
+            .scalar_subquery())
+
+
+def health_figures(conn: Connection, *, clock: Clock = utcnow) -> HealthFigures:
+    """One statement, so a load balancer may ask every second.
+
+    Each subquery is limited to one status, so it reads index entries of queued
+    or failed rows, never the whole table.
+    """
+    row = conn.execute(sa.select(_earliest_due().label("earliest_due"),
+                                 _count(Status.FAILED).label("dead_letters"),
+                                 _now(conn, clock).label("now"))).one()
+    return HealthFigures(earliest_due=row.earliest_due, dead_letters=int(row.dead_letters),
+                         now=row.now)
+
+
+def queue_figures(conn: Connection, *, clock: Clock = utcnow) -> QueueFigures:
+    """One statement for the gauges; each subquery is limited to one status, so it
+    reads an index of that status's rows (which one is the planner's choice), not the table.
+    """
+    t = email_table
+    oldest = (sa.select(sa.func.min(t.c.created_at))
+              .where(t.c.status == Status.QUEUED.value).scalar_subquery())
+    row = conn.execute(sa.select(_count(Status.QUEUED).label("queued"),
+                                 _count(Status.SENDING).label("sending"),
+                                 _count(Status.FAILED).label("failed"),
+                                 oldest.label("oldest"), _earliest_due().label("earliest_due"),
+                                 _now(conn, clock).label("now"))).one()
+    return QueueFigures(queued=int(row.queued), sending=int(row.sending),
+                        failed=int(row.failed), oldest=row.oldest,
+                        earliest_due=row.earliest_due, now=row.now)
+
+
+# -- the dashboard ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EmailRow:
+    """One line of a list page."""
+
+    id: int
+    status: str
+    created_at: datetime
+    sent_at: datetime | None
+    attempts: int
+    subject: str
+    recipients: list[str]
+    last_error: str | None
+    key: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """Rows of one page, and the query arguments of the next one (None: last page)."""
+
+    rows: list[EmailRow]
+    next_cursor: dict[str, str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Attachment:
+    filename: str | None
+    content_type: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EmailDetail:
+    """One row as the detail page shows it (``mime`` is None once scrubbed)."""
+
+    row: EmailRow
+    message_id: str
+    sender: str
+    due_at: datetime
+    failed_at: datetime | None
+    size: int
+    mime: bytes | None
+    error_history: list[dict[str, Any]]
+    attachments: list[Attachment]
+    #: The named transport (OUTBOX_TRANSPORTS) and priority (high/normal/low) it was sent with.
+    transport: str = "default"
+    priority: str = "normal"
+
+
+@dataclasses.dataclass(frozen=True)
+class HourCount:
+    """Emails sent and dead-lettered in the hour starting at ``start`` (UTC)."""
+
+    start: datetime
+    sent: int
+    failed: int
+
+
+def prefix_bounds(prefix: str) -> tuple[str, str | None]:
+    """The range ``[lo, hi)`` of every string starting with ``prefix`` (hi None: unbounded).
+
+    In code-point order, which is byte order in UTF-8 ("C" on PostgreSQL, BINARY on
+    SQLite): the strings that start with ``p`` are exactly those from ``p`` up to
+    ``p`` with its last character incremented. Characters that cannot be
+    incremented (U+10FFFF) are dropped first; the surrogates, which UTF-8 cannot
+    hold, are jumped over.
+    """
+    stem = prefix.rstrip(chr(_MAX_CODE_POINT))
+    if not stem:
+        return prefix, None
+    following = ord(stem[-1]) + 1
+    if 0xD800 <= following <= 0xDFFF:
+        following = 0xE000
+    return prefix, stem[:-1] + chr(following)
+
+
+def list_emails(conn: Connection, *, status: str | None = None, field: str = "recipient",
+                prefix: str = "", cursor: dict[str, str] | None = None,
+                limit: int = 50) -> Page:
+    """One page of emails, newest first; with a ``prefix``, in search order.
+
+    ``cursor`` is what the previous page returned as ``next_cursor``. Reads one
+    row more than ``limit`` to know for certain whether a next page exists.
+    """
+    t = email_table
+    where: list[Any] = []
+    if status is not None:
+        where.append(t.c.status == status)
+    search_column, length = ((t.c.search_recipient, SEARCH_RECIPIENT_LENGTH)
+                             if field == "recipient"
+                             else (t.c.search_subject, SEARCH_SUBJECT_LENGTH))
+    needle = search_key(prefix, length)
+    if needle:
+        lo, hi = prefix_bounds(needle)
+        where.append(search_column >= lo)
+        if hi is not None:
+            where.append(search_column < hi)
+        if cursor is not None:
+            where.append(sa.tuple_(search_column, t.c.id)
+                         > sa.tuple_(sa.literal(cursor["after_key"]),
+                                     sa.literal(int(cursor["after_id"]))))
+        order: list[Any] = [search_column, t.c.id]
+        columns: tuple[Any, ...] = (*_LIST_COLUMNS, search_column.label("search_value"))
+    else:
+        if cursor is not None:
+            where.append(t.c.id < int(cursor["before"]))
+        order = [t.c.id.desc()]
+        columns = _LIST_COLUMNS
+    stmt = sa.select(*columns).where(*where).order_by(*order).limit(limit + 1)
+    rows = conn.execute(stmt).all()
+    more, rows = len(rows) > limit, rows[:limit]
+    next_cursor: dict[str, str] | None = None
+    if more:
+        last = rows[-1]
+        next_cursor = ({"after_key": last.search_value, "after_id": str(last.id)} if needle
+                       else {"before": str(last.id)})
+    return Page([_email_row(row) for row in rows], next_cursor)
+
+
+def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
+    """One email with its attachments, or None when there is no such row."""
+    t = email_table
+    a = attachment_table
+    row = conn.execute(
+        sa.select(*_LIST_COLUMNS, t.c.message_id, t.c.sender, t.c.due_at, t.c.failed_at,
+                  t.c.size, t.c.mime, t.c.error_history, t.c.transport, t.c.priority)
+        .where(t.c.id == email_id)
+    ).first()
+    if row is None:
+        return None
+    attachments = conn.execute(
+        sa.select(a.c.filename, a.c.content_type, a.c.size)
+        .where(a.c.email_id == email_id).order_by(a.c.position)
+    ).all()
+    return EmailDetail(
+        row=_email_row(row), message_id=row.message_id, sender=row.sender,
+        due_at=row.due_at, failed_at=row.failed_at, size=row.size, mime=row.mime,
+        error_history=json.loads(row.error_history or "[]"),
+        attachments=[Attachment(x.filename, x.content_type, x.size) for x in attachments],
+        transport=row.transport,
+        priority={rank: name for name, rank in PRIORITIES.items()}.get(row.priority, "normal"),
+    )
+
+
+def hourly_counts(conn: Connection, *, hours: int = 24,
+                  clock: Clock = utcnow) -> list[HourCount]:
+    """Sent and dead-lettered emails per hour, oldest hour first, the current one last.
+
+    Counts rows as they are now: an email retried since it failed counts where it
+    ended, and rows deleted by retention or purge are gone from the chart too.
+    """
+    t = email_table
+    now: datetime = conn.execute(sa.select(_now(conn, clock))).scalar_one()
+    first = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=hours - 1)
+    since = sa.literal(first, sa.DateTime())
+    sent_hour = _hour(conn, t.c.sent_at)
+    sent = conn.execute(
+        sa.select(sent_hour, sa.func.count())
+        .where(t.c.status == Status.SENT.value, t.c.sent_at >= since).group_by(sent_hour)
+    ).all()
+    failed_hour = _hour(conn, t.c.failed_at)
+    failed = conn.execute(
+        sa.select(failed_hour, sa.func.count())
+        .where(t.c.status == Status.FAILED.value, t.c.failed_at >= since)
+        .group_by(failed_hour)
+    ).all()
+    sent_by_hour = {_as_hour(hour): int(count) for hour, count in sent}
+    failed_by_hour = {_as_hour(hour): int(count) for hour, count in failed}
+    starts = [first + timedelta(hours=n) for n in range(hours)]
+    return [HourCount(start, sent_by_hour.get(start, 0), failed_by_hour.get(start, 0))
+            for start in starts]
+
+
+def _hour(conn: Connection, column: Any) -> Any:
+    """``column`` truncated to the hour, in SQL."""
+    if conn.dialect.name == "postgresql":
+        return sa.func.date_trunc("hour", column)
+    return sa.func.strftime("%Y-%m-%d %H:00:00", column)
+
+
+def _as_hour(value: datetime | str) -> datetime:
+    if isinstance(value, str):
+        return datetime.strptime(value, "%Y-%m-%d %H:%M:%S")
+    return value
+
+
+def _email_row(row: Any) -> EmailRow:
+    return EmailRow(
+        id=int(row.id), status=row.status, created_at=row.created_at, sent_at=row.sent_at,
+        attempts=int(row.attempts), subject=row.subject,
+        recipients=list(json.loads(row.recipients)), last_error=row.last_error, key=row.key,
+    )
+
+
+class Reader:
+    """The read API: each method one read on the store's own engine, returning plain values.
+
+    What status, stats, health, metrics and the dashboard show comes from
+    here; reading needs no worker, transport or thread. ``"now"`` is the
+    store's clock (the database clock on PostgreSQL).
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @property
+    def clock(self) -> Clock:
+        """The store's clock (naive UTC)."""
+        return self.store.clock  # type: ignore[no-any-return]
+
+    def counts(self) -> dict[str, int]:
+        """Rows per status."""
+        with self.store.read() as conn:
+            return counts(conn)
+
+    def oldest_queued_age(self) -> float | None:
+        """Seconds the oldest due queued email has waited; None when there is none."""
+        with self.store.read() as conn:
+            return oldest_queued_age(conn, clock=self.clock)
+
+    def setting(self, name: str) -> Any:
+        """A shared setting's stored value (None when unset)."""
+        with self.store.read() as conn:
+            return get_setting(conn, name)
+
+    def count_sent_before(self, older_than: datetime) -> int:
+        """``sent`` rows sent before ``older_than``."""
+        with self.store.read() as conn:
+            return count_sent_before(conn, older_than)
+
+    def email_outcome(self, email_id: int) -> sa.RowMapping:
+        """One email's status, attempts and last error."""
+        with self.store.read() as conn:
+            return email_outcome(conn, email_id)
+
+    def dead_letters(self, limit: int) -> list[dict[str, Any]]:
+        """The newest dead letters with their failure history."""
+        with self.store.read() as conn:
+            return dead_letters(conn, limit)
+
+    def health_figures(self) -> HealthFigures:
+        """What health is judged on, in one statement."""
+        with self.store.read() as conn:
+            return health_figures(conn, clock=self.clock)
+
+    def queue_figures(self) -> QueueFigures:
+        """The metrics' gauges, in one statement."""
+        with self.store.read() as conn:
+            return queue_figures(conn, clock=self.clock)
+
+    def list_emails(self, **options: Any) -> Page:
+        """One page of emails (see :func:`list_emails` for the options)."""
+        with self.store.read() as conn:
+            return list_emails(conn, **options)
+
+    def get_email(self, email_id: int) -> EmailDetail | None:
+        """One email with its attachments' names, or None."""
+        with self.store.read() as conn:
+            return get_email(conn, email_id)
+
+    def hourly_counts(self, hours: int = 24) -> list[HourCount]:
+        """Sent and dead-lettered emails per hour, oldest first."""
+        with self.store.read() as conn:
+            return hourly_counts(conn, hours=hours, clock=self.clock)

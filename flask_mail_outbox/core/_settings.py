@@ -1,0 +1,143 @@
+"""The outbox's settings as plain values: what the core is built from.
+
+The Flask integration reads ``app.config`` into an :class:`OutboxConfig` once,
+in ``init_app`` (validating every key); anything else may build one directly.
+Nothing here reads configuration or knows Flask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+from .._compose.ambient import ComposeOptions
+from ..transports import SMTPSettings, Transport, TransportSettings
+from ._retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from .._compose.dkim import DKIMSigner
+
+#: The name of the transport of ``MAIL_*`` / ``OUTBOX_TRANSPORT``, and of every row sent without one.
+DEFAULT_TRANSPORT = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rate:
+    """A rate limit: ``count`` messages per ``period`` seconds."""
+
+    count: float
+    period: float
+
+    @property
+    def per_second(self) -> float:
+        """Messages per second."""
+        return self.count / self.period
+
+    def __str__(self) -> str:
+        unit = {1.0: "s", 60.0: "min", 3600.0: "h", 86400.0: "day"}.get(self.period)
+        return f"{self.count:g}/{unit}" if unit else f"{self.per_second:g}/s"
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportSpec:
+    """One named transport, as configured: what it is, how it is built, its limits.
+
+    ``concurrency`` None means the process's ``OUTBOX_CONCURRENCY`` (or
+    ``flask outbox worker --concurrency``).
+    """
+
+    name: str
+    kind: str
+    cls: type[Transport]
+    settings: TransportSettings
+    rate: Rate | None = None
+    concurrency: int | None = None
+    failover: tuple[str, ...] = ()
+
+    @property
+    def smtp(self) -> SMTPSettings:
+        """Its SMTP settings (those of an ``smtp`` transport; defaults for other kinds)."""
+        return self.settings.smtp
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxConfig:
+    """Every setting the outbox uses, validated (see ``load_config`` in the integration)."""
+
+    default_sender: str | tuple[str, str] | None
+    ascii_attachments: bool
+    suppress_send: bool
+    durable: bool
+    max_attempts: int
+    inline_retries: int
+    retry_base_seconds: float
+    retry_max_seconds: float
+    max_throttle_deferrals: int
+    lease_seconds: float
+    batch_size: int
+    concurrency: int
+    poll_interval: float
+    poll_max_interval: float
+    listen: bool
+    listen_url: str | None
+    listen_backstop_seconds: float
+    run_worker: bool
+    sweep_on_startup: bool
+    sweep_min_age_seconds: float
+    sweep_batch: int
+    sweep_interval_seconds: float | None
+    settings_ttl_seconds: float
+    max_message_bytes: int
+    allow_local_addresses: bool
+    message_id_domain: str | None
+    retention_days: float | None
+    scrub_sent: bool
+    health_max_queued_age_seconds: float
+    run_scheduler: bool = True
+    html_to_text: bool = True
+    allow_smtputf8: bool = False
+    #: None when DKIM signing is off.
+    dkim: DKIMSigner | None = None
+    #: Every transport by name, "default" first.
+    transport_specs: tuple[TransportSpec, ...] = ()
+
+    def transport_spec(self, name: str) -> TransportSpec:
+        """The transport called ``name`` (KeyError when there is none)."""
+        for spec in self.transport_specs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    @property
+    def transport_names(self) -> tuple[str, ...]:
+        """The names ``mail.send(transport=...)`` accepts, "default" first."""
+        return tuple(spec.name for spec in self.transport_specs)
+
+    @property
+    def smtp(self) -> SMTPSettings:
+        """The default transport's SMTP settings (Flask-Mail's ``MAIL_*`` keys)."""
+        return self.transport_spec(DEFAULT_TRANSPORT).smtp
+
+    @functools.cached_property
+    def compose(self) -> ComposeOptions:
+        """How this app's messages are built."""
+        return ComposeOptions(
+            default_sender=self.default_sender,
+            allow_local_addresses=self.allow_local_addresses,
+            max_message_bytes=self.max_message_bytes,
+            message_id_domain=self.message_id_domain,
+            ascii_attachments=self.ascii_attachments,
+            html_to_text=self.html_to_text,
+            allow_smtputf8=self.allow_smtputf8)
+
+    def retry_policy(self) -> RetryPolicy:
+        """The retry policy these settings describe (both modes use it)."""
+        return RetryPolicy(self.retry_base_seconds, self.retry_max_seconds, self.max_attempts,
+                           max_throttle_deferrals=self.max_throttle_deferrals)
+
+    def sweep_interval_for(self, durable: bool) -> float | None:
+        """The periodic sweep interval in force for a delivery mode."""
+        if self.sweep_interval_seconds is not None:
+            return self.sweep_interval_seconds
+        return None if durable else 60.0

@@ -1,0 +1,630 @@
+"""ONE delivery loop for both modes.
+
+A :class:`Worker` runs in one daemon thread per app and process, and takes
+work from two sources:
+
+* ids handed to it (:meth:`Worker.hand`): the rows a commit queued, the
+  emails a recorded outcome made their key's holder, and (inline mode) its
+  own in-process retries once their pause is over;
+* due rows it claims itself (:meth:`~._store.Store.claim_due`) when it is a
+  *dispatcher* (durable mode, ``flask outbox worker``): at its poll, or at
+  once when a commit or a NOTIFY wakes it.
+
+Both go through the same compare-and-set claim, and into the long-lived
+stream of each row's transport (a :class:`~._lanes.Lane` each, rate-limited
+or not). At most a batch is claimed and unrecorded (:attr:`Worker.capacity`),
+the next claim comes at :attr:`Worker.refill_at`, so the connections stay fed.
+Results are recorded as they arrive, coalesced over :data:`RECORD_WINDOW` (a
+killed process re-sends only what was in flight or came back in its last ms).
+
+A dispatcher's claims follow :class:`~._pacing.IdleBackoff` (gaps measured
+from the start of a claim; wakes during a round collapse into one claim), on
+an injectable clock, so tests can check the exact gap sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
+
+from . import _retry
+from ._delivery import BatchReport, Delivery, Waiter, new_owner
+from ._lanes import Lanes
+from ._pacing import IdleBackoff, ReapSchedule, inline_backoff
+from ._store import ClaimedEmail, KeptConnection, Reaped
+
+if TYPE_CHECKING:
+    from ..transports import Envelope, Result
+    from ._settings import OutboxConfig
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the results that came back wait for more before they are recorded
+#: (see :meth:`Worker._record_in`): a record per result would cost a transaction each.
+RECORD_WINDOW = 0.003
+#: Ids waiting in memory at most; past it, hand-overs fall back to the sweep.
+MAX_HANDED = 20_000
+
+
+class Worker:
+    """The delivery loop of one app in one process (see the module docstring)."""
+
+    def __init__(self, delivery: Delivery, config: OutboxConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.delivery = delivery
+        self.store = delivery.store
+        self.config = config
+        self.policy = config.retry_policy()
+        self.clock = clock
+        #: A lane per named transport: its stream, rate and paced rows (see _lanes).
+        self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, clock)
+        #: Rows claimed and not yet recorded, at most (a claim takes at most a batch).
+        self.capacity = max(1, config.batch_size)
+        #: Claim again once no more than this is in flight: half a batch (at
+        #: least a message on each connection and one waiting for it), so the
+        #: connections stay fed while the claim runs, and a claim takes many
+        #: rows, not one per result.
+        self.refill_at = min(self.capacity - 1, max(2 * self.lanes.concurrency,
+                                                          self.capacity // 2))
+        #: Claims due rows itself (durable mode): see :meth:`dispatch`.
+        self.dispatching = False
+        self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
+        self.listening = False  # set by the LISTEN thread while its connection is up
+        self._cond = threading.Condition()
+        self._handed: dict[int, None] = {}
+        self._retries: dict[int, tuple[float, int]] = {}  # id -> (due, retry number)
+        self._retry_numbers: dict[int, int] = {}  # claimed ids -> their retry number
+        self._waiters: list[Waiter] = []
+        self._in_flight: dict[int, ClaimedEmail] = {}
+        self._results: list[tuple[ClaimedEmail, Result | None]] = []
+        self._results_since = 0.0  # when the first of them came back
+        self._woken = False
+        self._busy = False  # in a round (between taking work and putting or recording it)
+        self._stopping = False
+        #: Never starts a thread: a test or ``flask outbox worker --once`` calls
+        #: :meth:`step` / :meth:`drain` itself.
+        self.hand_ticked = False
+        # One caller at a time drains a hand-ticked worker in its own thread.
+        self._drain_lock = threading.Lock()
+        self.started = False  # whether the loop ever ran in this process
+        self._thread: threading.Thread | None = None
+        # Kept across rounds: the dispatcher's claims (autocommit on PostgreSQL),
+        # and the records and the claims of handed ids (transactions).
+        self._claims = KeptConnection(lambda: self.store.dispatch_connection(), doing="claiming")
+        self._writes = KeptConnection(lambda: self.store.engine.connect(), doing="recording")
+        self._next_claim = -float("inf")
+        self.reaps = ReapSchedule()
+        self.claims = 0
+        #: Rows this worker finished (recorded one way or another), ever.
+        self.finished = 0
+        self.last_claimed = 0
+        self.last_claim_failed = False
+        self.last_claim_at: float | None = None
+
+    # -- sources ------------------------------------------------------------------------
+
+    def hand(self, ids: Sequence[int], *, urgent: Collection[int] = ()) -> None:
+        """Deliver ``ids`` (committed, or handed a key) as soon as there is room.
+
+        Those also in ``urgent`` (``priority="high"``) go before every id
+        already waiting; the others after them.
+        """
+        if not ids:
+            return
+        with self._cond:
+            if self._stopping:
+                self.delivery.note_given_back(list(ids))
+                return
+            room = MAX_HANDED - len(self._handed)
+            if room < len(ids):
+                self.delivery.faults.failing(
+                    "inline-overflow",
+                    f"The delivery queue of this process is full ({MAX_HANDED} emails waiting)",
+                    consequence=f"{len(ids) - max(room, 0)} committed email(s) (and further "
+                                "ones until it drains) are not handed over; they stay queued "
+                                "and a sweep or a dispatcher delivers them later",
+                    fix="the SMTP server is slower than the rate of email; check it, or "
+                        "switch to durable mode and run `flask outbox worker` processes")
+                ids = ids[:max(room, 0)]
+            elif not self._handed:
+                self.delivery.faults.recovered("inline-overflow")
+            first = [i for i in ids if i in urgent] if urgent else []
+            if first:
+                self._handed = {**dict.fromkeys(first), **self._handed}
+            self._handed.update(dict.fromkeys(ids))
+            self._cond.notify_all()
+        self.start()
+
+    def wake(self) -> None:
+        """Claim due rows as soon as there is room (a commit, a NOTIFY)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+    def dispatch(self) -> None:
+        """Also claim due rows from now on (durable mode), and start the loop."""
+        self.dispatching = True
+        self.wake()
+        self.start()
+
+    def deliver(self, ids: Sequence[int], timeout: float) -> BatchReport:
+        """Hand ``ids`` over and wait (up to ``timeout``) for their first outcomes.
+
+        The loop delivers them; a worker ticked by hand whose loop runs
+        nowhere (a sweep beside a hand-ticked dispatcher) is drained in the
+        caller's thread instead: the same claim, lanes and record either way.
+        """
+        waiter = Waiter(set(ids))
+        if not waiter.ids:
+            return waiter.report
+        with self._cond:
+            self._waiters.append(waiter)
+        self.hand(ids)
+        if self.hand_ticked and not self.running:
+            with self._drain_lock:
+                self.drain(timeout)
+        waiter.done.wait(timeout)
+        with self._cond:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+        return waiter.report
+
+    # -- ticked by hand (tests, `flask outbox worker --once`, the memory transport) ------
+
+    def tick(self, timeout: float = 60.0) -> float:
+        """One round now, whatever the poll gap: claim, send, wait for every result, record.
+
+        For loops ticked by hand (tests): returns the seconds the loop would
+        wait before its next round (0.0 when handed ids are waiting, such as
+        the next emails of keys this round handed on).
+        """
+        with self._cond:
+            self._woken = self.dispatching
+        self.step()
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._cond:
+                if not self._in_flight or time.monotonic() >= deadline:
+                    break
+                self._cond.wait(0.05)
+            self._release_paced()  # rows waiting for a rate slot are in flight too
+        self._record()
+        if self._handed or not self.dispatching or self.last_claim_at is None:
+            return 0.0
+        return max(0.0, self._next_claim - self.last_claim_at)
+
+    def drain(self, timeout: float = 3600.0) -> int:
+        """Rounds until nothing is in flight or due now (hand-ticked loops, ``--once``).
+
+        Returns how many rows it finished (sent, failed, queued again, given back).
+        """
+        deadline = time.monotonic() + timeout
+        before = self.finished
+        while time.monotonic() < deadline:
+            with self._cond:
+                self._woken = self.dispatching  # claim whenever there is room
+            self.step()
+            if not self._wait_for_results(deadline):
+                with self._cond:
+                    if not (self._handed or (self.dispatching and self.last_claimed)):
+                        break
+        return self.finished - before
+
+    def _wait_for_results(self, deadline: float) -> bool:
+        """Wait for the results of what is in flight; False when nothing is."""
+        while True:
+            slot = self._release_paced()  # rows waiting for a rate slot are in flight too
+            with self._cond:
+                if not self._in_flight or self._results:
+                    return bool(self._in_flight or self._results)
+                wait = min(0.5, max(0.0, deadline - time.monotonic()))
+                if slot is not None:
+                    wait = min(wait, max(0.001, slot - time.monotonic()))
+                if not self._cond.wait(wait) and time.monotonic() >= deadline:
+                    return False
+
+    # -- control ------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Run the loop in a daemon thread (idempotent; a stopped worker stays stopped)."""
+        with self._cond:
+            if self._stopping or self.running or self.hand_ticked:
+                return
+            self.started = True
+            self._thread = threading.Thread(target=self.run, name="outbox-worker",
+                                            daemon=True)
+            self._thread.start()
+        if self.dispatching:
+            logger.info("Outbox dispatcher started (pid %d)", os.getpid())
+
+    def idle(self) -> bool:
+        """Nothing handed, claimed, waiting for a retry or to be recorded."""
+        with self._cond:
+            return not (self._busy or self._handed or self._retries or self._in_flight
+                        or self._results or self._woken or self.last_claim_failed
+                        or (self.dispatching and self.last_claimed))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until :meth:`idle`; True when it is."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self.idle():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.running:
+                    return self.idle()
+                self._cond.wait(min(remaining, 0.5))
+            return True
+
+    def request_stop(self) -> None:
+        """Stop claiming (safe from a signal handler: takes no lock)."""
+        self._stopping = True
+
+    def stop(self, timeout: float) -> None:
+        """Stop claiming; give what is in flight ``timeout`` seconds, give back the rest."""
+        with self._cond:
+            self._stopping = True
+            # Handed over (or waiting for an in-process retry) and not claimed:
+            # queued in the database and in flight nowhere.
+            self.delivery.note_given_back([*self._handed, *self._retries])
+            self._forget([*self._handed, *self._retries])
+            self._handed.clear()
+            self._retries.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        self.cancel_unstarted()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if not self.running:
+            # Ticked by hand, or the loop has ended: nothing else closes these.
+            self._close()
+
+    def cancel_unstarted(self) -> int:
+        """Stop handing claimed messages to the server; they are given back. How many."""
+        never, paced = self.lanes.cancel()
+        self._give_back_unsent(paced)
+        return len(never) + len(paced)
+
+    def in_flight(self) -> int:
+        """Rows claimed and not yet recorded."""
+        with self._cond:
+            return len(self._in_flight) + len(self._results)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Loop until :meth:`stop` and every result is recorded (in the foreground too)."""
+        with self._cond:
+            current = threading.current_thread()
+            if self.running and self._thread is not current:
+                raise RuntimeError("this worker's loop already runs in another thread")
+            self._thread = current
+            self.started = True
+        try:
+            while True:
+                try:
+                    self.step()
+                except Exception as exc:  # noqa: BLE001 - reported; the loop goes on
+                    self.delivery.faults.failing(
+                        "worker", "The outbox delivery loop hit an unexpected error",
+                        consequence="it goes on with its next round; what it had claimed is "
+                                    "sent and recorded, or taken again when its lease expires",
+                        fix="report it with the traceback below", exc=exc)
+                    time.sleep(0.5)
+                with self._cond:
+                    if self._stopping and not self._in_flight and not self._results:
+                        return
+                self._wait()
+        finally:
+            self._close()
+
+    def step(self) -> None:
+        """One round: record what came back, then claim what there is room for."""
+        with self._cond:
+            self._busy = True
+        try:
+            self._record()
+            if self._stopping:  # rows waiting for a rate slot go back at once
+                self._give_back_unsent(self.lanes.take_back())
+                return
+            self.lanes.release_due(self._on_result)
+            room = self._room(self.in_flight())
+            if room > 0:
+                room -= self._claim_handed(room)
+            if room > 0 and self.dispatching:
+                with self._cond:  # a wake while there was no room waits for room
+                    woken, self._woken = self._woken, False
+                if woken or self.clock() >= self._next_claim:
+                    self._claim_due(room)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _wait(self) -> None:
+        with self._cond:
+            while not self._stopping or self._in_flight:
+                record_in = self._record_in()
+                if record_in is not None and record_in <= 0:
+                    return
+                # What came back is recorded first, so only what is on the wire counts.
+                room = self._room(len(self._in_flight)) > 0
+                now = self.clock()
+                if room and (self._handed or (self.dispatching and self._woken)):
+                    return
+                deadlines = [due for due, _ in self._retries.values()]
+                if self.dispatching:
+                    deadlines.append(self._next_claim)
+                next_due = min(deadlines, default=None)
+                if room and next_due is not None and next_due <= now:
+                    return
+                # A paced row's slot needs no room: it is claimed already.
+                slot = self.lanes.next_slot()
+                if slot is not None and slot <= now:
+                    return
+                if self._stopping and not self._in_flight:
+                    return
+                # A dispatcher waits in slices: a signal handler (the worker's
+                # SIGTERM) sets the flag without being able to notify.
+                wait = (None if next_due is None and not self.dispatching else
+                        0.5 if next_due is None or not room else min(0.5, next_due - now))
+                if record_in is not None:
+                    wait = record_in if wait is None else min(wait, record_in)
+                if slot is not None:
+                    wait = slot - now if wait is None else min(wait, slot - now)
+                self._cond.wait(None if wait is None else max(wait, 0.001))
+
+    def _record_in(self) -> float | None:
+        """Seconds until the results that came back are recorded; None if none did.
+
+        Results are coalesced for up to :data:`RECORD_WINDOW` seconds into one
+        record (one statement for all that were sent), unless nothing else is
+        in flight, the loop stops, or half a batch is waiting.
+        """
+        if not self._results:
+            return None
+        if self._stopping or not self._in_flight or len(self._results) >= self.capacity // 2:
+            return 0.0
+        return self._results_since + RECORD_WINDOW - time.monotonic()
+
+    def _room(self, in_flight: int) -> int:
+        """How many rows a claim may take with ``in_flight`` unrecorded (0 above the refill point)."""
+        return self.capacity - in_flight if in_flight <= self.refill_at else 0
+
+    # -- claiming -----------------------------------------------------------------------
+
+    def _take_handed(self, room: int) -> list[int]:
+        with self._cond:
+            now = time.monotonic()
+            for email_id, (due, number) in list(self._retries.items()):
+                if due <= now:
+                    del self._retries[email_id]
+                    self._handed[email_id] = None
+                    self._retry_numbers[email_id] = number
+            ids = list(itertools.islice(self._handed, room))
+            for email_id in ids:
+                del self._handed[email_id]
+            return ids
+
+    def _claim_handed(self, room: int) -> int:
+        ids = self._take_handed(room)
+        if not ids:
+            return 0
+        try:
+            claimed = self._writes.run(lambda conn: self.store.claim_ids(
+                ids, owner=new_owner(), lease_seconds=self.config.lease_seconds, conn=conn))
+        except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
+            self._forget(ids)
+            self.delivery.faults.failing(
+                "inline-drain", "Delivery could not claim emails handed over after commit",
+                consequence=(f"{len(ids)} committed email(s) were not delivered by this "
+                             "process; they stay queued and a sweep or a dispatcher takes "
+                             "them later"),
+                fix="check the database connection and the outbox tables "
+                    "(`flask db upgrade outbox@head`); run `flask outbox sweep` once it is fixed",
+                exc=exc)
+            return 0
+        self.delivery.faults.recovered("inline-drain")
+        got = {email.id for email in claimed}
+        self._settle(BatchReport(not_claimed=[i for i in ids if i not in got]))
+        self._put(claimed)
+        return len(claimed)
+
+    def _claim_due(self, room: int) -> None:
+        """A dispatcher's claim of due rows, lane by lane (with the reap, at its intervals)."""
+        started = self.clock()
+        self.claims += 1
+        self.last_claim_at = started
+        claimed: list[ClaimedEmail] = []
+        reaped = Reaped()
+        full = False
+        reap = self.reaps.due(started)
+        try:
+            for lane in self.lanes:
+                limit = lane.claim_limit(room - len(claimed))
+                if limit <= 0:
+                    continue
+                got, lane_reaped = self._claim_on_kept_connection(limit, reap=reap,
+                                                                  transport=lane.name)
+                if reap:
+                    reaped, reap = lane_reaped, False
+                lane.backlog = len(got) >= limit
+                full = full or lane.backlog
+                claimed += got
+        except Exception as exc:  # noqa: BLE001 - reported; the next claim retries
+            self.last_claim_failed = True
+            self.last_claimed = 0
+            self.reaps.found(0)  # the next claim reaps: leases may have run out
+            self._schedule(started, claimed=0, full=False, failed=True)
+            self.delivery.faults.failing(
+                "dispatcher-tick", "A dispatcher could not reap or claim due emails",
+                consequence="due emails stay queued (or sending until their lease expires); "
+                            "the dispatcher keeps trying with backoff and resumes on its own "
+                            "when the database answers again",
+                fix="check the database connection and that the outbox tables exist "
+                    "(`flask db upgrade outbox@head`)",
+                exc=exc)
+            self._put(claimed)  # what an earlier lane claimed before the failure
+            return
+        self.delivery.faults.recovered("dispatcher-tick")
+        self.reaps.found(len(claimed))
+        self.last_claim_failed = False
+        self.last_claimed = len(claimed)
+        self._schedule(started, claimed=len(claimed), full=full, failed=False)
+        try:
+            self.delivery.report_reaped(reaped)
+        finally:
+            self._put(claimed)
+
+    def _schedule(self, started: float, *, claimed: int, full: bool, failed: bool) -> None:
+        cap = self.config.listen_backstop_seconds if self.listening else None
+        gap = self.backoff.after_claim(
+            claimed=claimed, full=full, failed=failed,
+            maximum=max(cap, self.config.poll_max_interval) if cap else None)
+        # A rate-limited lane with more due claims again once its slots run low.
+        ready = self.lanes.ready_at()
+        with self._cond:
+            self._next_claim = started + gap if ready is None else min(started + gap, ready)
+            self._cond.notify_all()
+
+    def _claim_on_kept_connection(self, limit: int, *, reap: bool,
+                                  transport: str) -> tuple[list[ClaimedEmail], Reaped]:
+        """The claim on the dispatcher's kept connection (a new owner for each try)."""
+        return self._claims.run(lambda conn: self.store.claim_due(
+            limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
+            reap=reap, transport=transport, conn=conn))
+
+    # -- sending and recording ------------------------------------------------------------
+
+    def _put(self, claimed: Sequence[ClaimedEmail]) -> None:
+        if not claimed:
+            return
+        with self._cond:
+            stopping = self._stopping
+            if not stopping:
+                for email in claimed:
+                    self._in_flight[email.id] = email
+        if stopping:
+            # Claimed by a round that began before stop(): unsent, so given back.
+            self.delivery.give_back(claimed)
+            return
+        self.delivery.heartbeat.track(claimed)
+        sendable: list[ClaimedEmail] = []
+        unknown: list[ClaimedEmail] = []
+        for email in claimed:
+            if email.attempt > self.policy.max_attempts:
+                self._on_result_of(email, None)  # spent: dead-lettered unsent
+            else:
+                (sendable if email.transport in self.lanes else unknown).append(email)
+        if unknown:  # named by a process with another OUTBOX_TRANSPORTS
+            self._give_back_unsent(unknown)
+            self.lanes.report_unknown(unknown)
+        self.lanes.send(sendable, self._on_result)
+
+    def _release_paced(self) -> float | None:
+        self.lanes.release_due(self._on_result)
+        return self.lanes.next_slot()
+
+    def _give_back_unsent(self, emails: list[ClaimedEmail]) -> None:
+        """Claimed rows that never reach a stream: queued again, attempt returned."""
+        if not emails:
+            return
+        with self._cond:
+            for email in emails:
+                self._in_flight.pop(email.id, None)
+        self.delivery.give_back(emails)
+        self._settle(BatchReport(released=[email.id for email in emails]))
+
+    def _on_result(self, envelope: Envelope, result: Result) -> None:
+        """The transport's report (a transport thread): record it at the next round."""
+        with self._cond:  # an RLock: _on_result_of takes it again without a wait
+            email = self._in_flight.get(envelope.email_id)
+            if email is not None:
+                self._on_result_of(email, result)
+
+    def _on_result_of(self, email: ClaimedEmail, result: Result | None) -> None:
+        with self._cond:
+            self._in_flight.pop(email.id, None)
+            first = not self._results
+            if first:
+                self._results_since = time.monotonic()
+            self._results.append((email, result))
+            # A woken loop records what came back, window or not: wake it for the
+            # first result (it then waits out the window) and what ends it early.
+            if first or self._record_in() == 0.0:
+                self._cond.notify_all()
+
+    def _record(self) -> None:
+        with self._cond:
+            done, self._results = self._results, []
+        if not done:
+            return
+        retry_now = {email.id for email, _ in done
+                     if self._retry_numbers.get(email.id, 0) < self.config.inline_retries
+                     and not self.dispatching and not self.hand_ticked}
+        try:
+            report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now,
+                                          kept=self._writes)
+        except Exception:  # noqa: BLE001 - durability: ok Delivery._record reported it at ERROR, with what happens to the rows
+            self._forget([email.id for email, _ in done])
+            return
+        self.finished += report.count
+        self.lanes.after_record(done, report, dispatching=self.dispatching)
+        self._settle(report, retry_now)
+        self.hand(report.holders)
+
+    def _settle(self, report: BatchReport, retry_now: set[int] | None = None) -> None:
+        """After a record: schedule in-process retries, tell waiters, forget the rest."""
+        retry_now = retry_now or set()
+        with self._cond:
+            self._tell_waiters(report)
+            for email_id, attempt, error in report.transient:
+                number = self._retry_numbers.pop(email_id, 0) + 1
+                if email_id in retry_now and not self._stopping:
+                    # A throttling server asked for a pause: retry when the row is
+                    # due again, not in a quarter of a second.
+                    pause = (_retry.THROTTLE_DELAY_SECONDS if error.throttled
+                             else inline_backoff(number))
+                    self._retries[email_id] = (time.monotonic() + pause, number)
+                    continue
+                due_now = email_id in retry_now
+                if self._stopping and due_now:
+                    # Due now and not retried here because this process stops:
+                    # stop() marks it for the next sweep of any process.
+                    self.delivery.note_given_back([email_id])
+                if not self.dispatching:  # a dispatcher takes it again when due
+                    self.delivery.report_left_queued(email_id, attempt, error, due_now=due_now)
+            for email_id in itertools.chain(report.sent, report.failed, report.lost,
+                                            report.not_claimed, report.released):
+                self._retry_numbers.pop(email_id, None)
+            self._cond.notify_all()
+
+    def _forget(self, ids: Sequence[int]) -> None:
+        """Ids this worker will not deliver after all: their waiters stop waiting."""
+        with self._cond:
+            for email_id in ids:
+                self._retry_numbers.pop(email_id, None)
+            self._tell_waiters(BatchReport(not_claimed=list(ids)))
+
+    def _tell_waiters(self, report: BatchReport) -> None:
+        for waiter in list(self._waiters):
+            if waiter.take(report):
+                self._waiters.remove(waiter)
+
+    def _close(self) -> None:
+        self.lanes.close()
+        self._claims.close()
+        self._writes.close()
+        with self._cond:
+            if self._thread is threading.current_thread():
+                self._thread = None
+            self._cond.notify_all()

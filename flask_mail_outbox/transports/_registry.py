@@ -1,0 +1,82 @@
+"""From a transport's name to its class, and from its settings to an instance: one table.
+
+``OUTBOX_TRANSPORT`` and each ``OUTBOX_TRANSPORTS`` entry name a built-in
+(:data:`BUILTIN`) or a ``"package.module:Class"``; :func:`transport_class`
+resolves the name once, at ``init_app``, and :func:`build` makes the
+instance from its :class:`TransportSettings`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from .._errors import ConfigError
+from ._base import Transport
+from ._settings import TransportSettings
+from ._simple import ConsoleTransport, FileTransport, MemoryTransport, NullTransport
+from ._smtp import SMTPTransport
+
+#: The built-in transports by name.
+BUILTIN: dict[str, type[Transport]] = {
+    "smtp": SMTPTransport,
+    "console": ConsoleTransport,
+    "file": FileTransport,
+    "memory": MemoryTransport,
+    "null": NullTransport,
+}
+
+
+def transport_class(name: Any, key: str) -> type[Transport]:
+    """The class ``name`` stands for; :class:`ConfigError` naming ``key`` when there is none."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(key, f"expected a transport name, got {name!r}")
+    builtin = BUILTIN.get(name)
+    if builtin is not None:
+        return builtin
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(key, f"{name!r} is neither one of {', '.join(BUILTIN)} nor "
+                               "'package.module:Class'")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(key, f"cannot import {name!r}: {exc}") from exc
+    if not isinstance(found, type) or not issubclass(found, Transport):
+        raise ConfigError(key, f"{name!r} must be a subclass of "
+                               "flask_mail_outbox.transports.Transport")
+    return found
+
+
+def build(cls: type[Transport], settings: TransportSettings, *,
+          legacy_config: object = None) -> Transport:
+    """An instance of ``cls`` for ``settings``.
+
+    A custom class written against the old ``Transport(config)`` signature
+    (see :func:`takes_legacy_config`; deprecated, warned about at ``init_app``)
+    still gets ``legacy_config``, the app's settings object.
+    """
+    if takes_legacy_config(cls):
+        return cls(legacy_config)
+    transport = cls.from_settings(settings)
+    if legacy_config is not None and not _builds_itself(cls):
+        # A custom class without settings of its own may read self.config, the
+        # deprecated app config: it gets it, with a warning on first use.
+        transport._legacy_config = legacy_config
+        transport._legacy_config_unasked = True
+    return transport
+
+
+def takes_legacy_config(cls: type[Transport]) -> bool:
+    """Whether ``cls`` is written as ``__init__(self, config)``, without ``from_settings``."""
+    if _builds_itself(cls) or cls.__init__ is Transport.__init__:
+        return False
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in parameters)
+
+
+def _builds_itself(cls: type[Transport]) -> bool:
+    """Whether ``cls`` or a base below :class:`Transport` defines ``from_settings``."""
+    return cls.from_settings.__func__ is not Transport.from_settings.__func__  # type: ignore[attr-defined]
