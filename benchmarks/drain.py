@@ -19,6 +19,7 @@ clock starts at the first receipt instead.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -94,8 +95,26 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
 
 
 def drain_once(ctx: Context, bench: Bench, url: str, sink: Sink, *, n: int, workers: int,
-               concurrency: int, config: dict[str, Any] | None = None) -> float:
+               concurrency: int) -> float:
     """Queue ``n``, start ``workers``, release, wait for the sink; msg/s (workers stopped)."""
+    procs, released = start_drain(ctx, bench, url, sink, n=n, workers=workers,
+                                  concurrency=concurrency)
+    try:
+        stats = sink.wait_for(n + 1, timeout=60 + n / 10, procs=procs)
+    finally:
+        for proc in procs:
+            stop_process(proc)
+    if stats["count"] < n + 1:
+        raise RuntimeError(f"only {stats['count']} of {n + 1} emails arrived")
+    if url.startswith("postgresql"):
+        return stats["count"] / max(stats["last"] - released, 1e-9)
+    return (stats["count"] - 1) / max(stats["last"] - stats["first"], 1e-9)
+
+
+def start_drain(ctx: Context, bench: Bench, url: str, sink: Sink, *, n: int, workers: int,
+                concurrency: int, config: dict[str, Any] | None = None
+                ) -> tuple[list[subprocess.Popen[Any]], float]:
+    """Empty the tables, queue ``n`` held emails, start ``workers``, release; (them, when)."""
     execute(url, "DELETE FROM outbox_attachment", "DELETE FROM outbox_email")
     bench.enqueue(n, "drain", send_after=HOLD)
     sink.reset()
@@ -108,15 +127,11 @@ def drain_once(ctx: Context, bench: Bench, url: str, sink: Sink, *, n: int, work
     try:
         if postgres:
             wait_listening(url, workers, procs)
-        released = release(bench)
-        stats = sink.wait_for(n + 1, timeout=60 + n / 10, procs=procs)
-    finally:
+        return procs, release(bench)
+    except BaseException:
         for proc in procs:
             stop_process(proc)
-    if stats["count"] < n + 1:
-        raise RuntimeError(f"only {stats['count']} of {n + 1} emails arrived")
-    start = released if postgres else stats["first"]
-    return (stats["count"] - (0 if postgres else 1)) / max(stats["last"] - start, 1e-9)
+        raise
 
 
 def release(bench: Bench) -> float:
