@@ -34,23 +34,27 @@ def scenario_parser(module: ModuleType, parser: argparse.ArgumentParser | None =
     return parser
 
 
+def _common(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="where to write the results (default benchmarks/results/"
+                             "<command>-<UTC time>.json)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directory (PostgreSQL data, process logs)")
+    parser.add_argument("--no-pg", action="store_true", help="SQLite only")
+    return parser
+
+
 def build_parser(found: dict[str, ModuleType]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description="flask-mail-outbox benchmarks "
         "(see benchmarks/__init__.py); each scenario takes --help for its sizes")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="where to write the results (default benchmarks/results/"
-                             "<name>-<UTC time>.json)")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the work directory (PostgreSQL data, process logs)")
-    parser.add_argument("--no-pg", action="store_true", help="SQLite only")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("list", help="the scenarios")
-    sub.add_parser("smoke", help="every scenario at a tiny size, and the public-API check; "
-                                 "exits 1 when one raises or gives no figure")
-    sub.add_parser("all", help="every scenario at its full size")
+    _common(sub.add_parser("smoke", help="every scenario at a tiny size, and the public-API "
+                                         "check; exits 1 when one raises or gives no figure"))
+    _common(sub.add_parser("all", help="every scenario at its full size"))
     for module in found.values():
-        scenario_parser(module, sub.add_parser(module.NAME, help=module.HELP))
+        scenario_parser(module, _common(sub.add_parser(module.NAME, help=module.HELP)))
     return parser
 
 
