@@ -96,6 +96,7 @@ class Table:
                   for i, c in enumerate(self.columns)]
         lines = [self.title, "  ".join(c.ljust(w) for c, w in zip(self.columns, widths)),
                  "  ".join("-" * w for w in widths)]
+        # Numbers right-aligned, the first column (the row's name) left-aligned.
         lines += ["  ".join(v.rjust(w) if i else v.ljust(w)
                             for i, (v, w) in enumerate(zip(row, widths))) for row in cells]
         return "\n".join(line.rstrip() for line in lines)
@@ -406,7 +407,8 @@ class Context:
                     continue
                 out.append((backend, self.postgres().create_database(f"bench_{name}")))
             elif backend == "sqlite":
-                out.append((backend, f"sqlite:///{self.workdir / f'{name}-{uuid.uuid4().hex[:6]}.db'}"))
+                path = self.workdir / f"{name}-{uuid.uuid4().hex[:6]}.db"
+                out.append((backend, f"sqlite:///{path}"))
             else:
                 raise SystemExit(f"unknown backend {backend!r} (sqlite, pg)")
         return out

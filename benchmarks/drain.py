@@ -85,7 +85,7 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
         for k in counts:
             rate = median(rates[k])
             bound = k * args.concurrency / (args.delay_ms / 1000) if args.delay_ms else None
-            vs = median(ratio(a, b) for a, b in zip(rates[k], rates[counts[0]]))
+            vs = median(ratio(a, b) for a, b in zip(rates[k], rates[counts[0]], strict=True))
             table.add(backend, k, rate, bound, ratio(rate, bound), vs, not_sent[k])
             report.figures[f"{backend} {k} workers msg/s"] = rate
             report.figures[f"{backend} {k} workers of bound"] = ratio(rate, bound)

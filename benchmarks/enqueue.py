@@ -56,8 +56,8 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
     report = Report(NAME, tables=[table])
     for backend, url in ctx.databases(args.backends, NAME):
         for per, times in _measure(url, args.n, args.rounds).items():
-            us = {k: median(v) * 1e6 / args.n for k, v in times.items()}  # type: ignore[operator]
-            ratios = {k: median(t / b for t, b in zip(times[k], times["bare"]))
+            us = {k: (median(v) or 0.0) * 1e6 / args.n for k, v in times.items()}
+            ratios = {k: median(t / b for t, b in zip(times[k], times["bare"], strict=True))
                       for k in ("send", "send_many")}
             table.add(backend, per, us["bare"], us["send"], ratios["send"], us["send_many"],
                       ratios["send_many"])

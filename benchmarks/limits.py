@@ -28,7 +28,7 @@ from .drain import start_drain
 
 NAME = "limits"
 HELP = "workers against a provider's quota (421 above it), with and without a rate limit"
-SMOKE = ["--quota", "40", "--workers", "2", "--warmup", "0.5", "--window", "1.5",
+SMOKE = ["--quota", "40", "--workers", "1", "--warmup", "0.5", "--window", "1.5",
          "--backends", "pg"]
 
 

@@ -1,7 +1,7 @@
 """``transport``: the outbox's SMTP transport against aiosmtplib, the same messages, one sink.
 
-In this process, N messages are built first with ``Message(...).as_bytes()``, then, round after round in
-rotating order:
+In this process, N messages are built first with ``Message(...).as_bytes()``,
+then, round after round in rotating order:
 
 * ``outbox-transport``: ``SMTPTransport.send_many`` of the N envelopes over 4
   connections (the library's default), opened by a warm-up batch first, as a

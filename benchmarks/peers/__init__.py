@@ -31,8 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._harness import Context, Report, Sink, Table, free_port, log, ratio, stop_process
-from .._harness import wait_port
+from .._harness import (
+    Context,
+    Report,
+    Sink,
+    Table,
+    free_port,
+    log,
+    ratio,
+    stop_process,
+    wait_port,
+)
 from ..bench_app import BODY, RECIPIENT, SENDER, build
 from ..drain import drain_once
 
@@ -137,7 +146,7 @@ def _celery(ctx: Context, sink: Sink, n: int) -> tuple[str, float]:
     worker = ctx.spawn([sys.executable, "-m", "celery", "-A", "benchmarks.peers.celery_app",
                         "worker", "--pool", "prefork", "-c", "4", "--loglevel", "WARNING"],
                        env={"BENCH_REDIS_URL": broker, "BENCH_SMTP_PORT": str(sink.smtp_port)},
-                       name="celery")
+                       name="celery", stdout=subprocess.DEVNULL)
     try:
         enqueue(broker, n)
         stats = sink.wait_for(n, timeout=60 + n * 0.5, procs=[worker])
@@ -159,7 +168,8 @@ def _post_office(ctx: Context, sink: Sink, n: int) -> tuple[str, float]:
                         message={"sender": SENDER, "recipient": RECIPIENT, "body": BODY})
 
     def manage(*command: str) -> None:
-        proc = ctx.spawn([python, *command], env=env, name="post-office")
+        proc = ctx.spawn([python, *command], env=env, name="post-office",
+                         stdout=subprocess.DEVNULL)
         if proc.wait(timeout=600) != 0:
             raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}")
 
