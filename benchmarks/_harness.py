@@ -394,17 +394,20 @@ class Context:
             self._pg = PgCluster(self.workdir / "pg")
         return self._pg
 
-    def databases(self, backends: str, name: str) -> list[tuple[str, str]]:
+    def databases(self, backends: str, name: str, *, fallback: bool = True
+                  ) -> list[tuple[str, str]]:
         """``(backend, url)`` of a new database per backend of ``"sqlite,pg"``.
 
-        PostgreSQL is skipped, with a line saying so, when this machine has none.
+        PostgreSQL is skipped, with a line saying so, when this machine has none;
+        with ``fallback`` a scenario that asked for PostgreSQL alone runs on SQLite.
         """
+        wanted = [b.strip() for b in backends.split(",") if b.strip()]
+        if not self.has_postgres and "pg" in wanted:
+            log(f"{name}: skipping PostgreSQL (no server binaries, or --no-pg)")
+            wanted = [b for b in wanted if b != "pg"] or (["sqlite"] if fallback else [])
         out = []
-        for backend in [b.strip() for b in backends.split(",") if b.strip()]:
+        for backend in wanted:
             if backend == "pg":
-                if not self.has_postgres:
-                    log(f"{name}: skipping PostgreSQL (no server binaries on this machine)")
-                    continue
                 out.append((backend, self.postgres().create_database(f"bench_{name}")))
             elif backend == "sqlite":
                 path = self.workdir / f"{name}-{uuid.uuid4().hex[:6]}.db"

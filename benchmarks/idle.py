@@ -55,7 +55,7 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
     children = []
     for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
         backend, config, goal = CONFIGS[name]
-        for _, url in ctx.databases(backend, f"idle_{backend}"):
+        for _, url in ctx.databases(backend, f"idle_{backend}", fallback=False):
             build(url, sink.smtp_port).stop()  # the tables
             if backend == "pg":
                 ctx.postgres().log_statements(url)

@@ -61,7 +61,7 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
     report = Report(NAME, tables=[table])
     for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
         backend, config = CONFIGS[name]
-        for _, url in ctx.databases(backend, f"request_{backend}"):
+        for _, url in ctx.databases(backend, f"request_{backend}", fallback=False):
             build(url, sink.smtp_port).stop()  # the tables
             sink.reset()
             port = free_port()

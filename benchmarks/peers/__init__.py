@@ -101,7 +101,7 @@ def _first_to_last(stats: dict[str, Any]) -> float:
 
 
 def _outbox(ctx: Context, sink: Sink, n: int) -> tuple[str, float]:
-    backend, url = ctx.databases("pg" if ctx.has_postgres else "sqlite", "peers")[0]
+    backend, url = ctx.databases("pg", "peers")[0]
     workers = 4 if backend == "pg" else 1
     bench = build(url, sink.smtp_port, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                   OUTBOX_RUN_SCHEDULER=False)
