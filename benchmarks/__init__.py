@@ -1,40 +1,33 @@
-"""Hand-run benchmarks for flask-mail-outbox.
+"""Benchmarks for flask-mail-outbox, run by hand at full size and by CI as a smoke test.
 
-Run from the repository root with the project's virtualenv (``benchmarks/setup``
-installs Postfix's ``smtp-sink`` and the ``bench`` extra)::
+From the repository root, with the project's virtualenv (``pip install -e
+'.[test,bench]'``)::
 
-    python -m benchmarks list                 # the registered scenarios
-    python -m benchmarks idle [--quick] ...   # one scenario (``--help`` for its options)
-    python -m benchmarks all [--quick]        # every scenario, then the goals table
+    python -m benchmarks list                 # the scenarios
+    python -m benchmarks smoke                # every scenario at a tiny size (under a minute)
+    python -m benchmarks drain [--n 5000 ...] # one scenario at full size (--help: its sizes)
+    python -m benchmarks all                  # every scenario at full size
 
-Each run prints a table per scenario, the goals table of issue 5 (from the
-figures of that run only), and writes ``benchmarks/results/<name>-<UTC
-time>.json`` (git-ignored). The machine these run on is small and shared, so
-every figure is a median of several rounds or a percentile over many samples,
-and comparisons are ratios taken within one run, never across runs.
+Each command prints a table per scenario and writes its figures to ``--json
+PATH`` (default ``benchmarks/results/<command>-<UTC time>.json``, git-ignored).
+PostgreSQL scenarios start a throwaway cluster with ``scripts/pg-cluster`` and
+are skipped, with a line saying so, where no server binaries are installed.
+The machine is small and shared, so figures are medians of rounds and
+comparisons are ratios taken within one run.
 
-Layout:
+The rule: public API only. The benchmarks use ``flask_mail_outbox`` and
+``flask_mail_outbox.transports`` (their ``__all__``), the CLI, the dashboard's
+pages, and SQL against the documented tables (``outbox_email``,
+``outbox_attachment``, ``outbox_setting``, ``outbox_rate``); nothing whose name
+starts with ``_`` under the package, so a refactor cannot break them silently.
+``smoke`` fails when :mod:`benchmarks._public_api` finds such an import. The one
+transport built by hand is :func:`benchmarks._harness.smtp_transport`.
 
-* ``_registry.py``: the scenario registry (``@scenario``); ``all`` runs them in
-  import order, starting the ones that mostly wait (``idle``) first, in the
-  background, and collecting them last;
-* ``_harness.py``: what scenarios share: a throwaway PostgreSQL
-  (``scripts/pg-cluster``), SMTP sinks in their own processes (Postfix's
-  ``smtp-sink`` when installed, else ``sink.py``), worker subprocesses,
-  statistics and the table/JSON output;
-* ``sink.py``: the aiosmtpd sink process (``python -m benchmarks.sink``), also
-  the one with a per-message delay;
-* ``bench_app.py``: ``create_app()`` for the processes under test, configured
-  from ``BENCH_*`` environment variables;
-* the scenarios: ``idle.py`` (statements per minute), ``throughput.py``
-  (aiosmtplib ceiling, Flask-Mail, the outbox end to end), ``enqueue.py``
-  (``send()`` + commit vs a bare insert), ``history.py`` (1M retained rows),
-  ``drain.py`` (1 vs 4 workers, 50 ms sink), ``backlog.py`` (deep per-key
-  backlog; worker memory), ``request.py`` (request latency with a 1 s SMTP
-  server), ``latency.py`` (commit to receipt while idle);
-* ``goals.py``: the goals table from a run's results;
-* ``profiles.py``: ``python -m benchmarks.profiles`` writes the pyinstrument
-  profiles in ``profiles/`` that the README cites.
+Layout: ``_harness.py`` (PostgreSQL, sink and worker processes, tables and
+statistics), ``bench_app.py`` (the app under test, from ``BENCH_*`` variables
+in child processes), ``sink.py`` (the aiosmtpd sink, with a per-message delay
+and an optional quota), one module per scenario (``enqueue``, ``transport``,
+``drain``, ``limits``, ``request``, ``history``, ``idle``), and ``peers/`` (the
+outbox against Flask-Mail, Celery and django-post-office; its README says how
+to install them).
 """
-
-RESULT_SCHEMA = 1

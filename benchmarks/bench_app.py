@@ -1,98 +1,93 @@
-"""The app factory of the processes under test, configured from the environment.
+"""The app of the processes under test, configured from the environment or explicitly.
 
 Workers run it as::
 
     python -m flask --app benchmarks.bench_app:create_app outbox worker --concurrency 4
 
-(from the repository root, or with it on ``PYTHONPATH``); scenario child
-processes import it. Variables:
+(from the repository root, or with it on ``PYTHONPATH``). Variables:
 
 =======================  ==========================================================
 ``BENCH_DB_URL``         ``SQLALCHEMY_DATABASE_URI`` (required)
-``BENCH_SMTP_PORT``      ``MAIL_PORT`` (required); ``MAIL_SERVER`` is
-                         ``BENCH_SMTP_HOST`` (default 127.0.0.1)
+``BENCH_SMTP_PORT``      ``MAIL_PORT`` of a sink on 127.0.0.1 (required)
 ``BENCH_CONFIG``         a JSON object of further config keys, e.g.
                          ``{"OUTBOX_DURABLE": true, "OUTBOX_LISTEN": false}``
-``BENCH_LOG_LEVEL``      level of the library's log lines on stderr (WARNING)
 =======================  ==========================================================
-
-The app has no models of its own; the benchmark creates the outbox tables
-(:func:`create_tables`) before any process under test starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 import os
-import sys
 from typing import Any
 
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
-from flask_mail_outbox import OutboxMail
+from flask_mail_outbox import Message, OutboxMail
 
 SENDER = "Bench <bench@example.com>"
 RECIPIENT = "rcpt@example.com"
+BODY = ("Hello,\n\nthis is a benchmark email of flask-mail-outbox, about the size of a "
+        "short transactional message (a sign-up confirmation or a password reset).\n\n"
+        + "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 12 + "\n\n-- \nBench\n")
 
 
-def config_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """The Flask config the environment describes."""
-    env = os.environ if environ is None else environ
-    config: dict[str, Any] = {
-        "SQLALCHEMY_DATABASE_URI": env["BENCH_DB_URL"],
-        "MAIL_SERVER": env.get("BENCH_SMTP_HOST", "127.0.0.1"),
-        "MAIL_PORT": int(env["BENCH_SMTP_PORT"]),
-        "MAIL_DEFAULT_SENDER": SENDER,
-        "MAIL_SUPPRESS_SEND": False,
-        "MAIL_TIMEOUT": 30.0,
-    }
-    config.update(json.loads(env.get("BENCH_CONFIG") or "{}"))
-    return config
+@dataclasses.dataclass
+class Bench:
+    """An app with the handles a scenario needs (the extension keeps none on the app)."""
+
+    app: Flask
+    db: SQLAlchemy
+    mail: OutboxMail
+
+    def enqueue(self, n: int, tag: str, *, batch: int = 500, **send: Any) -> float:
+        """``n`` emails through ``mail.send()``, ``batch`` per commit; the seconds it took."""
+        import time
+
+        with self.app.app_context():
+            started = time.perf_counter()
+            for start in range(0, n, batch):
+                for i in range(start, min(n, start + batch)):
+                    self.mail.send(message(f"{tag} #{i}"), **send)
+                self.db.session.commit()
+            elapsed = time.perf_counter() - started
+            self.db.session.remove()
+        return elapsed
+
+    def stop(self) -> None:
+        self.mail.stop(timeout=5)
 
 
-def _configure_logging(level: str) -> None:
-    logger = logging.getLogger("flask_mail_outbox")
-    if not any(getattr(h, "_bench", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(
-            "%(created).3f %(process)d %(levelname)s %(name)s: %(message)s"))
-        handler._bench = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-    logger.setLevel(getattr(logging, level.upper(), logging.WARNING))
+def message(subject: str, **headers: str) -> Message:
+    """A short transactional email to the benchmark recipient."""
+    return Message(subject, recipients=[RECIPIENT], body=BODY, extra_headers=headers or None)
+
+
+def build(db_url: str, smtp_port: int, *, create: bool = True, **config: Any) -> Bench:
+    """A Flask app with Flask-SQLAlchemy and the outbox; ``create``: the outbox tables too.
+
+    The benchmark process creates the tables before any worker starts: workers
+    creating them at once would race.
+    """
+    app = Flask("bench_app")
+    app.config.update(SQLALCHEMY_DATABASE_URI=db_url, MAIL_SERVER="127.0.0.1",
+                      MAIL_PORT=smtp_port, MAIL_DEFAULT_SENDER=SENDER,
+                      MAIL_SUPPRESS_SEND=False, MAIL_TIMEOUT=30.0, **config)
+    db = SQLAlchemy(app)
+    mail = OutboxMail(app, db=db)
+    if create:
+        with app.app_context():
+            mail.create_all()
+    return Bench(app, db, mail)
+
+
+def from_env() -> Bench:
+    """:func:`build` from the ``BENCH_*`` variables."""
+    return build(os.environ["BENCH_DB_URL"], int(os.environ["BENCH_SMTP_PORT"]), create=False,
+                 **json.loads(os.environ.get("BENCH_CONFIG") or "{}"))
 
 
 def create_app() -> Flask:
-    """A Flask app with Flask-SQLAlchemy and the outbox, from ``BENCH_*`` variables."""
-    _configure_logging(os.environ.get("BENCH_LOG_LEVEL", "WARNING"))
-    return build_app(config_from_env())
-
-
-def build_app(config: dict[str, Any]) -> Flask:
-    """The same app from an explicit config (for the benchmark process itself)."""
-    app = Flask("bench_app")
-    app.config.update(MAIL_DEFAULT_SENDER=SENDER, MAIL_SUPPRESS_SEND=False, MAIL_TIMEOUT=30.0)
-    app.config.update(config)
-    db = SQLAlchemy(app)
-    OutboxMail(app, db=db)
-    return app
-
-
-def local_config(db_url: str, smtp_port: int, **outbox: Any) -> dict[str, Any]:
-    """``build_app`` config for ``db_url`` and a sink on 127.0.0.1:``smtp_port``."""
-    return {"SQLALCHEMY_DATABASE_URI": db_url, "MAIL_SERVER": "127.0.0.1",
-            "MAIL_PORT": smtp_port, **outbox}
-
-
-def create_tables(db_url: str) -> None:
-    """Create the outbox tables in ``db_url`` (run once, before the processes under test)."""
-    import sqlalchemy as sa
-
-    from flask_mail_outbox._models import metadata
-
-    engine = sa.create_engine(db_url)
-    try:
-        metadata.create_all(engine)
-    finally:
-        engine.dispose()
+    """The app factory for ``flask --app``."""
+    return from_env().app

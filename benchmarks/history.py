@@ -1,226 +1,141 @@
-"""``history``: finding due work costs the same with 0 or 1,000,000 retained ``sent`` rows.
+"""``history``: due work and the dashboard cost the same with 0 or 1,000,000 retained rows.
 
-Per database (SQLite file, PostgreSQL), in this process, on the store the
-library uses:
+Per database, in this process, on an app with the dashboard at ``/outbox``:
 
-1. the outbox tables with ``--due`` due ``queued`` rows (and nothing else);
-2. the timings: the dispatcher's claim (:meth:`Store.claim_due`, limit =
-   ``--due``: the reap and the claim, one round trip on PostgreSQL; the
-   claimed rows are put back to ``queued`` between samples, untimed) and the
-   sweep's lookup (:meth:`Store.sweep_candidates`, age gate 0), each the
-   median of ``--samples`` runs;
-3. ``--rows`` ``sent`` rows added with one set-based ``INSERT ... SELECT``
-   (``generate_series`` / a recursive CTE), then ``ANALYZE``;
-4. the same timings again, and ``EXPLAIN`` of the claim's row pick and of
-   the sweep's query: they read the partial indexes (``ix_outbox_email_due``,
-   ``ix_outbox_email_queued_created``, ``ix_outbox_email_lease``), whose size
-   does not depend on the ``sent`` rows.
-
-Ratio = time with the history / time without (goal <= 2).
+1. the figures on an empty table: ``--due`` emails queued through ``mail.send()``
+   and delivered by ``flask outbox worker --once`` (in-process through
+   ``app.test_cli_runner()``), a ``mail.sweep(dry_run=True)``, and the
+   dashboard's pages through the test client (routing, the query, rendering);
+2. ``--rows`` retained rows added with one set-based ``INSERT ... SELECT`` into
+   ``outbox_email`` (0.1 % failed, 0.2 % queued far in the future, the rest
+   sent), then ``ANALYZE``;
+3. the same figures again. Ratio = with the history / empty: finding due work
+   reads partial indexes and the list pages paginate on keys, so none of them
+   should grow with the table (the overview's counts and chart are the
+   exception: they scan).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import time
-from typing import Any
+from collections.abc import Callable
 
-from ._harness import Context, Report, Table, log, median, ratio
-from ._registry import scenario
+from ._harness import Context, Report, Table, execute, median, ratio
+from .bench_app import Bench, build
+
+NAME = "history"
+HELP = "worker --once, sweep and dashboard pages with 0 vs 1M retained rows"
+SMOKE = ["--rows", "2000", "--due", "10", "--repeat", "1", "--backends", "sqlite,pg"]
+
+_MIME = (b"From: Shop <shop@example.com>\r\nTo: customer@example.com\r\n"
+         b"Subject: Order confirmation\r\nMIME-Version: 1.0\r\n"
+         b"Content-Type: text/plain; charset=\"utf-8\"\r\n\r\n"
+         + b"Thank you for your order. " * 8 + b"\r\n")
+#: The retained rows, set-based from a series g = 1..:rows; {series}, {at}, {text}
+#: are the dialect's series source, timestamp expression and string formatting.
+_FILL = """
+INSERT INTO outbox_email (status, created_at, due_at, sent_at, failed_at, message_id,
+    attempts, key_head, last_error, sender, recipients, subject, size, mime,
+    search_recipient, search_subject)
+SELECT CASE WHEN g % 1000 = 0 THEN 'failed' WHEN g % 500 = 1 THEN 'queued' ELSE 'sent' END,
+       {at}, CASE WHEN g % 500 = 1 THEN {future} ELSE {at} END,
+       CASE WHEN g % 1000 <> 0 AND g % 500 <> 1 THEN {at} END,
+       CASE WHEN g % 1000 = 0 THEN {at} END,
+       '<h' || g || '@bench>', 1, {false}, NULL, 'shop@example.com',
+       '["user' || g || '@example.com"]', 'Order ' || g || ' confirmation', :size, :mime,
+       'user' || g || '@example.com', 'order ' || g || ' confirmation'
+FROM {series}
+"""
+_DIALECTS = {
+    "pg": {"series": "generate_series(1, :rows) AS g",
+           "at": "timezone('UTC', now()) - g * interval '50 milliseconds'",
+           "future": "timezone('UTC', now()) + interval '30 days'", "false": "false"},
+    "sqlite": {"series": "(WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s "
+                         "WHERE g < :rows) SELECT g FROM s)",
+               "at": "datetime('now', '-' || (g / 20) || ' seconds')",
+               "future": "datetime('now', '+30 days')", "false": "0"},
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=None,
-                        help="retained sent rows (default 1000000; --quick 100000)")
-    parser.add_argument("--due", type=int, default=50, help="due queued rows (default 50)")
-    parser.add_argument("--samples", type=int, default=None,
-                        help="timed runs per figure (default 200; --quick 50)")
-    parser.add_argument("--backends", default="sqlite,pg", help="sqlite and/or pg")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="retained rows")
+    parser.add_argument("--due", type=int, default=50, help="emails due per measurement")
+    parser.add_argument("--repeat", type=int, default=20, help="timed runs per figure")
+    parser.add_argument("--backends", default="pg", help="pg and/or sqlite")
 
 
-@scenario("history", "due-work lookup (claim, sweep) with 0 vs 1M retained sent rows",
-          add_arguments=add_arguments)
 def run(ctx: Context, args: argparse.Namespace) -> Report:
-    rows = args.rows or (100_000 if args.quick else 1_000_000)
-    samples = args.samples or (50 if args.quick else 200)
-    table = Table(f"Due-work lookup with 0 vs {rows:,} retained sent rows ({args.due} due "
-                  f"rows; median of {samples} runs, ms)",
-                  ["database", "lookup", "empty ms", "history ms", "history/empty",
-                   "indexes read (plan)", "partial"])
-    report = Report("history", tables=[table])
-    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
-        if backend == "pg":
-            _, url = ctx.postgres().create_database("bench_history")
-        else:
-            url = f"sqlite:///{ctx.workdir / 'history.db'}"
-        result = _measure(url, rows=rows, due=args.due, samples=samples)
-        report.data[backend] = result
-        for lookup in ("claim", "sweep"):
-            plan = result["plans"][lookup]
-            table.add(backend, lookup, result["empty"][lookup], result["history"][lookup],
-                      ratio(result["history"][lookup], result["empty"][lookup]),
-                      ", ".join(plan["indexes"]), plan["partial_index"])
-        log(f"history {backend}: {result['insert_seconds']:.1f} s to add {rows:,} rows")
-    for backend, result in report.data.items():
-        for lookup in ("claim", "sweep"):
-            report.notes.append(f"{backend} {lookup} plan with the history: "
-                                + " | ".join(result["plans"][lookup]["lines"][:6]))
-    report.notes.append("claim = Store.claim_due (reap + claim; the claimed rows are put back "
-                        "between runs, untimed); sweep = Store.sweep_candidates (age gate 0)")
+    sink = ctx.sink()
+    table = Table(f"With 0 vs {args.rows:,} retained rows (median of {args.repeat} runs, ms)",
+                  ["database", "figure", "empty ms", "history ms", "history/empty"])
+    report = Report(NAME, tables=[table])
+    for backend, url in ctx.databases(args.backends, NAME):
+        bench = build(url, sink.smtp_port, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                      OUTBOX_RUN_SCHEDULER=False, SECRET_KEY="bench")
+        bench.app.register_blueprint(bench.mail.dashboard_blueprint(authorize=lambda: True),
+                                     url_prefix="/outbox")
+        try:
+            empty = _figures(bench, args)
+            started = time.perf_counter()
+            sql = _FILL.format(**_DIALECTS[backend])
+            execute(url, sql, "ANALYZE", params={"rows": args.rows, "mime": _MIME,
+                                                 "size": len(_MIME)})
+            filled = time.perf_counter() - started
+            history = _figures(bench, args)
+        finally:
+            bench.stop()
+        for figure, before in empty.items():
+            r = ratio(history[figure], before)
+            table.add(backend, figure, before, history[figure], r)
+            report.figures[f"{backend} {figure} history/empty"] = r
+        report.notes.append(f"{backend}: {args.rows:,} rows added in {filled:.1f} s")
     return report
 
 
-def _measure(url: str, *, rows: int, due: int, samples: int) -> dict[str, Any]:
-    import sqlalchemy as sa
+def _figures(bench: Bench, args: argparse.Namespace) -> dict[str, float | None]:
+    """Median ms of each figure on the table as it is now."""
+    client = bench.app.test_client()
+    runner = bench.app.test_cli_runner()
+    with bench.app.app_context():
+        middle = execute(str(bench.db.engine.url.render_as_string(hide_password=False)),
+                         "SELECT (min(id) + max(id)) / 2 FROM outbox_email")[0][0][0] or 1
 
-    from flask_mail_outbox._models import Status, email_table, metadata
-    from flask_mail_outbox._store import Store
+    def drain() -> None:
+        bench.enqueue(args.due, "due")
+        result = runner.invoke(args=["outbox", "worker", "--once"])
+        if result.exit_code != 0 or f"{args.due} email(s)" not in result.output:
+            raise RuntimeError(f"worker --once: {result.output}{result.exception!r}")
 
-    engine = sa.create_engine(url)
-    try:
-        metadata.create_all(engine)
-        store = Store(engine)
-        _add_due(engine, due)
-        result: dict[str, Any] = {"rows": rows, "due": due}
-        result["empty"] = _timings(store, due, samples)
-        started = time.perf_counter()
-        _add_history(engine, rows)
-        result["insert_seconds"] = time.perf_counter() - started
-        result["history"] = _timings(store, due, samples)
-        result["plans"] = _plans(engine, store)
-        with engine.connect() as conn:
-            counts = dict(conn.execute(sa.select(email_table.c.status, sa.func.count())
-                                       .group_by(email_table.c.status)).all())
-        result["counts"] = counts
-        if counts.get(Status.SENT.value) != rows:
-            raise RuntimeError(f"expected {rows} sent rows, found {counts}")
-        return result
-    finally:
-        engine.dispose()
+    def sweep() -> None:
+        with bench.app.app_context():
+            bench.mail.sweep(dry_run=True)
 
+    def page(path: str) -> Callable[[], None]:
+        def get() -> None:
+            response = client.get(path)
+            if response.status_code != 200:
+                raise RuntimeError(f"{path} answered {response.status_code}")
+        return get
 
-def _add_due(engine: Any, due: int) -> None:
-    from flask_mail_outbox._models import email_table
-    from flask_mail_outbox._store import utcnow
-
-    now = utcnow()
-    with engine.begin() as conn:
-        conn.execute(email_table.insert(), [
-            {"status": "queued", "created_at": now, "due_at": now, "message_id": f"<due{i}@b>",
-             "sender": "bench@example.com", "recipients": '["rcpt@example.com"]',
-             "subject": "due", "size": 10, "mime": b"x" * 10, "attempts": 0}
-            for i in range(due)])
-
-
-def _add_history(engine: Any, rows: int) -> None:
-    """``rows`` sent rows in one set-based statement, then fresh statistics."""
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.exec_driver_sql(
-                "INSERT INTO outbox_email (status, created_at, due_at, sent_at, message_id, "
-                "sender, recipients, subject, size, mime, attempts, key_head) "
-                "SELECT 'sent', now() - make_interval(secs => g), now() - make_interval(secs "
-                "=> g), now() - make_interval(secs => g), '<h' || g || '@bench>', "
-                "'bench@example.com', '[\"rcpt@example.com\"]', 'old', 200, "
-                "decode(repeat('78', 200), 'hex'), 1, false "
-                f"FROM generate_series(1, {int(rows)}) AS g")
-        else:
-            conn.exec_driver_sql(
-                "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g "
-                f"WHERE i < {int(rows)}) "
-                "INSERT INTO outbox_email (status, created_at, due_at, sent_at, message_id, "
-                "sender, recipients, subject, size, mime, attempts, key_head) "
-                "SELECT 'sent', datetime('now', '-' || i || ' seconds'), "
-                "datetime('now', '-' || i || ' seconds'), datetime('now', '-' || i || "
-                "' seconds'), '<h' || i || '@bench>', 'bench@example.com', "
-                "'[\"rcpt@example.com\"]', 'old', 200, randomblob(200), 1, 0 FROM g")
-    with engine.connect() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
-                "VACUUM ANALYZE outbox_email")
-        else:
-            conn.exec_driver_sql("ANALYZE")
-            conn.commit()
-
-
-def _put_back(store: Any) -> None:
-    """Claimed rows back to due ``queued`` (between samples, untimed)."""
-    from flask_mail_outbox._models import email_table as t
-
-    with store.engine.begin() as conn:
-        conn.execute(t.update().where(t.c.status == "sending").values(
-            status="queued", attempts=0, lease_owner=None, lease_expires_at=None,
-            due_at=t.c.created_at))
-
-
-def _timings(store: Any, due: int, samples: int) -> dict[str, float | None]:
-    claim_ms: list[float] = []
-    sweep_ms: list[float] = []
-    conn = store.dispatch_connection()
-    try:
-        for i in range(samples + 5):
+    figures: dict[str, Callable[[], None]] = {
+        f"worker --once, {args.due} due": drain,
+        "sweep --dry-run": sweep,
+        "list, first page": page("/outbox/emails"),
+        "list, deep page": page(f"/outbox/emails?before={middle}"),
+        "list, status=failed": page("/outbox/emails?status=failed"),
+        "search recipient prefix": page("/outbox/emails?q=user4242"),
+        "one email": page(f"/outbox/emails/{middle}"),
+        "dead letters": page("/outbox/dead-letters"),
+        "overview (scans)": page("/outbox/"),
+    }
+    out: dict[str, float | None] = {}
+    for name, fn in figures.items():
+        fn()  # warm the pool and the caches
+        times = []
+        for _ in range(args.repeat):
             started = time.perf_counter()
-            claimed, _ = store.claim_due(due, owner="bench", lease_seconds=30,
-                                         reap=True, conn=conn)
-            took = time.perf_counter() - started
-            if len(claimed) != due:
-                raise RuntimeError(f"claimed {len(claimed)} of {due} due rows")
-            _put_back(store)
-            started2 = time.perf_counter()
-            found = store.sweep_candidates(min_age_seconds=0, limit=500)
-            took2 = time.perf_counter() - started2
-            if len(found) != due:
-                raise RuntimeError(f"the sweep found {len(found)} of {due} due rows")
-            if i >= 5:  # the first runs warm caches and compile statements
-                claim_ms.append(1000 * took)
-                sweep_ms.append(1000 * took2)
-    finally:
-        conn.close()
-    return {"claim": median(claim_ms), "sweep": median(sweep_ms)}
-
-
-_INDEX = re.compile(r"\b(ix_outbox_email_\w+|outbox_email_pkey|pk_outbox_email)\b")
-_PARTIAL = ("ix_outbox_email_due", "ix_outbox_email_queued_created", "ix_outbox_email_lease",
-            "ix_outbox_email_key_open")
-
-
-def _plans(engine: Any, store: Any) -> dict[str, dict[str, Any]]:
-    """EXPLAIN of the statements the claim and the sweep really send (captured)."""
-    from sqlalchemy import event
-
-    captured: list[tuple[str, Any]] = []
-
-    def capture(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        if statement.lstrip().upper().startswith(("SELECT", "UPDATE", "WITH")):
-            captured.append((statement, parameters))
-
-    plans: dict[str, dict[str, Any]] = {}
-    prefix = "EXPLAIN QUERY PLAN " if engine.dialect.name == "sqlite" else "EXPLAIN "
-    for name in ("claim", "sweep"):
-        captured.clear()
-        event.listen(engine, "before_cursor_execute", capture)
-        try:
-            conn = store.dispatch_connection()
-            try:
-                if name == "claim":
-                    store.claim_due(50, owner="explain", lease_seconds=30,
-                                    reap=True, conn=conn)
-                    _put_back(store)
-                else:
-                    store.sweep_candidates(min_age_seconds=0, limit=500)
-            finally:
-                conn.close()
-        finally:
-            event.remove(engine, "before_cursor_execute", capture)
-        lines: list[str] = []
-        with engine.connect() as conn:
-            for statement, parameters in captured:
-                rows = conn.exec_driver_sql(prefix + statement, parameters).all()
-                lines += [" ".join(str(c) for c in row if c is not None).strip()
-                          for row in rows]
-            conn.rollback()
-        used = sorted(set(_INDEX.findall("\n".join(lines))))
-        plans[name] = {"lines": lines, "indexes": used,
-                       "partial_index": any(i in _PARTIAL for i in used)}
-    return plans
+            fn()
+            times.append(1000 * (time.perf_counter() - started))
+        out[name] = median(times)
+    return out
