@@ -9,7 +9,6 @@ one measured.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -142,24 +141,12 @@ def machine_info() -> dict[str, Any]:
 def smtp_transport(host: str, port: int, concurrency: int) -> Any:
     """The library's SMTP transport for ``host:port``, plain SMTP, ``concurrency`` connections.
 
-    The one place that builds a transport by hand: the constructors take an
-    ``SMTPSettings`` (issue 24), and everything else goes through an app.
+    The one place that builds a transport by hand; everything else goes
+    through an app.
     """
-    from flask_mail_outbox import transports
+    from flask_mail_outbox.transports import SMTPSettings, SMTPTransport
 
-    if hasattr(transports, "SMTPSettings"):
-        settings = transports.SMTPSettings(host=host, port=port)
-        return transports.SMTPTransport(settings, concurrency=concurrency)
-    # Transition only, until the SMTPSettings constructors reach this branch; delete then.
-    # The old constructor takes the app's whole config and reads only its .smtp.
-    if "config" not in inspect.signature(transports.SMTPTransport).parameters:
-        raise RuntimeError("SMTPTransport takes neither SMTPSettings nor a config: update "
-                           "benchmarks._harness.smtp_transport")
-    from types import SimpleNamespace
-
-    smtp = SimpleNamespace(host=host, port=port, use_tls=False, use_ssl=False, username=None,
-                           password=None, timeout=10.0, tls_verify=True, tls_ca_file=None)
-    return transports.SMTPTransport(SimpleNamespace(smtp=smtp), concurrency=concurrency)
+    return SMTPTransport(SMTPSettings(host=host, port=port), concurrency=concurrency)
 
 
 # -- SQL against the documented tables --------------------------------------------------------
