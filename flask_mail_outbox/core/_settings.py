@@ -1,7 +1,7 @@
 """The outbox's settings as plain values: what the core is built from.
 
-The Flask integration reads ``app.config`` into an :class:`OutboxConfig` once,
-in ``init_app`` (validating every key); anything else may build one directly.
+:func:`~._config.load_config` reads a mapping of keys (``app.config``, in
+``init_app``) into an :class:`OutboxConfig` once, validating every key.
 Nothing here reads configuration or knows Flask.
 """
 
@@ -63,7 +63,7 @@ class TransportSpec:
 
 @dataclasses.dataclass(frozen=True)
 class OutboxConfig:
-    """Every setting the outbox uses, validated (see ``load_config`` in the integration)."""
+    """Every setting the outbox uses, validated: what :func:`load_config` returns."""
 
     default_sender: str | tuple[str, str] | None
     ascii_attachments: bool
