@@ -62,12 +62,15 @@ class TransientError(TransportError):
     delivery layer then slows down instead of charging the row an attempt.
     ``transport_fault`` is True when the failure is the transport's, not the
     message's; the attempt then moves to the transport's ``failover`` list.
+    ``retry_after`` is how many seconds the server asked to wait (an HTTP
+    ``Retry-After``), None when it did not say.
     """
 
     def __init__(self, message: str, *, code: int = 0, throttled: bool = False,
-                 transport_fault: bool = False) -> None:
+                 transport_fault: bool = False, retry_after: float | None = None) -> None:
         super().__init__(message, code=code)
         self.throttled = throttled
+        self.retry_after = retry_after
         #: The transport itself is broken, not this message (refused connection,
         #: TLS or login failure, timeout, 421): a transport's ``failover`` takes it.
         self.transport_fault = transport_fault

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import email.policy
 import hmac
+import itertools
 import shutil
 import ssl
 import subprocess
@@ -144,6 +145,10 @@ def _check_times(times: int | None) -> None:
         raise ValueError(f"times must be None or a positive integer, got {times!r}")
 
 
+#: Queue ids of accepted messages, unique in the test process (Postfix's are hex too).
+_queue_ids = itertools.count(1)
+
+
 @dataclass(frozen=True)
 class ReceivedMessage:
     """One message the server accepted (answered 2xx at the end of DATA).
@@ -164,6 +169,8 @@ class ReceivedMessage:
     tls: bool = False
     #: When the server accepted it (``time.monotonic()``): rates measured at the server.
     received_at: float = field(default_factory=time.monotonic)
+    #: The id its ``250 ... queued as <id>`` gave it (None when a rule answered instead).
+    queue_id: str | None = None
 
     @property
     def parsed(self) -> EmailMessage:
@@ -467,12 +474,13 @@ class _Handler:
             if owner._is_stopping():
                 # Shutting down: abandon the message, the client sees a disconnect.
                 server.drop_connection()
-        status = "250 2.0.0 OK: queued"
+        queue_id = f"{next(_queue_ids):08X}"
+        status = f"250 2.0.0 OK: queued as {queue_id}"
         if rule is not None:
             failure = await self._apply_rule(server, rule)
             if failure is not None:
                 return failure
-            status = rule.status
+            status, queue_id = rule.status, None
         assert envelope.mail_from is not None
         data = envelope.original_content or b""
         auth_username = session.auth_data if session.authenticated else None
@@ -485,6 +493,7 @@ class _Handler:
                 mail_options=list(envelope.mail_options),
                 auth_username=auth_username if isinstance(auth_username, str) else None,
                 tls=session.ssl is not None,
+                queue_id=queue_id,
             )
         )
         return status

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent('''
                          instance_path="/nonexistent", testing=False)
     sent, failed = [], []
     outbox = Outbox(url, config, callbacks=Callbacks(
-        sent=lambda email: sent.append(email.message_id),
+        sent=lambda email, provider_id: sent.append(email.message_id),
         failed=lambda email, error: failed.append((email.id, str(error)))))
     metadata.create_all(outbox.engine)
     rows = [prepare_row(Message(f"n{n}", recipients=[to], body="hello"), config,

@@ -14,13 +14,14 @@ from conftest import MakeApps, User, close_app, db, free_port, make_app, rows, w
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox.core import Outbox
 from flask_mail_outbox import (
     Message,
     OutboxMail,
     email_failed,
     email_queued,
+    email_sent,
 )
+from flask_mail_outbox.core import Outbox
 
 
 def test_view_returns_while_smtp_server_holds_the_message(
@@ -80,6 +81,25 @@ def test_everything_arrives_intact(app: Flask, mail: OutboxMail,
     [attachment] = list(parsed.iter_attachments())
     assert attachment.get_filename() == "data.bin"
     assert attachment.get_content() == payload
+
+
+def test_the_servers_queue_id_is_the_provider_message_id(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    seen: list[str | None] = []
+
+    def on_sent(sender: Flask, message: Any, **_: Any) -> None:
+        seen.append(message.provider_message_id)
+
+    with email_sent.connected_to(on_sent, app):
+        ids = [mail.send(Message("x", recipients=[f"u{n}@example.com"], body="x"))
+               for n in range(3)]
+        db.session.commit()
+        assert smtp_server.wait_for(3)
+        wait_rows(app, lambda rs: all(r["status"] == "sent" for r in rs), 10)
+    queue_ids = {m.message_id: m.queue_id for m in smtp_server.messages}
+    stored = {r["message_id"]: r["provider_message_id"] for r in rows(app) if r["id"] in ids}
+    assert stored == queue_ids and all(stored.values())
+    assert sorted(seen, key=str) == sorted(queue_ids.values())
 
 
 def test_smtp_550_fails_permanently_with_the_reply(

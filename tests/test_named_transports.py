@@ -143,7 +143,7 @@ def test_each_transport_opens_its_own_connections(
 BAD_ENTRIES: list[tuple[dict[str, Any], str, str]] = [
     ({"bulk": {"MAIL_SERVR": "x"}}, 'OUTBOX_TRANSPORTS["bulk"]["MAIL_SERVR"]', "unknown"),
     ({"bulk": "smtp.example.com"}, 'OUTBOX_TRANSPORTS["bulk"]', "dict"),
-    ({"bulk": {"transport": "sendgrid"}}, 'OUTBOX_TRANSPORTS["bulk"]["transport"]',
+    ({"bulk": {"transport": "pigeon"}}, 'OUTBOX_TRANSPORTS["bulk"]["transport"]',
      "neither"),
     ({"bulk": {"MAIL_PORT": 70000}}, 'OUTBOX_TRANSPORTS["bulk"]["MAIL_PORT"]', "65535"),
     ({"bulk": {"MAIL_USE_TLS": True, "MAIL_USE_SSL": True}},

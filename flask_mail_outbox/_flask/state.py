@@ -163,11 +163,12 @@ class AppState:
 
     # -- the core's callbacks: the app's signals --------------------------------------
 
-    def _sent(self, email: ClaimedEmail) -> None:
+    def _sent(self, email: ClaimedEmail, provider_message_id: str | None) -> None:
         if not email_sent.receivers and not email_dispatched.receivers:
             return
         message = DeliveredMessage(email_id=email.id, message_id=email.message_id,
-                                   sender=email.sender, send_to=email.recipients, mime=email.mime)
+                                   sender=email.sender, send_to=email.recipients, mime=email.mime,
+                                   provider_message_id=provider_message_id)
         self._signal(email_sent, email_id=email.id, message_id=email.message_id,
                      message=message, created_at=email.created_at)
         self._signal(email_dispatched, message=message)

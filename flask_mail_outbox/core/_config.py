@@ -21,10 +21,10 @@ from typing import Any
 from .._compose.dkim import DKIMSigner, signed_header_names, signer_from
 from .._errors import ConfigError
 from ..transports import (
-    BUILTIN,
     SMTPSettings,
     Transport,
     TransportSettings,
+    is_builtin,
     takes_legacy_config,
     transport_class,
 )
@@ -40,7 +40,9 @@ MAX_NAME_LENGTH = 64
 #: The SMTP keys an entry may set (read like the app's keys of the same name).
 SMTP_KEYS = ("MAIL_SERVER", "MAIL_PORT", "MAIL_USE_TLS", "MAIL_USE_SSL", "MAIL_USERNAME",
              "MAIL_PASSWORD", "MAIL_TIMEOUT")
-ENTRY_KEYS = ("transport", *SMTP_KEYS, "rate_limit", "concurrency", "failover")
+#: The keys every entry takes, whatever its kind.
+GENERAL_KEYS = ("transport", "rate_limit", "concurrency", "failover")
+ENTRY_KEYS = (*GENERAL_KEYS, *SMTP_KEYS)
 
 _PERIODS = {"s": 1.0, "sec": 1.0, "second": 1.0, "min": 60.0, "minute": 60.0,
             "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}
@@ -275,8 +277,13 @@ def _transport_specs(keys: _Keys, smtp: SMTPSettings,
     password): what it leaves out takes Flask-Mail's defaults.
     """
     kind = keys.get("OUTBOX_TRANSPORT")
+    cls = _transport_class(kind, "OUTBOX_TRANSPORT")
+    if cls.entry_keys() is not None:
+        raise ConfigError("OUTBOX_TRANSPORT", f"a {kind} transport needs settings of its own: "
+                          f"configure it as OUTBOX_TRANSPORTS = {{'default': {{'transport': "
+                          f"{kind!r}, ...}}}} instead")
     specs = {DEFAULT_TRANSPORT: TransportSpec(
-        name=DEFAULT_TRANSPORT, kind=kind, cls=_transport_class(kind, "OUTBOX_TRANSPORT"),
+        name=DEFAULT_TRANSPORT, kind=kind, cls=cls,
         settings=TransportSettings(name=DEFAULT_TRANSPORT, smtp=smtp, file_path=file_path),
         rate=parse_rate("OUTBOX_RATE_LIMIT", keys.number(
             "OUTBOX_RATE_LIMIT", minimum=0, strict_minimum=True, allow_none=True)))}
@@ -307,10 +314,15 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
         raise ConfigError(prefix, f"expected a dict of settings, got {entry!r}")
     kind = entry.get("transport", "smtp")
     cls = _transport_class(kind, f'{prefix}["transport"]')
-    unknown = sorted(set(entry) - set(ENTRY_KEYS), key=str)
-    if unknown and kind in BUILTIN:
+    own = cls.entry_keys()
+    allowed = ENTRY_KEYS if own is None else (*GENERAL_KEYS, *own)
+    unknown = sorted(set(entry) - set(allowed), key=str)
+    if unknown and is_builtin(kind):
         raise ConfigError(f'{prefix}["{unknown[0]}"]',
-                          f"unknown setting; an entry takes {', '.join(ENTRY_KEYS)}")
+                          f"unknown setting; a {kind} entry takes {', '.join(allowed)}")
+    # A kind's own keys, and a custom transport's, reach it as ``settings.options``.
+    options = {key: entry[key] for key in entry if key not in ENTRY_KEYS}
+    cls.check_settings(options, prefix)
     failover = entry.get("failover", ())
     if isinstance(failover, str) or not isinstance(failover, (list, tuple)):
         raise ConfigError(f'{prefix}["failover"]',
@@ -325,10 +337,9 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
         name=name,
         kind=kind,
         cls=cls,
-        # A custom transport's own keys reach it as ``settings.options``.
-        settings=TransportSettings(name=name, smtp=_smtp_settings(get, prefix),
-                                   file_path=file_path,
-                                   options={key: entry[key] for key in unknown}),
+        settings=TransportSettings(
+            name=name, smtp=_smtp_settings(get, prefix) if own is None else SMTPSettings(),
+            file_path=file_path, options=options),
         rate=parse_rate(f'{prefix}["rate_limit"]', entry.get("rate_limit")),
         concurrency=(None if concurrency is None
                      else _concurrency_value(f'{prefix}["concurrency"]', concurrency)),

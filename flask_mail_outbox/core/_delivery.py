@@ -72,6 +72,8 @@ class DeliveredMessage:
     sender: str
     send_to: tuple[str, ...]
     mime: bytes
+    #: The provider's id of the message (an API's reply, an SMTP ``queued as``), if any.
+    provider_message_id: str | None = None
 
     @cached_property
     def parsed(self) -> EmailMessage:
@@ -159,12 +161,13 @@ class Waiter:
 class Callbacks:
     """What the core's owner hears of outcomes, each called once the outcome is recorded.
 
-    ``sent(email)`` for a delivered one; ``failed(email, error)`` for a
+    ``sent(email, provider_message_id)`` for a delivered one (the id the
+    provider gave it, or None); ``failed(email, error)`` for a
     dead-lettered one. They run in a delivery thread; an exception they
     raise is logged and delivery goes on.
     """
 
-    sent: Callable[[ClaimedEmail], None] | None = None
+    sent: Callable[[ClaimedEmail, str | None], None] | None = None
     failed: Callable[[ClaimedEmail, TransportError | None], None] | None = None
 
 
@@ -190,10 +193,11 @@ def _outcome_of(email: ClaimedEmail, result: Result, policy: RetryPolicy, *,
                 retry_now: bool) -> Outcome:
     if isinstance(result, Delivered):
         if not result.refused:
-            return Outcome(email, Status.SENT)  # nearly every result: nothing to write down
+            # Nearly every result: nothing to write down but the provider's id.
+            return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id)
         refused = "; ".join(f"{addr}: {code} {text}"
                             for addr, (code, text) in result.refused.items())
-        return Outcome(email, Status.SENT,
+        return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id,
                        error_code=max((c for c, _ in result.refused.values()), default=0),
                        error_message=f"some recipients refused: {refused}" if refused else None)
     error = result.error
@@ -204,9 +208,14 @@ def _outcome_of(email: ClaimedEmail, result: Result, policy: RetryPolicy, *,
     decision = policy.decide(email.attempt, error, deferrals=email.throttle_deferrals)
     if decision.dead:
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
+    due_in = None if retry_now and decision.charge else decision.delay
+    asked = getattr(error, "retry_after", None)
+    if asked is not None:
+        # The server said when to come back (an HTTP Retry-After): not sooner.
+        due_in = max(due_in or 0.0, asked)
     return Outcome(email, Status.QUEUED, error_code=error.code, error_message=error.message,
-                   due_in=None if retry_now and decision.charge else decision.delay,
-                   give_back_attempt=not decision.charge, deferred=decision.deferral)
+                   due_in=due_in, give_back_attempt=not decision.charge,
+                   deferred=decision.deferral)
 
 
 class Heartbeat:
@@ -390,7 +399,7 @@ class Delivery:
                     consequence="it is marked sent and will not be retried, since a retry "
                                 "would send a second copy to the recipients who got it",
                     fix="check the refused addresses and send them a new email if needed")
-            self._tell(self.callbacks.sent, email)
+            self._tell(self.callbacks.sent, email, outcome.provider_message_id)
         elif outcome.status is Status.FAILED:
             report.failed.append(email.id)
             why = ("failed permanently" if isinstance(error, PermanentError) else

@@ -125,6 +125,9 @@ class OutboxEmail(Base):
     # mail.send(transport=...): the name of the OUTBOX_TRANSPORTS entry that sends it.
     transport: Mapped[str] = mapped_column(sa.String(64), nullable=False,
                                            server_default="default")
+    # The provider's id of the message (an API's reply, an SMTP "queued as"):
+    # delivery events are matched on it.
+    provider_message_id: Mapped[str | None] = mapped_column(sa.String(255))
 
     __table_args__ = (
         sa.CheckConstraint(
@@ -154,6 +157,7 @@ class OutboxEmail(Base):
         sa.Index("ix_outbox_email_status_id", "status", "id"),
         sa.Index("ix_outbox_email_search_recipient", "search_recipient", "id"),
         sa.Index("ix_outbox_email_search_subject", "search_subject", "id"),
+        sa.Index("ix_outbox_email_provider_message_id", "provider_message_id"),
     )
 
 

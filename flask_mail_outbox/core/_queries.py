@@ -254,6 +254,8 @@ class EmailDetail:
     #: The named transport (OUTBOX_TRANSPORTS) and priority (high/normal/low) it was sent with.
     transport: str = "default"
     priority: str = "normal"
+    #: The provider's id of the message (an API's reply, an SMTP ``queued as``), if any.
+    provider_message_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +334,8 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
     a = attachment_table
     row = conn.execute(
         sa.select(*_LIST_COLUMNS, t.c.message_id, t.c.sender, t.c.due_at, t.c.failed_at,
-                  t.c.size, t.c.mime, t.c.error_history, t.c.transport, t.c.priority)
+                  t.c.size, t.c.mime, t.c.error_history, t.c.transport, t.c.priority,
+                  t.c.provider_message_id)
         .where(t.c.id == email_id)
     ).first()
     if row is None:
@@ -348,6 +351,7 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
         attachments=[Attachment(x.filename, x.content_type, x.size) for x in attachments],
         transport=row.transport,
         priority={rank: name for name, rank in PRIORITIES.items()}.get(row.priority, "normal"),
+        provider_message_id=row.provider_message_id,
     )
 
 

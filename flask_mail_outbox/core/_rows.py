@@ -48,6 +48,7 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
         message_id_domain=config.message_id_domain,
         ascii_attachments=config.ascii_attachments,
         html_to_text=config.html_to_text, allow_smtputf8=config.allow_smtputf8)
+    _check_for_transports(prepared.mime, prepared.recipients, config, transport)
     values: dict[str, Any] = {
         "status": Status.QUEUED.value,
         "due_at": due_at,
@@ -72,6 +73,17 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
     return QueuedRow(values, attachments, prepared.recipients,
                      due_now=due_at is None or due_at <= utcnow(),
                      urgent=priority < DEFAULT_PRIORITY)
+
+
+def _check_for_transports(mime: bytes, recipients: tuple[str, ...], config: OutboxConfig,
+                          transport: str) -> None:
+    """The row's transport, and those it fails over to, must all take the message."""
+    try:
+        spec = config.transport_spec(transport)
+    except KeyError:
+        return  # the caller checked the name; a hand-made config may lack specs
+    for name in (spec.name, *spec.failover):
+        config.transport_spec(name).cls.check_message(mime, recipients)
 
 
 def check_message(msg: Any) -> None:

@@ -105,6 +105,8 @@ class Outcome:
     deferred: bool = False
     #: The transports this attempt failed over from (written to the error history).
     failovers: tuple[FailedOver, ...] = ()
+    #: The provider's id of the delivered message, when it gave one.
+    provider_message_id: str | None = None
 
 
 class Recorded(NamedTuple):
@@ -144,7 +146,7 @@ class Store:
         self.is_postgres = engine.dialect.name == "postgresql"
         self.is_sqlite = engine.dialect.name == "sqlite"
         self._pg_claims: dict[bool, Any] = {}
-        self._record_sent_statements: dict[bool, Any] = {}
+        self._record_sent_statements: dict[tuple[bool, bool], Any] = {}
 
     # -- time -----------------------------------------------------------------
 
@@ -418,7 +420,8 @@ class Store:
         others: list[Outcome] = []
         for outcome in outcomes:
             if outcome.status is Status.SENT and not outcome.error_message \
-                    and not outcome.failovers:
+                    and not outcome.failovers and (outcome.provider_message_id is None
+                                                   or self.is_postgres or self.is_sqlite):
                 plain_sent.append(outcome)
             else:
                 others.append(outcome)
@@ -426,7 +429,7 @@ class Store:
             keys = _ordering.lock_lines(tx, {o.email.key for o in outcomes
                                              if o.email.key is not None})
             if plain_sent:
-                done = self._record_sent(tx, [o.email for o in plain_sent], scrub=scrub_sent)
+                done = self._record_sent(tx, plain_sent, scrub=scrub_sent)
                 for outcome in plain_sent:
                     (recorded if outcome.email.id in done else lost).append(outcome)
             # Built only when needed: a function construct costs a few percent of
@@ -452,6 +455,7 @@ class Store:
                                   "lease_expires_at": None}
         if outcome.status is Status.SENT:
             values["sent_at"] = now
+            values["provider_message_id"] = outcome.provider_message_id
             if scrub_sent:
                 values["mime"] = None
         if outcome.status is Status.FAILED:
@@ -477,56 +481,63 @@ class Store:
             values["error_history"] = json.dumps([*outcome.email.error_history, *entries])
         return values
 
-    def _record_sent(self, conn: Connection, emails: list[ClaimedEmail], *,
+    def _record_sent(self, conn: Connection, outcomes: list[Outcome], *,
                      scrub: bool) -> set[int]:
-        """Mark ``emails`` ``sent``, each guarded by its own claim; the ids it changed.
+        """Mark ``outcomes``' rows ``sent``, each guarded by its own claim; the ids it changed.
 
-        One statement for every claim the record holds (each pair of id and
-        owner token), built once per store and only bound per record (built
-        per record, its construction and the rendering of its IN list were
-        about a tenth of the record's time).
+        One statement for every claim the record holds (each row's id, owner
+        token and provider message id), built once per store and only bound
+        per record: building it per record, with the rendering of its IN
+        list, would cost more than running it.
 
         The guard (still ``sending``, under this claim) is written inside a
         CASE so that it cannot steer the plan: a plain ``status = 'sending'``
         matches ``ix_outbox_email_lease``'s WHERE, and with a queue's stale
-        statistics the planner read that index, walking every dead 'sending'
-        entry (1,000 heap pages, 1.5 ms, 4,000 rows into a keyed drain),
-        instead of fetching the batch's ids from the primary key.
+        statistics the planner reads that index, walking every dead 'sending'
+        entry, instead of fetching the batch's ids from the primary key.
         """
-        stmt = self._record_sent_statements.get(scrub)
+        with_ids = any(o.provider_message_id is not None for o in outcomes)
+        variant = (scrub, with_ids and not self.is_postgres)
+        stmt = self._record_sent_statements.get(variant)
         if stmt is None:
-            stmt = self._record_sent_statements[scrub] = self._build_record_sent(scrub)
+            stmt = self._record_sent_statements[variant] = self._build_record_sent(*variant)
         params: dict[str, Any]
         if self.is_postgres:
-            params = {"ids": [e.id for e in emails], "owners": [e.owner for e in emails]}
+            params = {"ids": [o.email.id for o in outcomes],
+                      "owners": [o.email.owner for o in outcomes],
+                      "pids": [o.provider_message_id for o in outcomes]}
         elif self.is_sqlite:
-            params = {"pairs": json.dumps([(e.id, e.owner) for e in emails]), "now": self.clock()}
+            params = {"pairs": json.dumps([(o.email.id, o.email.owner, o.provider_message_id)
+                                           for o in outcomes]), "now": self.clock()}
         else:
-            params = {"pairs": [(e.id, e.owner) for e in emails], "now": self.clock()}
+            params = {"pairs": [(o.email.id, o.email.owner) for o in outcomes],
+                      "now": self.clock()}
         return set(conn.execute(stmt, params).scalars().all())
 
-    def _build_record_sent(self, scrub: bool) -> Any:
+    def _build_record_sent(self, scrub: bool, with_ids: bool) -> Any:
         t = email_table
+        scrub_sql = ", mime = NULL" if scrub else ""
         if self.is_postgres:
-            scrub_sql = ", mime = NULL" if scrub else ""
             return sa.text(
                 "UPDATE outbox_email AS e SET status = 'sent',"
                 " sent_at = timezone('UTC', now()), lease_owner = NULL,"
-                f" lease_expires_at = NULL{scrub_sql}"
-                " FROM unnest(CAST(:ids AS bigint[]), CAST(:owners AS text[])) AS c(id, owner)"
+                f" lease_expires_at = NULL, provider_message_id = c.pid{scrub_sql}"
+                " FROM unnest(CAST(:ids AS bigint[]), CAST(:owners AS text[]),"
+                " CAST(:pids AS text[])) AS c(id, owner, pid)"
                 " WHERE e.id = c.id"
                 " AND CASE WHEN e.status = 'sending' THEN e.lease_owner = c.owner END"
                 " RETURNING e.id"
             ).columns(sa.column("id", sa.BigInteger()))
         if self.is_sqlite:
-            # The pairs as one JSON parameter, as unnest() takes arrays above: an
-            # expanding IN of pairs was rendered anew for every record, two bound
-            # names per row, a third of the record's Python time. (json_each is
-            # JSON1, built into SQLite since 3.38 and into Python's builds before.)
-            scrub_sql = ", mime = NULL" if scrub else ""
+            # The rows as one JSON parameter, as unnest() takes arrays above: an
+            # expanding IN of pairs is rendered anew for every record. (json_each
+            # is JSON1, built into SQLite since 3.38 and into Python's builds before.)
+            pid_sql = (", provider_message_id = (SELECT json_extract(value, '$[2]')"
+                       " FROM json_each(:pairs) WHERE json_extract(value, '$[0]') = outbox_email.id)"
+                       if with_ids else "")
             return sa.text(
                 "UPDATE outbox_email SET status = 'sent', sent_at = :now, lease_owner = NULL,"
-                f" lease_expires_at = NULL{scrub_sql}"
+                f" lease_expires_at = NULL{pid_sql}{scrub_sql}"
                 " WHERE status = 'sending' AND (id, lease_owner) IN"
                 " (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')"
                 "  FROM json_each(:pairs))"

@@ -592,8 +592,8 @@ class Worker:
                 if email_id in retry_now and not self._stopping:
                     # A throttling server asked for a pause: retry when the row is
                     # due again, not in a quarter of a second.
-                    pause = (_retry.THROTTLE_DELAY_SECONDS if error.throttled
-                             else inline_backoff(number))
+                    pause = max(_retry.THROTTLE_DELAY_SECONDS if error.throttled
+                                else inline_backoff(number), error.retry_after or 0.0)
                     self._retries[email_id] = (time.monotonic() + pause, number)
                     continue
                 due_now = email_id in retry_now

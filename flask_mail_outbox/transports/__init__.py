@@ -24,12 +24,20 @@ from ._base import (
     Transport,
 )
 from ._failover import FailoverTransport
-from ._registry import BUILTIN, build, takes_legacy_config, transport_class
+from ._registry import (
+    API_KINDS,
+    BUILTIN,
+    build,
+    is_builtin,
+    takes_legacy_config,
+    transport_class,
+)
 from ._settings import SMTPSettings, TransportSettings
 from ._simple import ConsoleTransport, FileTransport, MemoryTransport, NullTransport
 from ._smtp import SMTPTransport
 
 __all__ = [
+    "API_KINDS",
     "BUILTIN",
     "ConsoleTransport",
     "Delivered",
@@ -49,6 +57,7 @@ __all__ = [
     "Transport",
     "TransportSettings",
     "build",
+    "is_builtin",
     "takes_legacy_config",
     "transport_class",
 ]

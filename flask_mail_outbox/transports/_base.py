@@ -47,6 +47,9 @@ class Delivered:
     refused: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
     #: The transports this attempt failed on first, with why (see :class:`FailedOver`).
     failovers: tuple[FailedOver, ...] = ()
+    #: The provider's id for the message (an API's reply, an SMTP server's
+    #: ``queued as ...``), when it gave one.
+    provider_message_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +305,35 @@ class Transport:
                 "(flask_mail_outbox.transports.TransportSettings)", DeprecationWarning,
                 stacklevel=2)
         return legacy
+
+    @classmethod
+    def entry_keys(cls) -> tuple[str, ...] | None:
+        """The keys of its own an ``OUTBOX_TRANSPORTS`` entry of this kind takes.
+
+        None (the base class): the SMTP keys, spelled like Flask-Mail's
+        (``MAIL_SERVER``...), as the ``smtp``, ``console``, ``file``,
+        ``memory`` and ``null`` kinds take. Besides these, every entry takes
+        ``transport``, ``rate_limit``, ``concurrency`` and ``failover``.
+        """
+        return None
+
+    @classmethod
+    def check_settings(cls, options: Mapping[str, Any], prefix: str) -> None:
+        """Check an entry's own keys at ``init_app``; raise ``ConfigError`` naming one.
+
+        ``options`` holds the entry's keys that are not common to every
+        transport; ``prefix`` is how errors name the entry
+        (``OUTBOX_TRANSPORTS["name"]``). The base class takes anything.
+        """
+
+    @classmethod
+    def check_message(cls, mime: bytes, recipients: Sequence[str]) -> None:
+        """Refuse at ``send()`` a message this kind cannot deliver as it is.
+
+        Raise :class:`~flask_mail_outbox.InvalidMessage` naming what (a header
+        the provider forbids, too many recipients...); nothing is written. The
+        base class takes every message.
+        """
 
     @classmethod
     def from_settings(cls, settings: TransportSettings) -> Self:

@@ -28,6 +28,23 @@ BUILTIN: dict[str, type[Transport]] = {
 }
 
 
+#: The provider API transports by name, imported on first use (``ses`` needs an extra).
+API_KINDS: dict[str, str] = {
+    "postmark": "flask_mail_outbox.transports._postmark:PostmarkTransport",
+    "sendgrid": "flask_mail_outbox.transports._sendgrid:SendGridTransport",
+    "mailgun": "flask_mail_outbox.transports._mailgun:MailgunTransport",
+    "resend": "flask_mail_outbox.transports._resend:ResendTransport",
+    "ses": "flask_mail_outbox.transports._ses:SESTransport",
+}
+#: What a kind needs installed beyond the package's own dependencies.
+_EXTRAS = {"ses": "ses"}
+
+
+def is_builtin(name: object) -> bool:
+    """Whether ``name`` is one of the transports that come with the package."""
+    return name in BUILTIN or name in API_KINDS
+
+
 def transport_class(name: Any, key: str) -> type[Transport]:
     """The class ``name`` stands for; :class:`ConfigError` naming ``key`` when there is none."""
     if not isinstance(name, str) or not name:
@@ -35,6 +52,16 @@ def transport_class(name: Any, key: str) -> type[Transport]:
     builtin = BUILTIN.get(name)
     if builtin is not None:
         return builtin
+    if name in API_KINDS:
+        module, _, attr = API_KINDS[name].partition(":")
+        try:
+            found: type[Transport] = getattr(importlib.import_module(module), attr)
+        except ImportError as exc:
+            extra = _EXTRAS.get(name)
+            hint = f" (pip install 'flask-mail-outbox[{extra}]')" if extra else ""
+            raise ConfigError(key, f"the {name} transport cannot be imported: {exc}{hint}") \
+                from exc
+        return found
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(key, f"{name!r} is neither one of {', '.join(BUILTIN)} nor "

@@ -97,3 +97,21 @@ def classify_reply(code: int, text: str) -> ReplyClass:
     if enhanced in THROTTLE_ENHANCED or _THROTTLE_WORDS.search(text):
         return ReplyClass.THROTTLED
     return ReplyClass.TRANSIENT
+
+
+_QUEUE_ID = re.compile(r"queued as\s+<?([\w.@-]+)>?|\bid=([\w.-]+)|^ok\s+<?([\w.@-]{8,})>?\s*$",
+                       re.IGNORECASE)
+
+
+def queue_id(text: str) -> str | None:
+    """The server's id of an accepted message from its final ``250`` text, if it gives one.
+
+    Postfix and sendmail say ``queued as 4F3A2...``, Exim ``id=1abc-...``,
+    Amazon SES ``Ok 0100018c...``; many servers say nothing of the sort.
+    """
+    for line in reversed(text.splitlines()):
+        match = _QUEUE_ID.search(line.strip().removeprefix("2.0.0").strip())
+        if match is not None:
+            found = next(group for group in match.groups() if group)
+            return found[:255]
+    return None

@@ -25,7 +25,7 @@ from .._compose.addresses import needs_smtputf8
 from .._errors import PermanentError, TransientError, TransportError
 from ._base import Delivered, Envelope, Failed, Result
 from ._pipeline import Session, dot_stuffed, envelope_commands
-from ._replies import ReplyClass, classify_reply
+from ._replies import ReplyClass, classify_reply, queue_id
 
 #: What :func:`send_message` returns: (result, keep the connection, the follow written).
 Outcome = tuple[Result | None, bool, bool]
@@ -254,7 +254,8 @@ async def _send_content(session: Session, envelope: Envelope, content: bytes,
     progress.finished = True
     if done.code != 250:
         raise aiosmtplib.SMTPDataError(done.code, done.message)
-    return Delivered(refused=refused), True, progress.follow_written
+    return (Delivered(refused=refused, provider_message_id=queue_id(done.message)), True,
+            progress.follow_written)
 
 
 async def _failed(session: Session, exc: Exception, progress: _Progress,

@@ -122,8 +122,9 @@ class Dashboard:
         if detail is None:
             abort(404, description=f"There is no email {email_id}.")
         shown = None if detail.mime is None else preview(detail.mime)
+        kinds = {spec.name: spec.kind for spec in app_state().config.transport_specs}
         return render_template("outbox_dashboard/email.html", email=detail, preview=shown,
-                               notice=_notice())
+                               kind=kinds.get(detail.transport), notice=_notice())
 
     def dead_letters(self) -> ResponseReturnValue:
         cursor = _cursor(searching=False)
