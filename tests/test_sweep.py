@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -342,3 +343,19 @@ def test_sweep_heals_a_key_left_without_a_head(make_apps: MakeApps,
     assert report.requeued == 1
     assert [(r["subject"], bool(r["key_head"])) for r in rows(app)] == [
         ("k0", True), ("k1", True)]
+
+
+def test_an_inline_sweep_beside_a_hand_ticked_worker_delivers_in_the_sweeping_thread(
+        hand_ticked_app: Flask, smtp_server: FaultSMTPServer) -> None:
+    # The worker's loop runs nowhere (a test's, or `flask outbox worker --once`'s):
+    # the sweep drains it in its own thread instead of waiting for a loop that never comes.
+    mail = hand_ticked_app.extensions["test_mail"]
+    with hand_ticked_app.app_context():
+        mail.set_durable(False)
+        mail.send(Message("left behind", recipients=["a@example.com"], body="x"))
+        db.session.commit()
+        started = time.monotonic()
+        report = mail.sweep(min_age=0)
+    assert (report.scanned, report.sent) == (1, 1)
+    assert time.monotonic() - started < 30
+    assert smtp_server.wait_for(1, timeout=1)
