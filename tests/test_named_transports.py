@@ -354,8 +354,12 @@ def test_the_dashboard_shows_the_transport_the_priority_and_the_failover(
         email_id = _send(app, "shown", priority="high")
         wait_rows(app, _finished(1), timeout=20)
         page = app.test_client().get(f"/outbox/emails/{email_id}").get_data(as_text=True)
-        assert "<dt>Transport</dt><dd>default</dd>" in page
+        assert ('<dt>Transport</dt><dd>default <span class="muted">(smtp)</span></dd>'
+                in page)
         assert "<dt>Priority</dt><dd>high</dd>" in page
+        # The backup's SMTP server gave the message its queue id: shown as the provider's.
+        (received,) = bulk_server.messages
+        assert f"<dt>Provider id</dt><dd><code>{received.queue_id}</code></dd>" in page
         assert "Service shutting down" in page
         assert "(default failed; sent on through backup)" in page
     finally:

@@ -230,7 +230,8 @@ def test_drain_failure_error_text_is_pinned(make_apps: MakeApps,
         "a few seconds with its attempt given back if the server was throttling); the "
         "periodic sweep (every OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it "
         "when due, and it is dead-lettered if attempt 5 (OUTBOX_MAX_ATTEMPTS) fails too. "
-        "Fix: check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
+        "Fix: check the transport's settings (MAIL_SERVER and MAIL_PORT for SMTP, the "
+        "entry's API settings for a provider) and that it accepts mail; "
         "`flask outbox status` shows what waits.")
 
 

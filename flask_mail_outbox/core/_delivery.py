@@ -437,7 +437,8 @@ class Delivery:
                         "OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it when "
                         f"due, and it is dead-lettered if attempt {self.policy.max_attempts} "
                         "(OUTBOX_MAX_ATTEMPTS) fails too",
-            fix="check MAIL_SERVER/MAIL_PORT and that the SMTP server accepts mail; "
+            fix="check the transport's settings (MAIL_SERVER and MAIL_PORT for SMTP, the "
+                "entry's API settings for a provider) and that it accepts mail; "
                 "`flask outbox status` shows what waits")
 
     def report_reaped(self, reaped: Reaped) -> None:

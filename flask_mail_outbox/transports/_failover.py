@@ -53,6 +53,11 @@ class FailoverTransport(Transport):
     def open(self, report: Report) -> Sending:
         return _FailoverSending(self, report)
 
+    def close(self) -> None:
+        """Close every transport of the chain (closing one twice is harmless)."""
+        for _, transport in self.chain:
+            transport.close()
+
     def note(self, index: int, result: Result) -> None:
         """Say when a transport of the chain starts failing over, and when it is back."""
         name = self.chain[index][0]

@@ -143,6 +143,16 @@ class HTTPTransport(Transport):
         """One result per envelope from a 2xx answer; :class:`BadResponse` when it is not one."""
         raise NotImplementedError
 
+    def classify_error(self, envelopes: Sequence[Envelope],
+                       response: httpx.Response) -> TransportError | None:
+        """The provider's own reading of an error answer, for every envelope of the request.
+
+        None (the base class) lets the status decide as the module docstring
+        says; a provider returns an error where its codes say more than the
+        status (an account-level refusal, a throttle without ``Retry-After``).
+        """
+        return None
+
     def error_detail(self, response: httpx.Response) -> str:
         """The provider's error code and text from an error answer (its JSON, or its text)."""
         try:
@@ -238,6 +248,9 @@ class HTTPTransport(Transport):
                     code=status))
             self._auth_recovered()
             return results
+        own = self.classify_error(envelopes, response)
+        if own is not None:
+            return self._all(envelopes, own)
         detail = self.error_detail(response)
         if status == 429:
             return self._all(envelopes, TransientError(

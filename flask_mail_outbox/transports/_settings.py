@@ -36,4 +36,5 @@ class TransportSettings:
     smtp: SMTPSettings = SMTPSettings()
     file_path: str = "outbox-mail"
     concurrency: int = 4
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: Not in the repr: an API key is one of them.
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
