@@ -76,6 +76,7 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
 def _drain(ctx: Context, kind: str, entry: dict[str, Any], *, n: int, attach: bool,
            concurrency: int) -> float:
     """Queue ``n`` emails for ``kind``, drain them with ``worker --once``; messages a second."""
+    entry_base_url = entry["base_url"]
     from flask import Flask
     from flask_sqlalchemy import SQLAlchemy
 
@@ -83,8 +84,9 @@ def _drain(ctx: Context, kind: str, entry: dict[str, Any], *, n: int, attach: bo
 
     ((_, url),) = ctx.databases("sqlite", f"providers-{kind}")
     app = Flask(__name__)
-    if kind == "ses":
-        entry = {**entry, "endpoint_url": entry.pop("base_url")}
+    if kind == "ses":  # SES names its endpoint endpoint_url
+        entry = {key: value for key, value in entry.items() if key != "base_url"}
+        entry["endpoint_url"] = entry_base_url
     app.config.update(
         SQLALCHEMY_DATABASE_URI=url, MAIL_DEFAULT_SENDER=SENDER, OUTBOX_DURABLE=True,
         OUTBOX_RUN_WORKER=False, OUTBOX_RUN_SCHEDULER=False, OUTBOX_LISTEN=False,

@@ -28,7 +28,7 @@ from httpserver import FakeAPI, Reply, Request
 
 TOKEN = "pm-server-token-0123"
 
-_MAILBOX = re.compile(r"^[a-z0-9.!#$%&'`*+\-/=^_{}|~]+$", re.I)
+_MAILBOX = re.compile(r"^[a-z0-9.!#$%&'`*+\-/=^_{}|~]+$", re.IGNORECASE)
 _DOMAIN = re.compile(r"^((\.)?[a-zA-Z0-9\-])+$")
 
 
