@@ -58,6 +58,9 @@ def serve(port: int, delay: float) -> None:
     """Serve until killed."""
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body go in two writes: without this, Nagle holds the body
+        # back until the client acknowledges the headers (a delayed ACK, ~40 ms).
+        disable_nagle_algorithm = True
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
