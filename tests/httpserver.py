@@ -72,9 +72,9 @@ class FakeAPI:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-        # Headers and body go in two writes: without this, Nagle holds the body
-        # back until the client acknowledges the headers (a delayed ACK, ~40 ms).
-        disable_nagle_algorithm = True
+            # Headers and body go in two writes: without this, Nagle holds the body
+            # back until the client acknowledges the headers (a delayed ACK, ~40 ms).
+            disable_nagle_algorithm = True
 
             def _any(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)

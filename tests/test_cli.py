@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from conftest import close_app, free_port, make_app
@@ -61,3 +62,36 @@ def test_send_test_rejects_a_bad_address(app: Flask) -> None:
     result = app.test_cli_runner().invoke(args=["outbox", "send-test", "--to", "not-an-address"])
     assert result.exit_code == 2
     assert "recipients" in result.output
+
+
+@pytest.mark.parametrize("kind", ["postmark", "sendgrid", "mailgun", "resend", "ses"])
+def test_send_test_works_through_every_provider_api(db_url: str, kind: str) -> None:
+    from provider_mailgun import MailgunAPI
+    from provider_postmark import TOKEN, FakePostmark
+    from provider_resend import API_KEY, FakeResend
+    from provider_sendgrid import SendGridAPI
+    from provider_ses import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, SignedSESFake
+
+    fake: Any
+    fake, entry = {
+        "postmark": lambda: (FakePostmark(), {"token": TOKEN}),
+        "sendgrid": lambda: (SendGridAPI(), {"api_key": "SG.test-key.secret"}),
+        "mailgun": lambda: (MailgunAPI(), {"api_key": "key-test-secret",
+                                           "domain": "mg.example.com"}),
+        "resend": lambda: (FakeResend(), {"api_key": API_KEY}),
+        "ses": lambda: (SignedSESFake(), {"region": REGION, "access_key_id": ACCESS_KEY_ID,
+                                          "secret_access_key": SECRET_ACCESS_KEY}),
+    }[kind]()
+    fake.start()
+    url_key = "endpoint_url" if kind == "ses" else "base_url"
+    app = make_app(db_url, OUTBOX_TRANSPORTS={"api": {"transport": kind, url_key: fake.url,
+                                                      **entry}})
+    try:
+        result = app.test_cli_runner().invoke(args=["outbox", "send-test", "--to",
+                                                    "ops@example.com", "--transport", "api"])
+        assert result.exit_code == 0, result.output
+        assert ": sent after 1 attempt(s)" in result.output
+        assert fake.wait_for(1, timeout=1)
+    finally:
+        close_app(app)
+        fake.stop()
