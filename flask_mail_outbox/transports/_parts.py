@@ -12,14 +12,18 @@ neither To nor Cc names.
 from __future__ import annotations
 
 import dataclasses
-from email.message import EmailMessage
+import re
+from email.header import decode_header, make_header
+from email.message import Message
 from email.parser import BytesParser
-from email.policy import default as default_policy
+from email.policy import compat32
 from email.utils import getaddresses
 
 from ._base import Envelope
 
 #: Headers the JSON fields carry themselves; every other header is passed on as one.
+_FOLD = re.compile(r"\r?\n(?=[ \t])")
+
 FIELD_HEADERS = frozenset({
     "from", "to", "cc", "bcc", "reply-to", "subject", "date", "mime-version",
     "content-type", "content-transfer-encoding", "content-disposition", "content-id",
@@ -80,52 +84,69 @@ class MessageParts:
 
 
 def parts_of(envelope: Envelope) -> MessageParts:
-    """The fields of ``envelope``'s stored message (see the module docstring)."""
-    message = BytesParser(policy=default_policy).parsebytes(envelope.mime)
-    if not isinstance(message, EmailMessage):  # pragma: no cover - the default policy's class
-        raise TypeError("the stored message did not parse as an EmailMessage")
+    """The fields of ``envelope``'s stored message (see the module docstring).
+
+    The message is the outbox's own well-formed MIME, so it is parsed with the
+    standard library's plain (``compat32``) parser and the few headers needed
+    are decoded here: the modern policy's header registry costs several times
+    the whole parse, on the transport's loop thread, for every message.
+    """
+    message = BytesParser(policy=compat32).parsebytes(envelope.mime)
     senders = _addresses(message, "From")
     to, cc = _addresses(message, "To"), _addresses(message, "Cc")
     named = {a.email.lower() for a in (*to, *cc)}
     bcc = tuple(Address(r) for r in envelope.recipients if r.lower() not in named)
+    text = html = None
+    attachments = []
+    for part in message.walk():
+        if part.is_multipart():
+            continue
+        disposition = part.get_content_disposition()
+        content_id = part.get("Content-ID")
+        kind = part.get_content_type()
+        if disposition != "attachment" and content_id is None and \
+                kind in ("text/plain", "text/html"):
+            if kind == "text/plain" and text is None:
+                text = _decoded_text(part)
+                continue
+            if kind == "text/html" and html is None:
+                html = _decoded_text(part)
+                continue
+        if disposition is None and content_id is None:
+            continue
+        payload = part.get_payload(decode=True)
+        attachments.append(Attachment(
+            filename=part.get_filename() or "", content_type=kind,
+            content=payload if isinstance(payload, bytes) else b"",
+            content_id=_unfolded(content_id).strip().strip("<>") if content_id else None))
     return MessageParts(
         sender=senders[0] if senders else Address(envelope.sender),
         to=to, cc=cc, bcc=bcc, reply_to=_addresses(message, "Reply-To"),
-        subject=str(message.get("Subject", "")),
-        text=_body(message, "plain"), html=_body(message, "html"),
-        attachments=tuple(_attachments(message)),
-        headers=tuple((key, str(value)) for key, value in message.items()
+        subject=_decoded(message.get("Subject", "")),
+        text=text, html=html, attachments=tuple(attachments),
+        headers=tuple((key, _decoded(value)) for key, value in message.items()
                       if key.lower() not in FIELD_HEADERS),
     )
 
 
-def _addresses(message: EmailMessage, header: str) -> tuple[Address, ...]:
-    values = [str(value) for value in message.get_all(header, [])]
-    return tuple(Address(email, name) for name, email in getaddresses(values) if email)
+def _unfolded(value: object) -> str:
+    return _FOLD.sub(" ", str(value))
 
 
-def _body(message: EmailMessage, subtype: str) -> str | None:
-    part = message.get_body(preferencelist=(subtype,))
-    if part is None or part.get_content_subtype() != subtype:
-        return None
+def _decoded(value: object) -> str:
+    """A header value unfolded, its RFC 2047 encoded words decoded."""
+    text = _unfolded(value)
+    return str(make_header(decode_header(text))) if "=?" in text else text
+
+
+def _addresses(message: Message, header: str) -> tuple[Address, ...]:
+    values = [_unfolded(value) for value in message.get_all(header, [])]
+    return tuple(Address(email, _decoded(name)) for name, email in getaddresses(values)
+                 if email)
+
+
+def _decoded_text(part: Message) -> str:
+    payload = part.get_payload(decode=True)
+    data = payload if isinstance(payload, bytes) else b""
     # Text travels in canonical CRLF form; the APIs take it with plain newlines.
-    return str(part.get_content()).replace("\r\n", "\n")
-
-
-def _attachments(message: EmailMessage) -> list[Attachment]:
-    bodies = {id(message.get_body(preferencelist=(kind,))) for kind in ("plain", "html")}
-    found = []
-    for part in message.walk():
-        if part.is_multipart() or id(part) in bodies:
-            continue
-        content_id = part.get("Content-ID")
-        disposition = part.get_content_disposition()
-        if disposition is None and content_id is None:
-            continue
-        payload = part.get_payload(decode=True)
-        found.append(Attachment(
-            filename=part.get_filename() or "",
-            content_type=part.get_content_type(),
-            content=payload if isinstance(payload, bytes) else b"",
-            content_id=str(content_id).strip().strip("<>") if content_id else None))
-    return found
+    return data.decode(part.get_content_charset() or "us-ascii", "replace").replace("\r\n", "\n")
