@@ -14,7 +14,14 @@ from conftest import MakeApps, db, make_app
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox import ConfigError, Message, OutboxMail, PermanentError, TransientError
+from flask_mail_outbox import (
+    ConfigError,
+    InvalidMessage,
+    Message,
+    OutboxMail,
+    PermanentError,
+    TransientError,
+)
 from flask_mail_outbox.core import email_table
 from flask_mail_outbox.transports import (
     BUILTIN,
@@ -242,3 +249,21 @@ def test_the_registry_names_every_builtin_and_refuses_what_is_not_a_transport() 
                                                     concurrency=3))
     assert isinstance(smtp, SMTPTransport) and smtp.concurrency == 3
     assert smtp.settings.port == 2525
+
+
+@pytest.mark.parametrize(("kind", "entry"), [
+    ("postmark", {"token": "pm-token"}), ("resend", {"api_key": "re_key"}),
+    ("sendgrid", {"api_key": "SG.key"})])
+def test_a_json_api_refuses_a_body_part_it_would_drop_nothing_written(
+        make_apps: MakeApps, kind: str, entry: dict[str, str]) -> None:
+    # Their APIs take text, html, attachments and inline images as fields: a
+    # text/calendar alternative has no field, and would vanish without a word.
+    app, mail = make_apps(OUTBOX_TRANSPORTS={"default": {
+        "transport": kind, "base_url": "http://127.0.0.1:9", **entry}})
+    with app.app_context():
+        with pytest.raises(InvalidMessage) as excinfo:
+            mail.send(Message("invite", recipients=["a@example.com"], body="x",
+                              alts={"calendar": "BEGIN:VCALENDAR\r\nEND:VCALENDAR\r\n"}))
+        assert excinfo.value.field == "alts" and "text/calendar" in str(excinfo.value)
+        db.session.commit()
+    assert statuses(app) == []

@@ -19,6 +19,7 @@ from email.parser import BytesParser
 from email.policy import compat32
 from email.utils import getaddresses
 
+from .._errors import InvalidMessage
 from ._base import Envelope
 
 #: Headers the JSON fields carry themselves; every other header is passed on as one.
@@ -76,6 +77,9 @@ class MessageParts:
     attachments: tuple[Attachment, ...]
     #: Every other header, in order (Message-ID, List-Unsubscribe, X-...).
     headers: tuple[tuple[str, str], ...]
+    #: The content types of body parts no field carries (an ``alts`` part such as
+    #: text/calendar): a JSON API would drop them, so :func:`refuse_dropped` refuses.
+    others: tuple[str, ...] = ()
 
     def header(self, name: str) -> str | None:
         """The first header called ``name`` (any case), or None."""
@@ -98,6 +102,7 @@ def parts_of(envelope: Envelope) -> MessageParts:
     bcc = tuple(Address(r) for r in envelope.recipients if r.lower() not in named)
     text = html = None
     attachments = []
+    others = []
     for part in message.walk():
         if part.is_multipart():
             continue
@@ -113,6 +118,7 @@ def parts_of(envelope: Envelope) -> MessageParts:
                 html = _decoded_text(part)
                 continue
         if disposition is None and content_id is None:
+            others.append(kind)
             continue
         payload = part.get_payload(decode=True)
         attachments.append(Attachment(
@@ -126,7 +132,16 @@ def parts_of(envelope: Envelope) -> MessageParts:
         text=text, html=html, attachments=tuple(attachments),
         headers=tuple((key, _decoded(value)) for key, value in message.items()
                       if key.lower() not in FIELD_HEADERS),
+        others=tuple(others),
     )
+
+
+def refuse_dropped(parts: MessageParts, kind: str) -> None:
+    """Refuse at ``send()`` a message with a body part the ``kind`` API has no field for."""
+    if parts.others:
+        raise InvalidMessage("alts", f"a {parts.others[0]} body part cannot be sent through "
+                             f"the {kind} API (it takes text and html bodies, attachments and "
+                             "inline images); send this message through SMTP")
 
 
 def _unfolded(value: object) -> str:

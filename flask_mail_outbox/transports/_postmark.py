@@ -64,7 +64,7 @@ from .._errors import (
 )
 from ._base import Delivered, Envelope, Failed, Result
 from ._http import BadResponse, HTTPTransport
-from ._parts import Address, MessageParts, parts_of
+from ._parts import Address, MessageParts, parts_of, refuse_dropped
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class PostmarkTransport(HTTPTransport):
                 raise InvalidMessage("recipients", f"Postmark does not take non-ASCII "
                                      f"mailboxes, got {recipient!r}")
         parts = parts_of(Envelope(0, "", tuple(recipients), mime, ""))
+        refuse_dropped(parts, "postmark")
         if not _ascii_mailbox(parts.sender.email):
             raise InvalidMessage("sender", f"Postmark does not take non-ASCII mailboxes, "
                                  f"got {parts.sender.email!r}")

@@ -72,7 +72,7 @@ from .._errors import (
 )
 from ._base import Delivered, Envelope, Failed, Result
 from ._http import BadResponse, HTTPTransport, retry_after
-from ._parts import Address, MessageParts, parts_of
+from ._parts import Address, MessageParts, parts_of, refuse_dropped
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class ResendTransport(HTTPTransport):
     def check_message(cls, mime: bytes, recipients: Sequence[str]) -> None:
         """Refuse what Resend refuses, before anything is written (see the module docstring)."""
         parts = parts_of(Envelope(0, "", tuple(recipients), mime, ""))
+        refuse_dropped(parts, "resend")
         if len(parts.to) > MAX_TO:
             raise InvalidMessage("recipients", f"Resend takes at most {MAX_TO} To addresses "
                                  f"per email, this one has {len(parts.to)}: send it as "

@@ -45,9 +45,6 @@ import base64
 import time
 from collections.abc import Mapping, Sequence
 from email.header import Header
-from email.message import EmailMessage
-from email.parser import BytesParser
-from email.policy import default as default_policy
 from typing import Any, ClassVar
 
 import httpx
@@ -55,7 +52,7 @@ import httpx
 from .._errors import InvalidMessage, PermanentError, TransientError
 from ._base import Delivered, Envelope, Result
 from ._http import MAX_RETRY_AFTER, BadResponse, HTTPTransport, retry_after
-from ._parts import Address, MessageParts, parts_of
+from ._parts import Address, MessageParts, parts_of, refuse_dropped
 
 #: The headers SendGrid's ``headers`` object may not set (its docs' list, lower case).
 RESERVED_HEADERS = frozenset({
@@ -93,12 +90,9 @@ class SendGridTransport(HTTPTransport):
         if len(mime) >= MAX_MESSAGE_BYTES:
             raise InvalidMessage("attachments", f"the message is {len(mime)} bytes; SendGrid "
                                  f"takes less than {MAX_MESSAGE_BYTES} (30 MB) per email")
-        check_parts(parts_of(Envelope(0, "", tuple(recipients), mime, "")))
-        other = _other_body_part(mime)
-        if other is not None:
-            raise InvalidMessage("alts", f"a {other} body part cannot be sent through the "
-                                 "sendgrid transport (only text/plain and text/html bodies, "
-                                 "attachments and inline images); send it through SMTP")
+        parts = parts_of(Envelope(0, "", tuple(recipients), mime, ""))
+        check_parts(parts)
+        refuse_dropped(parts, "sendgrid")
 
     def request_for(self, client: httpx.AsyncClient,
                     envelopes: Sequence[Envelope]) -> httpx.Request:
@@ -229,20 +223,6 @@ def check_parts(parts: MessageParts) -> None:
         if counts[lname] == 2:
             raise InvalidMessage("extra_headers", f"{name!r} appears more than once; "
                                  "SendGrid takes one value per header name")
-
-
-def _other_body_part(mime: bytes) -> str | None:
-    """The content type of a body part :func:`parts_of` does not carry (an ``alts`` part)."""
-    message = BytesParser(policy=default_policy).parsebytes(mime)
-    if not isinstance(message, EmailMessage):  # pragma: no cover - the default policy's class
-        return None
-    bodies = {id(message.get_body(preferencelist=(kind,))) for kind in ("plain", "html")}
-    for part in message.walk():
-        if part.is_multipart() or id(part) in bodies:
-            continue
-        if part.get_content_disposition() is None and part.get("Content-ID") is None:
-            return part.get_content_type()
-    return None
 
 
 def _seen_before(address: Address, seen: set[str]) -> bool:
