@@ -267,3 +267,24 @@ def test_a_json_api_refuses_a_body_part_it_would_drop_nothing_written(
         assert excinfo.value.field == "alts" and "text/calendar" in str(excinfo.value)
         db.session.commit()
     assert statuses(app) == []
+
+
+@pytest.mark.parametrize("kind", ["postmark", "sendgrid", "mailgun", "resend", "ses"])
+def test_esmtp_parameters_are_refused_for_an_api_and_its_failover_too(
+        make_apps: MakeApps, kind: str) -> None:
+    entry = {"postmark": {"token": "t"}, "sendgrid": {"api_key": "k"},
+             "mailgun": {"api_key": "k", "domain": "mg.example.com"},
+             "resend": {"api_key": "re_k"},
+             "ses": {"region": "eu-west-1", "access_key_id": "AK",
+                     "secret_access_key": "SK"}}[kind]
+    app, mail = make_apps(OUTBOX_TRANSPORTS={
+        "api": {"transport": kind, **entry},
+        "smtp": {"transport": "smtp", "failover": ["api"]}})
+    with app.app_context():
+        for name in ("api", "smtp"):  # the API itself, and an SMTP entry failing over to it
+            with pytest.raises(InvalidMessage) as excinfo:
+                mail.send(Message("x", recipients=["a@example.com"], body="x",
+                                  rcpt_options=["NOTIFY=SUCCESS"]), transport=name)
+            assert excinfo.value.field == "mail_options" and "'api'" in str(excinfo.value)
+        mail.send(Message("x", recipients=["a@example.com"], body="x"), transport="api")
+        db.session.rollback()

@@ -48,7 +48,8 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
         message_id_domain=config.message_id_domain,
         ascii_attachments=config.ascii_attachments,
         html_to_text=config.html_to_text, allow_smtputf8=config.allow_smtputf8)
-    _check_for_transports(prepared.mime, prepared.recipients, config, transport)
+    _check_for_transports(prepared.mime, prepared.recipients, config, transport,
+                          esmtp=bool(prepared.mail_options or prepared.rcpt_options))
     values: dict[str, Any] = {
         "status": Status.QUEUED.value,
         "due_at": due_at,
@@ -76,14 +77,23 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
 
 
 def _check_for_transports(mime: bytes, recipients: tuple[str, ...], config: OutboxConfig,
-                          transport: str) -> None:
-    """The row's transport, and those it fails over to, must all take the message."""
+                          transport: str, *, esmtp: bool) -> None:
+    """The row's transport, and those it fails over to, must all take the message.
+
+    ``esmtp``: it carries ESMTP parameters (``mail_options`` / ``rcpt_options``),
+    which only an SMTP conversation has; an API would drop them without a word.
+    """
     try:
         spec = config.transport_spec(transport)
     except KeyError:
         return  # the caller checked the name; a hand-made config may lack specs
     for name in (spec.name, *spec.failover):
-        config.transport_spec(name).cls.check_message(mime, recipients)
+        cls = config.transport_spec(name).cls
+        if esmtp and not cls.takes_esmtp_options:
+            raise InvalidMessage("mail_options", f"ESMTP parameters (mail_options, "
+                                 f"rcpt_options) only go over SMTP, and the {name!r} "
+                                 f"transport is {config.transport_spec(name).kind}'s API")
+        cls.check_message(mime, recipients)
 
 
 def check_message(msg: Any) -> None:

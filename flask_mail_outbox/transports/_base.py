@@ -18,7 +18,7 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from .. import _degrade
 from .._errors import TransientError, TransportError
@@ -305,6 +305,10 @@ class Transport:
                 "(flask_mail_outbox.transports.TransportSettings)", DeprecationWarning,
                 stacklevel=2)
         return legacy
+
+    #: Whether it passes on a message's ESMTP parameters (``mail_options``,
+    #: ``rcpt_options``): an API has no place for them, so ``send()`` refuses them.
+    takes_esmtp_options: ClassVar[bool] = True
 
     @classmethod
     def entry_keys(cls) -> tuple[str, ...] | None:

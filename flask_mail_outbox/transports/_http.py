@@ -77,6 +77,7 @@ class HTTPTransport(Transport):
     secret_keys: ClassVar[tuple[str, ...]] = ()
     #: The most messages one request carries (1: the provider has no batch endpoint).
     max_batch: ClassVar[int] = 1
+    takes_esmtp_options: ClassVar[bool] = False
 
     def __init__(self, options: Mapping[str, Any], *, name: str = "default",
                  concurrency: int = 4) -> None:
