@@ -17,8 +17,16 @@ from ._errors import (
     TransientError,
     TransportError,
 )
-from ._flask.signals import email_dispatched, email_failed, email_queued, email_sent
-from .core import DeliveredMessage, Status, SweepReport
+from ._events import DeliveryEvent
+from ._flask.signals import (
+    email_dispatched,
+    email_event,
+    email_failed,
+    email_queued,
+    email_sent,
+    email_unsubscribed,
+)
+from .core import DeliveredMessage, Status, Suppression, SweepReport
 
 if TYPE_CHECKING:
     from ._mail import OutboxMail
@@ -38,17 +46,21 @@ __all__ = [
     "Attachment",
     "ConfigError",
     "DeliveredMessage",
+    "DeliveryEvent",
     "InvalidMessage",
     "Message",
     "OutboxError",
     "OutboxMail",
     "PermanentError",
     "Status",
+    "Suppression",
     "SweepReport",
     "TransientError",
     "TransportError",
     "email_dispatched",
+    "email_event",
     "email_failed",
     "email_queued",
     "email_sent",
+    "email_unsubscribed",
 ]

@@ -49,9 +49,13 @@ class TransportError(OutboxError):
     ``message`` the server's text. Neither ever contains credentials.
     """
 
-    def __init__(self, message: str, *, code: int = 0) -> None:
+    def __init__(self, message: str, *, code: int = 0,
+                 refused: dict[str, tuple[int, str]] | None = None) -> None:
         self.code = code
         self.message = message
+        #: Each refused recipient's reply, ``{address: (code, text)}``, when the
+        #: server refused every recipient (empty otherwise).
+        self.refused = refused or {}
         super().__init__(f"{code} {message}" if code else message)
 
 
@@ -67,8 +71,9 @@ class TransientError(TransportError):
     """
 
     def __init__(self, message: str, *, code: int = 0, throttled: bool = False,
-                 transport_fault: bool = False, retry_after: float | None = None) -> None:
-        super().__init__(message, code=code)
+                 transport_fault: bool = False, retry_after: float | None = None,
+                 refused: dict[str, tuple[int, str]] | None = None) -> None:
+        super().__init__(message, code=code, refused=refused)
         self.throttled = throttled
         self.retry_after = retry_after
         #: The transport itself is broken, not this message (refused connection,

@@ -104,3 +104,89 @@ def _form_data(request: Request) -> dict[str, list[bytes]]:
             raise ValueError("a malformed multipart/form-data part")
         fields.setdefault(name.group(1).decode(), []).append(value[:-2])
     return fields
+
+
+# -- Webhooks ------------------------------------------------------------------------------
+#
+# Mailgun's webhooks (https://documentation.mailgun.com/docs/mailgun/user-manual/webhooks/):
+# one JSON object per POST, {"signature": {...}, "event-data": {...}}, the signature the
+# hex HMAC-SHA256 of timestamp + token keyed with the webhook signing key
+# (.../webhooks/securing-webhooks). The events below are the docs' samples, adapted: the
+# message id (as the send answered it, brackets and all), recipient and time are the caller's.
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+#: Random per test run, as a real one is.
+WEBHOOK_SIGNING_KEY = f"{secrets.token_hex(16)}-{secrets.token_hex(4)}-{secrets.token_hex(4)}"
+
+
+def webhook_signature(timestamp: str, token: str, signing_key: str) -> str:
+    """``signature.signature`` of a webhook signed at ``timestamp`` with ``token``."""
+    return hmac.new(signing_key.encode("utf-8"), (timestamp + token).encode("utf-8"),
+                    hashlib.sha256).hexdigest()
+
+
+def webhook_payload(event_data: dict[str, Any], signing_key: str, now: float,
+                    token: str | None = None) -> dict[str, Any]:
+    """The JSON object Mailgun POSTs for ``event_data``, signed at ``now``."""
+    token = token or secrets.token_hex(25)  # "randomly generated string with length of 50"
+    timestamp = str(int(now))
+    return {"signature": {"token": token, "timestamp": timestamp,
+                          "signature": webhook_signature(timestamp, token, signing_key)},
+            "event-data": event_data}
+
+
+def webhook_request(event_data: dict[str, Any], signing_key: str, now: float,
+                    token: str | None = None) -> tuple[dict[str, str], bytes]:
+    """The headers and body of Mailgun's POST of ``event_data``, signed at ``now``."""
+    payload = webhook_payload(event_data, signing_key, now, token)
+    return {"Content-Type": "application/json"}, json.dumps(payload).encode("utf-8")
+
+
+def webhook_event(event: str, message_id: str, recipient: str, timestamp: float,
+                  event_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    """``event-data`` as the docs show it; ``message_id`` as the send answered it.
+
+    ``extra`` adds or replaces fields (``severity``, ``reason``, ``delivery-status``...);
+    without them ``failed`` is the docs' permanent failure sample.
+    """
+    headers = {"to": f"Alice <{recipient}>", "message-id": message_id.strip("<>"),
+               "from": "Bob <bob@mg.example.com>", "subject": "Test webhook"}
+    data: dict[str, Any] = {
+        "event": event, "id": event_id or secrets.token_urlsafe(16), "timestamp": timestamp,
+        "log-level": "info", "recipient": recipient,
+        "recipient-domain": recipient.rpartition("@")[2],
+        "envelope": {"transport": "smtp", "sender": "bob@mg.example.com",
+                     "sending-ip": "209.61.154.250", "targets": recipient},
+        "flags": {"is-routed": False, "is-authenticated": True, "is-system-test": False,
+                  "is-test-mode": False},
+        "message": {"headers": headers, "attachments": [], "size": 111},
+        "tags": ["my_tag_1", "my_tag_2"],
+        "user-variables": {"my_var_1": "Mailgun Variable #1", "my-var-2": "awesome"},
+        "campaigns": [],
+    }
+    if event == "delivered":
+        data["delivery-status"] = {
+            "tls": True, "mx-host": "smtp-in.example.com", "attempt-no": 1, "description": "",
+            "session-seconds": 0.4331989288330078, "utf8": True, "code": 250, "message": "OK",
+            "certificate-verified": True}
+    elif event == "failed":
+        data.update({"log-level": "error", "severity": "permanent", "reason": "bounce",
+                     "delivery-status": {
+                         "attempt-no": 1, "code": 550, "description": "",
+                         "message": "5.1.1 The email account that you tried to reach does "
+                                    "not exist.", "session-seconds": 2.95,
+                         "mx-host": "aspmx.l.example.org"}})
+    elif event in ("opened", "clicked", "unsubscribed", "complained"):
+        data["message"] = {"headers": {"message-id": headers["message-id"]}}
+        data.update({"ip": "50.56.129.169", "geolocation": {
+            "country": "US", "region": "CA", "city": "San Francisco"},
+            "client-info": {"client-type": "browser", "client-os": "Linux",
+                            "device-type": "desktop", "client-name": "Chrome",
+                            "user-agent": "Mozilla/5.0 (X11; Linux x86_64)"}})
+        if event == "clicked":
+            data["url"] = "https://example.com/offer"
+    return {**data, **extra}

@@ -183,3 +183,106 @@ def _bad_address(address: str) -> str | None:
 
 def _error(code: int, text: str) -> Reply:
     return Reply(422, {"ErrorCode": code, "Message": text})
+
+
+# -- Webhooks ------------------------------------------------------------------------------
+#
+# What Postmark POSTs to a webhook URL (https://postmarkapp.com/developer/webhooks/...):
+# one record per request, the URL's credentials as HTTP Basic. The records below are the
+# docs' samples, adapted: the message id, recipient and time are the caller's.
+
+WEBHOOK_USER = "postmark-hooks"
+#: Random per test run, as a real one is.
+WEBHOOK_PASSWORD = uuid.uuid4().hex
+WEBHOOK_SECRET = f"{WEBHOOK_USER}:{WEBHOOK_PASSWORD}"
+
+_WEBHOOK_METADATA = {"example": "value", "example_2": "value"}
+_WEBHOOK_CLIENT = {"Name": "Chrome 35.0.1916.153", "Company": "Google", "Family": "Chrome"}
+_WEBHOOK_OS = {"Name": "OS X 10.7 Lion", "Company": "Apple Computer, Inc.",
+               "Family": "OS X 10"}
+_WEBHOOK_GEO = {"CountryISOCode": "RS", "Country": "Serbia", "RegionISOCode": "VO",
+                "Region": "Autonomna Pokrajina Vojvodina", "City": "Novi Sad", "Zip": "21000",
+                "Coords": "45.2517,19.8369", "IP": "188.2.95.4"}
+_WEBHOOK_AGENT = ("Mozilla/5.0 (Macintosh; Intel Mac OS X 10_7_5) AppleWebKit/537.36 "
+                  "(KHTML, like Gecko) Chrome/35.0.1916.153 Safari/537.36")
+
+
+def webhook_request(record: dict[str, Any],
+                    secret: str = WEBHOOK_SECRET) -> tuple[dict[str, str], bytes]:
+    """The headers and body of Postmark's POST of ``record`` to a URL holding ``secret``."""
+    credentials = base64.b64encode(secret.encode("utf-8")).decode("ascii")
+    return ({"Content-Type": "application/json", "Authorization": f"Basic {credentials}"},
+            json.dumps(record).encode("utf-8"))
+
+
+def delivery_record(message_id: str, recipient: str,
+                    delivered_at: str = "2019-11-05T16:33:54.9070259Z") -> dict[str, Any]:
+    """A Delivery webhook's record."""
+    return {"RecordType": "Delivery", "ServerID": 23, "MessageStream": "outbound",
+            "MessageID": message_id, "Recipient": recipient, "Tag": "welcome-email",
+            "DeliveredAt": delivered_at, "Details": "Test delivery webhook details",
+            "Metadata": dict(_WEBHOOK_METADATA)}
+
+
+def bounce_record(message_id: str, email: str, *, bounce_type: str = "HardBounce",
+                  type_code: int = 1, bounce_id: int = 4323372036854775807,
+                  bounced_at: str = "2019-11-05T16:33:54.9070259Z",
+                  description: str = "The server was unable to deliver your message (ex: "
+                                     "unknown user, mailbox not found).",
+                  details: str = "Test bounce details") -> dict[str, Any]:
+    """A Bounce webhook's record (``bounce_type`` and ``type_code`` from the bounce types list)."""
+    return {"RecordType": "Bounce", "MessageStream": "outbound", "ID": bounce_id,
+            "Type": bounce_type, "TypeCode": type_code, "Name": "Hard bounce", "Tag": "Test",
+            "MessageID": message_id, "Metadata": dict(_WEBHOOK_METADATA), "ServerID": 23,
+            "Description": description, "Details": details, "Email": email,
+            "From": "sender@example.com", "BouncedAt": bounced_at, "DumpAvailable": True,
+            "Inactive": True, "CanActivate": True, "Subject": "Test subject",
+            "Content": "<Full dump of bounce>"}
+
+
+def spam_complaint_record(message_id: str, email: str, *, complaint_id: int = 42,
+                          bounced_at: str = "2019-11-05T16:33:54.9070259Z") -> dict[str, Any]:
+    """A Spam Complaint webhook's record."""
+    return {"RecordType": "SpamComplaint", "MessageStream": "outbound", "ID": complaint_id,
+            "Type": "SpamComplaint", "TypeCode": 100001, "Name": "Spam complaint",
+            "Tag": "Test", "MessageID": message_id, "Metadata": dict(_WEBHOOK_METADATA),
+            "ServerID": 1234, "Description": "The subscriber explicitly marked this message "
+            "as spam.", "Details": "Test spam complaint details", "Email": email,
+            "From": "sender@example.com", "BouncedAt": bounced_at, "DumpAvailable": True,
+            "Inactive": True, "CanActivate": False, "Subject": "Test subject",
+            "Content": "<Abuse report dump>"}
+
+
+def open_record(message_id: str, recipient: str,
+                received_at: str = "2019-11-05T16:33:54.9070259Z") -> dict[str, Any]:
+    """An Open webhook's record."""
+    return {"RecordType": "Open", "MessageStream": "outbound",
+            "Metadata": dict(_WEBHOOK_METADATA), "FirstOpen": True, "Recipient": recipient,
+            "MessageID": message_id, "ReceivedAt": received_at, "Platform": "WebMail",
+            "ReadSeconds": 5, "Tag": "welcome-email", "UserAgent": _WEBHOOK_AGENT,
+            "OS": dict(_WEBHOOK_OS), "Client": dict(_WEBHOOK_CLIENT), "Geo": dict(_WEBHOOK_GEO)}
+
+
+def click_record(message_id: str, recipient: str, link: str = "https://example.com",
+                 received_at: str = "2017-10-25T15:21:11.9065619Z") -> dict[str, Any]:
+    """A Click webhook's record."""
+    return {"RecordType": "Click", "MessageStream": "outbound",
+            "Metadata": dict(_WEBHOOK_METADATA), "Recipient": recipient,
+            "MessageID": message_id, "ReceivedAt": received_at, "Platform": "Desktop",
+            "ClickLocation": "HTML", "OriginalLink": link, "Tag": "welcome-email",
+            "UserAgent": _WEBHOOK_AGENT, "OS": dict(_WEBHOOK_OS),
+            "Client": dict(_WEBHOOK_CLIENT), "Geo": dict(_WEBHOOK_GEO)}
+
+
+def subscription_change_record(message_id: str | None, recipient: str, *,
+                               suppress: bool = True,
+                               reason: str | None = "HardBounce", origin: str = "Recipient",
+                               changed_at: str = "2020-02-01T10:53:34.416071Z",
+                               ) -> dict[str, Any]:
+    """A Subscription Change webhook's record (a reactivation when ``suppress`` is false)."""
+    return {"RecordType": "SubscriptionChange", "MessageID": message_id, "ServerID": 123456,
+            "MessageStream": "outbound", "ChangedAt": changed_at, "Recipient": recipient,
+            "Origin": origin, "SuppressSending": suppress,
+            "SuppressionReason": reason if suppress else None,
+            "Tag": "my-tag" if suppress else None,
+            "Metadata": dict(_WEBHOOK_METADATA) if suppress else {}}

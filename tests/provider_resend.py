@@ -222,3 +222,76 @@ def _canonical(body: bytes) -> bytes:
 
 def _error(status: int, name: str, message: str) -> Reply:
     return Reply(status, {"statusCode": status, "name": name, "message": message})
+
+
+# == Webhooks ==============================================================================
+# Resend's webhooks as Resend sends them (https://resend.com/docs/webhooks/introduction):
+# Svix-signed (svix-id, svix-timestamp, svix-signature: "v1,<base64 HMAC-SHA256 of
+# f"{id}.{timestamp}.{body}"> keyed with the secret's base64 after "whsec_"), payloads in
+# the shapes of https://resend.com/docs/webhooks/event-types. For the receiver's tests
+# (tests/test_webhooks_resend.py) and the end-to-end ones.
+
+import hashlib
+import hmac
+import os
+
+#: The sample email of Resend's event pages.
+SAMPLE_EMAIL_ID = "56761188-7520-42d8-8898-ff6fc54ce618"
+
+
+def webhook_secret() -> str:
+    """A new random signing secret, as Resend shows one: ``whsec_`` and base64."""
+    return "whsec_" + base64.b64encode(os.urandom(24)).decode("ascii")
+
+
+def svix_signature(secret: str, svix_id: str, timestamp: str, body: bytes) -> str:
+    """The ``svix-signature`` value Svix sends for ``body``: ``v1,<base64>``."""
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    digest = hmac.new(key, f"{svix_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode("ascii")
+
+
+def webhook_request(event: dict[str, Any], secret: str, now: float, *,
+                    svix_id: str = "msg_2bPxLmd1QkdjsHM7xOX4ToFtG8N",
+                    timestamp: float | None = None) -> tuple[dict[str, str], bytes]:
+    """The headers (lower-case) and body Resend POSTs for ``event``, signed with ``secret``.
+
+    ``timestamp`` is the svix-timestamp (``now`` when not given).
+    """
+    body = json.dumps(event).encode()
+    stamp = str(int(now if timestamp is None else timestamp))
+    return {"content-type": "application/json", "svix-id": svix_id, "svix-timestamp": stamp,
+            "svix-signature": svix_signature(secret, svix_id, stamp, body),
+            "user-agent": "Svix-Webhooks/1.0"}, body
+
+
+def resend_event(event_type: str, *, email_id: str = SAMPLE_EMAIL_ID,
+                 to: list[str] | None = None, created_at: str = "2024-11-22T23:41:12.126Z",
+                 **data: Any) -> dict[str, Any]:
+    """One webhook payload as Resend's event pages show it; ``data`` adds to its ``data``."""
+    return {
+        "type": event_type,
+        "created_at": created_at,
+        "data": {
+            "broadcast_id": "8b146471-e88e-4322-86af-016cd36fd216",
+            "created_at": "2024-11-22T23:41:11.894719+00:00",
+            "email_id": email_id,
+            "from": "Acme <onboarding@resend.dev>",
+            "to": ["delivered@resend.dev"] if to is None else to,
+            "subject": "Sending this example",
+            "template_id": "43f68331-0622-4e15-8202-246a0388854b",
+            "tags": {"category": "confirm_email"},
+            **data,
+        },
+    }
+
+
+def bounce(bounce_type: str = "Permanent", sub_type: str = "Suppressed") -> dict[str, Any]:
+    """An ``email.bounced`` payload's ``bounce`` object (Resend's sample, the type given)."""
+    return {
+        "diagnosticCode": ["smtp; 550 5.5.0 Requested action not taken: mailbox unavailable"],
+        "message": "The recipient's email address is on the suppression list because it has "
+                   "a recent history of producing hard bounces.",
+        "subType": sub_type,
+        "type": bounce_type,
+    }

@@ -211,3 +211,72 @@ class SendGridAPI(FakeAPI):
 
 def _errors(status: int, field: str | None, message: str) -> Reply:
     return Reply(status, {"errors": [{"message": message, "field": field, "help": HELP}]})
+
+
+# -- Webhooks ------------------------------------------------------------------------------
+#
+# The Event Webhook (https://www.twilio.com/docs/sendgrid/for-developers/tracking-events/event):
+# a JSON array of events per POST, signed as the Signed Event Webhook does it
+# (.../getting-started-event-webhook-security-features): ECDSA P-256 with SHA-256 over the
+# timestamp header's bytes followed by the body, the DER signature in base64. The events
+# below are the reference's samples, adapted: message id, recipient and time are the caller's.
+
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+
+def webhook_key() -> tuple[ec.EllipticCurvePrivateKey, str]:
+    """A new signing key, and its public half as SendGrid shows it (base64 of the DER)."""
+    private = ec.generate_private_key(ec.SECP256R1())
+    der = private.public_key().public_bytes(serialization.Encoding.DER,
+                                            serialization.PublicFormat.SubjectPublicKeyInfo)
+    return private, base64.b64encode(der).decode("ascii")
+
+
+def sign_webhook(body: bytes, key: ec.EllipticCurvePrivateKey, timestamp: str) -> str:
+    """The ``X-Twilio-Email-Event-Webhook-Signature`` of ``body`` sent at ``timestamp``."""
+    signature = key.sign(timestamp.encode("utf-8") + body, ec.ECDSA(hashes.SHA256()))
+    return base64.b64encode(signature).decode("ascii")
+
+
+def webhook_request(events: list[dict[str, Any]], key: ec.EllipticCurvePrivateKey,
+                    now: float) -> tuple[dict[str, str], bytes]:
+    """The headers and body of SendGrid's POST of ``events``, signed with ``key`` at ``now``."""
+    # A trailing CRLF, as SendGrid's POSTs are reported to end: the raw bytes are signed.
+    body = json.dumps(events).encode("utf-8") + b"\r\n"
+    timestamp = str(int(now))
+    return ({"Content-Type": "application/json",
+             "X-Twilio-Email-Event-Webhook-Signature": sign_webhook(body, key, timestamp),
+             "X-Twilio-Email-Event-Webhook-Timestamp": timestamp}, body)
+
+
+_WEBHOOK_AGENT = ("Mozilla/4.0 (compatible; MSIE 6.1; Windows XP; .NET CLR 1.1.4322; "
+                  ".NET CLR 2.0.50727)")
+
+
+def webhook_event(event: str, message_id: str, email: str, timestamp: int,
+                  event_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    """One event as the reference shows it; ``message_id`` is the send's ``X-Message-Id``.
+
+    ``extra`` adds the event's own fields (``reason``, ``type``, ``url``...); without
+    them each type gets the reference sample's.
+    """
+    sample: dict[str, dict[str, Any]] = {
+        "processed": {"pool": {"name": "new_MY_test", "id": 210}},
+        "dropped": {"reason": "Bounced Address", "status": "5.0.0"},
+        "delivered": {"response": "250 OK"},
+        "deferred": {"response": "400 try again later", "attempt": "5"},
+        "bounce": {"reason": "500 unknown recipient", "status": "5.0.0", "type": "bounce"},
+        "open": {"useragent": _WEBHOOK_AGENT, "ip": "255.255.255.255"},
+        "click": {"useragent": _WEBHOOK_AGENT, "ip": "255.255.255.255",
+                  "url": "http://www.sendgrid.com/"},
+        "group_unsubscribe": {"useragent": _WEBHOOK_AGENT, "ip": "255.255.255.255",
+                              "url": "http://www.sendgrid.com/", "asm_group_id": 10},
+        "group_resubscribe": {"useragent": _WEBHOOK_AGENT, "ip": "255.255.255.255",
+                              "url": "http://www.sendgrid.com/", "asm_group_id": 10},
+    }
+    return {"email": email, "timestamp": timestamp,
+            "smtp-id": "<14c5d75ce93.dfd.64b469@ismtpd-555>", "event": event,
+            "category": "cat facts", "sg_event_id": event_id or secrets.token_urlsafe(16),
+            "sg_message_id": f"{message_id}.filter0001.16648.5515E0B88.0",
+            **sample.get(event, {}), **extra}

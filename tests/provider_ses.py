@@ -271,3 +271,246 @@ def request_body(request: Request) -> dict[str, Any]:
     body = json.loads(request.body)
     assert isinstance(body, dict)
     return body
+
+
+# == Webhooks ==============================================================================
+# SES events as SNS delivers them to an HTTPS subscription
+# (https://docs.aws.amazon.com/sns/latest/dg/http-notification-json.html), signed the way
+# "Verifying the signatures of Amazon SNS messages" describes: RSA PKCS#1 v1.5 with SHA1
+# (SignatureVersion 1) or SHA256 (2) over "name\nvalue\n" for the type's fields, with a key
+# whose certificate the test makes and trusts under an https://sns.<region>.amazonaws.com
+# URL. SES event records in the shapes of
+# https://docs.aws.amazon.com/ses/latest/dg/event-publishing-retrieving-sns-examples.html
+# and .../notification-examples.html. For tests/test_webhooks_ses.py and the end-to-end ones.
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.x509.oid import NameOID
+
+#: The topic the tests' app is subscribed to (SES publishes to a topic of its own region).
+SNS_REGION = REGION
+TOPIC_ARN = f"arn:aws:sns:{SNS_REGION}:123456789012:outbox-ses-events"
+#: Where the tests' signing certificate is (trusted locally, never fetched).
+SIGNING_CERT_URL = (f"https://sns.{SNS_REGION}.amazonaws.com/"
+                    "SimpleNotificationService-9c6465fa7f48f5cacd23014631ec1136.pem")
+#: The SES message id of the sample records (what SendEmail answered).
+SES_MESSAGE_ID = "0102018f2b7d5c1a-6e1b2c3d-4e5f-4a1b-9c8d-7e6f5a4b3c2d-000000"
+
+_SNS_FIELDS = {
+    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
+    "SubscriptionConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
+                                 "TopicArn", "Type"),
+    "UnsubscribeConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
+                                "TopicArn", "Type"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SNSSigner:
+    """An RSA key and its self-signed certificate, standing for SNS's, at ``url``."""
+
+    key: rsa.RSAPrivateKey
+    pem: bytes
+    url: str
+
+
+def sns_signer(url: str = SIGNING_CERT_URL, *,
+               valid_from: datetime.datetime = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
+               valid_until: datetime.datetime = datetime.datetime(2040, 1, 1,
+                                                                  tzinfo=datetime.UTC),
+               ) -> SNSSigner:
+    """A new key and a self-signed certificate for it, named as SNS's is."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sns.amazonaws.com")])
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(valid_from).not_valid_after(valid_until)
+                   .sign(key, hashes.SHA256()))
+    return SNSSigner(key, certificate.public_bytes(serialization.Encoding.PEM), url)
+
+
+def sns_timestamp(now: float) -> str:
+    """``now`` as SNS writes its Timestamp: ISO 8601, milliseconds, Z."""
+    moment = datetime.datetime.fromtimestamp(now, datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def sign_sns(message: dict[str, Any], signer: SNSSigner, version: str = "2") -> dict[str, Any]:
+    """``message`` with SignatureVersion, Signature and SigningCertURL, as SNS signs it."""
+    fields = _SNS_FIELDS[message["Type"]]
+    canonical = "".join(f"{name}\n{message[name]}\n" for name in fields if name in message)
+    algorithm = hashes.SHA1() if version == "1" else hashes.SHA256()
+    signature = signer.key.sign(canonical.encode(), padding.PKCS1v15(), algorithm)
+    return {**message, "SignatureVersion": version,
+            "Signature": base64.b64encode(signature).decode("ascii"),
+            "SigningCertURL": signer.url}
+
+
+def sns_request(message: dict[str, Any]) -> tuple[dict[str, str], bytes]:
+    """The headers (lower-case) and body SNS POSTs for a signed ``message``."""
+    headers = {"x-amz-sns-message-type": str(message.get("Type")),
+               "x-amz-sns-message-id": str(message.get("MessageId")),
+               "x-amz-sns-topic-arn": str(message.get("TopicArn")),
+               "content-type": "text/plain; charset=UTF-8",
+               "user-agent": "Amazon Simple Notification Service Agent"}
+    if message.get("Type") == "Notification":
+        headers["x-amz-sns-subscription-arn"] = \
+            f"{message.get('TopicArn')}:c9135db0-26c4-47ec-8998-413945fb5a96"
+    return headers, json.dumps(message, indent=2).encode()
+
+
+def notification(ses_event: dict[str, Any] | str, now: float, *, topic_arn: str = TOPIC_ARN,
+                 message_id: str | None = None, subject: str | None = None) -> dict[str, Any]:
+    """An unsigned SNS Notification carrying ``ses_event`` (JSON-encoded unless a string)."""
+    message: dict[str, Any] = {
+        "Type": "Notification",
+        "MessageId": message_id or str(uuid.uuid4()),
+        "TopicArn": topic_arn,
+        "Message": ses_event if isinstance(ses_event, str) else json.dumps(ses_event),
+        "Timestamp": sns_timestamp(now),
+        "UnsubscribeURL": f"https://sns.{SNS_REGION}.amazonaws.com/?Action=Unsubscribe"
+                          f"&SubscriptionArn={topic_arn}:c9135db0-26c4-47ec-8998-413945fb5a96",
+    }
+    if subject is not None:
+        message["Subject"] = subject
+    return message
+
+
+def confirmation(now: float, *, kind: str = "SubscriptionConfirmation",
+                 topic_arn: str = TOPIC_ARN) -> dict[str, Any]:
+    """An unsigned SubscriptionConfirmation (or UnsubscribeConfirmation) as SNS sends it."""
+    token = ("2336412f37fb687f5d51e6e241d09c805a5a57b30d712f794cc5f6a988666d92768dd60a747ba6f"
+             "3beb71854e285d6ad02428b09ceece29417f1f02d609c582afbacc99c583a916b9981dd2728f4ae6"
+             "fdb82efd087cc3b7849e05798d2d2785c03b0879594eeac82c01f235d0e717736")
+    text = (f"You have chosen to subscribe to the topic {topic_arn}.\nTo confirm the "
+            "subscription, visit the SubscribeURL included in this message.")
+    if kind == "UnsubscribeConfirmation":
+        text = (f"You have chosen to deactivate subscription {topic_arn}:"
+                "2bcfbf39-05c3-41de-beaa-fcfcc21c8f55.\nTo cancel this operation and "
+                "restore the subscription, visit the SubscribeURL included in this message.")
+    return {
+        "Type": kind,
+        "MessageId": str(uuid.uuid4()),
+        "Token": token,
+        "TopicArn": topic_arn,
+        "Message": text,
+        "SubscribeURL": f"https://sns.{SNS_REGION}.amazonaws.com/?Action=ConfirmSubscription"
+                        f"&TopicArn={topic_arn}&Token={token}",
+        "Timestamp": sns_timestamp(now),
+    }
+
+
+def webhook_request(ses_event: dict[str, Any] | str, signer: SNSSigner, now: float, *,
+                    topic_arn: str = TOPIC_ARN, version: str = "2",
+                    message_id: str | None = None) -> tuple[dict[str, str], bytes]:
+    """The headers and body SNS POSTs to deliver ``ses_event``, signed by ``signer``."""
+    return sns_request(sign_sns(notification(ses_event, now, topic_arn=topic_arn,
+                                             message_id=message_id), signer, version))
+
+
+def ses_mail(destination: list[str], *, message_id: str = SES_MESSAGE_ID,
+             timestamp: str = "2017-08-05T00:40:02.012Z") -> dict[str, Any]:
+    """An SES record's ``mail`` object (the documentation's sample)."""
+    return {
+        "timestamp": timestamp,
+        "source": "Sender Name <sender@example.com>",
+        "sourceArn": "arn:aws:ses:us-east-1:123456789012:identity/sender@example.com",
+        "sendingAccountId": "123456789012",
+        "messageId": message_id,
+        "destination": destination,
+        "headersTruncated": False,
+        "headers": [{"name": "From", "value": "Sender Name <sender@example.com>"},
+                    {"name": "To", "value": ", ".join(destination)},
+                    {"name": "Subject", "value": "Message sent from Amazon SES"}],
+        "commonHeaders": {"from": ["Sender Name <sender@example.com>"], "to": destination,
+                          "messageId": message_id, "subject": "Message sent from Amazon SES"},
+        "tags": {"ses:configuration-set": ["ConfigSet"]},
+    }
+
+
+def ses_event(event_type: str, destination: list[str], detail: dict[str, Any] | None = None,
+              *, notification_format: bool = False, message_id: str = SES_MESSAGE_ID,
+              ) -> dict[str, Any]:
+    """An SES record: ``eventType`` (event publishing) or ``notificationType`` (feedback
+    notifications), ``mail``, and ``detail`` under the type's key (``bounce``...)."""
+    keys = {"Rendering Failure": "failure", "DeliveryDelay": "deliveryDelay"}
+    record: dict[str, Any] = {
+        "notificationType" if notification_format else "eventType": event_type,
+        "mail": ses_mail(destination, message_id=message_id),
+    }
+    if notification_format:
+        del record["mail"]["tags"]
+    if detail is not None:
+        record[keys.get(event_type, event_type.lower())] = detail
+    return record
+
+
+def bounce_detail(recipients: list[tuple[str, str, str]], bounce_type: str = "Permanent",
+                  sub_type: str = "General") -> dict[str, Any]:
+    """A ``bounce`` object; ``recipients`` are (address, status, diagnosticCode)."""
+    return {
+        "bounceType": bounce_type,
+        "bounceSubType": sub_type,
+        "bouncedRecipients": [{"emailAddress": address, "action": "failed", "status": status,
+                               "diagnosticCode": diagnostic}
+                              for address, status, diagnostic in recipients],
+        "timestamp": "2017-08-05T00:41:02.669Z",
+        "feedbackId": "01000157c44f053b-61b59c11-9236-11e6-8f96-7be8aexample-000000",
+        "reportingMTA": "dsn; mta.example.com",
+    }
+
+
+def complaint_detail(recipients: list[str]) -> dict[str, Any]:
+    """A ``complaint`` object."""
+    return {
+        "complainedRecipients": [{"emailAddress": address} for address in recipients],
+        "timestamp": "2017-08-05T00:41:02.669Z",
+        "feedbackId": "01000157c44f053b-61b59c11-9236-11e6-8f96-7be8aexample-000000",
+        "userAgent": "Mozilla/5.0 (Windows NT 10.0; Win64; x64) AppleWebKit/537.36",
+        "complaintFeedbackType": "abuse",
+        "arrivalDate": "2017-08-05T00:41:02.669Z",
+    }
+
+
+def delivery_detail(recipients: list[str]) -> dict[str, Any]:
+    """A ``delivery`` object."""
+    return {
+        "timestamp": "2016-10-19T23:21:04.133Z",
+        "processingTimeMillis": 11893,
+        "recipients": recipients,
+        "smtpResponse": "250 2.6.0 Message received",
+        "reportingMTA": "mta.example.com",
+    }
+
+
+def delay_detail(recipients: list[str]) -> dict[str, Any]:
+    """A ``deliveryDelay`` object."""
+    return {
+        "timestamp": "2020-06-16T00:15:40.641Z",
+        "delayType": "TransientCommunicationFailure",
+        "expirationTime": "2020-06-16T00:25:40.914Z",
+        "delayedRecipients": [{"emailAddress": address, "status": "4.4.1",
+                               "diagnosticCode": "smtp; 421 4.4.1 Unable to connect to "
+                                                 "remote host"} for address in recipients],
+        "reportingMTA": "dsn; a1-2.smtp-out.amazonses.com",
+    }
+
+
+def subscription_detail(unsubscribe_all: bool) -> dict[str, Any]:
+    """A ``subscription`` object (a recipient's topic preferences changed)."""
+    return {
+        "contactList": "ContactListName",
+        "timestamp": "2022-01-12T01:00:17.910Z",
+        "source": "UnsubscribeHeader",
+        "newTopicPreferences": {
+            "unsubscribeAll": unsubscribe_all,
+            "topicSubscriptionStatus": [{"topicName": "ExampleTopicName",
+                                         "subscriptionStatus": "OptOut"}],
+        },
+        "oldTopicPreferences": {
+            "unsubscribeAll": False,
+            "topicSubscriptionStatus": [{"topicName": "ExampleTopicName",
+                                         "subscriptionStatus": "OptIn"}],
+        },
+    }

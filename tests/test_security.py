@@ -607,6 +607,11 @@ IDENTIFIERS_ONLY = {
      "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
     ("migrations/versions/outbox_0006_provider_message_id.py",
      "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
+    ("migrations/versions/outbox_0007_events.py",
+     "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
+    # The status list is one of two module constants.
+    ("migrations/versions/outbox_0007_events.py",
+     "ALTER TABLE outbox_email ADD CONSTRAINT ck_outbox_email_status CHECK (status I"),
     # send_many's PostgreSQL insert: the names of outbox_email's columns (the keys of
     # the row send() builds) and their compiled types; every value is an array parameter.
     ("core/_insert.py", "INSERT INTO {email_table.name} ({quoted}, created_at) SELECT {selected}"),

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .links import UnsubscribeLinks
 
 #: ``OUTBOX_MAX_MESSAGE_BYTES``'s default.
 DEFAULT_MAX_MESSAGE_BYTES = 25 * 1024 * 1024
@@ -28,6 +32,8 @@ class ComposeOptions:
     ascii_attachments: bool = False
     html_to_text: bool = True
     allow_smtputf8: bool = False
+    #: Makes ``list_unsubscribe=True``'s URL (None: OUTBOX_UNSUBSCRIBE_URL is not set).
+    unsubscribe_links: UnsubscribeLinks | None = None
 
 
 #: The options outside any app.

@@ -45,6 +45,7 @@ from .fields import (
     text_alternatives,
 )
 from .html_text import html_to_text
+from .links import UnsubscribeLinks
 from .message_id import context_domain, new_message_id, resolve_message_id
 from .mime import Part, message_body, top_headers
 from .unsubscribe import unsubscribe_lines
@@ -116,6 +117,9 @@ class Message:
     ``mailto:`` URI, a str or a sequence of them, written as
     ``List-Unsubscribe``; with an https URL, ``List-Unsubscribe-Post:
     List-Unsubscribe=One-Click`` too (RFC 8058 one-click unsubscribe).
+    True: the outbox makes the one-click URL itself, ``OUTBOX_UNSUBSCRIBE_URL``
+    plus a token signed with ``SECRET_KEY`` naming the recipient (exactly one
+    is required), and its route suppresses that address for bulk mail.
     """
 
     def __init__(
@@ -136,7 +140,7 @@ class Message:
         mail_options: list[str] | None = None,
         rcpt_options: list[str] | None = None,
         *,
-        list_unsubscribe: str | Sequence[str] | None = None,
+        list_unsubscribe: str | Sequence[str] | bool | None = None,
     ) -> None:
         self.subject = subject
         self.recipients: list[Address] = recipients if recipients is not None else []
@@ -323,6 +327,7 @@ def prepare_message(
     now: datetime | None = None,
     html_to_text: bool | None = None,
     allow_smtputf8: bool | None = None,
+    unsubscribe_links: UnsubscribeLinks | None = None,
 ) -> PreparedEmail:
     """Validate ``msg`` and build the exact bytes to send.
 
@@ -348,7 +353,9 @@ def prepare_message(
     alternatives = text_alternatives(msg.body, msg.html, msg.alts, codec)
     date = _date(msg, now)
     extra = extra_headers(msg.extra_headers)
-    unsubscribe = unsubscribe_lines(msg.list_unsubscribe, extra, allow_local_addresses)
+    unsubscribe = unsubscribe_lines(msg.list_unsubscribe, extra, allow_local_addresses,
+                                    recipients=_envelope(to, cc, bcc),
+                                    links=unsubscribe_links)
     message_id = resolve_message_id(msg, extra, message_id_domain, sender)
     attachments = check_attachments(msg.attachments, ascii_attachments, max_message_bytes)
 
@@ -520,4 +527,5 @@ def _ambient_options() -> dict[str, Any]:
         "max_message_bytes": options.max_message_bytes,
         "message_id_domain": options.message_id_domain,
         "ascii_attachments": options.ascii_attachments,
+        "unsubscribe_links": options.unsubscribe_links,
     }

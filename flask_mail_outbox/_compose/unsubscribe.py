@@ -5,16 +5,23 @@ RFC 2369's ``List-Unsubscribe`` lists where a reader can unsubscribe; RFC
 one takes a single POST, which large mailbox providers ask of bulk senders.
 Only https (never plain http, which would carry the unsubscribe token in
 clear) and ``mailto:`` URIs with a valid address are accepted.
+
+``list_unsubscribe=True`` has the outbox make the URL: :class:`UnsubscribeLinks`
+joins ``OUTBOX_UNSUBSCRIBE_URL`` and a token naming the one recipient, signed
+with the app's ``SECRET_KEY`` by itsdangerous (Flask's own signing library),
+so the route that receives it needs no database row to know whom it names.
 """
 
 from __future__ import annotations
 
 import re
 import urllib.parse
+from collections.abc import Sequence
 
 from .._errors import InvalidMessage
 from .addresses import AddressError, check_header_text, parse_address
 from .fields import ExtraHeaders
+from .links import UnsubscribeLinks
 from .mime import uri_list_header
 
 __all__ = ["unsubscribe_lines"]
@@ -26,16 +33,29 @@ _UNSUBSCRIBE_HEADERS = frozenset({"list-unsubscribe", "list-unsubscribe-post"})
 
 
 def unsubscribe_lines(
-    value: object, extra: ExtraHeaders | None, allow_local: bool
+    value: object, extra: ExtraHeaders | None, allow_local: bool, *,
+    recipients: Sequence[str] = (), links: UnsubscribeLinks | None = None,
 ) -> list[tuple[str, str]]:
     """``list_unsubscribe`` checked, as (lower-case name, header line) pairs for ``top_headers``.
 
     ``value`` is a str or a list or tuple of them; None or an empty list
-    writes nothing. Giving these headers in ``extra_headers`` as well is
-    refused rather than guessed at.
+    writes nothing. True makes the one-click URL with ``links`` for the one
+    address in ``recipients``. Giving these headers in ``extra_headers`` as
+    well is refused rather than guessed at.
     """
-    if value is None:
+    if value is None or value is False:
         return []
+    if value is True:
+        if links is None:
+            raise InvalidMessage(
+                "list_unsubscribe", "True needs OUTBOX_UNSUBSCRIBE_URL (and the app's "
+                "SECRET_KEY) set, in the app that builds or sends the message")
+        if len(recipients) != 1:
+            raise InvalidMessage(
+                "list_unsubscribe", f"True needs exactly one recipient (To, Cc and Bcc "
+                f"together), this message has {len(recipients)}: the link names whom it "
+                "unsubscribes; send one message per recipient (send_many)")
+        value = links.url_for(recipients[0])
     if isinstance(value, str):
         uris = [("list_unsubscribe", value)]
     elif isinstance(value, (list, tuple)):

@@ -20,12 +20,14 @@ from flask import Flask, current_app, got_request_exception
 
 from .._compose.message import Message
 from .._errors import ConfigError, InvalidMessage
+from .._events import DeliveryEvent, capped_payload, naive_utc
 from ..core import (
     CONFIG_DEFAULTS,
     DeliveredMessage,
     Mode,
     QueuedRow,
     Status,
+    Suppression,
     SweepReport,
     check_key,
     check_message,
@@ -42,7 +44,7 @@ from ..core import (
     transport_name,
     warn_plaintext_logins,
 )
-from . import compat, staging
+from . import compat, staging, webhooks
 from . import state as app_states
 from .compat import Connection, FlaskMailState
 from .queueing import notifies, queue_rows
@@ -145,6 +147,7 @@ class OutboxExtension:
         got_request_exception.connect(_request_failed, app, weak=False)
         app.teardown_request(_teardown_request)
         app_states.install_process_hooks()
+        webhooks.register(app, state)
         if config.run_scheduler and app_states.serving_process(app):
             state.serving = True
             app.before_request(state.ensure_started)
@@ -313,6 +316,72 @@ class OutboxExtension:
         ids = state.outbox().store.retry_all_failed()
         state.deliver_soon(ids)
         return len(ids)
+
+    # -- after the hand-off: events and the suppression list ----------------------------
+
+    def events(self, email_id: int) -> list[DeliveryEvent]:
+        """What happened to one email after it was sent, oldest first (see :class:`DeliveryEvent`)."""
+        if isinstance(email_id, bool) or not isinstance(email_id, int):
+            raise TypeError(f"email_id must be an int, got {type(email_id).__name__}")
+        return self._state().outbox().events.for_email(email_id)
+
+    def record_event(self, event_type: str | DeliveryEvent, *, email_id: int | None = None,
+                     message_id: str | None = None, provider_message_id: str | None = None,
+                     recipient: str | None = None, occurred_at: datetime | None = None,
+                     transport: str = "app", provider_event_id: str | None = None,
+                     bounce_kind: str | None = None, description: str = "",
+                     mta_response: str = "", payload: Any = None) -> DeliveryEvent | None:
+        """Store a delivery event from a custom transport or an app's own webhook.
+
+        The email is ``email_id``, or found by ``provider_message_id`` or
+        ``message_id`` (the Message-ID); an event that names none is kept
+        with ``email_id`` None. A permanent bounce, a complaint and an
+        unsubscribe put ``recipient`` on the suppression list, as a
+        provider's webhook does. Returns the stored event, or None when
+        ``(transport, provider_event_id)`` was stored before (a resend). Sends
+        ``email_event``. Writes and commits at once, in the outbox's own
+        transaction. A bad type or field is an ``InvalidMessage`` naming it.
+        """
+        if isinstance(event_type, DeliveryEvent):
+            event = event_type
+        else:
+            event = DeliveryEvent(
+                event_type, recipient=recipient, occurred_at=occurred_at,
+                transport=transport, provider_event_id=provider_event_id,
+                email_id=email_id, bounce_kind=bounce_kind, description=description,
+                mta_response=mta_response, provider_message_id=provider_message_id,
+                message_id=message_id, payload=capped_payload(payload))
+        if event.event_type == "bounced" and event.bounce_kind is None:
+            raise InvalidMessage("bounce_kind", "a bounced event needs bounce_kind "
+                                 "'permanent' or 'transient'")
+        state = self._state()
+        recorded = state.outbox().events.record([event])
+        state.tell_events(recorded.new)
+        return recorded.new[0] if recorded.new else None
+
+    def suppress(self, address: str, reason: str = "manual", *, source: str = "manual",
+                 expires_at: datetime | None = None) -> bool:
+        """Put ``address`` on the suppression list (commits); True if it was not on it.
+
+        ``reason``: ``manual`` (the default), ``bounced``, ``complained`` or
+        ``unsubscribed`` (which applies to bulk mail only). ``expires_at``
+        (naive UTC, or aware): the entry stops applying then. Delivery leaves
+        a suppressed recipient out; an email with no other recipient ends
+        ``suppressed`` without contacting a server.
+        """
+        if expires_at is not None and not isinstance(expires_at, datetime):
+            raise InvalidMessage("expires_at", f"expected a datetime, got {expires_at!r}")
+        return self._state().outbox().suppressions.add(
+            address, reason, source=source,
+            expires_at=None if expires_at is None else naive_utc(expires_at))
+
+    def unsuppress(self, address: str) -> bool:
+        """Take ``address`` off the suppression list (commits); True if it was on it."""
+        return self._state().outbox().suppressions.remove(address)
+
+    def suppression(self, address: str) -> Suppression | None:
+        """The suppression list's entry in force for ``address``, or None."""
+        return self._state().outbox().suppressions.get(address)
 
     @contextmanager
     def record_messages(self) -> Iterator[list[DeliveredMessage]]:

@@ -147,7 +147,10 @@ class SweepScheduler:
             return
         # The key-head safety net scans open keyed rows: every tenth run is plenty.
         self._periodic_runs += 1
-        self._sweep("periodic", heal=self._periodic_runs % 10 == 0)
+        tenth = self._periodic_runs % 10 == 0
+        self._sweep("periodic", heal=tenth)
+        if tenth:
+            self._prune_suppressions()
         if config.retention_days is not None:
             self._purge_retained(config.retention_days)
 
@@ -170,6 +173,17 @@ class SweepScheduler:
             "fix": "check the database connection and that the outbox tables exist "
                    "(`flask db upgrade outbox@head`); `flask outbox sweep` runs one by hand",
         }
+
+    def _prune_suppressions(self) -> None:
+        """Delete suppression entries past their ``expires_at`` (they no longer apply anyway)."""
+        try:
+            pruned = self.outbox().suppressions.prune()
+        except Exception as exc:  # noqa: BLE001 - tidiness only: lapsed entries are not read
+            logger.warning("Could not delete lapsed suppression entries (they no longer "
+                           "apply; the next run retries): %s", exc)
+            return
+        if pruned:
+            logger.info("Deleted %d lapsed suppression entr(ies)", pruned)
 
     def _purge_retained(self, days: float) -> None:
         store = self.outbox().store

@@ -25,6 +25,7 @@ from flask import Flask, current_app, has_app_context
 from .. import _degrade
 from .._compose.ambient import ComposeOptions, set_provider
 from .._errors import TransportError
+from .._events import DeliveryEvent
 from ..core import (
     Callbacks,
     ClaimedEmail,
@@ -39,7 +40,13 @@ from ..core import (
 )
 from . import staging
 from .scheduler import SweepScheduler
-from .signals import email_dispatched, email_failed, email_queued, email_sent
+from .signals import (
+    email_dispatched,
+    email_event,
+    email_failed,
+    email_queued,
+    email_sent,
+)
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -100,7 +107,8 @@ class AppState:
                     url = self.db.engine.url
                 outbox = self._outbox = Outbox(
                     url, self.config, faults=self.faults, concurrency=self.concurrency,
-                    callbacks=Callbacks(sent=self._sent, failed=self._failed))
+                    callbacks=Callbacks(sent=self._sent, failed=self._failed,
+                                        events=self.tell_events))
             return outbox
 
     def current_outbox(self) -> Outbox | None:
@@ -176,14 +184,21 @@ class AppState:
     def _failed(self, email: ClaimedEmail, error: TransportError | None) -> None:
         self._signal(email_failed, email_id=email.id, message_id=email.message_id, error=error)
 
+    def tell_events(self, events: Sequence[DeliveryEvent]) -> None:
+        """Send ``email_event`` for each stored event (in an app context)."""
+        if not email_event.receivers:
+            return
+        for event in events:
+            self._signal(email_event, event=event, email_id=event.email_id)
+
     def _signal(self, signal: Any, **kwargs: Any) -> None:
         """Send a signal in an app context; a failing receiver is logged, never breaks delivery."""
         try:
             with self.app.app_context():
                 signal.send(self.app, **kwargs)
         except Exception:
-            logger.exception("A receiver of the %s signal raised (email %s); the email's "
-                             "outcome is recorded and delivery goes on", signal.name,
+            logger.exception("A receiver of the %s signal raised (email %s); what it "
+                             "reports is recorded and delivery goes on", signal.name,
                              kwargs.get("email_id"))
 
     # -- the background jobs -------------------------------------------------------------

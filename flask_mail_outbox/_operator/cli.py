@@ -372,3 +372,92 @@ def purge(days: float, yes: bool, dry_run: bool, batch: int) -> None:
                 break
     state.stop(5)
     click.echo(f"deleted {deleted} sent email(s)")
+
+
+@outbox_cli.group("suppression")
+def suppression() -> None:
+    """The suppression list: addresses the outbox does not send to."""
+
+
+@suppression.command("list")
+@_log_level_option
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--prefix", default=None, help="Only addresses that start with PREFIX.")
+def suppression_list(limit: int, prefix: str | None) -> None:
+    """The entries in force, by address."""
+    state = _state()
+    outbox = state.outbox()
+    entries = outbox.suppressions.entries(limit=limit, prefix=prefix)
+    total = outbox.suppressions.count()
+    state.stop(5)
+    if not entries:
+        click.echo("the suppression list is empty" if not prefix else "no entry matches")
+        return
+    click.echo(f"{'address':<40}  {'reason':<12}  {'since':<19}  source")
+    for entry in entries:
+        since = entry.created_at.isoformat(sep=" ", timespec="seconds")
+        until = (f" (until {entry.expires_at.isoformat(sep=' ', timespec='seconds')})"
+                 if entry.expires_at else "")
+        click.echo(f"{entry.address:<40}  {entry.reason:<12}  {since:<19}  "
+                   f"{entry.source}{until}")
+    if total > len(entries):
+        click.echo(f"... {total - len(entries)} more (--limit, --prefix, or export)")
+
+
+@suppression.command("add")
+@_log_level_option
+@click.argument("address")
+@click.option("--reason", type=click.Choice(["manual", "bounced", "complained",
+                                             "unsubscribed"]),
+              default="manual", show_default=True,
+              help="unsubscribed applies to bulk mail (with List-Unsubscribe) only.")
+def suppression_add(address: str, reason: str) -> None:
+    """Suppress ADDRESS: delivery leaves it out of every email (bulk only: unsubscribed)."""
+    mail = _extension()
+    try:
+        new = mail.suppress(address, reason, source="cli")
+    except InvalidMessage as exc:
+        raise click.BadParameter(exc.problem, param_hint="ADDRESS") from None
+    finally:
+        mail.stop()
+    click.echo(f"{'suppressed' if new else 'already suppressed, now'} ({reason}): {address}")
+
+
+@suppression.command("remove")
+@_log_level_option
+@click.argument("address")
+def suppression_remove(address: str) -> None:
+    """Take ADDRESS off the list (exit status 1 if it was not on it)."""
+    mail = _extension()
+    try:
+        removed = mail.unsuppress(address)
+    except InvalidMessage as exc:
+        raise click.BadParameter(exc.problem, param_hint="ADDRESS") from None
+    finally:
+        mail.stop()
+    if not removed:
+        click.echo(f"not on the suppression list: {address}", err=True)
+        sys.exit(1)
+    click.echo(f"removed: {address}")
+
+
+@suppression.command("export")
+@_log_level_option
+@click.option("--output", "-o", type=click.File("w", encoding="utf-8"), default="-",
+              help="Write to FILE instead of standard output.")
+def suppression_export(output: Any) -> None:
+    """Every entry in force as CSV: address, reason, source, created_at, expires_at (UTC)."""
+    import csv
+
+    state = _state()
+    writer = csv.writer(output, lineterminator="\n")
+    writer.writerow(["address", "reason", "source", "created_at", "expires_at"])
+    count = 0
+    for entry in state.outbox().suppressions.iterate():
+        writer.writerow([entry.address, entry.reason, entry.source,
+                         entry.created_at.isoformat(timespec="seconds"),
+                         entry.expires_at.isoformat(timespec="seconds")
+                         if entry.expires_at else ""])
+        count += 1
+    state.stop(5)
+    click.echo(f"exported {count} address(es)", err=True)

@@ -25,6 +25,7 @@ from ._clock import now_expr, utcnow
 from ._config import _DEFAULTS as CONFIG_DEFAULTS
 from ._config import MAX_CONCURRENCY, load_config, warn_plaintext_logins
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
+from ._events import EventLog, RecordedEvents, Replayed
 from ._insert import email_connection, email_dialect, insert_email, insert_emails
 from ._listen import notify_statement
 from ._models import (
@@ -34,9 +35,12 @@ from ._models import (
     Status,
     attachment_table,
     email_table,
+    event_table,
     metadata,
+    nonce_table,
     rate_table,
     setting_table,
+    suppression_table,
 )
 from ._ordering import advance
 from ._outbox import (
@@ -60,23 +64,26 @@ from ._rows import (
 )
 from ._settings import DEFAULT_TRANSPORT, OutboxConfig, Rate, TransportSpec
 from ._store import ClaimedEmail, Store
+from ._suppression import REASONS, Suppression, Suppressions, suppression_key
 from ._sweep import LAST_SWEEP_SETTING, SweepReport, load_last_report, run_sweep
 from ._worker import Worker
 
 __all__ = [
     "CONFIG_DEFAULTS",
-    "MAX_CONCURRENCY",
     "DEFAULT_PRIORITY",
     "DEFAULT_TRANSPORT",
     "DURABLE_SETTING",
     "LAST_SWEEP_SETTING",
+    "MAX_CONCURRENCY",
     "PRIORITIES",
+    "REASONS",
     "SEARCH_FIELDS",
     "TABLE_NAMES",
     "BatchReport",
     "Callbacks",
     "ClaimedEmail",
     "DeliveredMessage",
+    "EventLog",
     "HourCount",
     "Mode",
     "Outbox",
@@ -84,9 +91,13 @@ __all__ = [
     "QueuedRow",
     "Rate",
     "Reader",
+    "RecordedEvents",
+    "Replayed",
     "RetryPolicy",
     "Status",
     "Store",
+    "Suppression",
+    "Suppressions",
     "SweepReport",
     "TransportSpec",
     "Worker",
@@ -101,11 +112,13 @@ __all__ = [
     "email_dialect",
     "email_table",
     "ensure_wal",
+    "event_table",
     "insert_email",
     "insert_emails",
     "load_config",
     "load_last_report",
     "metadata",
+    "nonce_table",
     "notify_statement",
     "now_expr",
     "prepare_row",
@@ -113,6 +126,8 @@ __all__ = [
     "rate_table",
     "run_sweep",
     "setting_table",
+    "suppression_key",
+    "suppression_table",
     "transport_name",
     "utcnow",
     "warn_plaintext_logins",

@@ -13,13 +13,16 @@ import math
 import os
 import re
 import sys
+import urllib.parse
 import warnings
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
 from .._compose.dkim import DKIMSigner, signed_header_names, signer_from
+from .._compose.links import UnsubscribeLinks
 from .._errors import ConfigError
+from .._webhooks import receiver_class
 from ..transports import (
     SMTPSettings,
     Transport,
@@ -41,7 +44,7 @@ MAX_NAME_LENGTH = 64
 SMTP_KEYS = ("MAIL_SERVER", "MAIL_PORT", "MAIL_USE_TLS", "MAIL_USE_SSL", "MAIL_USERNAME",
              "MAIL_PASSWORD", "MAIL_TIMEOUT")
 #: The keys every entry takes, whatever its kind.
-GENERAL_KEYS = ("transport", "rate_limit", "concurrency", "failover")
+GENERAL_KEYS = ("transport", "rate_limit", "concurrency", "failover", "webhook_secret")
 ENTRY_KEYS = (*GENERAL_KEYS, *SMTP_KEYS)
 
 _PERIODS = {"s": 1.0, "sec": 1.0, "second": 1.0, "min": 60.0, "minute": 60.0,
@@ -107,6 +110,12 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_RETENTION_DAYS": None,
     "OUTBOX_SCRUB_SENT": False,
     "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS": 600.0,
+    # Provider webhooks: POST <prefix>/<transport name>, for each transport with a
+    # webhook_secret in its OUTBOX_TRANSPORTS entry.
+    "OUTBOX_WEBHOOK_PREFIX": "/outbox/webhooks",
+    # One-click unsubscribe (list_unsubscribe=True): an absolute https URL, whose
+    # path is the route; None: list_unsubscribe=True is refused.
+    "OUTBOX_UNSUBSCRIBE_URL": None,
     # Not in Flask-Mail nor DESIGN.md's table: lets a process that imports the
     # app without serving it (a script, a test) skip the sweep jobs.
     "OUTBOX_RUN_SCHEDULER": True,
@@ -206,6 +215,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
     poll, poll_max = _poll_intervals(keys)
     base, retry_max = _retry_delays(keys)
     domain = _message_id_domain(keys)
+    unsubscribe_url = _unsubscribe_url(keys.get("OUTBOX_UNSUBSCRIBE_URL"))
     return OutboxConfig(
         default_sender=_sender(keys.get("MAIL_DEFAULT_SENDER")),
         ascii_attachments=keys.flag("MAIL_ASCII_ATTACHMENTS"),
@@ -246,6 +256,9 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         html_to_text=keys.flag("OUTBOX_HTML_TO_TEXT"),
         allow_smtputf8=keys.flag("OUTBOX_ALLOW_SMTPUTF8"),
         dkim=_dkim_signer(keys),
+        webhook_prefix=_url_path("OUTBOX_WEBHOOK_PREFIX", keys.get("OUTBOX_WEBHOOK_PREFIX")),
+        unsubscribe_url=unsubscribe_url,
+        unsubscribe_links=_unsubscribe_links(config, unsubscribe_url),
     )
 
 
@@ -333,6 +346,15 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
         return keys.get(key) if key.startswith("OUTBOX_TLS_") else entry.get(key, _DEFAULTS[key])
 
     concurrency = entry.get("concurrency")
+    secret = entry.get("webhook_secret")
+    if secret is not None:
+        receiver = receiver_class(kind)
+        if receiver is None:
+            raise ConfigError(f'{prefix}["webhook_secret"]',
+                              f"a {kind} transport has no provider webhooks (postmark, sendgrid, "
+                              "mailgun, resend and ses do); feed its events to "
+                              "mail.record_event() from a route of your own")
+        receiver.check_secret(secret, f'{prefix}["webhook_secret"]')
     return TransportSpec(
         name=name,
         kind=kind,
@@ -344,6 +366,7 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
         concurrency=(None if concurrency is None
                      else _concurrency_value(f'{prefix}["concurrency"]', concurrency)),
         failover=tuple(check_name(f'{prefix}["failover"]', n) for n in failover),
+        webhook_secret=secret,
     )
 
 
@@ -453,6 +476,43 @@ def _message_id_domain(keys: _Keys) -> str | None:
     if domain is not None and any(c in domain for c in "\r\n\0<>@ "):
         raise ConfigError("OUTBOX_MESSAGE_ID_DOMAIN", f"not a domain name: {domain!r}")
     return domain
+
+
+def _url_path(key: str, value: Any) -> str:
+    """A URL path prefix: starts with "/", no trailing "/", no query."""
+    if not isinstance(value, str) or not value.startswith("/") or len(value) < 2 \
+            or any(c in value for c in "?#<> \t\n") or "//" in value:
+        raise ConfigError(key, f"expected a URL path such as '/outbox/webhooks', got {value!r}")
+    return value.rstrip("/")
+
+
+def _unsubscribe_url(value: Any) -> str | None:
+    """OUTBOX_UNSUBSCRIBE_URL: None, or an absolute https URL without query or fragment."""
+    key = "OUTBOX_UNSUBSCRIBE_URL"
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expected an https URL, got {value!r}")
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme != "https" or not parts.hostname:
+        raise ConfigError(key, f"expected an absolute https URL (RFC 8058 one-click "
+                          f"unsubscribe needs https), got {value!r}")
+    if parts.query or parts.fragment or not value.isascii() or " " in value:
+        raise ConfigError(key, f"expected a URL without query, fragment or spaces, got {value!r}")
+    _url_path(key, parts.path or "/x")
+    return value.rstrip("/")
+
+
+def _unsubscribe_links(config: Mapping[str, Any], url: str | None) -> UnsubscribeLinks | None:
+    """The one-click URL maker: OUTBOX_UNSUBSCRIBE_URL signed with SECRET_KEY (and fallbacks)."""
+    if url is None:
+        return None
+    secret = config.get("SECRET_KEY")
+    if not secret or not isinstance(secret, (str, bytes)):
+        raise ConfigError("OUTBOX_UNSUBSCRIBE_URL", "the one-click links are signed with the "
+                          "app's SECRET_KEY, which is not set: set SECRET_KEY before init_app")
+    fallbacks = config.get("SECRET_KEY_FALLBACKS") or []
+    return UnsubscribeLinks(url, (*fallbacks, secret))
 
 
 def parse_rate(key: str, value: Any) -> Rate | None:

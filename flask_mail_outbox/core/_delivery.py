@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from email.message import EmailMessage
 from email.parser import BytesParser
 from email.policy import default as default_policy
@@ -30,10 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _degrade
 from .._errors import PermanentError, TransientError, TransportError
+from .._events import DeliveryEvent
 from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Transport
+from ._events import EventLog
 from ._models import Status
 from ._retry import RetryPolicy
 from ._store import ClaimedEmail, KeptConnection, Outcome, Reaped, Recorded, Store
+from ._suppression import UNKNOWN_RECIPIENT
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -56,11 +59,35 @@ def new_owner() -> str:
 
 
 def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None) -> Envelope:
-    """What the transport needs of a claimed row, DKIM-signed afresh when ``dkim`` is given."""
+    """What the transport needs of a claimed row, DKIM-signed afresh when ``dkim`` is given.
+
+    Suppressed recipients are left out of the envelope (see :mod:`._suppression`).
+    """
     mime = email.mime if dkim is None else dkim.signed(email.id, email.mime)
-    return Envelope(email_id=email.id, sender=email.sender, recipients=email.recipients,
+    return Envelope(email_id=email.id, sender=email.sender, recipients=email.deliverable,
                     mime=mime, message_id=email.message_id,
-                    mail_options=email.mail_options, rcpt_options=email.rcpt_options)
+                    mail_options=email.mail_options, rcpt_options=email.rcpt_options,
+                    left_out=tuple(address for address, _ in email.suppressed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Suppressed:
+    """The result of an email every recipient of which is suppressed: nothing was sent."""
+
+    failovers: tuple[Any, ...] = ()
+
+
+#: What a delivery attempt comes to: a transport's result, or no send at all.
+Attempt = Result | Suppressed
+
+
+def unknown_recipients(result: Attempt) -> tuple[tuple[str, str], ...]:
+    """Recipients a server refused as nonexistent (5.1.1, 5.1.2, 5.1.10): (address, reply)."""
+    refused: Mapping[str, tuple[int, str]] = (
+        result.refused if isinstance(result, Delivered) else
+        result.error.refused if isinstance(result, Failed) else {})
+    return tuple((address, f"{code} {text}") for address, (code, text) in refused.items()
+                 if code >= 500 and UNKNOWN_RECIPIENT.match(text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +147,8 @@ class BatchReport:
 
     sent: list[int] = dataclasses.field(default_factory=list)
     failed: list[int] = dataclasses.field(default_factory=list)
+    # Every recipient suppressed: ended without a send.
+    suppressed: list[int] = dataclasses.field(default_factory=list)
     # Transient failures, back to queued: (id, attempt, error).
     transient: list[tuple[int, int, TransientError]] = dataclasses.field(default_factory=list)
     not_claimed: list[int] = dataclasses.field(default_factory=list)
@@ -132,7 +161,8 @@ class BatchReport:
     @property
     def count(self) -> int:
         """Rows finished one way or another."""
-        return len(self.sent) + len(self.failed) + len(self.transient) + len(self.released)
+        return (len(self.sent) + len(self.failed) + len(self.suppressed) + len(self.transient)
+                + len(self.released))
 
 
 @dataclasses.dataclass
@@ -145,7 +175,7 @@ class Waiter:
 
     def take(self, report: BatchReport) -> bool:
         """Note the outcomes of its ids in ``report``; True once it has them all."""
-        for name in ("sent", "failed", "not_claimed", "lost", "released"):
+        for name in ("sent", "failed", "suppressed", "not_claimed", "lost", "released"):
             mine = [i for i in getattr(report, name) if i in self.ids]
             getattr(self.report, name).extend(mine)
             self.ids.difference_update(mine)
@@ -163,15 +193,18 @@ class Callbacks:
 
     ``sent(email, provider_message_id)`` for a delivered one (the id the
     provider gave it, or None); ``failed(email, error)`` for a
-    dead-lettered one. They run in a delivery thread; an exception they
+    dead-lettered one; ``events(events)`` for the delivery events stored
+    with a batch of outcomes. They run in a delivery thread; an exception they
     raise is logged and delivery goes on.
     """
 
     sent: Callable[[ClaimedEmail, str | None], None] | None = None
     failed: Callable[[ClaimedEmail, TransportError | None], None] | None = None
+    #: Delivery events stored with the outcomes (recipients left out as suppressed).
+    events: Callable[[Sequence[DeliveryEvent]], None] | None = None
 
 
-def outcome_for(email: ClaimedEmail, result: Result | None, policy: RetryPolicy, *,
+def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy, *,
                 retry_now: bool = False) -> Outcome:
     """What to record for ``email`` after ``result`` (None: claimed past its last attempt).
 
@@ -186,11 +219,18 @@ def outcome_for(email: ClaimedEmail, result: Result | None, policy: RetryPolicy,
     outcome = _outcome_of(email, result, policy, retry_now=retry_now)
     if result.failovers:
         outcome = dataclasses.replace(outcome, failovers=result.failovers)
+    unknown = unknown_recipients(result)
+    if unknown:
+        outcome = dataclasses.replace(outcome, unknown_recipients=unknown)
     return outcome
 
 
-def _outcome_of(email: ClaimedEmail, result: Result, policy: RetryPolicy, *,
+def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                 retry_now: bool) -> Outcome:
+    if isinstance(result, Suppressed):
+        why = ", ".join(f"{address} ({reason})" for address, reason in email.suppressed)
+        return Outcome(email, Status.SUPPRESSED, give_back_attempt=True,
+                       error_message=f"every recipient is on the suppression list: {why}")
     if isinstance(result, Delivered):
         if not result.refused:
             # Nearly every result: nothing to write down but the provider's id.
@@ -276,10 +316,12 @@ class Delivery:
 
     def __init__(self, *, config: OutboxConfig, store: Store,
                  transports: dict[str, Transport], faults: _degrade.FaultTracker,
-                 callbacks: Callbacks | None = None) -> None:
+                 callbacks: Callbacks | None = None, events: EventLog) -> None:
         self.callbacks = callbacks or Callbacks()
         self.config = config
         self.store = store
+        #: Where skips and refusals are written, with the outcomes.
+        self.events = events
         #: Every named transport, "default" first (a failover chain is one transport).
         self.transports = transports
         self.transport = next(iter(transports.values()))
@@ -348,9 +390,31 @@ class Delivery:
         finally:
             self.heartbeat.done(claimed)
 
+    # -- screening --------------------------------------------------------------------
+
+    def screen(self, claimed: Sequence[ClaimedEmail]) -> list[ClaimedEmail] | None:
+        """``claimed`` with their suppressed recipients noted; None if the list could not be read.
+
+        The caller gives the rows back then: sending to an address on the
+        list would cost the sender's reputation what the list exists to save.
+        """
+        try:
+            screened = self.events.suppressions.screen(claimed)
+        except Exception as exc:  # noqa: BLE001 - reported; the caller gives the rows back
+            self.faults.failing(
+                "suppression", "Could not read the suppression list for claimed emails",
+                consequence=f"{len(claimed)} email(s) are given back unsent (queued, their "
+                            "attempt returned) and tried again at the next claim",
+                fix="check the database connection and that outbox_suppression exists "
+                    "(`flask db upgrade outbox@head`)",
+                exc=exc)
+            return None
+        self.faults.recovered("suppression")
+        return screened
+
     # -- delivering -------------------------------------------------------------------
 
-    def finish(self, done: Sequence[tuple[ClaimedEmail, Result | None]], *,
+    def finish(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]], *,
                policy: RetryPolicy | None = None, retry_now: Collection[int] = (),
                kept: KeptConnection | None = None) -> BatchReport:
         """Record the results of ``done`` in one transaction; report and signal them.
@@ -366,15 +430,18 @@ class Delivery:
             return report
         outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now)
                     for email, result in done]
+        stored: list[DeliveryEvent] = []
         try:
-            recorded, lost, report.holders = self._record(outcomes, kept)
+            recorded, lost, report.holders = self._record(outcomes, kept, stored)
         finally:
             self.heartbeat.done([email for email, _ in done])
         errors: dict[int, TransportError] = {
             email.id: (result.error if isinstance(result, Failed) else TransientError(SPENT_LEASE))
-            for email, result in done if not isinstance(result, Delivered)}
+            for email, result in done if not isinstance(result, (Delivered, Suppressed))}
         for outcome in recorded:
             self._report(outcome, errors.get(outcome.email.id), report, policy)
+        if stored:
+            self._tell(self.callbacks.events, stored)
         for outcome in lost:
             report.lost.append(outcome.email.id)
             _degrade.report(
@@ -415,6 +482,10 @@ class Delivery:
                 fix=f"correct the cause, then put it back with mail.retry({email.id}) or "
                     f"`flask outbox dlq retry {email.id}`")
             self._tell(self.callbacks.failed, email, error)
+        elif outcome.status is Status.SUPPRESSED:
+            report.suppressed.append(email.id)
+            logger.info("Email %s (%s) was not sent: %s", email.id, email.message_id,
+                        outcome.error_message)
         elif isinstance(error, NotAttempted):
             report.released.append(email.id)
             if self.stopping:
@@ -456,15 +527,24 @@ class Delivery:
     #: Seconds between attempts to record outcomes while the database refuses.
     record_retry_delays = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
-    def _record(self, outcomes: list[Outcome], kept: KeptConnection | None = None) -> Recorded:
+    def _record(self, outcomes: list[Outcome], kept: KeptConnection | None = None,
+                stored: list[DeliveryEvent] | None = None) -> Recorded:
         """Record outcomes, retrying while the database is briefly unavailable.
 
         The messages were handed to the server already: giving up here means
         they are sent again once their lease expires. The heartbeat keeps the
-        leases alive meanwhile (when the database lets it).
+        leases alive meanwhile (when the database lets it). The delivery
+        events they come with (see :meth:`_write_events`) are written in the
+        same transaction and appended to ``stored``.
         """
+        def write_events(tx: Connection, recorded: list[Outcome]) -> None:
+            written = self._write_events(tx, recorded)
+            if stored is not None:
+                stored[:] = written
+
         def record(conn: Connection | None = None) -> Recorded:
-            return self.store.record(outcomes, scrub_sent=self.config.scrub_sent, conn=conn)
+            return self.store.record(outcomes, scrub_sent=self.config.scrub_sent, conn=conn,
+                                     then=write_events)
 
         for delay in (*self.record_retry_delays, None):
             try:
@@ -493,6 +573,30 @@ class Delivery:
                 return result
         raise RuntimeError("unreachable")  # pragma: no cover - the loop returns or raises
 
+    def _write_events(self, tx: Connection, recorded: list[Outcome]) -> list[DeliveryEvent]:
+        """The events recorded outcomes come with, written on ``tx``.
+
+        A recipient left out as suppressed is a ``rejected`` event; one the
+        server refused as nonexistent (5.1.1, 5.1.2, 5.1.10) is a permanent
+        ``bounced`` event, which puts the address on the suppression list.
+        """
+        events = []
+        for outcome in recorded:
+            email = outcome.email
+            if outcome.status in (Status.SENT, Status.SUPPRESSED):
+                events += [DeliveryEvent(
+                    "rejected", recipient=address, transport=email.transport,
+                    email_id=email.id, description=f"on the suppression list ({reason}): "
+                    "left out of the envelope") for address, reason in email.suppressed]
+            events += [DeliveryEvent(
+                "bounced", bounce_kind="permanent", recipient=address,
+                transport=email.transport, email_id=email.id, mta_response=reply,
+                description="refused by the server as an unknown recipient")
+                for address, reply in outcome.unknown_recipients]
+        if not events:
+            return []
+        return list(self.events.record_on(tx, events, source="smtp refusal").new)
+
     def _tell(self, callback: Callable[..., None] | None, *args: Any) -> None:
         """Call one of the owner's callbacks; one that raises is logged, never breaks delivery."""
         if callback is None:
@@ -500,5 +604,6 @@ class Delivery:
         try:
             callback(*args)
         except Exception:
+            first = args[0] if args else None
             logger.exception("An outcome callback raised (email %s); the email's outcome is "
-                             "recorded and delivery goes on", args[0].id if args else None)
+                             "recorded and delivery goes on", getattr(first, "id", None))

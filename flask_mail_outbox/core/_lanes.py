@@ -18,13 +18,13 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from ._delivery import BatchReport, envelope_of
+from ._delivery import Attempt, BatchReport, Suppressed, envelope_of
 from ._pacing import RateLimiter, pace
 from ._rate import SharedRate, Slots
 
 if TYPE_CHECKING:
     from .. import _degrade
-    from ..transports import Envelope, Report, Result, Sending, Transport
+    from ..transports import Envelope, Report, Sending, Transport
     from ._settings import OutboxConfig
     from ._store import ClaimedEmail, Store
 
@@ -182,11 +182,12 @@ class Lanes:
         self.faults.recovered(f"rate-{rate.name}")
         return slots
 
-    def after_record(self, done: Sequence[tuple[ClaimedEmail, Result | None]],
+    def after_record(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]],
                      report: BatchReport, *, dispatching: bool) -> None:
         """Each lane's rate after a record: a throttled reply halves it."""
         for lane in self:
-            mine = {email.id for email, _ in done if email.transport == lane.name}
+            mine = {email.id for email, result in done if email.transport == lane.name
+                    and not isinstance(result, Suppressed)}  # not sent, so not paced
             if not mine:
                 continue
             transient = [t for t in report.transient if t[0] in mine]

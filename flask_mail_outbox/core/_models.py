@@ -61,9 +61,18 @@ class Status(str, enum.Enum):
     SENDING = "sending"
     SENT = "sent"
     FAILED = "failed"
+    #: Every recipient was on the suppression list: ended without contacting a server.
+    SUPPRESSED = "suppressed"
 
     def __str__(self) -> str:
         return self.value
+
+
+#: The statuses the database accepts: ``expired`` and ``cancelled`` are the
+#: terminal statuses of expiry and cancel, allowed ahead of their code so that
+#: one migration rebuilds SQLite's table for all three.
+STATUS_CHECK = ("status IN ('queued', 'sending', 'sent', 'failed', 'suppressed', 'expired', "
+                "'cancelled')")
 
 
 def _where(clause: str) -> dict[str, Any]:
@@ -130,9 +139,7 @@ class OutboxEmail(Base):
     provider_message_id: Mapped[str | None] = mapped_column(sa.String(255))
 
     __table_args__ = (
-        sa.CheckConstraint(
-            "status IN ('queued', 'sending', 'sent', 'failed')", name="ck_outbox_email_status"
-        ),
+        sa.CheckConstraint(STATUS_CHECK, name="ck_outbox_email_status"),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
         # Due work: only rows that may go now (keyless, or the head of their key),
         # in the order the claim takes them. Each transport claims its own rows, so the transport comes first.
@@ -203,6 +210,80 @@ class OutboxRate(Base):
     cut_at: Mapped[float] = mapped_column(sa.Float(), nullable=False, server_default="0")
 
 
+class OutboxEvent(Base):
+    """One delivery event (see :class:`flask_mail_outbox.DeliveryEvent`).
+
+    ``email_id`` is a plain reference, not a foreign key: an event for a
+    message the outbox does not know is kept with NULL, and retention
+    deletes an email's events with it. A provider resending an event hits
+    the unique ``(transport, provider_event_id)`` and is ignored.
+    """
+
+    __tablename__ = "outbox_event"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    email_id: Mapped[int | None] = mapped_column(_BigId)
+    transport: Mapped[str] = mapped_column(sa.String(64), nullable=False)
+    provider_event_id: Mapped[str | None] = mapped_column(sa.String(255))
+    event_type: Mapped[str] = mapped_column(sa.String(16), nullable=False)
+    bounce_kind: Mapped[str | None] = mapped_column(sa.String(16))
+    recipient: Mapped[str | None] = mapped_column(sa.String(320))
+    occurred_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
+    received_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
+    description: Mapped[str] = mapped_column(sa.Text(), nullable=False, server_default="")
+    mta_response: Mapped[str] = mapped_column(sa.Text(), nullable=False, server_default="")
+    # The provider's JSON for this event, at most 64 KiB.
+    payload: Mapped[str | None] = mapped_column(sa.Text())
+
+    __table_args__ = (
+        sa.UniqueConstraint("transport", "provider_event_id",
+                            name="uq_outbox_event_provider_event_id"),
+        # An email's events in order, and its latest (the dashboard's filter).
+        sa.Index("ix_outbox_event_email", "email_id", "occurred_at", "id"),
+        # The dashboard's filter by latest event: the candidates of one type.
+        sa.Index("ix_outbox_event_type", "event_type", "email_id"),
+    )
+
+
+class OutboxSuppression(Base):
+    """An address the outbox does not send to (one row per normalized address).
+
+    ``reason``: ``bounced``, ``complained``, ``unsubscribed`` (bulk mail only)
+    or ``manual``; ``source`` says what put it there (a transport's webhook,
+    an SMTP refusal, the unsubscribe link, a person). Past ``expires_at`` the
+    row no longer applies and housekeeping deletes it.
+    """
+
+    __tablename__ = "outbox_suppression"
+
+    address: Mapped[str] = mapped_column(sa.String(320), primary_key=True)
+    reason: Mapped[str] = mapped_column(sa.String(16), nullable=False)
+    source: Mapped[str] = mapped_column(sa.String(255), nullable=False, server_default="")
+    created_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
+    expires_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+
+    __table_args__ = (
+        sa.CheckConstraint("reason IN ('bounced', 'complained', 'unsubscribed', 'manual')",
+                           name="ck_outbox_suppression_reason"),
+        sa.Index("ix_outbox_suppression_expires_at", "expires_at",
+                 **_where("expires_at IS NOT NULL")),
+        sa.Index("ix_outbox_suppression_created_at", "created_at", "address"),
+    )
+
+
+class OutboxWebhookNonce(Base):
+    """A webhook signature token already accepted (Mailgun's): refused if it comes again.
+
+    Kept a little longer than the replay window; housekeeping deletes older ones.
+    """
+
+    __tablename__ = "outbox_webhook_nonce"
+
+    transport: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    nonce: Mapped[str] = mapped_column(sa.String(255), primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False, index=True)
+
+
 def search_key(text: str, length: int) -> str:
     """``text`` as the search columns hold it: lower-cased, at most ``length`` characters.
 
@@ -215,5 +296,8 @@ email_table: sa.Table = OutboxEmail.__table__  # type: ignore[assignment]
 attachment_table: sa.Table = OutboxAttachment.__table__  # type: ignore[assignment]
 setting_table: sa.Table = OutboxSetting.__table__  # type: ignore[assignment]
 rate_table: sa.Table = OutboxRate.__table__  # type: ignore[assignment]
+event_table: sa.Table = OutboxEvent.__table__  # type: ignore[assignment]
+suppression_table: sa.Table = OutboxSuppression.__table__  # type: ignore[assignment]
+nonce_table: sa.Table = OutboxWebhookNonce.__table__  # type: ignore[assignment]
 
 TABLE_NAMES = frozenset(metadata.tables)

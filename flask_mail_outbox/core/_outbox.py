@@ -34,10 +34,12 @@ from ..transports import (
     build,
 )
 from ._delivery import Callbacks, Delivery
+from ._events import EventLog
 from ._listen import Listener, libpq_url
 from ._queries import Reader
 from ._settings import DEFAULT_TRANSPORT, OutboxConfig
 from ._store import Store
+from ._suppression import Suppressions
 from ._worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -148,6 +150,9 @@ class Outbox:
         self.store = Store(self.engine)
         #: The read API (counts, lists, one email, figures): no worker needed.
         self.reader = Reader(self.store)
+        #: The suppression list, and the delivery events (which add to it).
+        self.suppressions = Suppressions(self.store)
+        self.events = EventLog(self.store, self.suppressions)
         self._transports = dict(transports) if transports is not None else None
         self._delivery: Delivery | None = None
         self._worker: Worker | None = None
@@ -180,7 +185,7 @@ class Outbox:
             if self._delivery is None:
                 self._delivery = Delivery(config=self.config, store=self.store,
                                           transports=self.transports, faults=self.faults,
-                                          callbacks=self.callbacks)
+                                          callbacks=self.callbacks, events=self.events)
             return self._delivery
 
     @property

@@ -47,7 +47,8 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
         max_message_bytes=config.max_message_bytes,
         message_id_domain=config.message_id_domain,
         ascii_attachments=config.ascii_attachments,
-        html_to_text=config.html_to_text, allow_smtputf8=config.allow_smtputf8)
+        html_to_text=config.html_to_text, allow_smtputf8=config.allow_smtputf8,
+        unsubscribe_links=config.unsubscribe_links)
     _check_for_transports(prepared.mime, prepared.recipients, config, transport,
                           esmtp=bool(prepared.mail_options or prepared.rcpt_options))
     values: dict[str, Any] = {

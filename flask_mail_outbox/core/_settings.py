@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._compose.ambient import ComposeOptions
 from ..transports import SMTPSettings, Transport, TransportSettings
@@ -17,6 +17,7 @@ from ._retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .._compose.dkim import DKIMSigner
+    from .._compose.links import UnsubscribeLinks
 
 #: The name of the transport of ``MAIL_*`` / ``OUTBOX_TRANSPORT``, and of every row sent without one.
 DEFAULT_TRANSPORT = "default"
@@ -54,6 +55,8 @@ class TransportSpec:
     rate: Rate | None = None
     concurrency: int | None = None
     failover: tuple[str, ...] = ()
+    #: The entry's ``webhook_secret``: its webhook route exists only with one.
+    webhook_secret: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def smtp(self) -> SMTPSettings:
@@ -101,6 +104,12 @@ class OutboxConfig:
     dkim: DKIMSigner | None = None
     #: Every transport by name, "default" first.
     transport_specs: tuple[TransportSpec, ...] = ()
+    #: OUTBOX_WEBHOOK_PREFIX, without a trailing "/".
+    webhook_prefix: str = "/outbox/webhooks"
+    #: OUTBOX_UNSUBSCRIBE_URL, without a trailing "/" (None: no one-click route).
+    unsubscribe_url: str | None = None
+    #: Makes and reads the one-click URLs (None without OUTBOX_UNSUBSCRIBE_URL).
+    unsubscribe_links: UnsubscribeLinks | None = dataclasses.field(default=None, repr=False)
 
     def transport_spec(self, name: str) -> TransportSpec:
         """The transport called ``name`` (KeyError when there is none)."""
@@ -129,7 +138,8 @@ class OutboxConfig:
             message_id_domain=self.message_id_domain,
             ascii_attachments=self.ascii_attachments,
             html_to_text=self.html_to_text,
-            allow_smtputf8=self.allow_smtputf8)
+            allow_smtputf8=self.allow_smtputf8,
+            unsubscribe_links=self.unsubscribe_links)
 
     def retry_policy(self) -> RetryPolicy:
         """The retry policy these settings describe (both modes use it)."""

@@ -39,7 +39,7 @@ from ..transports import FailedOver
 from . import _claim, _ordering
 from ._claim import CLAIM_RETURNING
 from ._clock import now_expr, utcnow
-from ._models import Status, attachment_table, email_table, setting_table
+from ._models import Status, attachment_table, email_table, event_table, setting_table
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +65,16 @@ class ClaimedEmail:
     rcpt_options: tuple[str, ...] = ()
     #: The named transport that sends it (OUTBOX_TRANSPORTS).
     transport: str = "default"
+    #: Recipients on the suppression list, left out of the envelope: (address, reason).
+    suppressed: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def deliverable(self) -> tuple[str, ...]:
+        """The recipients the transport is given: all but the suppressed ones."""
+        if not self.suppressed:
+            return self.recipients
+        left_out = {address for address, _ in self.suppressed}
+        return tuple(r for r in self.recipients if r not in left_out)
 
     @property
     def throttle_deferrals(self) -> int:
@@ -107,6 +117,8 @@ class Outcome:
     failovers: tuple[FailedOver, ...] = ()
     #: The provider's id of the delivered message, when it gave one.
     provider_message_id: str | None = None
+    #: Recipients the server refused as nonexistent: (address, its reply).
+    unknown_recipients: tuple[tuple[str, str], ...] = ()
 
 
 class Recorded(NamedTuple):
@@ -386,7 +398,8 @@ class Store:
         return len(rows)
 
     def record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False,
-               conn: Connection | None = None) -> Recorded:
+               conn: Connection | None = None,
+               then: Callable[[Connection, list[Outcome]], None] | None = None) -> Recorded:
         """Write outcomes in one transaction (see :meth:`_record`), on ``conn`` if given.
 
         On PostgreSQL a deadlock with another transaction is retried: the
@@ -395,14 +408,15 @@ class Store:
         tries = 0
         while True:
             try:
-                return self._record(outcomes, scrub_sent=scrub_sent, conn=conn)
+                return self._record(outcomes, scrub_sent=scrub_sent, conn=conn, then=then)
             except sa.exc.OperationalError as exc:
                 tries += 1
                 if getattr(exc.orig, "sqlstate", None) != "40P01" or tries >= 3:
                     raise
 
     def _record(self, outcomes: Sequence[Outcome], *, scrub_sent: bool = False,
-                conn: Connection | None = None) -> Recorded:
+                conn: Connection | None = None,
+                then: Callable[[Connection, list[Outcome]], None] | None = None) -> Recorded:
         """Write outcomes in one transaction.
 
         Every update is guarded by ``status = 'sending' AND lease_owner =
@@ -412,7 +426,8 @@ class Store:
         (``OUTBOX_SCRUB_SENT``) a row that becomes ``sent`` loses its MIME in
         the same UPDATE, so no committed ``sent`` row ever still holds a body.
         The outcomes' keys are advanced in the same transaction (a finished
-        email gives its key to the next one, see :mod:`._ordering`).
+        email gives its key to the next one, see :mod:`._ordering`), and
+        ``then(tx, recorded)`` writes what goes with them (delivery events).
         """
         recorded: list[Outcome] = []
         lost: list[Outcome] = []
@@ -446,6 +461,8 @@ class Store:
                 ).first()
                 (recorded if hit is not None else lost).append(outcome)
             holders = _ordering.advance(tx, keys, locked=True)
+            if then is not None:
+                then(tx, recorded)
         return Recorded(recorded, lost, holders)
 
     def _outcome_values(self, outcome: Outcome, now: Any, scrub_sent: bool) -> dict[str, Any]:
@@ -755,6 +772,8 @@ class Store:
                 # Explicitly: SQLite only cascades with PRAGMA foreign_keys on.
                 conn.execute(attachment_table.delete().where(
                     attachment_table.c.email_id.in_(ids[start:start + 500])))
+                conn.execute(event_table.delete().where(
+                    event_table.c.email_id.in_(ids[start:start + 500])))
             return len(ids)
 
     def delete_sent(self, *, older_than: datetime, batch: int) -> int:
@@ -769,6 +788,8 @@ class Store:
                 # Explicitly: SQLite only cascades with PRAGMA foreign_keys on.
                 conn.execute(attachment_table.delete().where(
                     attachment_table.c.email_id.in_(ids)))
+                # An email's delivery events go with it (they reference it, without a key).
+                conn.execute(event_table.delete().where(event_table.c.email_id.in_(ids)))
                 conn.execute(t.delete().where(t.c.id.in_(ids)))
             return len(ids)
 

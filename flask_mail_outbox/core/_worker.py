@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from . import _retry
-from ._delivery import BatchReport, Delivery, Waiter, new_owner
+from ._delivery import Attempt, BatchReport, Delivery, Suppressed, Waiter, new_owner
 from ._lanes import Lanes
 from ._pacing import IdleBackoff, ReapSchedule, inline_backoff
 from ._store import ClaimedEmail, KeptConnection, Reaped
@@ -81,7 +81,7 @@ class Worker:
         self._retry_numbers: dict[int, int] = {}  # claimed ids -> their retry number
         self._waiters: list[Waiter] = []
         self._in_flight: dict[int, ClaimedEmail] = {}
-        self._results: list[tuple[ClaimedEmail, Result | None]] = []
+        self._results: list[tuple[ClaimedEmail, Attempt | None]] = []
         self._results_since = 0.0  # when the first of them came back
         self._woken = False
         self._busy = False  # in a round (between taking work and putting or recording it)
@@ -528,7 +528,18 @@ class Worker:
         if unknown:  # named by a process with another OUTBOX_TRANSPORTS
             self._give_back_unsent(unknown)
             self.lanes.report_unknown(unknown)
-        self.lanes.send(sendable, self._on_result)
+        screened = self.delivery.screen(sendable) if sendable else []
+        if screened is None:
+            self._give_back_unsent(sendable)
+            return
+        with self._cond:  # results are recorded with the suppressed recipients noted
+            for email in screened:
+                if email.suppressed and email.id in self._in_flight:
+                    self._in_flight[email.id] = email
+        for email in screened:
+            if not email.deliverable:  # every recipient suppressed: ends without a send
+                self._on_result_of(email, Suppressed())
+        self.lanes.send([email for email in screened if email.deliverable], self._on_result)
 
     def _release_paced(self) -> float | None:
         self.lanes.release_due(self._on_result)
@@ -551,7 +562,7 @@ class Worker:
             if email is not None:
                 self._on_result_of(email, result)
 
-    def _on_result_of(self, email: ClaimedEmail, result: Result | None) -> None:
+    def _on_result_of(self, email: ClaimedEmail, result: Attempt | None) -> None:
         with self._cond:
             self._in_flight.pop(email.id, None)
             first = not self._results

@@ -38,6 +38,10 @@ class Envelope:
     #: ``mail_options`` / ``rcpt_options``); transports without an envelope ignore them.
     mail_options: tuple[str, ...] = ()
     rcpt_options: tuple[str, ...] = ()
+    #: Recipients of the message left out of ``recipients`` (the suppression
+    #: list): a transport that addresses by the headers (a JSON API) leaves them
+    #: out of its To and Cc too. The headers themselves are not changed.
+    left_out: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,7 +202,7 @@ class HTTPTransport(Transport):
             future = asyncio.run_coroutine_threadsafe(client.aclose(), loop)
             try:
                 future.result(timeout=self.timeout + 1)
-            except Exception:  # noqa: BLE001 - the connections go away with the loop
+            except Exception:
                 logger.debug("Closing the %s client failed", self.kind, exc_info=True)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=2)

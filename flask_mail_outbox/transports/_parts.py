@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from email.header import decode_header, make_header
 from email.message import Message
 from email.parser import BytesParser
 from email.policy import compat32
 from email.utils import getaddresses
 
+from .._compose.addresses import AddressError, parse_address
 from .._errors import InvalidMessage
 from ._base import Envelope
 
@@ -98,6 +100,8 @@ def parts_of(envelope: Envelope) -> MessageParts:
     message = BytesParser(policy=compat32).parsebytes(envelope.mime)
     senders = _addresses(message, "From")
     to, cc = _addresses(message, "To"), _addresses(message, "Cc")
+    if envelope.left_out:
+        to, cc = _without(to, envelope.left_out), _without(cc, envelope.left_out)
     named = {a.email.lower() for a in (*to, *cc)}
     bcc = tuple(Address(r) for r in envelope.recipients if r.lower() not in named)
     text = html = None
@@ -142,6 +146,19 @@ def refuse_dropped(parts: MessageParts, kind: str) -> None:
         raise InvalidMessage("alts", f"a {parts.others[0]} body part cannot be sent through "
                              f"the {kind} API (it takes text and html bodies, attachments and "
                              "inline images); send this message through SMTP")
+
+
+def _without(addresses: tuple[Address, ...], left_out: Sequence[str]) -> tuple[Address, ...]:
+    """``addresses`` but those in ``left_out`` (envelope forms: the domain in ASCII)."""
+    gone = {address.lower() for address in left_out}
+    return tuple(a for a in addresses if _envelope_form(a.email) not in gone)
+
+
+def _envelope_form(address: str) -> str:
+    try:
+        return parse_address(address, True, True).ascii.lower()
+    except AddressError:
+        return address.lower()
 
 
 def _unfolded(value: object) -> str:

@@ -44,15 +44,17 @@ def map_smtp_error(exc: BaseException) -> TransportError:
     if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
         codes = [err.code for err in exc.recipients]
         text = "; ".join(f"{err.recipient}: {err.code} {err.message}" for err in exc.recipients)
+        refused = {err.recipient: (err.code, err.message) for err in exc.recipients}
         if all(code >= 500 for code in codes):
-            return PermanentError(f"every recipient refused: {text}", code=max(codes))
+            return PermanentError(f"every recipient refused: {text}", code=max(codes),
+                                  refused=refused)
         # Throttled only when every temporary refusal says so (Gmail's 450 4.2.1
         # "receiving mail at a rate" comes at RCPT): one greylisting recipient
         # means the attempt counts.
         temporary = [err for err in exc.recipients if err.code < 500]
         return TransientError(f"every recipient refused: {text}", code=min(codes),
                               throttled=all(_is_throttle(err.code, err.message)
-                                            for err in temporary))
+                                            for err in temporary), refused=refused)
     if isinstance(exc, aiosmtplib.SMTPResponseException):
         if isinstance(exc, aiosmtplib.SMTPConnectResponseError) or exc.code < 500:
             throttled = _is_throttle(exc.code, exc.message)

@@ -1,0 +1,143 @@
+"""What every webhook receiver shares: the request, the refusal, the replay window.
+
+The rules every kind keeps (the issue's contract, and the docs' promise):
+
+- a missing or wrong signature or credential is refused with 401 (missing)
+  or 403 (wrong), before the body is parsed for events;
+- a signed timestamp more than :data:`TOLERANCE_SECONDS` away from now is
+  refused with 403 (a replay);
+- a body that is not the JSON the provider sends is refused with 400;
+- a refusal never names the secret or echoes a signature.
+
+The body cap (:data:`MAX_BODY_BYTES`, 413) is the route's: it stops reading
+before a receiver sees anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from .._errors import ConfigError
+from .._events import DeliveryEvent
+
+#: A signed timestamp further than this from now is a replay (seconds).
+TOLERANCE_SECONDS = 300.0
+
+#: The largest body a webhook route reads (bytes); more is refused with 413.
+MAX_BODY_BYTES = 1024 * 1024
+
+#: kind -> "module:Class" of its receiver, imported when first used.
+RECEIVERS = {
+    "postmark": "flask_mail_outbox._webhooks.postmark:PostmarkReceiver",
+    "sendgrid": "flask_mail_outbox._webhooks.sendgrid:SendGridReceiver",
+    "mailgun": "flask_mail_outbox._webhooks.mailgun:MailgunReceiver",
+    "resend": "flask_mail_outbox._webhooks.resend:ResendReceiver",
+    "ses": "flask_mail_outbox._webhooks.ses:SESReceiver",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WebhookRequest:
+    """One POST as a receiver sees it.
+
+    ``headers`` has lower-case names. ``now`` is the time it arrived
+    (seconds since the epoch), given so tests can set the clock.
+    """
+
+    headers: Mapping[str, str]
+    body: bytes
+    now: float
+
+    def header(self, name: str) -> str | None:
+        """The header ``name`` (any case), or None."""
+        return self.headers.get(name.lower())
+
+
+class WebhookRefused(Exception):
+    """The request is refused: answer ``status``; ``reason`` is safe to log and to show."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(f"{status}: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """What a verified request carried.
+
+    ``nonces``: values that must never be accepted twice for this transport
+    (Mailgun's signature tokens); the route stores them with the events, in
+    one transaction, and refuses the request (403) if one was seen before.
+    ``confirm_url``: an SNS subscription to confirm by fetching this URL once
+    the request is answered.
+    """
+
+    events: tuple[DeliveryEvent, ...] = ()
+    nonces: tuple[str, ...] = ()
+    confirm_url: str | None = None
+
+
+class Receiver:
+    """One configured transport's webhook: verify a request, normalize its events.
+
+    Subclasses set :attr:`kind`, may check the secret's form in
+    :meth:`check_secret` (at ``init_app``, raising ``ConfigError``), and
+    implement :meth:`receive`. ``name`` is the ``OUTBOX_TRANSPORTS`` entry's
+    name, which every event carries as its ``transport``.
+    """
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, name: str, secret: Any, options: Mapping[str, Any] | None = None) -> None:
+        self.name = name
+        self.secret = secret
+        self.options = dict(options or {})
+
+    def __repr__(self) -> str:  # never the secret
+        return f"<{type(self).__name__} {self.name!r}>"
+
+    @classmethod
+    def check_secret(cls, secret: Any, key: str) -> None:
+        """Refuse a ``webhook_secret`` that cannot work; ``key`` names it in the error."""
+        if not isinstance(secret, str) or not secret.strip():
+            raise ConfigError(key, "expected a non-empty string")
+
+    def receive(self, request: WebhookRequest) -> Received:
+        """Verify ``request`` and return its events; raise :class:`WebhookRefused` otherwise."""
+        raise NotImplementedError
+
+
+def receiver_class(kind: str) -> type[Receiver] | None:
+    """The receiver of a built-in transport kind, or None when the kind has no webhooks."""
+    target = RECEIVERS.get(kind)
+    if target is None:
+        return None
+    module, _, name = target.partition(":")
+    cls: type[Receiver] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def json_body(request: WebhookRequest) -> Any:
+    """The body parsed as JSON, or a 400 refusal."""
+    try:
+        return json.loads(request.body)
+    except (ValueError, UnicodeDecodeError):
+        raise WebhookRefused(400, "the body is not JSON") from None
+
+
+def check_timestamp(timestamp: Any, now: float) -> float:
+    """A signed timestamp (seconds since the epoch) inside the window, or a 403 refusal."""
+    try:
+        value = float(timestamp)
+    except (TypeError, ValueError):
+        raise WebhookRefused(403, "the signed timestamp is not a number") from None
+    if abs(now - value) > TOLERANCE_SECONDS:
+        raise WebhookRefused(403, f"the signed timestamp is {now - value:+.0f} s from now, "
+                             f"outside the {TOLERANCE_SECONDS:g} s window (a replay, or a "
+                             "clock that is wrong)")
+    return value

@@ -1,0 +1,197 @@
+"""The event log: delivery events stored, matched to their emails, acted on.
+
+:meth:`EventLog.record` writes a batch of :class:`~flask_mail_outbox.DeliveryEvent`
+values in ONE transaction: signature nonces first (a token seen before
+refuses the whole batch), then each event's email found by the provider's
+message id or the Message-ID, then the events themselves (a provider's resend
+of one already stored is ignored, by the unique ``(transport,
+provider_event_id)``), then the suppressions the new ones call for (a
+permanent bounce, a complaint, an unsubscribe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from .._events import DeliveryEvent
+from ._models import email_table, event_table, nonce_table
+from ._suppression import Suppressions, loose_key
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from ._store import Store
+
+#: Ids per ``IN`` list.
+_CHUNK = 500
+
+#: How long an accepted nonce is kept: longer than any signed timestamp is accepted.
+NONCE_KEEP_SECONDS = 3600.0
+
+
+class Replayed(Exception):
+    """A webhook nonce (a signature token) was accepted before: the request is a replay."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedEvents:
+    """What :meth:`EventLog.record` wrote.
+
+    ``new``: the events stored, with their ``id`` and ``email_id``;
+    ``duplicates``: how many were already stored (resends, ignored);
+    ``unmatched``: how many of the new ones name no known email;
+    ``suppressed``: the addresses the new events put on the list, with the reason
+    (an entry that applies to all mail is not narrowed to ``unsubscribed``).
+    """
+
+    new: tuple[DeliveryEvent, ...] = ()
+    duplicates: int = 0
+    unmatched: int = 0
+    suppressed: tuple[tuple[str, str], ...] = ()
+
+
+class EventLog:
+    """Delivery events in one database."""
+
+    def __init__(self, store: Store, suppressions: Suppressions) -> None:
+        self.store = store
+        self.suppressions = suppressions
+
+    def record(self, events: Sequence[DeliveryEvent], *, nonces: Sequence[str] = (),
+               nonce_transport: str = "", source: str | None = None) -> RecordedEvents:
+        """Store ``events`` (and ``nonces``) in one transaction; see the module docstring.
+
+        ``source`` is what the suppressions they cause say put them there
+        (the event's transport and type by default). Raises :class:`Replayed`
+        when a nonce was seen before; nothing is written then.
+        """
+        with self.store.write() as tx:
+            return self.record_on(tx, events, nonces=nonces, nonce_transport=nonce_transport,
+                                  source=source)
+
+    def record_on(self, tx: Connection, events: Sequence[DeliveryEvent], *,
+                  nonces: Sequence[str] = (), nonce_transport: str = "",
+                  source: str | None = None) -> RecordedEvents:
+        """:meth:`record` on a transaction the caller holds (and commits)."""
+        if nonces:
+            self._take_nonces(tx, nonce_transport, nonces)
+        if not events:
+            return RecordedEvents()
+        matched = self._match(tx, events)
+        new, duplicates = self._insert(tx, matched)
+        entries = [(loose_key(e.recipient), reason, source or f"{e.transport} {e.event_type}")
+                   for e in new if (reason := e.suppresses) and e.recipient]
+        self.suppressions.put(tx, entries)
+        return RecordedEvents(new=tuple(new), duplicates=duplicates,
+                              unmatched=sum(e.email_id is None for e in new),
+                              suppressed=tuple((key, reason) for key, reason, _ in entries))
+
+    def _take_nonces(self, conn: Connection, transport: str, nonces: Sequence[str]) -> None:
+        t = nonce_table
+        dialect: Any = postgresql if self.store.is_postgres else sqlite
+        now = self.store.clock()
+        conn.execute(t.delete().where(t.c.seen_at < self.store.later_expr(-NONCE_KEEP_SECONDS)))
+        taken = conn.execute(
+            dialect.insert(t).on_conflict_do_nothing().returning(t.c.nonce),
+            [{"transport": transport, "nonce": nonce[:255], "seen_at": now}
+             for nonce in dict.fromkeys(nonces)]).all()
+        if len(taken) < len(set(nonces)):
+            raise Replayed(f"a signature token for {transport!r} was used before")
+
+    def _match(self, conn: Connection, events: Sequence[DeliveryEvent]) -> list[DeliveryEvent]:
+        """``events`` with ``email_id`` filled where their provider id or Message-ID is known."""
+        t = email_table
+        by_provider = self._ids(conn, t.c.provider_message_id,
+                                {e.provider_message_id for e in events
+                                 if e.email_id is None and e.provider_message_id})
+        by_message = self._ids(conn, t.c.message_id,
+                               {e.message_id.strip().strip("<>") for e in events
+                                if e.email_id is None and e.provider_message_id is None
+                                and e.message_id})
+        matched = []
+        for event in events:
+            if event.email_id is None:
+                found = (by_provider.get(event.provider_message_id or "")
+                         or by_message.get((event.message_id or "").strip().strip("<>")))
+                if found is not None:
+                    event = dataclasses.replace(event, email_id=found)
+            matched.append(event)
+        return matched
+
+    @staticmethod
+    def _ids(conn: Connection, column: Any, values: Iterable[str]) -> dict[str, int]:
+        wanted = sorted(values)
+        found: dict[str, int] = {}
+        for start in range(0, len(wanted), _CHUNK):
+            rows = conn.execute(sa.select(column, email_table.c.id)
+                                .where(column.in_(wanted[start:start + _CHUNK]))).all()
+            for value, email_id in rows:
+                found.setdefault(value, email_id)
+        return found
+
+    def _insert(self, conn: Connection,
+                events: list[DeliveryEvent]) -> tuple[list[DeliveryEvent], int]:
+        """Insert the events not stored yet; returns them (with ids) and how many were not."""
+        t = event_table
+        unique: dict[tuple[str, str], DeliveryEvent] = {}
+        rows = []
+        kept = []
+        for event in events:
+            if event.provider_event_id is not None:
+                identity = (event.transport, event.provider_event_id)
+                if identity in unique:
+                    continue
+                unique[identity] = event
+            kept.append(event)
+        received = self.store.clock()
+        for index, event in enumerate(kept):
+            if event.occurred_at is None:
+                event = kept[index] = dataclasses.replace(event, occurred_at=received)
+            rows.append({
+                "email_id": event.email_id, "transport": event.transport,
+                "provider_event_id": event.provider_event_id, "event_type": event.event_type,
+                "bounce_kind": event.bounce_kind, "recipient": event.recipient,
+                "occurred_at": event.occurred_at, "received_at": received,
+                "description": event.description, "mta_response": event.mta_response,
+                "payload": event.payload})
+        dialect: Any = postgresql if self.store.is_postgres else sqlite
+        inserted = conn.execute(
+            dialect.insert(t).on_conflict_do_nothing()
+            .returning(t.c.id, t.c.transport, t.c.provider_event_id, t.c.occurred_at,
+                       sort_by_parameter_order=True),
+            rows).all() if rows else []
+        new = []
+        position = 0
+        for event, row in zip(kept, rows, strict=True):
+            if position < len(inserted) and _same(inserted[position], row):
+                new.append(dataclasses.replace(event, id=inserted[position].id))
+                position += 1
+        return new, len(events) - len(new)
+
+    def for_email(self, email_id: int) -> list[DeliveryEvent]:
+        """Every event of one email, oldest first."""
+        t = event_table
+        with self.store.read() as conn:
+            rows = conn.execute(sa.select(t).where(t.c.email_id == email_id)
+                                .order_by(t.c.occurred_at, t.c.id)).all()
+        return [event_of(row._mapping) for row in rows]
+
+
+def _same(inserted: Any, row: dict[str, Any]) -> bool:
+    return bool(inserted.transport == row["transport"]
+                and inserted.provider_event_id == row["provider_event_id"])
+
+
+def event_of(row: Any) -> DeliveryEvent:
+    """A stored event row as a :class:`DeliveryEvent`."""
+    return DeliveryEvent(
+        id=row["id"], email_id=row["email_id"], transport=row["transport"],
+        provider_event_id=row["provider_event_id"], event_type=row["event_type"],
+        bounce_kind=row["bounce_kind"], recipient=row["recipient"],
+        occurred_at=row["occurred_at"], description=row["description"],
+        mta_response=row["mta_response"], payload=row["payload"])

@@ -1,0 +1,207 @@
+"""``list_unsubscribe=True``: the outbox makes the one-click link and answers it.
+
+The URL is ``OUTBOX_UNSUBSCRIBE_URL`` plus a token naming the one recipient,
+signed with ``SECRET_KEY``. Its route takes RFC 8058's POST
+(``List-Unsubscribe=One-Click``) and suppresses the address for bulk mail;
+a GET only shows a confirmation page; a bad token gets 400 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import close_app, db, make_app
+from flask import Flask
+
+from flask_mail_outbox import (
+    ConfigError,
+    InvalidMessage,
+    Message,
+    OutboxMail,
+    email_unsubscribed,
+)
+from flask_mail_outbox.core import event_table, suppression_table
+
+BASE = "https://app.example.com/outbox/unsubscribe"
+ONE_CLICK = {"List-Unsubscribe": "One-Click"}
+
+
+@pytest.fixture
+def app(db_url: str) -> Iterator[Flask]:
+    app = make_app(db_url, TESTING=True, OUTBOX_UNSUBSCRIBE_URL=BASE)
+    yield app
+    close_app(app)
+
+
+def mail_of(app: Flask) -> OutboxMail:
+    mail: OutboxMail = app.extensions["test_mail"]
+    return mail
+
+
+def newsletter(to: list[Any] | None = None) -> Message:
+    return Message("News", to or ["Reader@example.com"], "Read me", list_unsubscribe=True)
+
+
+def link_of(app: Flask, msg: Message) -> str:
+    """The one-click URL ``msg`` carries once built by ``app``."""
+    with app.app_context():
+        head = msg.as_bytes().split(b"\r\n\r\n", 1)[0].decode()
+    unfolded = re.sub(r"\r\n\s+", " ", head).replace("\r\n", "\n")
+    (url,) = re.findall(r"^List-Unsubscribe: <([^>]+)>$", unfolded, re.MULTILINE)
+    assert "List-Unsubscribe-Post: List-Unsubscribe=One-Click" in unfolded
+    return str(url)
+
+
+def path_of(url: str) -> str:
+    assert url.startswith(BASE + "/")
+    return url[len("https://app.example.com"):]
+
+
+def suppressions(app: Flask) -> list[tuple[str, str, str]]:
+    with app.app_context(), db.engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.select(
+            suppression_table.c.address, suppression_table.c.reason,
+            suppression_table.c.source))]
+
+
+def event_count(app: Flask) -> int:
+    with app.app_context(), db.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(event_table)).scalar_one())
+
+
+def test_the_link_names_the_recipient_and_is_signed(app: Flask) -> None:
+    url = link_of(app, newsletter())
+    token = url.rsplit("/", 1)[1]
+    assert re.fullmatch(r"[A-Za-z0-9_.-]+", token)
+    with app.app_context():
+        mail_of(app).send(newsletter())
+        db.session.commit()
+    with mail_of(app).record_messages() as outbox, app.app_context():
+        mail_of(app).send(newsletter())
+        db.session.commit()
+    (sent,) = outbox
+    assert url in sent.mime.decode()
+
+
+def test_post_one_click_suppresses_for_bulk_mail_and_signals(app: Flask) -> None:
+    path = path_of(link_of(app, newsletter()))
+    heard: list[str] = []
+
+    def on_unsubscribed(sender: Flask, address: str, **_: Any) -> None:
+        heard.append(address)
+
+    with email_unsubscribed.connected_to(on_unsubscribed, app):
+        response = app.test_client().post(path, data=ONE_CLICK)
+        response.close()
+    assert response.status_code == 200
+    assert suppressions(app) == [("reader@example.com", "unsubscribed", "list-unsubscribe")]
+    assert heard == ["reader@example.com"]
+    # Bulk mail is no longer sent to that address; a password reset still is.
+    with app.app_context(), mail_of(app).record_messages() as outbox:
+        mail_of(app).send(newsletter())
+        mail_of(app).send(Message("Reset", ["reader@example.com"], "Your code"))
+        db.session.commit()
+    assert [m.subject for m in outbox] == ["Reset"]
+
+
+def test_get_shows_a_button_and_changes_nothing(app: Flask) -> None:
+    path = path_of(link_of(app, newsletter()))
+    response = app.test_client().get(path)
+    assert response.status_code == 200
+    page = response.get_data(as_text=True)
+    assert '<form method="post">' in page
+    assert 'name="List-Unsubscribe" value="One-Click"' in page
+    assert "reader@example.com" in page
+    assert response.headers["Cache-Control"] == "no-store"
+    assert suppressions(app) == []
+
+
+@pytest.mark.parametrize("mangle", [
+    lambda token: token[:-1] + ("A" if token[-1] != "A" else "B"),  # signature changed
+    lambda token: token.split(".")[0] + ".x",                       # signature cut
+    lambda token: "",
+    lambda token: "not-a-token",
+])
+def test_a_bad_token_gets_400_and_writes_nothing(app: Flask, mangle: Any) -> None:
+    token = link_of(app, newsletter()).rsplit("/", 1)[1]
+    client = app.test_client()
+    for method in (client.post, client.get):
+        response = method(f"/outbox/unsubscribe/{mangle(token)}", data=ONE_CLICK)
+        assert response.status_code in (400, 404, 405)
+    assert suppressions(app) == []
+    assert event_count(app) == 0
+
+
+def test_a_token_from_another_secret_key_is_refused(app: Flask, db_url: str) -> None:
+    other = make_app(db_url, TESTING=True, OUTBOX_UNSUBSCRIBE_URL=BASE, SECRET_KEY="other")
+    try:
+        path = path_of(link_of(other, newsletter()))
+    finally:
+        close_app(other)
+    assert app.test_client().post(path, data=ONE_CLICK).status_code == 400
+    assert suppressions(app) == []
+
+
+def test_a_post_without_the_one_click_body_is_refused(app: Flask) -> None:
+    path = path_of(link_of(app, newsletter()))
+    assert app.test_client().post(path).status_code == 400
+    assert app.test_client().post(path, data={"List-Unsubscribe": "yes"}).status_code == 400
+    assert suppressions(app) == []
+
+
+def test_links_signed_before_a_key_rotation_keep_working(db_url: str) -> None:
+    old = make_app(db_url, TESTING=True, OUTBOX_UNSUBSCRIBE_URL=BASE, SECRET_KEY="old")
+    try:
+        path = path_of(link_of(old, newsletter()))
+    finally:
+        close_app(old)
+    new = make_app(db_url, TESTING=True, OUTBOX_UNSUBSCRIBE_URL=BASE, SECRET_KEY="new",
+                   SECRET_KEY_FALLBACKS=["old"])
+    try:
+        assert new.test_client().post(path, data=ONE_CLICK).status_code == 200
+        assert suppressions(new)[0][:2] == ("reader@example.com", "unsubscribed")
+    finally:
+        close_app(new)
+
+
+def test_one_recipient_exactly(app: Flask) -> None:
+    with app.app_context():
+        with pytest.raises(InvalidMessage, match="exactly one recipient"):
+            mail_of(app).send(newsletter(["a@example.com", "b@example.com"]))
+        with pytest.raises(InvalidMessage, match="exactly one recipient"):
+            mail_of(app).send(Message("News", ["a@example.com"], "x", bcc=["b@example.com"],
+                                      list_unsubscribe=True))
+        db.session.commit()
+    with app.app_context(), db.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM outbox_email")).scalar() == 0
+
+
+def test_true_without_the_url_setting_is_refused(db_url: str) -> None:
+    app = make_app(db_url, TESTING=True)
+    try:
+        with app.app_context(), pytest.raises(InvalidMessage, match="OUTBOX_UNSUBSCRIBE_URL"):
+            app.extensions["test_mail"].send(newsletter())
+        # And no route exists.
+        assert app.test_client().post("/outbox/unsubscribe/x").status_code == 404
+    finally:
+        close_app(app)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"OUTBOX_UNSUBSCRIBE_URL": "http://app.example.com/u"}, "https"),
+    ({"OUTBOX_UNSUBSCRIBE_URL": "/u"}, "https"),
+    ({"OUTBOX_UNSUBSCRIBE_URL": "https://app.example.com/u?x=1"}, "query"),
+    ({"OUTBOX_UNSUBSCRIBE_URL": 42}, "https"),
+    ({"OUTBOX_UNSUBSCRIBE_URL": BASE, "SECRET_KEY": None}, "SECRET_KEY"),
+    ({"OUTBOX_WEBHOOK_PREFIX": "outbox/hooks"}, "URL path"),
+    ({"OUTBOX_WEBHOOK_PREFIX": "/a?b"}, "URL path"),
+])
+def test_bad_settings_name_their_key(db_url: str, config: dict[str, Any],
+                                     message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        make_app(db_url, TESTING=True, **config)
+    assert caught.value.key in config
