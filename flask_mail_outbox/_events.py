@@ -61,6 +61,24 @@ class DeliveryEvent:
     id: int | None = None
 
     def __post_init__(self) -> None:
+        for name, limit in (("recipient", 320), ("provider_event_id", 255),
+                            ("provider_message_id", 255), ("message_id", 998)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or len(value) > limit):
+                raise InvalidMessage(name, f"expected None or a str of at most {limit} "
+                                     f"characters, got {value!r:.80}")
+        if not isinstance(self.transport, str) or len(self.transport) > 64:
+            raise InvalidMessage("transport", f"expected a transport name of at most 64 "
+                                 f"characters, got {self.transport!r:.80}")
+        if self.email_id is not None and (isinstance(self.email_id, bool)
+                                          or not isinstance(self.email_id, int)):
+            raise InvalidMessage("email_id", f"expected None or an int, got {self.email_id!r}")
+        if self.occurred_at is not None and not isinstance(self.occurred_at, datetime):
+            raise InvalidMessage("occurred_at", f"expected None or a datetime, got "
+                                 f"{self.occurred_at!r:.80}")
+        for name in ("description", "mta_response"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidMessage(name, f"expected a str, got {getattr(self, name)!r:.80}")
         if self.event_type not in EVENT_TYPES:
             raise InvalidMessage("event_type", f"{self.event_type!r} is not one of "
                                  f"{', '.join(EVENT_TYPES)}")
@@ -71,8 +89,8 @@ class DeliveryEvent:
             raise InvalidMessage("bounce_kind", "only a bounced event has a bounce kind")
         if self.occurred_at is not None and self.occurred_at.tzinfo is not None:
             object.__setattr__(self, "occurred_at", naive_utc(self.occurred_at))
-        object.__setattr__(self, "description", (self.description or "")[:TEXT_LIMIT])
-        object.__setattr__(self, "mta_response", (self.mta_response or "")[:TEXT_LIMIT])
+        object.__setattr__(self, "description", self.description[:TEXT_LIMIT])
+        object.__setattr__(self, "mta_response", self.mta_response[:TEXT_LIMIT])
 
     @property
     def suppresses(self) -> str | None:

@@ -74,7 +74,7 @@ def test_stats_shape_and_values(make_apps: MakeApps, smtp_server: FaultSMTPServe
     with app.app_context():
         stats = mail.stats()
     assert set(stats) == STATUS_FIELDS | {"dispatcher"}
-    assert stats["counts"] == {"queued": 2, "sending": 1, "sent": 1, "failed": 1}
+    assert stats["counts"] == {"queued": 2, "sending": 1, "sent": 1, "failed": 1, "suppressed": 0}
     assert stats["dead_letters"] == 1
     assert stats["mode"] == "inline"
     assert stats["last_sweep"] is None
@@ -88,7 +88,7 @@ def test_empty_outbox(make_apps: MakeApps) -> None:
     app, mail = make_apps(OUTBOX_TRANSPORT="null")
     with app.app_context():
         stats = mail.stats()
-    assert stats["counts"] == {"queued": 0, "sending": 0, "sent": 0, "failed": 0}
+    assert stats["counts"] == {"queued": 0, "sending": 0, "sent": 0, "failed": 0, "suppressed": 0}
     assert stats["oldest_queued_age_seconds"] is None and stats["dead_letters"] == 0
 
 
@@ -147,7 +147,7 @@ def test_last_sweep_is_shared_with_other_app_instances_and_processes(
     assert proc.returncode == 0, proc.stderr
     other = json.loads(proc.stdout)
     assert other["last_sweep"] == report.as_dict()
-    assert other["counts"] == {"queued": 0, "sending": 0, "sent": 1, "failed": 0}
+    assert other["counts"] == {"queued": 0, "sending": 0, "sent": 1, "failed": 0, "suppressed": 0}
     assert [r["status"] for r in rows(sweeper)] == ["sent"]
 
 
@@ -158,7 +158,7 @@ def test_cli_status_text(make_apps: MakeApps, smtp_server: FaultSMTPServer) -> N
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0] == "mode: inline"
-    assert "  queued            2" in lines and "  failed            1" in lines
+    assert "  queued              2" in lines and "  failed              1" in lines
     assert any(line.startswith("oldest queued: 5") for line in lines)
     assert lines[-1] == "last sweep: never"
 

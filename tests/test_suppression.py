@@ -293,3 +293,48 @@ def test_cli_refuses_a_bad_address_and_writes_nothing(app: Flask) -> None:
                                  "--reason", "spam"])
     assert result.exit_code == 2
     assert "empty" in runner.invoke(args=["outbox", "suppression", "list"]).output
+
+
+# -- record_event's input ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"event_type": "exploded"}, "event_type"),
+    ({"event_type": "bounced"}, "bounce_kind"),
+    ({"event_type": "bounced", "bounce_kind": "soft"}, "bounce_kind"),
+    ({"event_type": "delivered", "bounce_kind": "permanent"}, "bounce_kind"),
+    ({"event_type": "delivered", "recipient": 42}, "recipient"),
+    ({"event_type": "delivered", "recipient": "a" * 321}, "recipient"),
+    ({"event_type": "delivered", "email_id": "7"}, "email_id"),
+    ({"event_type": "delivered", "occurred_at": "yesterday"}, "occurred_at"),
+    ({"event_type": "delivered", "transport": "t" * 65}, "transport"),
+    ({"event_type": "delivered", "provider_event_id": 5}, "provider_event_id"),
+    ({"event_type": "delivered", "description": None}, "description"),
+])
+def test_record_event_refuses_bad_fields_and_writes_nothing(
+        app: Flask, mail: OutboxMail, fields: dict[str, Any], field: str) -> None:
+    fields = dict(fields)
+    with app.app_context():
+        kind = fields.pop("event_type")
+        with pytest.raises(InvalidMessage) as caught:
+            mail.record_event(kind, **fields)
+        assert caught.value.field == field
+        with db.engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM outbox_event")).scalar() == 0
+
+
+def test_record_event_matches_by_message_id_and_ignores_a_resend(
+        app: Flask, mail: OutboxMail) -> None:
+    email_id = send(app, mail, ["a@example.com"])
+    finished(app, email_id)
+    message_id = next(r for r in rows(app) if r["id"] == email_id)["message_id"]
+    with app.app_context():
+        event = mail.record_event("opened", message_id=f"<{message_id}>", transport="relay",
+                                  provider_event_id="e1", payload={"ip": "192.0.2.1"})
+        assert event is not None and event.email_id == email_id
+        assert event.payload == '{"ip":"192.0.2.1"}'
+        assert mail.record_event("opened", message_id=message_id, transport="relay",
+                                 provider_event_id="e1") is None
+        assert [e.event_type for e in mail.events(email_id)] == ["opened"]
+        with pytest.raises(TypeError):
+            mail.events("1")  # type: ignore[arg-type]

@@ -273,7 +273,7 @@ def test_cli_status_dlq_and_purge(make_apps: MakeApps, smtp_server: FaultSMTPSer
     result = runner.invoke(args=["outbox", "status", "--json"])
     assert result.exit_code == 0, result.output
     status = json.loads(result.output)
-    assert status["counts"] == {"queued": 0, "sending": 0, "sent": 1, "failed": 1}
+    assert status["counts"] == {"queued": 0, "sending": 0, "sent": 1, "failed": 1, "suppressed": 0}
     assert status["mode"] == "inline" and status["dead_letters"] == 1
     assert "oldest_queued_age_seconds" in status and "last_sweep" in status
     result = runner.invoke(args=["outbox", "status"])

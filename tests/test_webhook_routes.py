@@ -469,3 +469,18 @@ def test_a_batch_of_1000_sendgrid_events_is_one_transaction(make_apps: MakeApps)
     response = post(app, "sg", *provider_sendgrid.webhook_request(events, key, now))
     assert response.get_json() == {"accepted": 0, "duplicates": 1000, "unmatched": 0}
     assert counts(app) == (1000, 1)
+
+
+def test_an_event_twice_in_one_batch_is_stored_once(make_apps: MakeApps) -> None:
+    key, public = provider_sendgrid.webhook_key()
+    app, _ = make_apps(TESTING=True, OUTBOX_TRANSPORTS={"sg": {
+        "transport": "sendgrid", "api_key": SENDGRID_KEY, "webhook_secret": public}})
+    now = time.time()
+    event = provider_sendgrid.webhook_event("delivered", "m1", "a@example.com", int(now),
+                                            event_id="same")
+    other = provider_sendgrid.webhook_event("open", "m1", "a@example.com", int(now),
+                                            event_id="other")
+    response = post(app, "sg", *provider_sendgrid.webhook_request([event, other, event],
+                                                                  key, now))
+    assert response.get_json() == {"accepted": 2, "duplicates": 1, "unmatched": 2}
+    assert counts(app) == (2, 0)

@@ -92,6 +92,16 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                   "delivery (the dashboard shows them as scrubbed)"),
     "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS": ("float (s)", "`health()` reports `queue_too_old` "
                                                           "when an email has been due longer"),
+    "OUTBOX_WEBHOOK_PREFIX": ("str", "where provider webhooks are received: `POST "
+                                     "<prefix>/<transport name>` for each `OUTBOX_TRANSPORTS` "
+                                     "entry with a `webhook_secret` "
+                                     "([events and suppression](events.md))"),
+    "OUTBOX_UNSUBSCRIBE_URL": ("str or None", "an absolute https URL: "
+                                              "`Message(list_unsubscribe=True)` links to it "
+                                              "plus a token signed with `SECRET_KEY`, and its "
+                                              "path takes the one-click POST "
+                                              "([one-click unsubscribe](events.md#one-click-"
+                                              "unsubscribe))"),
     "OUTBOX_RUN_SCHEDULER": ("bool", "run the sweep jobs in serving processes (False: a "
                                      "script or a test that imports the app)"),
 }

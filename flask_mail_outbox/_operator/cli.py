@@ -253,7 +253,7 @@ def status(as_json: bool) -> None:
         return
     click.echo(f"mode: {stats['mode']}")
     for name, count in stats["counts"].items():
-        click.echo(f"  {name:<8} {count:>10}")
+        click.echo(f"  {name:<10} {count:>10}")
     age = stats["oldest_queued_age_seconds"]
     click.echo("oldest queued: " + ("none" if age is None else f"{age:.0f} s"))
     last = stats["last_sweep"]

@@ -110,14 +110,14 @@ class EventLog:
                                 {e.provider_message_id for e in events
                                  if e.email_id is None and e.provider_message_id})
         by_message = self._ids(conn, t.c.message_id,
-                               {e.message_id.strip().strip("<>") for e in events
+                               {_bracketed(e.message_id) for e in events
                                 if e.email_id is None and e.provider_message_id is None
                                 and e.message_id})
         matched = []
         for event in events:
             if event.email_id is None:
                 found = (by_provider.get(event.provider_message_id or "")
-                         or by_message.get((event.message_id or "").strip().strip("<>")))
+                         or by_message.get(_bracketed(event.message_id or "")))
                 if found is not None:
                     event = dataclasses.replace(event, email_id=found)
             matched.append(event)
@@ -136,18 +136,14 @@ class EventLog:
 
     def _insert(self, conn: Connection,
                 events: list[DeliveryEvent]) -> tuple[list[DeliveryEvent], int]:
-        """Insert the events not stored yet; returns them (with ids) and how many were not."""
+        """Insert the events not stored yet; returns them (with ids) and how many were not.
+
+        ``ON CONFLICT DO NOTHING`` skips an event stored before, or twice in this
+        batch; ``RETURNING`` in parameter order says which rows went in.
+        """
         t = event_table
-        unique: dict[tuple[str, str], DeliveryEvent] = {}
         rows = []
-        kept = []
-        for event in events:
-            if event.provider_event_id is not None:
-                identity = (event.transport, event.provider_event_id)
-                if identity in unique:
-                    continue
-                unique[identity] = event
-            kept.append(event)
+        kept = list(events)
         received = self.store.clock()
         for index, event in enumerate(kept):
             if event.occurred_at is None:
@@ -180,6 +176,11 @@ class EventLog:
             rows = conn.execute(sa.select(t).where(t.c.email_id == email_id)
                                 .order_by(t.c.occurred_at, t.c.id)).all()
         return [event_of(row._mapping) for row in rows]
+
+
+def _bracketed(message_id: str) -> str:
+    """A Message-ID as ``outbox_email.message_id`` holds it: ``<id@domain>``."""
+    return f"<{message_id.strip().strip('<>')}>"
 
 
 def _same(inserted: Any, row: dict[str, Any]) -> bool:
