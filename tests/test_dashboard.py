@@ -299,7 +299,7 @@ def test_posts_without_the_sessions_csrf_token_are_refused_and_change_nothing(
     assert foreign_token != token
     posts = [url.replace("/emails/1", f"/emails/{failed}")
              for method, url in dashboard_routes(dashboard) if method == "POST"]
-    assert len(posts) == 4
+    assert len(posts) == 7  # retry, cancel, retry-all, purge, mode, suppress, unsuppress
     before = rows(dashboard)
     for url in posts:
         for form in ({}, {"csrf_token": ""}, {"csrf_token": "x" * 43},
@@ -748,7 +748,7 @@ def test_purge_older_than_counts_from_when_it_was_dead_lettered(
 def test_retry_all_is_one_update_and_keeps_each_keys_order(
         dashboard: Flask, client: FlaskClient, mail: OutboxMail,
         smtp_server: FaultSMTPServer) -> None:
-    smtp_server.refuse_recipient("bad@example.com", 550)
+    smtp_server.refuse_recipient("bad@example.com", 550, "5.7.1 Relay access denied")
     with dashboard.app_context():
         keyed = [mail.send(Message(f"keyed {n}", recipients=["bad@example.com"], body="x"),
                            key="customer-7") for n in range(3)]
@@ -805,7 +805,7 @@ def test_retry_all_waits_for_a_key_whose_lock_a_producer_holds(
     engine = sa.create_engine(pg_database)
     try:
         mail: OutboxMail = app.extensions["test_mail"]
-        smtp_server.refuse_recipient("bad@example.com", 550)
+        smtp_server.refuse_recipient("bad@example.com", 550, "5.7.1 Relay access denied")
         with app.app_context():
             keyed = [mail.send(Message(f"keyed {n}", recipients=["bad@example.com"],
                                        body="x"), key="busy-key") for n in range(2)]

@@ -303,3 +303,68 @@ def _queue_hostile_email(app: Flask) -> int:
             send_after=timedelta(days=1))
         db.session.commit()
     return email_id
+
+
+def test_operator_adds_an_address_to_the_suppression_list_sees_it_and_removes_it(
+        served: Served, tmp_path: Path) -> None:
+    executable = chromium()
+    errors: list[str] = []
+    dialogs: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(15_000)
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            def on_dialog(dialog: Dialog) -> None:
+                dialogs.append(dialog.message)
+                dialog.dismiss()
+
+            page.on("dialog", on_dialog)
+
+            # From the overview, through the navigation.
+            page.goto(f"{served.base}/outbox/")
+            page.click("header.top nav a:has-text('Suppressions')")
+            page.wait_for_url(f"{served.base}/outbox/suppressions")
+            assert page.inner_text("#suppression-total") == "0"
+            assert "No addresses here." in page.inner_text("table.suppressions")
+
+            # A typo first: refused with the reason, what was typed kept, nothing written.
+            page.fill("input[name=address]", "dana.example.com")
+            page.click("form.add-suppression button[type=submit]")
+            assert "is not an email address" in page.inner_text("#suppression-error")
+            assert page.input_value("input[name=address]") == "dana.example.com"
+            assert page.inner_text("#suppression-total") == "0"
+
+            # The address: added, and the list shows it (kept in lower case).
+            page.fill("input[name=address]", "Dana@Example.com")
+            page.click("form.add-suppression button[type=submit]")
+            page.wait_for_url(lambda url: "notice=suppressed" in url)
+            assert "added to the suppression list" in page.inner_text("p.notice")
+            row = page.locator("table.suppressions tbody tr")
+            assert row.count() == 1
+            assert row.locator("td.addr").inner_text() == "dana@example.com"
+            assert row.locator(".reason").inner_text() == "manual"
+            assert row.locator("td.source").inner_text() == "dashboard"
+            with served.app.app_context():
+                entry = mail.suppression("dana@example.com")
+            assert entry is not None and entry.reason == "manual"
+            page.screenshot(path=str(tmp_path / "dashboard-suppressions.png"), full_page=True)
+
+            # Removed from its row: the list is empty again, and so is the table.
+            row.locator("button.unsuppress").click()
+            page.wait_for_url(lambda url: "notice=unsuppressed" in url)
+            assert "taken off the suppression list" in page.inner_text("p.notice")
+            assert "No addresses here." in page.inner_text("table.suppressions")
+            page.goto(f"{served.base}/outbox/suppressions")
+            assert page.inner_text("#suppression-total") == "0"
+            with served.app.app_context():
+                assert mail.suppression("dana@example.com") is None
+        finally:
+            browser.close()
+    assert errors == [] and dialogs == []
+    assert (tmp_path / "dashboard-suppressions.png").stat().st_size > 10_000
+    copy_to = os.environ.get("OUTBOX_DASHBOARD_SCREENSHOTS")
+    if copy_to:
+        shutil.copy(tmp_path / "dashboard-suppressions.png",
+                    Path(copy_to) / "dashboard-suppressions.png")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -484,3 +485,34 @@ def test_an_event_twice_in_one_batch_is_stored_once(make_apps: MakeApps) -> None
                                                                   key, now))
     assert response.get_json() == {"accepted": 2, "duplicates": 1, "unmatched": 2}
     assert counts(app) == (2, 0)
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_retry_racing_its_original_in_another_order_never_deadlocks(
+        make_apps: MakeApps) -> None:
+    """A provider's retry can arrive while the original is still being stored."""
+    app, _ = make_apps(TESTING=True)
+    log = app.extensions["mail_outbox"].outbox().events
+    for round_number in range(8):
+        events = [DeliveryEvent("bounced", bounce_kind="permanent", transport="sg",
+                                provider_event_id=f"{round_number}-{i}",
+                                recipient=f"r{round_number}-{i}@example.com")
+                  for i in range(300)]
+        barrier = threading.Barrier(2)
+        errors: list[BaseException] = []
+
+        def store(batch: list[DeliveryEvent]) -> None:
+            barrier.wait()
+            try:
+                log.record(batch)
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+                errors.append(exc)
+
+        threads = [threading.Thread(target=store, args=(batch,))
+                   for batch in (events, list(reversed(events)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert errors == [], errors
+    assert counts(app) == (8 * 300, 8 * 300)

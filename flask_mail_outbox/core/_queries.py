@@ -20,6 +20,13 @@ the same with a million retained ``sent`` rows as with none:
   a status), paginated by keyset (``id < last seen``), never ``OFFSET``;
 * search: a prefix is a range ``lo <= search_column < hi`` on
   ``(search_column, id)``, in that index's order, paginated by ``(value, id)``;
+* by latest delivery event: a walk down the emails with an event of that type,
+  newest first (``max(email_id) < previous`` on ``ix_outbox_event_type``,
+  ``(event_type, email_id)``), each kept if its latest event is of that type
+  (one probe of ``ix_outbox_event_email``), its row read by primary key,
+  paginated by ``email_id < last walked``; at most ``EVENT_SCAN_BUDGET`` steps a
+  page, so a rare match gives short pages, never a long one;
+* an email's events: ``ix_outbox_event_email``, the newest few hundred only;
 * per hour: the ``sent`` rows since a day ago through the partial index on
   ``sent_at``, and the dead letters through the one on ``failed`` rows.
 
@@ -41,6 +48,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from .._events import EVENT_TYPES, DeliveryEvent
 from ._clock import now_expr, utcnow
 from ._models import (
     PRIORITIES,
@@ -49,6 +57,7 @@ from ._models import (
     Status,
     attachment_table,
     email_table,
+    event_table,
     search_key,
     setting_table,
 )
@@ -62,6 +71,16 @@ _LIST_COLUMNS = (
     email_table.c.last_error, email_table.c.key,
 )
 _MAX_CODE_POINT = 0x10FFFF
+#: The most emails one page of the latest-event filter walks (see :func:`_by_latest_event`).
+EVENT_SCAN_BUDGET = 10_000
+#: The most events the email page shows (the newest; a webhook may log thousands of opens).
+EVENTS_SHOWN = 200
+_EVENT_COLUMNS = (
+    event_table.c.id, event_table.c.email_id, event_table.c.transport,
+    event_table.c.provider_event_id, event_table.c.event_type, event_table.c.bounce_kind,
+    event_table.c.recipient, event_table.c.occurred_at, event_table.c.description,
+    event_table.c.mta_response,
+)
 
 
 def _now(conn: Connection, clock: Clock) -> sa.ColumnElement[datetime]:
@@ -229,6 +248,9 @@ class Page:
 
     rows: list[EmailRow]
     next_cursor: dict[str, str] | None
+    #: The page stopped at :data:`EVENT_SCAN_BUDGET` before it was full (the
+    #: latest-event filter): the next page looks further back.
+    partial: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +278,10 @@ class EmailDetail:
     priority: str = "normal"
     #: The provider's id of the message (an API's reply, an SMTP ``queued as``), if any.
     provider_message_id: str | None = None
+    #: Its delivery events, oldest first (without their payloads): the newest
+    #: :data:`EVENTS_SHOWN` of them; ``earlier_events`` says whether older ones were left out.
+    events: tuple[DeliveryEvent, ...] = ()
+    earlier_events: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,13 +312,18 @@ def prefix_bounds(prefix: str) -> tuple[str, str | None]:
 
 
 def list_emails(conn: Connection, *, status: str | None = None, field: str = "recipient",
-                prefix: str = "", cursor: dict[str, str] | None = None,
-                limit: int = 50) -> Page:
+                prefix: str = "", event: str | None = None,
+                cursor: dict[str, str] | None = None, limit: int = 50) -> Page:
     """One page of emails, newest first; with a ``prefix``, in search order.
 
-    ``cursor`` is what the previous page returned as ``next_cursor``. Reads one
-    row more than ``limit`` to know for certain whether a next page exists.
+    ``event``: only emails whose latest delivery event (the greatest
+    ``(occurred_at, id)`` of theirs) has that type; it combines with
+    ``status`` and ``prefix``. ``cursor`` is what the previous page returned
+    as ``next_cursor``. Reads one row more than ``limit`` to know for certain
+    whether a next page exists.
     """
+    if event is not None and event not in EVENT_TYPES:
+        raise ValueError(f"event must be one of {', '.join(EVENT_TYPES)}, got {event!r}")
     t = email_table
     where: list[Any] = []
     if status is not None:
@@ -310,15 +341,17 @@ def list_emails(conn: Connection, *, status: str | None = None, field: str = "re
             where.append(sa.tuple_(search_column, t.c.id)
                          > sa.tuple_(sa.literal(cursor["after_key"]),
                                      sa.literal(int(cursor["after_id"]))))
-        order: list[Any] = [search_column, t.c.id]
-        columns: tuple[Any, ...] = (*_LIST_COLUMNS, search_column.label("search_value"))
+        if event is not None:  # the search index leads; one probe per row it reads
+            where.append(_latest_event(t.c.id, "event_type") == event)
+        stmt = (sa.select(*_LIST_COLUMNS, search_column.label("search_value")).where(*where)
+                .order_by(search_column, t.c.id))
+    elif event is not None:
+        return _by_latest_event(conn, event, status=status, cursor=cursor, limit=limit)
     else:
         if cursor is not None:
             where.append(t.c.id < int(cursor["before"]))
-        order = [t.c.id.desc()]
-        columns = _LIST_COLUMNS
-    stmt = sa.select(*columns).where(*where).order_by(*order).limit(limit + 1)
-    rows = conn.execute(stmt).all()
+        stmt = sa.select(*_LIST_COLUMNS).where(*where).order_by(t.c.id.desc())
+    rows = conn.execute(stmt.limit(limit + 1)).all()
     more, rows = len(rows) > limit, rows[:limit]
     next_cursor: dict[str, str] | None = None
     if more:
@@ -328,8 +361,117 @@ def list_emails(conn: Connection, *, status: str | None = None, field: str = "re
     return Page([_email_row(row) for row in rows], next_cursor)
 
 
+def _by_latest_event(conn: Connection, event: str, *, status: str | None,
+                     cursor: dict[str, str] | None, limit: int) -> Page:
+    """Emails whose latest event is ``event`` (and of ``status``), newest first.
+
+    A walk down the emails that have an event of that type, newest first: each
+    step is ``max(email_id)`` below the previous one in ``ix_outbox_event_type``
+    ``(event_type, email_id)``, an index probe whatever the planner's statistics
+    say (a plain join ordered by ``email_id`` is also walked this way by
+    PostgreSQL's planner, but not when its statistics are stale: after a bulk
+    load, or with autovacuum behind, it read every event of the type and
+    sorted them, seconds at a million). Each email walked is kept if its latest
+    event (one backward probe of ``ix_outbox_event_email``) has that type and
+    its row (by primary key) that status.
+
+    Both databases run the walk only as far as the LIMIT fetches, in its order:
+    it is the outer side of an outer join to the email rows (SQLite makes it a
+    co-routine; PostgreSQL's row lookup is a LATERAL subquery, whose LIMIT also
+    keeps it a primary-key probe that the planner cannot merge into the outer
+    query). No ORDER BY: sorting would run the whole walk first.
+
+    A page walks at most :data:`EVENT_SCAN_BUDGET` emails. One that is full
+    before that stops there; one that is not (a type that later events mostly
+    replace, a status few of them have) ends at the budget's last email, and
+    its next page goes on from there (``Page.partial``). So no page costs more
+    than that many steps, however rare the match.
+    """
+    t = email_table
+    budget = EVENT_SCAN_BUDGET
+    postgres = conn.dialect.name == "postgresql"
+
+    def next_below(bound: Any | None, name: str) -> sa.ScalarSelect[Any]:
+        candidate = event_table.alias(name)
+        found = sa.select(sa.func.max(candidate.c.email_id)).where(
+            candidate.c.event_type == event)
+        if bound is not None:
+            found = found.where(candidate.c.email_id < bound)
+        return found.scalar_subquery()
+
+    before = None if cursor is None else int(cursor["before"])
+    walk = sa.select(next_below(before, "walk_first").label("email_id"),
+                     sa.literal(1, sa.Integer()).label("step")).cte("walk", recursive=True)
+    walk = walk.union_all(
+        sa.select(next_below(walk.c.email_id, "walk_step"), walk.c.step + 1)
+        .where(walk.c.email_id.is_not(None), walk.c.step < budget))
+    if postgres:
+        found = (sa.select(*_LIST_COLUMNS).where(t.c.id == walk.c.email_id).limit(1)
+                 .lateral("e"))
+        source = walk.outerjoin(found, sa.true())
+        columns = [found.c[column.name] for column in _LIST_COLUMNS]
+    else:
+        source = walk.outerjoin(t, t.c.id == walk.c.email_id)
+        columns = list(_LIST_COLUMNS)
+    email_id, email_status = columns[0], columns[1]
+    matched = sa.and_(email_id.is_not(None),
+                      _latest_event(walk.c.email_id, "event_type") == event,
+                      *([] if status is None else [email_status == status]))
+    # Every match, and the walk's last step (where a page that is not full ends).
+    stmt = (sa.select(walk.c.email_id.label("walked"), walk.c.step, matched.label("matched"),
+                      *columns)
+            .select_from(source)
+            .where(sa.or_(matched, walk.c.step == budget, walk.c.email_id.is_(None))))
+    rows = conn.execute(stmt.limit(limit + 1)).all()
+    shown = [row for row in rows if row.matched]
+    next_cursor: dict[str, str] | None = None
+    partial = False
+    if len(shown) > limit:
+        shown = shown[:limit]
+        next_cursor = {"before": str(shown[-1].id)}
+    elif rows and rows[-1].walked is not None and rows[-1].step == budget:
+        next_cursor = {"before": str(rows[-1].walked)}
+        partial = len(shown) < limit
+    return Page([_email_row(row) for row in shown], next_cursor, partial=partial)
+
+
+def _latest_event(email_id: Any, column: str) -> sa.ScalarSelect[Any]:
+    """``column`` of the latest event of the email ``email_id`` names (a correlated subquery).
+
+    Latest is the greatest ``(occurred_at, id)``: the last entry of that email in
+    ``ix_outbox_event_email``, read backwards, one probe.
+    """
+    latest = event_table.alias("latest")
+    return (sa.select(latest.c[column]).where(latest.c.email_id == email_id)
+            .order_by(latest.c.occurred_at.desc(), latest.c.id.desc())
+            .limit(1).scalar_subquery())
+
+
+def email_events(conn: Connection, email_id: int,
+                 limit: int | None = None) -> tuple[list[DeliveryEvent], bool]:
+    """The newest ``limit`` (:data:`EVENTS_SHOWN`) events of one email, oldest first, and
+    whether there are older ones.
+
+    Without the payloads (up to 64 KiB each, which no page shows).
+    """
+    if limit is None:
+        limit = EVENTS_SHOWN
+    e = event_table
+    rows = conn.execute(
+        sa.select(*_EVENT_COLUMNS).where(e.c.email_id == email_id)
+        .order_by(e.c.occurred_at.desc(), e.c.id.desc()).limit(limit + 1)).all()
+    earlier, rows = len(rows) > limit, rows[:limit]
+    events = [DeliveryEvent(
+        id=row.id, email_id=row.email_id, transport=row.transport,
+        provider_event_id=row.provider_event_id, event_type=row.event_type,
+        bounce_kind=row.bounce_kind, recipient=row.recipient, occurred_at=row.occurred_at,
+        description=row.description, mta_response=row.mta_response) for row in rows]
+    events.reverse()
+    return events, earlier
+
+
 def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
-    """One email with its attachments, or None when there is no such row."""
+    """One email with its attachments and events, or None when there is no such row."""
     t = email_table
     a = attachment_table
     row = conn.execute(
@@ -344,6 +486,7 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
         sa.select(a.c.filename, a.c.content_type, a.c.size)
         .where(a.c.email_id == email_id).order_by(a.c.position)
     ).all()
+    events, earlier_events = email_events(conn, email_id)
     return EmailDetail(
         row=_email_row(row), message_id=row.message_id, sender=row.sender,
         due_at=row.due_at, failed_at=row.failed_at, size=row.size, mime=row.mime,
@@ -352,6 +495,7 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
         transport=row.transport,
         priority={rank: name for name, rank in PRIORITIES.items()}.get(row.priority, "normal"),
         provider_message_id=row.provider_message_id,
+        events=tuple(events), earlier_events=earlier_events,
     )
 
 
@@ -467,7 +611,7 @@ class Reader:
             return list_emails(conn, **options)
 
     def get_email(self, email_id: int) -> EmailDetail | None:
-        """One email with its attachments' names, or None."""
+        """One email with its attachments' names and its delivery events, or None."""
         with self.store.read() as conn:
             return get_email(conn, email_id)
 

@@ -1,8 +1,10 @@
 """The operator dashboard: an opt-in blueprint (``mail.dashboard_blueprint(authorize=...)``).
 
 Server-rendered pages (Jinja, one CSS file, no JavaScript) that answer "is mail
-flowing, what is stuck, and why", and fix it: retry or purge dead letters, switch
-the delivery mode.
+flowing, what is stuck, and why", and what happened after the hand-off (each
+email's delivery events; the list filtered by the latest one), and fix it: retry
+or purge dead letters, switch the delivery mode, add an address to the
+suppression list or take one off.
 
 Security is not left to the host app:
 

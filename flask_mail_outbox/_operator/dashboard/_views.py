@@ -1,10 +1,12 @@
 """The dashboard's pages and actions.
 
-Pages only read, through the core's read API (:class:`~flask_mail_outbox.core.Reader`).
-Actions go through the library's own API (``mail.retry``, ``mail.set_durable``,
-the store's dead-letter functions), each of which commits its own short
-transaction; then they redirect (303) to a page with a notice, so a reload
-never repeats an action.
+Pages only read, through the core's read API (:class:`~flask_mail_outbox.core.Reader`,
+and the suppression list's reads). Actions go through the library's own API
+(``mail.retry``, ``mail.set_durable``, ``mail.suppress``, ``mail.unsuppress``, the
+store's dead-letter functions), each of which commits its own short transaction;
+then they redirect (303) to a page with a notice, so a reload never repeats an
+action. An action refused for its input (an address that is not one) writes
+nothing and shows the page again with the reason, answering 400.
 """
 
 from __future__ import annotations
@@ -17,8 +19,19 @@ from typing import TYPE_CHECKING, Any
 from flask import Blueprint, abort, redirect, render_template, request, url_for
 from flask.typing import ResponseReturnValue
 
+from ..._errors import InvalidMessage
+from ..._events import EVENT_TYPES
 from ..._flask.state import app_state
-from ...core import SEARCH_FIELDS, HourCount, Reader, Status, utcnow
+from ...core import (
+    REASONS,
+    SEARCH_FIELDS,
+    HourCount,
+    Reader,
+    Status,
+    _queries,
+    suppression_key,
+    utcnow,
+)
 from ._preview import preview
 
 if TYPE_CHECKING:
@@ -30,13 +43,23 @@ _STATUSES = tuple(status.value for status in Status)
 NOTICES = {
     "retried": "Email queued again; delivery starts now.",
     "not_failed": "That email is not a dead letter (any more); nothing was changed.",
+    "cancelled": "Email cancelled: it will not be sent.",
+    "not_cancelled": "That email is not queued (any more: it is being sent, or has ended); "
+                     "nothing was changed.",
     "retried_all": "{n} dead letter(s) queued again.",
     "purged": "{n} dead letter(s) deleted.",
     "durable": "Delivery mode is now durable for every process sharing the database.",
     "inline": "Delivery mode is now inline for every process sharing the database.",
+    "suppressed": "Address added to the suppression list: nothing more is sent to it.",
+    "resuppressed": "That address was on the suppression list already; its entry was replaced.",
+    "unsuppressed": "Address taken off the suppression list: mail to it is delivered again.",
+    "not_suppressed": "That address is not on the suppression list (any more); nothing was "
+                      "changed.",
 }
 # Ids are BIGINT: a larger number can name no email, and overflows the drivers.
 _MAX_ID = 2**63 - 1
+# The suppression list's key column: no longer address (or prefix of one) exists.
+_MAX_ADDRESS = 320
 _CHART_HEIGHT = 120
 _CHART_BAR = 10
 _CHART_GAP = 6
@@ -76,11 +99,17 @@ class Dashboard:
         bp.add_url_rule("/emails", "emails", self.emails)
         bp.add_url_rule("/emails/<int:email_id>", "email", self.email)
         bp.add_url_rule("/emails/<int:email_id>/retry", "retry", self.retry, methods=["POST"])
+        bp.add_url_rule("/emails/<int:email_id>/cancel", "cancel", self.cancel,
+                        methods=["POST"])
         bp.add_url_rule("/dead-letters", "dead_letters", self.dead_letters)
         bp.add_url_rule("/dead-letters/retry-all", "retry_all", self.retry_all,
                         methods=["POST"])
         bp.add_url_rule("/dead-letters/purge", "purge", self.purge, methods=["POST"])
         bp.add_url_rule("/mode", "mode", self.set_mode, methods=["POST"])
+        bp.add_url_rule("/suppressions", "suppressions", self.suppressions)
+        bp.add_url_rule("/suppressions/add", "suppress", self.suppress, methods=["POST"])
+        bp.add_url_rule("/suppressions/remove", "unsuppress", self.unsuppress,
+                        methods=["POST"])
         bp.context_processor(_formatting)
 
     def _reader(self) -> Reader:
@@ -94,7 +123,7 @@ class Dashboard:
         oldest_queued_age = reader.oldest_queued_age()
         hours = reader.hourly_counts()
         return render_template(
-            "outbox_dashboard/overview.html", counts=counts,
+            "outbox_dashboard/overview.html", counts=counts, statuses=_STATUSES,
             oldest_queued_age=oldest_queued_age, durable=self.mail.durable,
             chart=build_chart(hours), notice=_notice())
 
@@ -105,15 +134,19 @@ class Dashboard:
         field = request.args.get("field") or "recipient"
         if field not in SEARCH_FIELDS:
             abort(400, description=f"field must be one of {', '.join(SEARCH_FIELDS)}")
+        event = request.args.get("event") or None
+        if event is not None and event not in EVENT_TYPES:
+            abort(400, description=f"event must be one of {', '.join(EVENT_TYPES)}")
         prefix = request.args.get("q", "").strip()
         if "\x00" in prefix:  # PostgreSQL text cannot hold NUL: it would be a 500
             abort(400, description="q must not contain a NUL character")
         cursor = _cursor(searching=bool(prefix))
         page = self._reader().list_emails(status=status, field=field, prefix=prefix,
-                                          cursor=cursor, limit=self.page_size)
+                                          event=event, cursor=cursor, limit=self.page_size)
         return render_template("outbox_dashboard/emails.html", page=page, status=status,
-                               field=field, q=prefix, statuses=_STATUSES,
-                               first_page=_is_first_page())
+                               field=field, q=prefix, event=event, statuses=_STATUSES,
+                               event_types=EVENT_TYPES, first_page=_is_first_page(),
+                               scan_budget=_queries.EVENT_SCAN_BUDGET)
 
     def email(self, email_id: int) -> ResponseReturnValue:
         if not 1 <= email_id <= _MAX_ID:
@@ -133,6 +166,29 @@ class Dashboard:
         return render_template("outbox_dashboard/dead_letters.html", page=page,
                                first_page=_is_first_page(), notice=_notice())
 
+    def suppressions(self) -> ResponseReturnValue:
+        return self._suppressions_page()
+
+    def _suppressions_page(self, *, error: str | None = None, address: str = "",
+                           reason: str = "manual", code: int = 200) -> ResponseReturnValue:
+        """The list by address (keyset: ``after`` the last one shown), a prefix search, the form.
+
+        ``error``, ``address`` and ``reason``: an add that was refused, shown
+        with what was typed (``code`` 400).
+        """
+        prefix = _text_arg("q")
+        after = _text_arg("after") or None
+        suppressions = app_state().outbox().suppressions
+        entries = suppressions.entries(limit=self.page_size + 1, after=after,
+                                       prefix=prefix or None)
+        next_after = entries[self.page_size - 1].address \
+            if len(entries) > self.page_size else None
+        return render_template(
+            "outbox_dashboard/suppressions.html", entries=entries[:self.page_size],
+            next_after=next_after, total=suppressions.count(), q=prefix,
+            first_page=after is None, reasons=REASONS, error=error, address=address,
+            reason=reason, notice=None if error else _notice()), code
+
     # -- actions --------------------------------------------------------------------
 
     def retry(self, email_id: int) -> ResponseReturnValue:
@@ -144,6 +200,18 @@ class Dashboard:
 
     def retry_all(self) -> ResponseReturnValue:
         return _back(".dead_letters", "retried_all", n=self.mail.retry_all())
+
+    def cancel(self, email_id: int) -> ResponseReturnValue:
+        state = app_state()
+        if email_id > _MAX_ID:
+            return _back(".email", "not_cancelled", email_id=email_id)
+        try:
+            cancelled = self.mail.cancel(email_id)
+            state.db.session.commit()
+        except Exception:
+            state.db.session.rollback()
+            raise
+        return _back(".email", "cancelled" if cancelled else "not_cancelled", email_id=email_id)
 
     def purge(self) -> ResponseReturnValue:
         if request.form.get("confirm") != "yes":
@@ -169,6 +237,30 @@ class Dashboard:
             abort(400, description="mode must be durable or inline")
         self.mail.set_durable(mode == "durable")
         return _back(".overview", mode)
+
+    def suppress(self) -> ResponseReturnValue:
+        address = _form_address()
+        reason = request.form.get("reason") or "manual"
+        if reason not in REASONS:
+            abort(400, description=f"reason must be one of {', '.join(REASONS)}")
+        try:
+            added = self.mail.suppress(address, reason, source="dashboard")
+        except InvalidMessage as exc:  # checked before anything is written
+            return self._suppressions_page(
+                error=f"Not added: {exc.problem}", address=address, reason=reason, code=400)
+        # The list, searched for the entry just written (the address as it is kept).
+        return _back(".suppressions", "suppressed" if added else "resuppressed",
+                     q=suppression_key(address))
+
+    def unsuppress(self) -> ResponseReturnValue:
+        address = _form_address()
+        try:
+            removed = self.mail.unsuppress(address)
+        except InvalidMessage as exc:
+            return self._suppressions_page(error=f"Not removed: {exc.problem}", code=400)
+        search = request.form.get("q", "").strip()
+        return _back(".suppressions", "unsuppressed" if removed else "not_suppressed",
+                     q=search if search and _plain_text(search) else None)
 
 
 def build_chart(hours: list[HourCount]) -> Chart:
@@ -219,6 +311,29 @@ def _id_arg(name: str) -> str:
         abort(400, description=f"{name} must be an email id (a whole number from 1 to "
                                f"{_MAX_ID})")
     return value
+
+
+def _text_arg(name: str) -> str:
+    """Query argument ``name`` stripped ('' when absent); 400 when no address could hold it."""
+    value = request.args.get(name, "").strip()
+    if not _plain_text(value):
+        abort(400, description=f"{name} must be at most {_MAX_ADDRESS} characters, "
+                               "without a NUL character")
+    return value
+
+
+def _form_address() -> str:
+    """The form's ``address``, stripped; 400 for one no text column could hold."""
+    address = request.form.get("address", "").strip()
+    if not _plain_text(address):
+        abort(400, description=f"address must be at most {_MAX_ADDRESS} characters, "
+                               "without a NUL character")
+    return address
+
+
+def _plain_text(value: str) -> bool:
+    # PostgreSQL text cannot hold NUL (it would be a 500); no key is longer.
+    return "\x00" not in value and len(value) <= _MAX_ADDRESS
 
 
 def _is_first_page() -> bool:
