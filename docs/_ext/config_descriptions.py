@@ -102,6 +102,12 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                               "path takes the one-click POST "
                                               "([one-click unsubscribe](events.md#one-click-"
                                               "unsubscribe))"),
+    "OUTBOX_BOUNCE_ADDRESS": ("str or None", "VERP: each SMTP delivery's envelope sender "
+                                            "(MAIL FROM, hence Return-Path) becomes "
+                                            "`local+<token>@domain`, the token naming the "
+                                            "email, signed with `SECRET_KEY`; the header "
+                                            "From is unchanged, API transports are "
+                                            "unaffected ([bounces](bounces.md))"),
     "OUTBOX_RUN_SCHEDULER": ("bool", "run the sweep jobs in serving processes (False: a "
                                      "script or a test that imports the app)"),
 }

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from flask import Flask, current_app, got_request_exception
 
+from .._bounces import NotMail, read_bounce
 from .._compose.message import Message
 from .._errors import ConfigError, InvalidMessage
 from .._events import DeliveryEvent, capped_payload, naive_utc
@@ -29,11 +30,13 @@ from ..core import (
     Status,
     Suppression,
     SweepReport,
+    cancel_emails,
     check_key,
     check_message,
     due_at_of,
     email_dialect,
     ensure_wal,
+    expires_at_of,
     insert_email,
     load_config,
     load_last_report,
@@ -165,7 +168,8 @@ class OutboxExtension:
     def send(self, msg: Message, *, key: str | None = None,
              send_after: datetime | timedelta | None = None,
              idempotency_key: str | None = None, transport: str | None = None,
-             priority: str = "normal") -> int:
+             priority: str = "normal",
+             expires_after: datetime | timedelta | None = None) -> int:
         """Queue ``msg`` in the current ``db.session`` transaction; return the row id.
 
         Validates first and raises :class:`InvalidMessage` (nothing written) on
@@ -175,14 +179,19 @@ class OutboxExtension:
         nothing. ``transport`` names one of ``OUTBOX_TRANSPORTS`` (None: the
         default one). ``priority`` (``"high"``, ``"normal"``, ``"low"``): among
         due emails, higher goes first; within a ``key``, ``send()`` order wins.
+        ``expires_after`` (a timedelta from now, or a datetime): not delivered
+        by then, the email ends ``expired``, unsent and not retried (a
+        password reset must not arrive an hour late).
         """
         state = self._state()
         check_message(msg)
         check_key("key", key)
         check_key("idempotency_key", idempotency_key)
-        row = prepare_row(msg, state.config, key=key, due_at=due_at_of(send_after),
+        due_at = due_at_of(send_after)
+        row = prepare_row(msg, state.config, key=key, due_at=due_at,
                           idempotency_key=idempotency_key, priority=priority_rank(priority),
-                          transport=transport_name(transport, state.config))
+                          transport=transport_name(transport, state.config),
+                          expires_at=expires_at_of(expires_after, due_at))
         session = state.db.session()
         dialect = email_dialect(session)
         notify = notifies(state, dialect)
@@ -197,17 +206,19 @@ class OutboxExtension:
 
     def send_many(self, messages: Iterable[Message], *, key: str | None = None,
                   send_after: datetime | timedelta | None = None,
-                  transport: str | None = None, priority: str = "normal") -> list[int]:
+                  transport: str | None = None, priority: str = "normal",
+                  expires_after: datetime | timedelta | None = None) -> list[int]:
         """Queue many messages in the current transaction, all or nothing; their row ids.
 
         The same rows, statuses, order, signals and delivery as
         ``[mail.send(m, key=key, send_after=send_after, transport=transport,
-        priority=priority) for m in messages]``, in one multi-row INSERT. Every message is validated before anything
+        priority=priority, expires_after=expires_after) for m in messages]``, in one multi-row INSERT. Every message is validated before anything
         is written: a bad one raises :class:`InvalidMessage` naming its index
         (``messages[3].recipients: ...``) and nothing is added. Does not commit.
         """
         check_key("key", key)
         due_at = due_at_of(send_after)
+        expires_at = expires_at_of(expires_after, due_at)
         rank = priority_rank(priority)
         state = self._state()
         name = transport_name(transport, state.config)
@@ -216,10 +227,50 @@ class OutboxExtension:
             try:
                 check_message(msg)
                 rows.append(prepare_row(msg, state.config, key=key, due_at=due_at,
-                                        priority=rank, transport=name))
+                                        priority=rank, transport=name, expires_at=expires_at))
             except InvalidMessage as exc:
                 raise InvalidMessage(f"messages[{index}].{exc.field}", exc.problem) from exc
         return queue_rows(state, rows, key=key)
+
+    def cancel(self, email_id: int | Iterable[int] | None = None, *, key: str | None = None,
+               idempotency_key: str | None = None) -> int:
+        """Take queued emails back in the current ``db.session`` transaction; how many.
+
+        Name them by ``email_id`` (one id or several), by ``key`` (every
+        queued email of that key), or by ``idempotency_key``, exactly one of
+        the three. Rows still ``queued``, including those waiting for their
+        ``send_after`` or a retry, become ``cancelled``; a row already
+        ``sending`` is not cancelled and not counted. Like ``send()`` it does
+        not commit: the cancel takes effect with the caller's commit, and a
+        rollback cancels nothing. After the commit, the next email of a
+        cancelled key holder's key may go.
+        """
+        given = [email_id is not None, key is not None, idempotency_key is not None]
+        if sum(given) != 1:
+            raise TypeError("cancel() takes exactly one of email_id, key and idempotency_key")
+        ids: list[int] = []
+        if email_id is not None:
+            ids = [email_id] if isinstance(email_id, int) else list(email_id)
+            for value in ids:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"email_id must be an int or ints, got {value!r}")
+            if not ids:
+                return 0
+        check_key("key", key)
+        check_key("idempotency_key", idempotency_key)
+        state = self._state()
+        session = state.db.session()
+        cancelled, in_flight = cancel_emails(session, email_ids=ids, key=key,
+                                             idempotency_key=idempotency_key)
+        if in_flight:
+            logger.info("cancel(): %d email(s) are being sent already and were not cancelled",
+                        in_flight)
+        if cancelled:
+            staging.stage_many(session, [
+                staging.StagedEmail(email_id=row_id, due_now=False, publisher=state,
+                                    notified=True, cancelled_key=row_key, cancelled=True)
+                for row_id, row_key in cancelled])
+        return len(cancelled)
 
     def send_message(self, *args: Any, **kwargs: Any) -> int:
         """``send(Message(*args, **kwargs))`` (Flask-Mail's shortcut)."""
@@ -358,6 +409,45 @@ class OutboxExtension:
         recorded = state.outbox().events.record([event])
         state.tell_events(recorded.new)
         return recorded.new[0] if recorded.new else None
+
+    def process_bounce(self, raw: bytes) -> list[DeliveryEvent]:
+        """Read one bounce message (an RFC 3464 DSN, an RFC 5965 ARF report, or a common
+        non-standard bounce) and store what it says; the new events.
+
+        For an app that fetches a bounce mailbox itself; ``flask outbox bounce``
+        does the same for an MTA's pipe. A DSN names its email by the VERP
+        token of ``OUTBOX_BOUNCE_ADDRESS`` (a forged token changes nothing)
+        or, without VERP, by the returned Message-ID; a permanent bounce or a
+        complaint for an email of ours suppresses the address (one that names
+        none is kept, and suppresses nothing: a bounce is unauthenticated mail). A message that is not a bounce, or
+        names no email of ours, returns ``[]`` (logged at INFO); one that is
+        not mail at all raises :class:`~flask_mail_outbox.InvalidMessage`.
+        Database errors propagate: retry later.
+        """
+        if not isinstance(raw, (bytes, bytearray)):
+            raise TypeError(f"process_bounce() takes bytes, got {type(raw).__name__}")
+        state = self._state()
+        verp = state.config.verp
+        try:
+            report = read_bounce(bytes(raw), email_id_of=verp.email_id_of if verp else None)
+        except NotMail as exc:
+            raise InvalidMessage("raw", f"not a mail message: {exc}") from None
+        events = [event for event in report.events
+                  if verp is None or report.kind == "arf" or event.email_id is not None]
+        if len(events) < len(report.events):
+            logger.info("A %s names no email by a valid VERP address: %d event(s) ignored "
+                        "(a forged or foreign bounce changes nothing)", report.kind,
+                        len(report.events) - len(events))
+        if not events:
+            logger.info("Not a bounce of ours: %s", report.reason)
+            return []
+        recorded = state.outbox().events.record(events, source=f"bounce ({report.kind})",
+                                                suppress_unmatched=False)
+        if recorded.unmatched:
+            logger.info("%d bounce event(s) name no email this outbox knows (kept with "
+                        "email_id NULL): %s", recorded.unmatched, report.reason)
+        state.tell_events(recorded.new)
+        return list(recorded.new)
 
     def suppress(self, address: str, reason: str = "manual", *, source: str = "manual",
                  expires_at: datetime | None = None) -> bool:

@@ -59,6 +59,10 @@ class StagedEmail:
     waits_on_key: str | None = None
     # priority="high": handed to an inline worker before what already waits.
     urgent: bool = False
+    # Not a new row but a cancel (mail.cancel()): nothing to deliver; after the
+    # commit, the key of a cancelled row is handed on (``cancelled_key``).
+    cancelled: bool = False
+    cancelled_key: str | None = None
 
 
 def stage(session: Session, entry: StagedEmail) -> None:
@@ -138,15 +142,24 @@ def _after_rollback(session: Session) -> None:
         return
     staged, trans, entries = ending
     if entries:
-        logger.info("Rollback discarded %d staged email(s) %s; nothing was sent.",
-                    len(entries), [e.email_id for e in entries])
+        _log_discarded(entries)
     if trans.parent is None:
         # A rollback of the outermost transaction undoes every savepoint too.
         for leftover in staged.values():
             if leftover:
-                logger.info("Rollback discarded %d staged email(s) %s; nothing was sent.",
-                            len(leftover), [e.email_id for e in leftover])
+                _log_discarded(leftover)
         staged.clear()
+
+
+def _log_discarded(entries: list[StagedEmail]) -> None:
+    sends = [e.email_id for e in entries if not e.cancelled]
+    cancels = [e.email_id for e in entries if e.cancelled]
+    if sends:
+        logger.info("Rollback discarded %d staged email(s) %s; nothing was sent.",
+                    len(sends), sends)
+    if cancels:
+        logger.info("Rollback undid the cancel of %d email(s) %s; they stay queued.",
+                    len(cancels), cancels)
 
 
 def _after_transaction_end(session: Session, trans: SessionTransaction) -> None:
@@ -160,10 +173,21 @@ def _after_transaction_end(session: Session, trans: SessionTransaction) -> None:
         # Closed without commit or rollback of its own: the parent decides.
         staged.setdefault(trans.parent, []).extend(entries)
         return
-    ids = [e.email_id for e in entries]
+    cancels = [e.email_id for e in entries if e.cancelled]
+    ids = [e.email_id for e in entries if not e.cancelled]
     if has_app_context() and g.get(_REQUEST_FAILED):
-        logger.info("The request failed before committing; %d staged email(s) %s were "
-                    "discarded with its transaction.", len(ids), ids)
+        logger.info("The request failed before committing; %d staged email(s) %s and %d "
+                    "cancel(s) %s were discarded with its transaction.", len(ids), ids,
+                    len(cancels), cancels)
+        return
+    if cancels:
+        _degrade.report(
+            f"The session ended without commit() or rollback() while the cancel of "
+            f"{len(cancels)} email(s) {cancels} was pending in it (a forgotten "
+            "db.session.commit()?)",
+            consequence="they were not cancelled: they stay queued and will be sent",
+            fix="call db.session.commit() after mail.cancel()")
+    if not ids:
         return
     _degrade.report(
         f"The session ended without commit() or rollback() while {len(ids)} email(s) "

@@ -140,7 +140,13 @@ class AppState:
             session.execute(notify_statement())
 
     def publish(self, entries: list[staging.StagedEmail]) -> None:
-        """Called after the outermost commit with the rows it made durable."""
+        """Called after the outermost commit with the rows it made durable (or cancelled)."""
+        cancelled = [e for e in entries if e.cancelled]
+        if cancelled:
+            self._after_cancel(cancelled)
+            entries = [e for e in entries if not e.cancelled]
+            if not entries:
+                return
         if email_queued.receivers:
             for entry in entries:
                 try:
@@ -151,6 +157,25 @@ class AppState:
         self.ensure_started()
         self.deliver_soon([e.email_id for e in entries if e.due_now],
                           urgent={e.email_id for e in entries if e.urgent})
+
+    def _after_cancel(self, cancelled: list[staging.StagedEmail]) -> None:
+        """A cancel committed: hand each cancelled holder's key to its next email."""
+        keys = {e.cancelled_key for e in cancelled if e.cancelled_key is not None}
+        if not keys:
+            return
+        try:
+            holders = self.outbox().store.advance_keys(keys)
+        except Exception as exc:  # noqa: BLE001 - the cancel committed; the sweep heals keys
+            _degrade.report(
+                f"Could not hand on the keys {sorted(keys)[:20]} of {len(cancelled)} "
+                "cancelled email(s)",
+                consequence="the next email of each such key waits until the periodic "
+                            "sweep's key repair hands its key on (every tenth sweep)",
+                fix="check the database connection; `flask outbox sweep` repairs keys now",
+                exc=exc)
+            return
+        if holders:
+            self.deliver_soon(holders)
 
     def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = ()) -> None:
         """Start delivering committed rows (see :meth:`Outbox.deliver_soon`); never raises.

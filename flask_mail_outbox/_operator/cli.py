@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import click
 from flask import current_app
 from flask.cli import AppGroup
+from sqlalchemy.exc import SQLAlchemyError
 
 from .._compose.message import Message
 from .._errors import InvalidMessage
@@ -461,3 +462,82 @@ def suppression_export(output: Any) -> None:
         count += 1
     state.stop(5)
     click.echo(f"exported {count} address(es)", err=True)
+
+
+@outbox_cli.command("cancel")
+@_log_level_option
+@click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
+@click.option("--key", default=None, help="Every queued email of this key.")
+def cancel(ids: tuple[int, ...], key: str | None) -> None:
+    """Cancel queued emails by id, or every queued email of a --key (commits).
+
+    An email already being sent is not cancelled (exit status 1 when none was).
+    """
+    if bool(ids) == (key is not None):
+        raise click.UsageError("give email ids, or --key (not both)")
+    state = _state()
+    mail = _extension()
+    try:
+        count = mail.cancel(list(ids)) if ids else mail.cancel(key=key)
+        state.db.session.commit()
+    except InvalidMessage as exc:
+        state.db.session.rollback()
+        raise click.BadParameter(exc.problem, param_hint="--key") from None
+    finally:
+        state.db.session.remove()
+        mail.stop()
+    click.echo(f"{count} email(s) cancelled")
+    if not count:
+        click.echo("nothing cancelled: no queued email matched (sent, sending, or unknown)",
+                   err=True)
+        sys.exit(1)
+
+
+#: The largest bounce ``flask outbox bounce`` reads (bytes); a larger one is dropped.
+MAX_BOUNCE_BYTES = 10 * 1024 * 1024
+#: sysexits.h EX_TEMPFAIL: the MTA keeps the message and delivers it again later.
+EX_TEMPFAIL = 75
+
+
+@outbox_cli.command("bounce")
+@_log_level_option
+def bounce() -> None:
+    """Read one bounce message on standard input (an MTA's pipe or alias delivery).
+
+    Exit status 0 when it was processed, and also when it is not a bounce,
+    names no email of ours, is over 10 MiB or is not mail at all (logged; any
+    other status would bounce the bounce back into the mail loop); 75
+    (EX_TEMPFAIL) when the database cannot be reached, so the MTA keeps the
+    message and tries again. Never 1.
+    """
+    log = logging.getLogger(__name__)
+    raw = sys.stdin.buffer.read(MAX_BOUNCE_BYTES + 1)
+    if len(raw) > MAX_BOUNCE_BYTES:
+        log.warning("flask outbox bounce: dropped a message over %d bytes (not read as a "
+                    "bounce)", MAX_BOUNCE_BYTES)
+        return
+    try:
+        mail = _extension()
+    except Exception:  # noqa: BLE001 - exit 75: the MTA retries once the app loads again
+        log.exception("flask outbox bounce: the app's outbox is not available; the MTA "
+                      "keeps the message (exit 75)")
+        sys.exit(EX_TEMPFAIL)
+    try:
+        events = mail.process_bounce(raw)
+    except InvalidMessage as exc:
+        log.info("flask outbox bounce: dropped: %s", exc.problem)
+        return
+    except SQLAlchemyError as exc:
+        log.error("flask outbox bounce: the database cannot be reached (%s); exit 75, so the "
+                  "MTA keeps the message and delivers it again later", type(exc).__name__)
+        sys.exit(EX_TEMPFAIL)
+    except Exception:  # noqa: BLE001 - exit 75: kept by the MTA, read again once fixed
+        log.exception("flask outbox bounce: could not process the message; exit 75, so the "
+                      "MTA keeps it and delivers it again later")
+        sys.exit(EX_TEMPFAIL)
+    finally:
+        mail.stop()
+    for event in events:
+        log.info("flask outbox bounce: %s %s%s for email %s", event.event_type,
+                 f"({event.bounce_kind}) " if event.bounce_kind else "", event.recipient,
+                 event.email_id)

@@ -26,7 +26,13 @@ from ._config import _DEFAULTS as CONFIG_DEFAULTS
 from ._config import MAX_CONCURRENCY, load_config, warn_plaintext_logins
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
 from ._events import EventLog, RecordedEvents, Replayed
-from ._insert import email_connection, email_dialect, insert_email, insert_emails
+from ._insert import (
+    cancel_emails,
+    email_connection,
+    email_dialect,
+    insert_email,
+    insert_emails,
+)
 from ._listen import notify_statement
 from ._models import (
     DEFAULT_PRIORITY,
@@ -58,6 +64,7 @@ from ._rows import (
     check_key,
     check_message,
     due_at_of,
+    expires_at_of,
     prepare_row,
     priority_rank,
     transport_name,
@@ -104,10 +111,12 @@ __all__ = [
     "advance",
     "attachment_table",
     "build_transports",
+    "cancel_emails",
     "check_key",
     "check_message",
     "create_engine",
     "due_at_of",
+    "expires_at_of",
     "email_connection",
     "email_dialect",
     "email_table",

@@ -26,7 +26,8 @@ CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sende
                    # created_at before key: the PostgreSQL claim's UNION with the
                    # reap lists key and error_history last.
                    email_table.c.created_at, email_table.c.smtp_options,
-                   email_table.c.transport, email_table.c.key, email_table.c.error_history)
+                   email_table.c.transport, email_table.c.expires_at,
+                   email_table.c.key, email_table.c.error_history)
 
 
 #: The order the claim takes one transport's due rows in: higher priority (a lower

@@ -19,8 +19,10 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
+from .._compose.addresses import AddressError, parse_address
 from .._compose.dkim import DKIMSigner, signed_header_names, signer_from
 from .._compose.links import UnsubscribeLinks
+from .._compose.verp import VerpAddresses
 from .._errors import ConfigError
 from .._webhooks import receiver_class
 from ..transports import (
@@ -116,6 +118,8 @@ _DEFAULTS: dict[str, Any] = {
     # One-click unsubscribe (list_unsubscribe=True): an absolute https URL, whose
     # path is the route; None: list_unsubscribe=True is refused.
     "OUTBOX_UNSUBSCRIBE_URL": None,
+    # VERP: SMTP envelope senders bounces+<signed token>@domain (None: the sender).
+    "OUTBOX_BOUNCE_ADDRESS": None,
     # Not in Flask-Mail nor DESIGN.md's table: lets a process that imports the
     # app without serving it (a script, a test) skip the sweep jobs.
     "OUTBOX_RUN_SCHEDULER": True,
@@ -259,6 +263,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         webhook_prefix=_url_path("OUTBOX_WEBHOOK_PREFIX", keys.get("OUTBOX_WEBHOOK_PREFIX")),
         unsubscribe_url=unsubscribe_url,
         unsubscribe_links=_unsubscribe_links(config, unsubscribe_url),
+        verp=_verp(config, keys.get("OUTBOX_BOUNCE_ADDRESS")),
     )
 
 
@@ -501,6 +506,36 @@ def _unsubscribe_url(value: Any) -> str | None:
         raise ConfigError(key, f"expected a URL without query, fragment or spaces, got {value!r}")
     _url_path(key, parts.path or "/x")
     return value.rstrip("/")
+
+
+#: The longest local part of OUTBOX_BOUNCE_ADDRESS: "+", a BIGINT id, "-" and the
+#: 16-character signature must fit RFC 5321's 64 octets.
+MAX_BOUNCE_LOCAL_PART = 64 - (1 + 19 + 1 + 16)
+
+
+def _verp(config: Mapping[str, Any], value: Any) -> VerpAddresses | None:
+    """OUTBOX_BOUNCE_ADDRESS: a plain ASCII address whose local part leaves room for a token."""
+    key = "OUTBOX_BOUNCE_ADDRESS"
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expected an address such as 'bounces@example.com', got "
+                          f"{value!r}")
+    try:
+        addr = parse_address(value.strip(), True)
+    except AddressError as exc:
+        raise ConfigError(key, f"{value!r} is not an email address ({exc})") from None
+    local = addr.ascii.rpartition("@")[0]
+    if "+" in local or len(local) > MAX_BOUNCE_LOCAL_PART:
+        raise ConfigError(key, f"the local part must be at most {MAX_BOUNCE_LOCAL_PART} "
+                          "characters without '+': the outbox appends '+<token>' to it "
+                          "(RFC 5321 allows 64 in all)")
+    secret = config.get("SECRET_KEY")
+    if not secret or not isinstance(secret, (str, bytes)):
+        raise ConfigError(key, "the VERP tokens are signed with the app's SECRET_KEY, which "
+                          "is not set: set SECRET_KEY before init_app")
+    fallbacks = config.get("SECRET_KEY_FALLBACKS") or []
+    return VerpAddresses(addr.ascii, (*fallbacks, secret))
 
 
 def _unsubscribe_links(config: Mapping[str, Any], url: str | None) -> UnsubscribeLinks | None:

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
+from datetime import datetime, timedelta
 from email.message import EmailMessage
 from email.parser import BytesParser
 from email.policy import default as default_policy
@@ -32,6 +33,7 @@ from .. import _degrade
 from .._errors import PermanentError, TransientError, TransportError
 from .._events import DeliveryEvent
 from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Transport
+from ._clock import utcnow
 from ._events import EventLog
 from ._models import Status
 from ._retry import RetryPolicy
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
     from .._compose.dkim import DKIMSigner
+    from .._compose.verp import VerpAddresses
     from ._settings import OutboxConfig
 
 logger = logging.getLogger(__name__)
@@ -58,13 +61,17 @@ def new_owner() -> str:
     return f"{_HOST[:40]}:{os.getpid()}:{next(_owner_counter)}:{uuid.uuid4().hex[:8]}"
 
 
-def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None) -> Envelope:
+def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None,
+                verp: VerpAddresses | None = None) -> Envelope:
     """What the transport needs of a claimed row, DKIM-signed afresh when ``dkim`` is given.
 
-    Suppressed recipients are left out of the envelope (see :mod:`._suppression`).
+    Suppressed recipients are left out of the envelope (see :mod:`._suppression`);
+    with ``verp`` the envelope sender is the row's VERP address (the header From
+    does not change).
     """
     mime = email.mime if dkim is None else dkim.signed(email.id, email.mime)
-    return Envelope(email_id=email.id, sender=email.sender, recipients=email.deliverable,
+    sender = email.sender if verp is None else verp.sender_for(email.id)
+    return Envelope(email_id=email.id, sender=sender, recipients=email.deliverable,
                     mime=mime, message_id=email.message_id,
                     mail_options=email.mail_options, rcpt_options=email.rcpt_options,
                     left_out=tuple(address for address, _ in email.suppressed))
@@ -77,8 +84,20 @@ class Suppressed:
     failovers: tuple[Any, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class Expired:
+    """The result of an email claimed after its ``expires_at``: nothing was sent."""
+
+    failovers: tuple[Any, ...] = ()
+
+
 #: What a delivery attempt comes to: a transport's result, or no send at all.
-Attempt = Result | Suppressed
+Attempt = Result | Suppressed | Expired
+
+
+def expired(email: ClaimedEmail, now: datetime | None = None) -> bool:
+    """Whether ``email`` is past its ``expires_at`` (never, without one)."""
+    return email.expires_at is not None and email.expires_at <= (now or utcnow())
 
 
 def unknown_recipients(result: Attempt) -> tuple[tuple[str, str], ...]:
@@ -147,8 +166,9 @@ class BatchReport:
 
     sent: list[int] = dataclasses.field(default_factory=list)
     failed: list[int] = dataclasses.field(default_factory=list)
-    # Every recipient suppressed: ended without a send.
+    # Every recipient suppressed, or past its expiry: ended without a send.
     suppressed: list[int] = dataclasses.field(default_factory=list)
+    expired: list[int] = dataclasses.field(default_factory=list)
     # Transient failures, back to queued: (id, attempt, error).
     transient: list[tuple[int, int, TransientError]] = dataclasses.field(default_factory=list)
     not_claimed: list[int] = dataclasses.field(default_factory=list)
@@ -161,8 +181,8 @@ class BatchReport:
     @property
     def count(self) -> int:
         """Rows finished one way or another."""
-        return (len(self.sent) + len(self.failed) + len(self.suppressed) + len(self.transient)
-                + len(self.released))
+        return (len(self.sent) + len(self.failed) + len(self.suppressed) + len(self.expired)
+                + len(self.transient) + len(self.released))
 
 
 @dataclasses.dataclass
@@ -175,7 +195,8 @@ class Waiter:
 
     def take(self, report: BatchReport) -> bool:
         """Note the outcomes of its ids in ``report``; True once it has them all."""
-        for name in ("sent", "failed", "suppressed", "not_claimed", "lost", "released"):
+        for name in ("sent", "failed", "suppressed", "expired", "not_claimed", "lost",
+                     "released"):
             mine = [i for i in getattr(report, name) if i in self.ids]
             getattr(self.report, name).extend(mine)
             self.ids.difference_update(mine)
@@ -231,6 +252,10 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
         why = ", ".join(f"{address} ({reason})" for address, reason in email.suppressed)
         return Outcome(email, Status.SUPPRESSED, give_back_attempt=True,
                        error_message=f"every recipient is on the suppression list: {why}")
+    if isinstance(result, Expired):
+        return Outcome(email, Status.EXPIRED, give_back_attempt=True,
+                       error_message=f"expired at {email.expires_at:%Y-%m-%d %H:%M:%S} UTC "
+                                     "before it was sent")
     if isinstance(result, Delivered):
         if not result.refused:
             # Nearly every result: nothing to write down but the provider's id.
@@ -253,6 +278,12 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
     if asked is not None:
         # The server said when to come back (an HTTP Retry-After): not sooner.
         due_in = max(due_in or 0.0, asked)
+    if email.expires_at is not None and \
+            utcnow() + timedelta(seconds=due_in or 0.0) >= email.expires_at:
+        # Its next attempt would come too late: it ends now, with why.
+        return Outcome(email, Status.EXPIRED, error_code=error.code,
+                       error_message=f"expires at {email.expires_at:%Y-%m-%d %H:%M:%S} UTC, "
+                                     f"before its next attempt; last error: {error.message}")
     return Outcome(email, Status.QUEUED, error_code=error.code, error_message=error.message,
                    due_in=due_in, give_back_attempt=not decision.charge,
                    deferred=decision.deferral)
@@ -437,7 +468,7 @@ class Delivery:
             self.heartbeat.done([email for email, _ in done])
         errors: dict[int, TransportError] = {
             email.id: (result.error if isinstance(result, Failed) else TransientError(SPENT_LEASE))
-            for email, result in done if not isinstance(result, (Delivered, Suppressed))}
+            for email, result in done if not isinstance(result, (Delivered, Suppressed, Expired))}
         for outcome in recorded:
             self._report(outcome, errors.get(outcome.email.id), report, policy)
         if stored:
@@ -482,8 +513,9 @@ class Delivery:
                 fix=f"correct the cause, then put it back with mail.retry({email.id}) or "
                     f"`flask outbox dlq retry {email.id}`")
             self._tell(self.callbacks.failed, email, error)
-        elif outcome.status is Status.SUPPRESSED:
-            report.suppressed.append(email.id)
+        elif outcome.status in (Status.SUPPRESSED, Status.EXPIRED):
+            (report.suppressed if outcome.status is Status.SUPPRESSED
+             else report.expired).append(email.id)
             logger.info("Email %s (%s) was not sent: %s", email.id, email.message_id,
                         outcome.error_message)
         elif isinstance(error, NotAttempted):

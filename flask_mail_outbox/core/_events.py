@@ -63,20 +63,25 @@ class EventLog:
         self.suppressions = suppressions
 
     def record(self, events: Sequence[DeliveryEvent], *, nonces: Sequence[str] = (),
-               nonce_transport: str = "", source: str | None = None) -> RecordedEvents:
+               nonce_transport: str = "", source: str | None = None,
+               suppress_unmatched: bool = True) -> RecordedEvents:
         """Store ``events`` (and ``nonces``) in one transaction; see the module docstring.
 
         ``source`` is what the suppressions they cause say put them there
-        (the event's transport and type by default). Raises :class:`Replayed`
-        when a nonce was seen before; nothing is written then.
+        (the event's transport and type by default). Without
+        ``suppress_unmatched``, only events that name an email of ours
+        suppress (a bounce message is unauthenticated mail: one that names
+        no email we sent must not silence an address). Raises
+        :class:`Replayed` when a nonce was seen before; nothing is written then.
         """
         with self.store.write() as tx:
             return self.record_on(tx, events, nonces=nonces, nonce_transport=nonce_transport,
-                                  source=source)
+                                  source=source, suppress_unmatched=suppress_unmatched)
 
     def record_on(self, tx: Connection, events: Sequence[DeliveryEvent], *,
                   nonces: Sequence[str] = (), nonce_transport: str = "",
-                  source: str | None = None) -> RecordedEvents:
+                  source: str | None = None,
+                  suppress_unmatched: bool = True) -> RecordedEvents:
         """:meth:`record` on a transaction the caller holds (and commits)."""
         if nonces:
             self._take_nonces(tx, nonce_transport, nonces)
@@ -85,7 +90,8 @@ class EventLog:
         matched = self._match(tx, events)
         new, duplicates = self._insert(tx, matched)
         entries = [(loose_key(e.recipient), reason, source or f"{e.transport} {e.event_type}")
-                   for e in new if (reason := e.suppresses) and e.recipient]
+                   for e in new if (reason := e.suppresses) and e.recipient
+                   and (suppress_unmatched or e.email_id is not None)]
         self.suppressions.put(tx, entries)
         return RecordedEvents(new=tuple(new), duplicates=duplicates,
                               unmatched=sum(e.email_id is None for e in new),
@@ -143,7 +149,10 @@ class EventLog:
         """
         t = event_table
         rows = []
-        kept = list(events)
+        # In key order: two requests inserting the same events in different orders
+        # (a provider's retry racing the original) would otherwise deadlock on
+        # PostgreSQL's unique index.
+        kept = sorted(events, key=lambda e: (e.transport, e.provider_event_id or ""))
         received = self.store.clock()
         for index, event in enumerate(kept):
             if event.occurred_at is None:

@@ -294,3 +294,34 @@ def _insert_unless_stored(session: Session, dialect: str, values: dict[str, Any]
                 return int(existing), False, False
         row = session.execute(email_table.insert().values(**values).returning(*returning)).one()
     return int(row.id), True, bool(row.key_head)
+
+
+def cancel_emails(session: Session, *, email_ids: Sequence[int] = (), key: str | None = None,
+                  idempotency_key: str | None = None) -> tuple[list[tuple[int, str | None]], int]:
+    """Cancel queued rows in the caller's ``session`` (not committed); ``(cancelled, in_flight)``.
+
+    ``cancelled``: ``(id, key)`` of each row moved from ``queued`` to
+    ``cancelled`` (waiting for its ``send_after`` or a retry included);
+    ``in_flight``: how many rows the criteria name that are ``sending``
+    already and are not cancelled. The compare-and-set on ``status =
+    'queued'`` is the gate a claim also passes: a row is either claimed or
+    cancelled, never both. A cancelled key holder gives up its flag here;
+    the next email of its key is handed the flag after the commit (see
+    :meth:`._store.Store.advance_keys`), so a request never holds a key's line lock.
+    """
+    t = email_table
+    if email_ids:
+        where: Any = t.c.id.in_(list(email_ids))
+    elif key is not None:
+        where = t.c.key == key
+    else:
+        where = t.c.idempotency_key == idempotency_key
+    conn = email_connection(session)
+    rows = conn.execute(
+        t.update().where(where, t.c.status == "queued")
+        .values(status="cancelled", key_head=False, lease_owner=None, lease_expires_at=None,
+                last_error="cancelled by mail.cancel() before it was sent")
+        .returning(t.c.id, t.c.key)).all()
+    in_flight = conn.execute(sa.select(sa.func.count()).select_from(t)
+                             .where(where, t.c.status == "sending")).scalar_one()
+    return [(int(row.id), row.key) for row in rows], int(in_flight)

@@ -24,6 +24,7 @@ from ._rate import SharedRate, Slots
 
 if TYPE_CHECKING:
     from .. import _degrade
+    from .._compose.verp import VerpAddresses
     from ..transports import Envelope, Report, Sending, Transport
     from ._settings import OutboxConfig
     from ._store import ClaimedEmail, Store
@@ -32,12 +33,18 @@ logger = logging.getLogger(__name__)
 
 
 class Lane:
-    """One transport's share of a worker (see the module docstring)."""
+    """One transport's share of a worker (see the module docstring).
 
-    def __init__(self, name: str, transport: Transport, rate: SharedRate | None) -> None:
+    ``verp``: the VERP envelope senders of a transport that speaks SMTP
+    (``OUTBOX_BOUNCE_ADDRESS``); None for the APIs, whose providers handle returns.
+    """
+
+    def __init__(self, name: str, transport: Transport, rate: SharedRate | None,
+                 verp: VerpAddresses | None = None) -> None:
         self.name = name
         self.transport = transport
         self.rate = rate
+        self.verp = verp
         #: Started by the first throttled reply when no rate is configured.
         self.limiter: RateLimiter | None = None
         self.sending: Sending | None = None
@@ -120,7 +127,8 @@ class Lanes:
         self.lanes = {
             spec.name: Lane(spec.name, transports[spec.name],
                             SharedRate(store, spec.name, spec.rate, clock=clock)
-                            if spec.rate else None)
+                            if spec.rate else None,
+                            verp=config.verp if spec.cls.takes_esmtp_options else None)
             for spec in config.transport_specs}
 
     def __iter__(self) -> Iterator[Lane]:
@@ -142,7 +150,7 @@ class Lanes:
         for name, emails in by_lane.items():
             lane = self.lanes[name]
             if lane.rate is None:
-                lane.put([envelope_of(e, self.config.dkim) for e in emails], report)
+                lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in emails], report)
             else:
                 lane.pace(emails, self._slots(lane.rate, len(emails)))
         self.release_due(report)
@@ -153,7 +161,7 @@ class Lanes:
         for lane in self:
             due = lane.due(now)
             if due:
-                lane.put([envelope_of(e, self.config.dkim) for e in due], report)
+                lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in due], report)
 
     def next_slot(self) -> float | None:
         """When the next paced row of any lane may go."""

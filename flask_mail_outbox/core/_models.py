@@ -63,14 +63,16 @@ class Status(str, enum.Enum):
     FAILED = "failed"
     #: Every recipient was on the suppression list: ended without contacting a server.
     SUPPRESSED = "suppressed"
+    #: Not delivered before ``send(expires_after=...)``: ended unsent, not retried.
+    EXPIRED = "expired"
+    #: Taken back by ``mail.cancel()`` while still queued.
+    CANCELLED = "cancelled"
 
     def __str__(self) -> str:
         return self.value
 
 
-#: The statuses the database accepts: ``expired`` and ``cancelled`` are the
-#: terminal statuses of expiry and cancel, allowed ahead of their code so that
-#: one migration rebuilds SQLite's table for all three.
+#: The statuses the database accepts.
 STATUS_CHECK = ("status IN ('queued', 'sending', 'sent', 'failed', 'suppressed', 'expired', "
                 "'cancelled')")
 
@@ -137,6 +139,8 @@ class OutboxEmail(Base):
     # The provider's id of the message (an API's reply, an SMTP "queued as"):
     # delivery events are matched on it.
     provider_message_id: Mapped[str | None] = mapped_column(sa.String(255))
+    # mail.send(expires_after=...): not delivered by then, the row ends expired.
+    expires_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
 
     __table_args__ = (
         sa.CheckConstraint(STATUS_CHECK, name="ck_outbox_email_status"),
@@ -256,7 +260,8 @@ class OutboxSuppression(Base):
 
     __tablename__ = "outbox_suppression"
 
-    address: Mapped[str] = mapped_column(sa.String(320), primary_key=True)
+    # Byte order ("C" on PostgreSQL), as the search columns: a prefix search is a range scan.
+    address: Mapped[str] = mapped_column(_search_text(320), primary_key=True)
     reason: Mapped[str] = mapped_column(sa.String(16), nullable=False)
     source: Mapped[str] = mapped_column(sa.String(255), nullable=False, server_default="")
     created_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)

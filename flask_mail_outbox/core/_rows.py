@@ -38,7 +38,8 @@ class QueuedRow:
 def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
                 due_at: datetime | None, idempotency_key: str | None = None,
                 priority: int = DEFAULT_PRIORITY,
-                transport: str = DEFAULT_TRANSPORT) -> QueuedRow:
+                transport: str = DEFAULT_TRANSPORT,
+                expires_at: datetime | None = None) -> QueuedRow:
     """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad."""
     check_message(msg)
     prepared = prepare_message(
@@ -67,6 +68,8 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
         "priority": priority,
         "transport": transport,
     }
+    if expires_at is not None:
+        values["expires_at"] = expires_at
     attachments = [
         {"position": index, "filename": info.filename, "content_type": info.content_type,
          "size": info.size}
@@ -143,6 +146,37 @@ def _smtp_options(mail_options: tuple[str, ...], rcpt_options: tuple[str, ...]) 
     if not mail_options and not rcpt_options:
         return None
     return json.dumps({"mail": list(mail_options), "rcpt": list(rcpt_options)})
+
+
+def expires_at_of(expires_after: Any, due_at: datetime | None) -> datetime | None:
+    """``expires_after`` as a naive UTC time (None: never); ``InvalidMessage`` when it cannot be.
+
+    A timedelta counts from now. An expiry that is not after the due time
+    (``send_after``) could never be met, and is refused.
+    """
+    if expires_after is None:
+        return None
+    if isinstance(expires_after, timedelta):
+        if expires_after <= timedelta(0):
+            raise InvalidMessage("expires_after", f"must be positive, got {expires_after!r}")
+        try:
+            expires_at = utcnow() + expires_after
+        except OverflowError:
+            raise InvalidMessage("expires_after",
+                                 f"{expires_after!r} is past the year 9999") from None
+    elif isinstance(expires_after, datetime):
+        expires_at = (expires_after.astimezone(UTC).replace(tzinfo=None)
+                      if expires_after.tzinfo is not None else expires_after)
+    else:
+        raise InvalidMessage("expires_after", f"expected a datetime or timedelta, got "
+                             f"{type(expires_after).__name__}")
+    earliest = due_at or utcnow()
+    if expires_at <= earliest:
+        what = "send_after" if due_at is not None else "now"
+        raise InvalidMessage("expires_after", f"expires at {expires_at:%Y-%m-%d %H:%M:%S} UTC, "
+                             f"not after {what} ({earliest:%Y-%m-%d %H:%M:%S} UTC): it could "
+                             "never be sent")
+    return expires_at
 
 
 def due_at_of(send_after: Any) -> datetime | None:

@@ -18,6 +18,7 @@ from ._retry import RetryPolicy
 if TYPE_CHECKING:
     from .._compose.dkim import DKIMSigner
     from .._compose.links import UnsubscribeLinks
+    from .._compose.verp import VerpAddresses
 
 #: The name of the transport of ``MAIL_*`` / ``OUTBOX_TRANSPORT``, and of every row sent without one.
 DEFAULT_TRANSPORT = "default"
@@ -108,6 +109,8 @@ class OutboxConfig:
     webhook_prefix: str = "/outbox/webhooks"
     #: OUTBOX_UNSUBSCRIBE_URL, without a trailing "/" (None: no one-click route).
     unsubscribe_url: str | None = None
+    #: OUTBOX_BOUNCE_ADDRESS's VERP envelope senders (None: the message's sender).
+    verp: VerpAddresses | None = dataclasses.field(default=None, repr=False)
     #: Makes and reads the one-click URLs (None without OUTBOX_UNSUBSCRIBE_URL).
     unsubscribe_links: UnsubscribeLinks | None = dataclasses.field(default=None, repr=False)
 

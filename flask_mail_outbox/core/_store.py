@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeVar
@@ -67,6 +67,8 @@ class ClaimedEmail:
     transport: str = "default"
     #: Recipients on the suppression list, left out of the envelope: (address, reason).
     suppressed: tuple[tuple[str, str], ...] = ()
+    #: ``send(expires_after=...)``: not delivered by then, it ends expired (naive UTC).
+    expires_at: datetime | None = None
 
     @property
     def deliverable(self) -> tuple[str, ...]:
@@ -373,9 +375,18 @@ class Store:
                 mail_options=tuple(options.get("mail", ())),
                 rcpt_options=tuple(options.get("rcpt", ())),
                 transport=row.transport,
+                expires_at=row.expires_at,
             ))
         claimed.sort(key=lambda email: email.id)
         return claimed
+
+    def advance_keys(self, keys: Iterable[str]) -> list[int]:
+        """Apply the per-key rule to ``keys`` in a short transaction of its own (after a cancel)."""
+        wanted = sorted(set(keys))
+        if not wanted:
+            return []
+        with self.write() as conn:
+            return _ordering.advance(conn, wanted)
 
     def renew_leases(self, owner: str, ids: Sequence[int], lease_seconds: float) -> int:
         """Extend the lease of rows still ``sending`` under ``owner``; returns how many.

@@ -159,9 +159,10 @@ class Suppressions:
         t = suppression_table
         dialect: Any = postgresql if self.store.is_postgres else sqlite
         now = self.store.clock()
+        # One entry per address, in address order (concurrent upserts never deadlock).
         rows = [{"address": key, "reason": reason, "source": source[:255],
                  "created_at": now, "expires_at": expires_at}
-                for key, reason, source in dict((e[0], e) for e in entries).values()]
+                for key, reason, source in sorted({e[0]: e for e in entries}.values())]
         insert = dialect.insert(t)
         where = None
         if not replace:
@@ -176,8 +177,14 @@ class Suppressions:
             where=where), rows)
 
     def remove(self, address: str) -> bool:
-        """Take ``address`` off the list; True if it was on it."""
-        key = suppression_key(address)
+        """Take ``address`` off the list; True if it was on it.
+
+        An entry a provider reported in a form that is not a valid address is
+        found by its lower-cased text.
+        """
+        if not isinstance(address, str):
+            raise InvalidMessage("address", f"expected str, got {type(address).__name__}")
+        key = loose_key(address)
         t = suppression_table
         with self.store.write() as conn:
             return bool(conn.execute(t.delete().where(t.c.address == key)).rowcount)

@@ -33,7 +33,17 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from . import _retry
-from ._delivery import Attempt, BatchReport, Delivery, Suppressed, Waiter, new_owner
+from ._clock import utcnow
+from ._delivery import (
+    Attempt,
+    BatchReport,
+    Delivery,
+    Expired,
+    Suppressed,
+    Waiter,
+    expired,
+    new_owner,
+)
 from ._lanes import Lanes
 from ._pacing import IdleBackoff, ReapSchedule, inline_backoff
 from ._store import ClaimedEmail, KeptConnection, Reaped
@@ -520,9 +530,12 @@ class Worker:
         self.delivery.heartbeat.track(claimed)
         sendable: list[ClaimedEmail] = []
         unknown: list[ClaimedEmail] = []
+        now = utcnow()
         for email in claimed:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent
+            elif expired(email, now):
+                self._on_result_of(email, Expired())  # too late: ends unsent
             else:
                 (sendable if email.transport in self.lanes else unknown).append(email)
         if unknown:  # named by a process with another OUTBOX_TRANSPORTS
@@ -614,7 +627,8 @@ class Worker:
                     self.delivery.note_given_back([email_id])
                 if not self.dispatching:  # a dispatcher takes it again when due
                     self.delivery.report_left_queued(email_id, attempt, error, due_now=due_now)
-            for email_id in itertools.chain(report.sent, report.failed, report.lost,
+            for email_id in itertools.chain(report.sent, report.failed, report.suppressed,
+                                            report.expired, report.lost,
                                             report.not_claimed, report.released):
                 self._retry_numbers.pop(email_id, None)
             self._cond.notify_all()

@@ -1,4 +1,4 @@
-"""outbox: delivery events, the suppression list, and the statuses that end without a send
+"""outbox: delivery events, the suppression list, expiry, and the statuses that end unsent
 
 Revision ID: outbox_0007
 Revises: outbox_0006
@@ -6,7 +6,8 @@ Create Date: 2026-12-06
 
 Creates ``outbox_event`` (delivery events, unique per transport and
 ``provider_event_id``), ``outbox_suppression`` (one row per normalized address)
-and ``outbox_webhook_nonce`` (signature tokens already accepted), and widens
+and ``outbox_webhook_nonce`` (signature tokens already accepted); adds
+``outbox_email.expires_at`` (``send(expires_after=...)``); and widens
 ``ck_outbox_email_status`` to the terminal statuses ``suppressed``, ``expired``
 and ``cancelled``. On PostgreSQL the new constraint is added ``NOT VALID`` and
 then validated, so the table is not locked for writes while its rows are
@@ -48,8 +49,9 @@ def _transport() -> sa.Column[Any]:
     return sa.Column("transport", sa.String(64), nullable=False, server_default="default")
 
 
-def _email_table(*, statuses: str) -> sa.Table:
-    """``outbox_email`` at this revision (``statuses`` = :data:`STATUSES`) or at outbox_0006."""
+def _email_table(*, new: bool) -> sa.Table:
+    """``outbox_email`` at this revision, or (not ``new``) at outbox_0006."""
+    statuses = STATUSES if new else OLD_STATUSES
     metadata = sa.MetaData(naming_convention={
         "ix": "ix_%(column_0_label)s",
         "pk": "pk_%(table_name)s",
@@ -84,6 +86,7 @@ def _email_table(*, statuses: str) -> sa.Table:
         sa.Column("priority", sa.SmallInteger(), nullable=False, server_default="1"),
         _transport(),
         sa.Column("provider_message_id", sa.String(255), nullable=True),
+        *([sa.Column("expires_at", sa.DateTime(), nullable=True)] if new else []),
         sa.CheckConstraint(f"status IN ({statuses})", name="ck_outbox_email_status"),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
         sa.Index("ix_outbox_email_due", "transport", "priority",
@@ -150,7 +153,7 @@ def _create_tables() -> None:
     op.create_index("ix_outbox_event_type", "outbox_event", ["event_type", "email_id"])
     op.create_table(
         "outbox_suppression",
-        sa.Column("address", sa.String(320), nullable=False),
+        sa.Column("address", _search_text(320), nullable=False),
         sa.Column("reason", sa.String(16), nullable=False),
         sa.Column("source", sa.String(255), server_default="", nullable=False),
         sa.Column("created_at", sa.DateTime(), nullable=False),
@@ -184,9 +187,10 @@ def _set_status_check(statuses: str) -> None:
 def upgrade() -> None:
     _create_tables()
     if op.get_context().dialect.name == "sqlite":
-        table = _email_table(statuses=STATUSES)
-        _rebuild_sqlite(table, [c.name for c in table.columns])
+        _rebuild_sqlite(_email_table(new=True),
+                        [c.name for c in _email_table(new=False).columns])
         return
+    op.add_column("outbox_email", sa.Column("expires_at", sa.DateTime(), nullable=True))
     _set_status_check(STATUSES)
 
 
@@ -197,10 +201,11 @@ def downgrade() -> None:
                "COALESCE(last_error, status) WHERE status IN ('suppressed', 'expired', "
                "'cancelled')")
     if op.get_context().dialect.name == "sqlite":
-        table = _email_table(statuses=OLD_STATUSES)
+        table = _email_table(new=False)
         _rebuild_sqlite(table, [c.name for c in table.columns])
     else:
         _set_status_check(OLD_STATUSES)
+        op.drop_column("outbox_email", "expires_at")
     op.drop_table("outbox_webhook_nonce")
     op.drop_table("outbox_suppression")
     op.drop_table("outbox_event")

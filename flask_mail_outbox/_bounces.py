@@ -1,0 +1,707 @@
+"""Bounce messages read: RFC 3464 DSNs, RFC 5965 ARF reports, the rest through flufl.bounce.
+
+:func:`read_bounce` takes one mail message as bytes (what an MTA's pipe
+delivery hands a command on standard input, or what a mailbox fetcher got)
+and says what it reports, as :class:`~flask_mail_outbox.DeliveryEvent`
+values of ``transport`` ``"bounce"``. Like the webhook receivers it knows no
+Flask and no database: matching a VERP address to a row is the caller's
+``email_id_of``, storing the events is the event log's.
+
+Which reader, in this order:
+
+1. a ``message/delivery-status`` (or RFC 6533 ``message/global-delivery-status``)
+   part anywhere in the message's own MIME tree (not inside a returned or
+   forwarded message): an RFC 3464 DSN, kind ``"dsn"``. Some relays re-wrap a
+   DSN in ``multipart/mixed``; the part is what counts, not the top type;
+2. a ``message/feedback-report`` part: an RFC 5965 ARF report, kind ``"arf"``;
+3. otherwise flufl.bounce (``all_failures``, Mailman's detectors for qmail,
+   Exim's and Yahoo's texts, old Sendmail and Exchange, ...): kind
+   ``"detected"`` when it finds an address, ``"not-a-bounce"`` when not.
+   A DSN whose status part names no recipient (Google Workspace sends such)
+   is given to flufl.bounce too, and stays a ``"dsn"`` without events when
+   it finds nobody either.
+
+flufl.bounce reads the first :data:`FLUFL_BYTES` of a message (see
+:func:`_trimmed`), and one message gives at most :data:`MAX_EVENTS` events.
+
+==============================================  =========================================
+what the message says                           event (bounce kind)
+==============================================  =========================================
+DSN ``Action: failed`` (or ``failure``,        ``bounced``: ``permanent`` for a 5.x.x
+OpenSMTPD's ``error``, SendGrid's               ``Status``, ``transient`` otherwise (Gmail
+``expired``), per recipient block               gives up on a 4.x.x with ``failed``)
+DSN ``Action: delayed``                         ``deferred`` (the MTA is still trying)
+DSN ``Action: delivered`` / ``expanded``        ``delivered`` (only sent when the sender
+                                                asked for NOTIFY=SUCCESS; kept if it comes)
+DSN ``Action: relayed``, any other action       ``unknown``: relayed means handed to a
+                                                system that sends no DSN, so delivery is
+                                                not known
+ARF ``Feedback-Type`` abuse, fraud, virus,      ``complained``, one per ``Original-Rcpt-To``
+other, or none                                  (else the returned message's ``To`` when it
+                                                names exactly one address, else no
+                                                recipient)
+ARF ``opt-out``                                 ``unsubscribed``
+ARF ``auth-failure`` (RFC 6591 DMARC/SPF/DKIM   no event: a report about who sent with our
+failure report), ``not-spam``                   domain, not about a recipient
+flufl.bounce permanent failure                  ``bounced`` (``permanent``)
+flufl.bounce temporary failure                  ``deferred``: its temporary failures are
+                                                delay warnings (its SimpleWarning and the
+                                                DSN ``delayed`` action), not given-up mail
+==============================================  =========================================
+
+A DSN recipient is its ``Original-Recipient`` (the address as the sender
+gave it, before forwarding or alias expansion: the one to suppress) when that
+is an address, else its ``Final-Recipient`` (else, for the one block of an
+Exim DSN that names a pipe or a file, its ``X-Failed-Recipients``). Report
+fields are read leniently: a continuation line without its indent, a space
+before the colon, a base64 ``message/delivery-status``. ``mta_response`` is the
+``Diagnostic-Code`` without its type (``smtp;``, ``X-Postfix;``), unfolded;
+``description`` is ``Status 5.1.1 from <Reporting-MTA>``. ``occurred_at`` is
+the block's ``Last-Attempt-Date`` (when it failed), else the bounce's ``Date``
+(when the MTA wrote it), else the report's ``Arrival-Date`` (when the MTA got
+the original, possibly days earlier); an ARF report's ``Arrival-Date`` (or
+the older ``Received-Date``), else ``Date``.
+
+Matching: ``email_id`` is the row named by the bounce's envelope recipient,
+the VERP address, tried with ``email_id_of`` in this order: ``X-Original-To``
+(Postfix: the address before alias expansion), every ``Delivered-To`` top
+down (Postfix, qmail, Dovecot, Courier), ``Envelope-To`` and ``X-Envelope-To``
+(Exim, others), then what the bounce itself says the envelope sender was:
+its ``To``, the returned message's ``Return-Path`` and Postfix's
+``X-Postfix-Sender``. The first address ``email_id_of`` knows wins. The
+bounce's own ``Return-Path`` is not tried: it is the bounce's envelope
+sender, ``<>``. ``message_id`` is the returned original's ``Message-ID``
+(from its ``message/rfc822`` or ``text/rfc822-headers`` part; Gmail's
+``X-Original-Message-ID`` report field; in a text bounce, the quoted copy
+after a line such as qmail's and Yahoo's "--- Below this line is a copy of
+the message." or Sendmail's "----- Unsent message follows -----"; the
+bounce's ``In-Reply-To``), so that the event log can match a bounce without a VERP
+address. A token ``email_id_of`` does not verify gives no ``email_id``.
+
+``provider_event_id`` is ``<the bounce's Message-ID>:<recipient>``, so the
+same bounce fed twice is stored once; a bounce without a Message-ID uses the
+SHA-256 of its bytes and the recipient.
+
+Everything read here is unauthenticated mail: the matched row's recipients
+are not known here, so whoever stores the events must not let a bounce
+suppress an address the row never sent to (see the event log's
+``suppress_unmatched``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import email
+import email.parser
+import email.policy
+import hashlib
+import logging
+import quopri
+import re
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from email.header import Header
+from email.message import Message
+from email.utils import getaddresses, parsedate_to_datetime
+from typing import Any
+
+from ._events import DeliveryEvent, capped_payload, naive_utc
+
+__all__ = ["KINDS", "TRANSPORT", "BounceReport", "NotMail", "read_bounce"]
+
+log = logging.getLogger(__name__)
+
+#: The ``transport`` of every event read from a bounce message.
+TRANSPORT = "bounce"
+
+#: What :attr:`BounceReport.kind` can be.
+KINDS = ("dsn", "arf", "detected", "not-a-bounce")
+
+#: Headers of which a mail message has at least one (RFC 5322 and transport headers).
+_MAIL_HEADERS = frozenset({
+    "from", "sender", "to", "cc", "date", "subject", "message-id", "received",
+    "return-path", "mime-version", "content-type", "delivered-to", "x-original-to",
+    "envelope-to", "reply-to", "in-reply-to", "references", "auto-submitted",
+})
+
+#: The most bytes looked at for a NUL before the first blank line.
+_HEADER_SCAN = 256 * 1024
+
+#: The most events one message gives (Postfix's ``smtpd_recipient_limit``): the rest of an
+#: absurd report is left unread, and the reason says so.
+MAX_EVENTS = 1000
+
+#: What flufl.bounce reads of a message: the first bytes, and lines cut (see :func:`_trimmed`).
+FLUFL_BYTES = 128 * 1024
+FLUFL_LINE = 256
+
+#: The MIME tree is walked at most this deep, and through at most this many parts.
+_MAX_DEPTH = 30
+_MAX_PARTS = 2000
+
+#: The report part types.
+_DSN_TYPES = ("message/delivery-status", "message/global-delivery-status")
+_ARF_TYPE = "message/feedback-report"
+_RETURNED_TYPES = ("message/rfc822", "message/global", "text/rfc822-headers",
+                   "message/global-headers")
+
+#: What starts the quoted original in text bounces (qmail and Yahoo; Exim; Sendmail; Gmail, ...).
+_COPY_MARKERS = re.compile(
+    rb"^[ \t]*-{2,}[ \t]*(?:Below this line is a copy of the message"
+    rb"|This is a copy of the message, including all the headers"
+    rb"|(?:Original|Unsent) message(?: follows)?|Message header follows"
+    rb"|Enclosed is a copy of the message|The header of the original message is following)"
+    rb"\.?[ \t]*-*[ \t]*\r?$",
+    re.MULTILINE | re.IGNORECASE)
+
+_STATUS = re.compile(r"\b([245])\.(\d{1,3})\.(\d{1,3})\b")
+_ADDRESS = re.compile(r"[^\s<>@]+@[^\s<>@]+")
+_MESSAGE_ID = re.compile(r"<[^<>\s]+>")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+_SPACES = re.compile(r"\s+")
+
+#: Feedback types that are a recipient's complaint (RFC 5965 section 7.3; missing counts).
+_COMPLAINTS = ("abuse", "fraud", "virus", "other", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class BounceReport:
+    """What one message turned out to be.
+
+    ``kind`` is one of :data:`KINDS`; ``events`` what it reports (none for
+    ``"not-a-bounce"``, possibly none for the others); ``reason`` one line
+    for the log saying what was found, or why it is not a bounce.
+    """
+
+    kind: str
+    events: tuple[DeliveryEvent, ...] = ()
+    reason: str = ""
+
+
+class NotMail(ValueError):
+    """The input is not a mail message at all (empty, binary, no headers)."""
+
+
+def read_bounce(raw: bytes, *,
+                email_id_of: Callable[[str], int | None] | None = None) -> BounceReport:
+    """What the mail message ``raw`` reports (see the module docstring).
+
+    ``email_id_of`` is the VERP reader: the row id of an address it signed,
+    None for any other address. Without it, events are matched by the
+    returned Message-ID only. Raises :class:`NotMail` for input that is not
+    a mail message.
+    """
+    msg = _parse(raw)
+    reader = _Bounce(bytes(raw), msg, email_id_of)
+    return reader.read()
+
+
+# -- parsing -------------------------------------------------------------------------------
+
+
+def _parse(raw: bytes) -> Message:
+    """``raw`` as a message, or :class:`NotMail`."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected the message as bytes, got {type(raw).__name__}")
+    data = bytes(raw)
+    if not data.strip():
+        raise NotMail("the input is empty")
+    head_end = min(_header_end(data), _HEADER_SCAN)
+    if b"\x00" in data[:head_end]:
+        raise NotMail("the input is binary data, not a mail message (a NUL byte in what "
+                      "would be its header)")
+    try:
+        msg = email.message_from_bytes(data, policy=email.policy.compat32)
+    except RecursionError:
+        raise NotMail("the input's MIME parts nest too deeply to be a mail message") from None
+    names = {name.lower() for name in msg}
+    if not names:
+        raise NotMail("the input has no header fields: not a mail message")
+    if not names & _MAIL_HEADERS:
+        raise NotMail("the input has none of the header fields a mail message has (From, "
+                      "Date, To, Received, Content-Type, ...)")
+    return msg
+
+
+def _trimmed(raw: bytes) -> bytes:
+    """``raw`` as flufl.bounce reads it: its first :data:`FLUFL_BYTES`, body lines cut.
+
+    Body lines are cut to :data:`FLUFL_LINE` bytes. The detectors run regular
+    expressions over every body line, some of them quadratic in a line's
+    length (a run of whitespace under ``\\s*(?P<addr>\\S+@\\S+)``): a
+    hostile message must not hold the MTA's pipe for minutes. A bounce says
+    who failed near its start, before the returned original; over the
+    sisimai and flufl.bounce corpora (749 messages) the cut changes nothing
+    read from them.
+    """
+    head_end = _header_end(raw)
+    head, body = raw[:head_end], raw[head_end:FLUFL_BYTES]
+    return head[:FLUFL_BYTES] + b"".join(
+        line if len(line) <= FLUFL_LINE else line[:FLUFL_LINE] + b"\n"
+        for line in body.splitlines(keepends=True))
+
+
+def _header_end(data: bytes) -> int:
+    """Where the header section of ``data`` ends (its length when it has no body)."""
+    found = [i for i in (data.find(b"\n\n"), data.find(b"\r\n\r\n")) if i >= 0]
+    return min(found) if found else len(data)
+
+
+def _text(value: Any) -> str:
+    """A header value as one line of text: unfolded, without control characters."""
+    if value is None:
+        return ""
+    if isinstance(value, Header):
+        try:
+            value = str(value)
+        except (UnicodeError, LookupError):
+            value = value.encode()
+    text = str(value).encode("utf-8", "replace").decode("utf-8")
+    return _SPACES.sub(" ", _CONTROL.sub(" ", text)).strip()
+
+
+def _field(block: Message, name: str) -> str:
+    return _text(block.get(name))
+
+
+def _fields(block: Message, name: str) -> list[str]:
+    return [_text(value) for value in block.get_all(name) or []]
+
+
+def _typed(value: str) -> tuple[str, str]:
+    """``"rfc822; a@b"`` as ``("rfc822", "a@b")``; a value without a type as ``("", value)``."""
+    kind, semicolon, rest = value.partition(";")
+    if not semicolon:
+        return "", value.strip()
+    return kind.strip().lower(), rest.strip()
+
+
+def _address(value: str) -> str | None:
+    """The email address ``value`` is (``rfc822;`` typed, or bare), or None."""
+    _, text = _typed(value)
+    text = text.strip().strip("<>").strip()
+    if not text or len(text) > 320 or _ADDRESS.fullmatch(text) is None:
+        return None
+    return text
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = _text(text)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _time(value: str) -> datetime | None:
+    """An RFC 5322 date as naive UTC, or None."""
+    if not value:
+        return None
+    try:
+        moment = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return naive_utc(moment)
+
+
+def _message_id(value: str) -> str | None:
+    """The first ``<id>`` in ``value``, or None."""
+    match = _MESSAGE_ID.search(value or "")
+    if match is None or len(match.group(0)) > 998:
+        return None
+    return match.group(0)
+
+
+def _decoded(part: Message) -> bytes:
+    """The body of a leaf ``part`` as bytes, its transfer encoding undone."""
+    payload = part.get_payload(decode=True)
+    return payload if isinstance(payload, bytes) else b""
+
+
+class _Block:
+    """One blank-line separated block of ``name: value`` fields (a DSN or ARF report)."""
+
+    def __init__(self) -> None:
+        self.fields: list[tuple[str, str]] = []
+
+    def get(self, name: str) -> str:
+        """The first ``name`` field, unfolded ("" when missing)."""
+        return next((value for key, value in self.fields if key == name), "")
+
+    def get_all(self, name: str) -> list[str]:
+        return [value for key, value in self.fields if key == name]
+
+    def has(self, *names: str) -> bool:
+        return any(key in names for key, _ in self.fields)
+
+
+_FIELD = re.compile(r"([A-Za-z0-9][A-Za-z0-9_-]*)[ \t]*:(.*)")
+
+
+def _blocks_of(text: str) -> list[_Block]:
+    """The blocks of a report body, read leniently.
+
+    Leniently, because real MTAs write broken reports: a continuation line
+    without its leading space (MessageLabs), a space before the colon
+    (Mimecast). A line that does not start a field continues the last one.
+    """
+    blocks: list[_Block] = []
+    current: _Block | None = None
+    for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
+        if not line.strip():
+            current = None
+            continue
+        match = None if line[:1] in " \t" else _FIELD.fullmatch(line)
+        if current is None:
+            current = _Block()
+            blocks.append(current)
+        if match is not None:
+            current.fields.append((match.group(1).lower(), _text(match.group(2))))
+        elif current.fields:
+            name, value = current.fields[-1]
+            current.fields[-1] = (name, _text(value + " " + line))
+    return [block for block in blocks if block.fields]
+
+
+def _report_blocks(part: Message) -> list[_Block]:
+    """The blocks of a delivery-status or feedback-report part.
+
+    The stdlib parser splits ``message/delivery-status`` into header blocks
+    itself, strictly (a malformed line ends a block's fields) and ignoring a
+    transfer encoding (some MTAs base64 it); the blocks' text is put back
+    together and read again here. Other report types are text.
+    """
+    encoding = _text(part.get("content-transfer-encoding")).lower()
+    payload = part.get_payload()
+    if isinstance(payload, list):
+        data = b"\n\n".join(_raw_block(block) for block in payload
+                             if isinstance(block, Message))
+        if encoding in ("base64", "quoted-printable"):
+            try:
+                data = (base64.b64decode(data) if encoding == "base64"
+                        else quopri.decodestring(data))
+            except (binascii.Error, ValueError):
+                return []
+    else:
+        data = _decoded(part)
+    return _blocks_of(data.decode("utf-8", "replace"))
+
+
+def _raw_block(block: Message) -> bytes:
+    """A block the stdlib parsed, as the text it came from.
+
+    A block's "body" can only be lines after a malformed one (a blank line
+    would have ended the block), so it follows the fields directly.
+    """
+    head = "".join(f"{name}: {value}\n" for name, value in block.raw_items())
+    body = block.get_payload()
+    text = head + (body if isinstance(body, str) else "")
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _leaves(msg: Message) -> Iterator[Message]:
+    """The parts of ``msg``'s own MIME tree, depth first; never inside a returned message."""
+    stack: list[tuple[Message, int]] = [(msg, 0)]
+    seen = 0
+    while stack and seen < _MAX_PARTS:
+        part, depth = stack.pop()
+        seen += 1
+        yield part
+        if part.get_content_maintype() == "multipart" and depth < _MAX_DEPTH:
+            children = part.get_payload()
+            if isinstance(children, list):
+                stack.extend((child, depth + 1) for child in reversed(children)
+                             if isinstance(child, Message))
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+class _Bounce:
+    """One message being read."""
+
+    def __init__(self, raw: bytes, msg: Message,
+                 email_id_of: Callable[[str], int | None] | None) -> None:
+        self.raw = raw
+        self.msg = msg
+        self.parts = list(_leaves(msg))
+        self.dsn_blocks = [block for part in self.parts if part.get_content_type() in _DSN_TYPES
+                           for block in _report_blocks(part)]
+        self.is_dsn = any(part.get_content_type() in _DSN_TYPES for part in self.parts)
+        self.arf_part = next((p for p in self.parts if p.get_content_type() == _ARF_TYPE), None)
+        self.own_id = _message_id(_field(msg, "message-id"))
+        self.date = _time(_field(msg, "date"))
+        self.returned = self._returned()
+        self.envelope, self.email_id = self._match(email_id_of)
+
+    def read(self) -> BounceReport:
+        if self.is_dsn:
+            report = self._dsn()
+            if report.events:
+                return report
+            # A DSN whose status part names nobody (Google Workspace sends some): its
+            # text may still say who failed.
+            detected = self._detected()
+            return detected if detected.events else report
+        if self.arf_part is not None:
+            return self._arf(self.arf_part)
+        return self._detected()
+
+    # -- what every event shares ----------------------------------------------------------
+
+    def _returned(self) -> Message | None:
+        """The headers of the returned original, when the bounce includes them."""
+        parser = email.parser.BytesHeaderParser(policy=email.policy.compat32)
+        for part in self.parts[1:]:
+            if part.get_content_type() not in _RETURNED_TYPES:
+                continue
+            payload = part.get_payload()
+            if isinstance(payload, list) and payload and isinstance(payload[0], Message):
+                return payload[0]
+            return parser.parsebytes(_decoded(part).lstrip(b"\r\n"))
+        if self.msg.is_multipart():
+            return None
+        marker = _COPY_MARKERS.search(self.raw, _header_end(self.raw))
+        if marker is None:
+            return None
+        return parser.parsebytes(self.raw[marker.end():].lstrip(b"\r\n"))
+
+    def _candidates(self) -> list[str]:
+        """The addresses that may be the VERP address, most trustworthy first."""
+        values: list[str] = []
+        for name in ("x-original-to", "delivered-to", "envelope-to", "x-envelope-to", "to"):
+            values += _fields(self.msg, name)
+        if self.returned is not None:
+            values += _fields(self.returned, "return-path")
+        for block in self.dsn_blocks:
+            values += [_typed(value)[1] for value in block.get_all("x-postfix-sender")]
+        found: list[str] = []
+        for _, address in getaddresses(values):
+            address = address.strip()
+            if address and "@" in address and address not in found:
+                found.append(address)
+        return found
+
+    def _match(self, email_id_of: Callable[[str], int | None] | None
+               ) -> tuple[str | None, int | None]:
+        """The VERP address of ours the bounce came back to, and its row."""
+        if email_id_of is None:
+            return None, None
+        for address in self._candidates():
+            email_id = email_id_of(address)
+            if email_id is not None:
+                return address, email_id
+        return None, None
+
+    def original_id(self, extra: str = "") -> str | None:
+        """The returned original's Message-ID, by the best source there is."""
+        sources = [_field(self.returned, "message-id") if self.returned is not None else "",
+                   extra, _field(self.msg, "in-reply-to")]
+        for source in sources:
+            found = _message_id(source)
+            if found is not None:
+                return found
+        return None
+
+    def event_id(self, recipient: str | None) -> str:
+        """``<bounce Message-ID>:<recipient>``, or a SHA-256 when that cannot be."""
+        tail = recipient or ""
+        if self.own_id is not None:
+            value = f"{self.own_id}:{tail}"
+            if len(value) <= 255:
+                return value
+            return "sha256:" + hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()
+        digest = hashlib.sha256(self.raw + b"\x00" + tail.encode("utf-8", "replace"))
+        return "sha256:" + digest.hexdigest()
+
+    def event(self, event_type: str, recipient: str | None, *, occurred_at: datetime | None,
+              message_id: str | None, summary: dict[str, Any], bounce_kind: str | None = None,
+              description: str = "", mta_response: str = "") -> DeliveryEvent:
+        summary = {key: value for key, value in summary.items()
+                   if value is not None and value != "" and value != []}
+        if self.envelope is not None:
+            summary["envelope_recipient"] = self.envelope
+        if self.own_id is not None:
+            summary["bounce_message_id"] = self.own_id
+        return DeliveryEvent(
+            event_type=event_type, recipient=recipient, occurred_at=occurred_at,
+            transport=TRANSPORT, provider_event_id=self.event_id(recipient),
+            email_id=self.email_id, bounce_kind=bounce_kind,
+            description=_one_line(description, 500), mta_response=mta_response,
+            message_id=message_id, payload=capped_payload(summary))
+
+    def matched(self) -> str:
+        if self.email_id is not None:
+            return f"email {self.email_id} by its VERP address"
+        return "no VERP address of ours"
+
+    # -- RFC 3464 ---------------------------------------------------------------------------
+
+    def _dsn(self) -> BounceReport:
+        per_message = _Block()
+        recipients: list[_Block] = []
+        for block in self.dsn_blocks:
+            if block.has("final-recipient", "original-recipient", "action"):
+                recipients.append(block)
+            else:
+                per_message.fields += block.fields
+        mta = _typed(per_message.get("reporting-mta"))[1]
+        source = f" from {mta}" if mta else ""
+        if not recipients:
+            return BounceReport("dsn", (), _one_line(
+                f"a delivery status notification{source} with no per-recipient block: "
+                "nothing to record"))
+        original = self.original_id(per_message.get("x-original-message-id"))
+        arrival = _time(per_message.get("arrival-date"))
+        # Exim's X-Failed-Recipients names the address when its one block names a pipe or
+        # a file (a local delivery that failed at the far end).
+        failed = [a for _, a in getaddresses(_fields(self.msg, "x-failed-recipients"))
+                  if _address(a)]
+        fallback = failed[0] if len(recipients) == 1 and len(failed) == 1 else None
+        kept = _unique([self._dsn_event(block, mta, original, arrival, fallback)
+                        for block in recipients[:MAX_EVENTS]])
+        counts = ", ".join(f"{sum(e.event_type == t for e in kept)} {t}"
+                           for t in dict.fromkeys(e.event_type for e in kept))
+        return BounceReport("dsn", kept, _one_line(
+            f"a delivery status notification{source}: {counts}"
+            f"{_unread(len(recipients), 'recipient blocks')}; {self.matched()}"))
+
+    def _dsn_event(self, block: _Block, mta: str, original: str | None,
+                   arrival: datetime | None, fallback: str | None) -> DeliveryEvent:
+        final = block.get("final-recipient")
+        original_rcpt = block.get("original-recipient")
+        recipient = _address(original_rcpt) or _address(final) or fallback
+        action_text = block.get("action")
+        action = re.split(r"[\s(;]", action_text.lower(), maxsplit=1)[0]
+        status_text = block.get("status")
+        status_match = _STATUS.search(status_text)
+        status = status_match.group(0) if status_match else ""
+        diagnostic = block.get("diagnostic-code")
+        bounce_kind = None
+        if action.startswith("fail") or action in ("error", "expired"):  # OpenSMTPD, SendGrid
+            event_type = "bounced"
+            bounce_kind = "permanent" if status.startswith("5.") else "transient"
+            described = f"Status {status}" if status else f"Action {action_text}, no Status"
+        elif action == "delayed":
+            event_type, described = "deferred", f"Status {status or 'missing'}"
+        elif action in ("delivered", "expanded"):
+            event_type, described = "delivered", f"Action {action}"
+        else:
+            event_type = "unknown"
+            described = f"Action {action_text or 'missing'}" + (
+                " (passed on to a system that sends no DSN: delivery is not known)"
+                if action == "relayed" else "") + (f", Status {status}" if status else "")
+        summary = {
+            "kind": "dsn", "reporting_mta": mta, "action": action_text, "status": status_text,
+            "final_recipient": final, "original_recipient": original_rcpt,
+            "diagnostic_code": diagnostic, "remote_mta": block.get("remote-mta"),
+            "last_attempt_date": block.get("last-attempt-date"),
+            "will_retry_until": block.get("will-retry-until"),
+            "original_message_id": original,
+        }
+        return self.event(
+            event_type, recipient, message_id=original, summary=summary,
+            occurred_at=_time(block.get("last-attempt-date")) or self.date or arrival,
+            bounce_kind=bounce_kind, description=described + (f" from {mta}" if mta else ""),
+            mta_response=_typed(diagnostic)[1] if diagnostic else "")
+
+    # -- RFC 5965 ---------------------------------------------------------------------------
+
+    def _arf(self, part: Message) -> BounceReport:
+        report = _Block()
+        for block in _report_blocks(part):
+            report.fields += block.fields
+        feedback = report.get("feedback-type").lower()
+        agent = report.get("user-agent")
+        source = f" from {agent}" if agent else ""
+        if feedback in _COMPLAINTS:
+            event_type = "complained"
+        elif feedback == "opt-out":
+            event_type = "unsubscribed"
+        else:
+            return BounceReport("arf", (), _one_line(
+                f"a feedback report of type {feedback}{source}: not a recipient's complaint "
+                "(an authentication failure or not-spam report), nothing to record"))
+        rcpts = list(dict.fromkeys(
+            a for a in (_address(v) for v in report.get_all("original-rcpt-to")) if a))
+        if not rcpts and self.returned is not None:
+            named = [a for _, a in getaddresses(_fields(self.returned, "to")) if "@" in a]
+            if len(named) == 1 and _address(named[0]):
+                rcpts = [named[0]]
+        original = self.original_id()
+        arrival = report.get("arrival-date") or report.get("received-date")
+        summary = {
+            "kind": "arf", "feedback_type": feedback, "user_agent": agent,
+            "original_rcpt_to": report.get_all("original-rcpt-to"),
+            "original_mail_from": report.get("original-mail-from"), "arrival_date": arrival,
+            "source_ip": report.get("source-ip"),
+            "reported_domain": report.get("reported-domain"),
+            "original_message_id": original,
+        }
+        description = f"Feedback-Type {feedback or 'missing'}" + (
+            f", reported by {agent}" if agent else "")
+        targets: list[str | None] = [*rcpts[:MAX_EVENTS]] or [None]
+        events = _unique([self.event(event_type, rcpt, occurred_at=_time(arrival) or self.date,
+                                     message_id=original, summary=summary,
+                                     description=description)
+                          for rcpt in targets])
+        who = ", ".join(rcpts[:3]) + (", ..." if len(rcpts) > 3 else "") if rcpts \
+            else "no recipient named"
+        return BounceReport("arf", events, _one_line(
+            f"a feedback report ({feedback or 'no type'}){source} for {who}"
+            f"{_unread(len(rcpts), 'recipients')}; {self.matched()}"))
+
+    # -- flufl.bounce ----------------------------------------------------------------------
+
+    def _detected(self) -> BounceReport:
+        from flufl.bounce import all_failures
+
+        try:
+            temporary, permanent = all_failures(email.message_from_bytes(
+                _trimmed(self.raw), policy=email.policy.compat32))
+        except Exception as exc:  # noqa: BLE001 - a detector bug: retrying cannot help
+            log.warning("flufl.bounce failed on a message: %s: %s", type(exc).__name__, exc)
+            return BounceReport("not-a-bounce", (), _one_line(
+                f"flufl.bounce failed on it ({type(exc).__name__}): taken as not a bounce"))
+        found: dict[str, bool] = {}
+        for addresses, is_temporary in ((permanent, False), (temporary, True)):
+            for value in sorted(addresses):
+                address = _address(value.decode("ascii", "replace"))
+                if address:
+                    found.setdefault(address, is_temporary)
+        if not found:
+            return BounceReport("not-a-bounce", (), (
+                "no delivery-status or feedback-report part, and flufl.bounce recognised no "
+                "bounce"))
+        original = self.original_id()
+        events = []
+        for address, is_temporary in list(found.items())[:MAX_EVENTS]:
+            summary = {"kind": "detected", "address": address, "temporary": is_temporary,
+                       "subject": _one_line(_field(self.msg, "subject"), 200),
+                       "from": _one_line(_field(self.msg, "from"), 200),
+                       "original_message_id": original}
+            events.append(self.event(
+                "deferred" if is_temporary else "bounced", address, occurred_at=self.date,
+                message_id=original, summary=summary,
+                bounce_kind=None if is_temporary else "permanent",
+                description=("delay warning" if is_temporary else "bounce")
+                + " recognised by flufl.bounce (not a standard DSN)"))
+        named = ", ".join(list(found)[:3]) + (", ..." if len(found) > 3 else "")
+        return BounceReport("detected", _unique(events), _one_line(
+            f"a non-standard bounce recognised by flufl.bounce for {named}"
+            f"{_unread(len(found), 'addresses')}; {self.matched()}"))
+
+
+def _unread(count: int, what: str) -> str:
+    """What the reason says when more than :data:`MAX_EVENTS` were found."""
+    return f" (only the first {MAX_EVENTS} of {count} {what} read)" if count > MAX_EVENTS else ""
+
+
+def _unique(events: list[DeliveryEvent]) -> tuple[DeliveryEvent, ...]:
+    """``events`` without a second event of the same ``provider_event_id`` (the first wins)."""
+    seen: set[str | None] = set()
+    kept = []
+    for event in events:
+        if event.provider_event_id not in seen:
+            seen.add(event.provider_event_id)
+            kept.append(event)
+    return tuple(kept)

@@ -1,0 +1,98 @@
+"""``flask outbox bounce``: what each kind of input exits with (MTAs act on it).
+
+0 when processed, and 0 too for what is not a bounce, names no email of ours,
+is over 10 MiB or is not mail at all (logged); 75 (EX_TEMPFAIL) when the
+database cannot be reached, so the MTA keeps the message; never 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import MakeApps, db
+
+from flask_mail_outbox import InvalidMessage
+from flask_mail_outbox.core import event_table, suppression_table
+
+SAMPLES = Path(__file__).parent / "bounces"
+POSTFIX_DSN = (SAMPLES / "postfix-hard-5.1.1.eml").read_bytes()
+
+
+def feed(app: Any, raw: bytes) -> Any:
+    return app.test_cli_runner().invoke(args=["outbox", "bounce"], input=raw)
+
+
+def counts(app: Any) -> tuple[int, int]:
+    with app.app_context(), db.engine.connect() as conn:
+        return (conn.execute(sa.select(sa.func.count()).select_from(event_table)).scalar_one(),
+                conn.execute(sa.select(sa.func.count()).select_from(
+                    suppression_table)).scalar_one())
+
+
+@pytest.mark.parametrize(("name", "raw", "stored"), [
+    ("a DSN for no email of ours", POSTFIX_DSN, (1, 0)),
+    ("not a bounce", (SAMPLES / "not-bounce-plain.eml").read_bytes(), (0, 0)),
+    ("an auto-reply", (SAMPLES / "vacation-auto-reply.eml").read_bytes(), (0, 0)),
+    ("binary junk", bytes(range(256)) * 64, (0, 0)),
+    ("empty", b"", (0, 0)),
+    ("over 10 MiB", b"Subject: big\r\n\r\n" + b"x" * (10 * 1024 * 1024), (0, 0)),
+    ("a DSN without a recipient block",
+     POSTFIX_DSN.replace(b"Final-Recipient:", b"X-Gone:")
+     .replace(b"Original-Recipient:", b"X-Gone-Too:").replace(b"Action:", b"X-Action:"),
+     (0, 0)),
+])
+def test_every_kind_of_input_exits_0(make_apps: MakeApps, name: str, raw: bytes,
+                                     stored: tuple[int, int]) -> None:
+    app, _ = make_apps(TESTING=True)
+    result = feed(app, raw)
+    assert result.exit_code == 0, (name, result.output)
+    # An unknown row's bounce is kept, unmatched, and suppresses nothing.
+    assert counts(app) == stored
+
+
+def test_the_database_unreachable_is_75_and_a_later_run_processes_it(
+        make_apps: MakeApps, caplog: pytest.LogCaptureFixture) -> None:
+    app, mail = make_apps(TESTING=True)
+    with app.app_context(), db.engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE outbox_event RENAME TO outbox_event_away"))
+    try:
+        with caplog.at_level(logging.ERROR):
+            result = feed(app, POSTFIX_DSN)
+        assert result.exit_code == 75
+        assert any("exit 75" in r.getMessage() for r in caplog.records)
+    finally:
+        with app.app_context(), db.engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE outbox_event_away RENAME TO outbox_event"))
+    result = feed(app, POSTFIX_DSN)  # the MTA delivers it again
+    assert result.exit_code == 0
+    assert counts(app)[0] == 1
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_server_that_does_not_answer_is_75(make_apps: MakeApps, db_url: str) -> None:
+    app, _ = make_apps(TESTING=True)
+    down = sa.make_url(db_url).set(host="127.0.0.1", port=1)
+    app.extensions["mail_outbox"].outbox().engine.dispose()
+    outbox = app.extensions["mail_outbox"].outbox()
+    outbox.engine = sa.create_engine(down, connect_args={"connect_timeout": 2})
+    outbox.store.engine = outbox.engine
+    result = feed(app, POSTFIX_DSN)
+    assert result.exit_code == 75
+
+
+def test_process_bounce_from_python(make_apps: MakeApps) -> None:
+    app, mail = make_apps(TESTING=True)
+    with app.app_context():
+        events = mail.process_bounce(POSTFIX_DSN)
+        assert [(e.event_type, e.bounce_kind) for e in events] == [("bounced", "permanent")]
+        assert events[0].email_id is None
+        assert mail.process_bounce(POSTFIX_DSN) == []  # a duplicate
+        assert mail.process_bounce((SAMPLES / "not-bounce-plain.eml").read_bytes()) == []
+        with pytest.raises(InvalidMessage):
+            mail.process_bounce(b"\x00\x01\x02")
+        with pytest.raises(TypeError):
+            mail.process_bounce("text")  # type: ignore[arg-type]
