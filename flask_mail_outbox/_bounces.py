@@ -27,7 +27,7 @@ flufl.bounce reads the first :data:`FLUFL_BYTES` of a message (see
 ==============================================  =========================================
 what the message says                           event (bounce kind)
 ==============================================  =========================================
-DSN ``Action: failed`` (or ``failure``,        ``bounced``: ``permanent`` for a 5.x.x
+DSN ``Action: failed`` (or ``failure``,         ``bounced``: ``permanent`` for a 5.x.x
 OpenSMTPD's ``error``, SendGrid's               ``Status``, ``transient`` otherwise (Gmail
 ``expired``), per recipient block               gives up on a 4.x.x with ``failed``)
 DSN ``Action: delayed``                         ``deferred`` (the MTA is still trying)
@@ -106,6 +106,8 @@ from email.header import Header
 from email.message import Message
 from email.utils import getaddresses, parsedate_to_datetime
 from typing import Any
+
+import flufl.bounce
 
 from ._events import DeliveryEvent, capped_payload, naive_utc
 
@@ -232,9 +234,8 @@ def _trimmed(raw: bytes) -> bytes:
     expressions over every body line, some of them quadratic in a line's
     length (a run of whitespace under ``\\s*(?P<addr>\\S+@\\S+)``): a
     hostile message must not hold the MTA's pipe for minutes. A bounce says
-    who failed near its start, before the returned original; over the
-    sisimai and flufl.bounce corpora (749 messages) the cut changes nothing
-    read from them.
+    who failed near its start, before the returned original: the cut
+    changes nothing read from sisimai's and flufl.bounce's sample bounces.
     """
     head_end = _header_end(raw)
     head, body = raw[:head_end], raw[head_end:FLUFL_BYTES]
@@ -367,13 +368,15 @@ def _report_blocks(part: Message) -> list[_Block]:
 
     The stdlib parser splits ``message/delivery-status`` into header blocks
     itself, strictly (a malformed line ends a block's fields) and ignoring a
-    transfer encoding (some MTAs base64 it); the blocks' text is put back
-    together and read again here. Other report types are text.
+    transfer encoding (some MTAs base64 it); other ``message/*`` report types
+    it parses as one message. Their text is put back together and read again
+    here, leniently.
     """
     encoding = _text(part.get("content-transfer-encoding")).lower()
     payload = part.get_payload()
     if isinstance(payload, list):
-        data = b"\n\n".join(_raw_block(block) for block in payload
+        split = part.get_content_type() == "message/delivery-status"
+        data = b"\n\n".join(_raw_block(block, split) for block in payload
                              if isinstance(block, Message))
         if encoding in ("base64", "quoted-printable"):
             try:
@@ -386,16 +389,18 @@ def _report_blocks(part: Message) -> list[_Block]:
     return _blocks_of(data.decode("utf-8", "replace"))
 
 
-def _raw_block(block: Message) -> bytes:
-    """A block the stdlib parsed, as the text it came from.
+def _raw_block(block: Message, split: bool) -> bytes:
+    """A block the stdlib parsed, as the bytes it came from.
 
-    A block's "body" can only be lines after a malformed one (a blank line
-    would have ended the block), so it follows the fields directly.
+    In a ``split`` delivery-status, a block's "body" can only be the lines
+    after a malformed one (a blank line would have ended the block), so it
+    follows the fields directly; elsewhere a blank line came between.
     """
     head = "".join(f"{name}: {value}\n" for name, value in block.raw_items())
-    body = block.get_payload()
-    text = head + (body if isinstance(body, str) else "")
-    return text.encode("utf-8", "surrogateescape")
+    body = block.get_payload(decode=True)
+    body = body if isinstance(body, bytes) else b""
+    between = b"" if split or not head or not body else b"\n"
+    return head.encode("utf-8", "surrogateescape") + between + body
 
 
 def _leaves(msg: Message) -> Iterator[Message]:
@@ -653,13 +658,13 @@ class _Bounce:
     # -- flufl.bounce ----------------------------------------------------------------------
 
     def _detected(self) -> BounceReport:
-        from flufl.bounce import all_failures
-
         try:
-            temporary, permanent = all_failures(email.message_from_bytes(
+            temporary, permanent = flufl.bounce.all_failures(email.message_from_bytes(
                 _trimmed(self.raw), policy=email.policy.compat32))
         except Exception as exc:  # noqa: BLE001 - a detector bug: retrying cannot help
-            log.warning("flufl.bounce failed on a message: %s: %s", type(exc).__name__, exc)
+            log.error("flufl.bounce failed on a message (%s: %s): it is taken as not a "
+                      "bounce, and no event is recorded; a bug of the detector, to report "
+                      "to flufl.bounce with the message", type(exc).__name__, exc)
             return BounceReport("not-a-bounce", (), _one_line(
                 f"flufl.bounce failed on it ({type(exc).__name__}): taken as not a bounce"))
         found: dict[str, bool] = {}

@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from conftest import MakeApps, db
 
-from flask_mail_outbox import InvalidMessage
+from flask_mail_outbox import InvalidMessage, Message
 from flask_mail_outbox.core import event_table, suppression_table
 
 SAMPLES = Path(__file__).parent / "bounces"
@@ -96,3 +96,28 @@ def test_process_bounce_from_python(make_apps: MakeApps) -> None:
             mail.process_bounce(b"\x00\x01\x02")
         with pytest.raises(TypeError):
             mail.process_bounce("text")  # type: ignore[arg-type]
+
+
+def test_a_recipient_cannot_bounce_someone_else_with_their_own_token(
+        make_apps: MakeApps) -> None:
+    """A VERP token is no secret to its recipient: it names the email, not whom to suppress."""
+    app, mail = make_apps(TESTING=True, OUTBOX_BOUNCE_ADDRESS="bounces@example.com")
+    with app.app_context():
+        email_id = mail.send(Message("Hi", ["mallory@example.com"], "x"))
+        db.session.commit()
+    token_address = app.extensions["mail_outbox"].config.verp.sender_for(email_id)
+
+    def dsn_for(recipient: bytes) -> bytes:
+        return (f"X-Original-To: {token_address}\r\n".encode()
+                + POSTFIX_DSN.replace(b"nobody-here@example.com", recipient))
+
+    result = feed(app, dsn_for(b"victim@example.com"))
+    assert result.exit_code == 0
+    assert counts(app) == (0, 0)
+    with app.app_context():
+        assert mail.suppression("victim@example.com") is None
+    # The same bounce for the address the email did go to is taken.
+    assert feed(app, dsn_for(b"mallory@example.com")).exit_code == 0
+    with app.app_context():
+        assert mail.suppression("mallory@example.com") is not None
+        assert [e.event_type for e in mail.events(email_id)] == ["bounced"]

@@ -419,7 +419,8 @@ class OutboxExtension:
         token of ``OUTBOX_BOUNCE_ADDRESS`` (a forged token changes nothing)
         or, without VERP, by the returned Message-ID; a permanent bounce or a
         complaint for an email of ours suppresses the address (one that names
-        none is kept, and suppresses nothing: a bounce is unauthenticated mail). A message that is not a bounce, or
+        none is kept, and suppresses nothing: a bounce is unauthenticated mail;
+        one that names an email and an address it was not sent to is dropped). A message that is not a bounce, or
         names no email of ours, returns ``[]`` (logged at INFO); one that is
         not mail at all raises :class:`~flask_mail_outbox.InvalidMessage`.
         Database errors propagate: retry later.
@@ -442,7 +443,8 @@ class OutboxExtension:
             logger.info("Not a bounce of ours: %s", report.reason)
             return []
         recorded = state.outbox().events.record(events, source=f"bounce ({report.kind})",
-                                                suppress_unmatched=False)
+                                                suppress_unmatched=False,
+                                                own_recipients_only=True)
         if recorded.unmatched:
             logger.info("%d bounce event(s) name no email this outbox knows (kept with "
                         "email_id NULL): %s", recorded.unmatched, report.reason)

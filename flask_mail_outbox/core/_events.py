@@ -12,6 +12,7 @@ permanent bounce, a complaint, an unsubscribe).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,30 +65,41 @@ class EventLog:
 
     def record(self, events: Sequence[DeliveryEvent], *, nonces: Sequence[str] = (),
                nonce_transport: str = "", source: str | None = None,
-               suppress_unmatched: bool = True) -> RecordedEvents:
+               suppress_unmatched: bool = True,
+               own_recipients_only: bool = False) -> RecordedEvents:
         """Store ``events`` (and ``nonces``) in one transaction; see the module docstring.
 
         ``source`` is what the suppressions they cause say put them there
         (the event's transport and type by default). Without
         ``suppress_unmatched``, only events that name an email of ours
         suppress (a bounce message is unauthenticated mail: one that names
-        no email we sent must not silence an address). Raises
+        no email we sent must not silence an address). With
+        ``own_recipients_only``, an event that names an email but a recipient
+        that email was not sent to is dropped: a VERP token is no secret to
+        the recipient who sees it in Return-Path, and must not let them
+        suppress someone else. Raises
         :class:`Replayed` when a nonce was seen before; nothing is written then.
         """
         with self.store.write() as tx:
             return self.record_on(tx, events, nonces=nonces, nonce_transport=nonce_transport,
-                                  source=source, suppress_unmatched=suppress_unmatched)
+                                  source=source, suppress_unmatched=suppress_unmatched,
+                                  own_recipients_only=own_recipients_only)
 
     def record_on(self, tx: Connection, events: Sequence[DeliveryEvent], *,
                   nonces: Sequence[str] = (), nonce_transport: str = "",
                   source: str | None = None,
-                  suppress_unmatched: bool = True) -> RecordedEvents:
+                  suppress_unmatched: bool = True,
+                  own_recipients_only: bool = False) -> RecordedEvents:
         """:meth:`record` on a transaction the caller holds (and commits)."""
         if nonces:
             self._take_nonces(tx, nonce_transport, nonces)
         if not events:
             return RecordedEvents()
         matched = self._match(tx, events)
+        if own_recipients_only:
+            matched = self._own_recipients(tx, matched)
+            if not matched:
+                return RecordedEvents()
         new, duplicates = self._insert(tx, matched)
         entries = [(loose_key(e.recipient), reason, source or f"{e.transport} {e.event_type}")
                    for e in new if (reason := e.suppresses) and e.recipient
@@ -128,6 +140,20 @@ class EventLog:
                     event = dataclasses.replace(event, email_id=found)
             matched.append(event)
         return matched
+
+    @staticmethod
+    def _own_recipients(conn: Connection, events: list[DeliveryEvent]) -> list[DeliveryEvent]:
+        """``events`` but those naming an email and a recipient it was not sent to."""
+        ids = sorted({e.email_id for e in events if e.email_id is not None})
+        sent_to: dict[int, set[str]] = {}
+        for start in range(0, len(ids), _CHUNK):
+            rows = conn.execute(sa.select(email_table.c.id, email_table.c.recipients)
+                                .where(email_table.c.id.in_(ids[start:start + _CHUNK]))).all()
+            for email_id, recipients in rows:
+                sent_to[email_id] = {loose_key(r) for r in json.loads(recipients)}
+        return [e for e in events if e.email_id is None
+                or (e.recipient is not None and loose_key(e.recipient) in
+                    sent_to.get(e.email_id, set()))]
 
     @staticmethod
     def _ids(conn: Connection, column: Any, values: Iterable[str]) -> dict[str, int]:
