@@ -291,53 +291,81 @@ def _init(tmp_path: Path, **config: Any) -> None:
     OutboxMail(app)
 
 
+#: The issue's key (#29): PEM armour around text that is not base64.
+BAD_BASE64 = "-----BEGIN RSA PRIVATE KEY-----\nnot a key\n-----END RSA PRIVATE KEY-----"
+
+
 def _bad_key_cases(tmp_path: Path, private: str) -> dict[str, tuple[dict[str, Any], str, str]]:
     public_pem = _openssl("pkey", "-pubout", data=private.encode()).decode()
     short = _openssl("genrsa", "512").decode()
+    pkcs8_encrypted = _openssl("pkey", "-aes256", "-passout", "pass:secret",
+                               data=private.encode()).decode()
+    pem_encrypted = _openssl("rsa", "-aes256", "-traditional", "-passout", "pass:secret",
+                             data=private.encode()).decode()
+    ec_key = _openssl("ecparam", "-genkey", "-name", "prime256v1", "-noout").decode()
+    ed25519_key = _openssl("genpkey", "-algorithm", "ed25519").decode()
+    certificate = _openssl("req", "-x509", "-key", "/dev/stdin", "-subj", "/CN=dkim",
+                           "-days", "1", data=private.encode()).decode()
     not_a_key = tmp_path / "not-a-key.pem"
     not_a_key.write_text("hello\n")
+    bad_base64_file = tmp_path / "bad-base64.pem"
+    bad_base64_file.write_text(BAD_BASE64 + "\n")
+    encrypted_file = tmp_path / "encrypted.pem"
+    encrypted_file.write_text(pkcs8_encrypted)
     base = {"OUTBOX_DKIM_DOMAIN": DOMAIN, "OUTBOX_DKIM_SELECTOR": SELECTOR}
+    text, file = "OUTBOX_DKIM_PRIVATE_KEY", "OUTBOX_DKIM_PRIVATE_KEY_FILE"
     return {
-        "unreadable file": ({**base, "OUTBOX_DKIM_PRIVATE_KEY_FILE": str(tmp_path / "none.pem")},
-                            "OUTBOX_DKIM_PRIVATE_KEY_FILE", "cannot read"),
-        "file is a folder": ({**base, "OUTBOX_DKIM_PRIVATE_KEY_FILE": str(tmp_path)},
-                             "OUTBOX_DKIM_PRIVATE_KEY_FILE", "cannot read"),
-        "file holds no key": ({**base, "OUTBOX_DKIM_PRIVATE_KEY_FILE": str(not_a_key)},
-                              "OUTBOX_DKIM_PRIVATE_KEY_FILE", "not a PEM RSA private key"),
-        "a public key": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": public_pem},
-                         "OUTBOX_DKIM_PRIVATE_KEY", "not a PEM RSA private key"),
-        "a short key": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": short},
-                        "OUTBOX_DKIM_PRIVATE_KEY", "512 bits"),
-        "empty key": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": ""},
-                      "OUTBOX_DKIM_PRIVATE_KEY", "expected the PEM text"),
-        "domain, no key": (base, "OUTBOX_DKIM_PRIVATE_KEY", "needs a private key"),
-        "key, no domain": ({"OUTBOX_DKIM_SELECTOR": SELECTOR,
-                            "OUTBOX_DKIM_PRIVATE_KEY": private},
+        "unreadable file": ({**base, file: str(tmp_path / "none.pem")}, file, "cannot read"),
+        "file is a folder": ({**base, file: str(tmp_path)}, file, "cannot read"),
+        "file holds no key": ({**base, file: str(not_a_key)}, file, "no PEM block"),
+        "file with bad base64": ({**base, file: str(bad_base64_file)}, file,
+                                 "not valid base64"),
+        "encrypted file": ({**base, file: str(encrypted_file)}, file, "encrypted"),
+        "bad base64": ({**base, text: BAD_BASE64}, text, "not valid base64"),
+        "not PEM text": ({**base, text: "hello"}, text, "no PEM block"),
+        "a path as the key": ({**base, text: "/run/secrets/dkim.pem"}, text,
+                              "set OUTBOX_DKIM_PRIVATE_KEY_FILE"),
+        "encrypted PKCS#8": ({**base, text: pkcs8_encrypted}, text, "encrypted"),
+        "encrypted PKCS#1": ({**base, text: pem_encrypted}, text, "encrypted"),
+        "an EC key": ({**base, text: ec_key}, text, "an EC key, not an RSA key"),
+        "an Ed25519 key": ({**base, text: ed25519_key}, text, "not an RSA private key"),
+        "a certificate": ({**base, text: certificate}, text, "a certificate"),
+        "a public key": ({**base, text: public_pem}, text, "the public key"),
+        "a short key": ({**base, text: short}, text, "512 bits"),
+        "empty key": ({**base, text: ""}, text, "expected the PEM text"),
+        "domain, no key": (base, text, "needs a private key"),
+        "key, no domain": ({"OUTBOX_DKIM_SELECTOR": SELECTOR, text: private},
                            "OUTBOX_DKIM_DOMAIN", "needs OUTBOX_DKIM_DOMAIN"),
-        "key, no selector": ({"OUTBOX_DKIM_DOMAIN": DOMAIN, "OUTBOX_DKIM_PRIVATE_KEY": private},
+        "key, no selector": ({"OUTBOX_DKIM_DOMAIN": DOMAIN, text: private},
                              "OUTBOX_DKIM_SELECTOR", "OUTBOX_DKIM_SELECTOR too"),
-        "key and file": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": private,
-                          "OUTBOX_DKIM_PRIVATE_KEY_FILE": str(not_a_key)},
-                         "OUTBOX_DKIM_PRIVATE_KEY", "not both"),
-        "bcc signed": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": private,
-                        "OUTBOX_DKIM_HEADERS": ["From", "Bcc"]},
+        "key and file": ({**base, text: private, file: str(not_a_key)}, text, "not both"),
+        "bcc signed": ({**base, text: private, "OUTBOX_DKIM_HEADERS": ["From", "Bcc"]},
                        "OUTBOX_DKIM_HEADERS", "must not be signed"),
-        "headers as a string": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": private,
-                                 "OUTBOX_DKIM_HEADERS": "From"},
+        "headers as a string": ({**base, text: private, "OUTBOX_DKIM_HEADERS": "From"},
                                 "OUTBOX_DKIM_HEADERS", "list of header names"),
-        "a header with a colon": ({**base, "OUTBOX_DKIM_PRIVATE_KEY": private,
-                                   "OUTBOX_DKIM_HEADERS": ["Subject:"]},
+        "a header with a colon": ({**base, text: private, "OUTBOX_DKIM_HEADERS": ["Subject:"]},
                                   "OUTBOX_DKIM_HEADERS", "not a header name"),
-        "unicode domain": ({**base, "OUTBOX_DKIM_DOMAIN": "bücher.example",
-                            "OUTBOX_DKIM_PRIVATE_KEY": private},
+        "unicode domain": ({**base, "OUTBOX_DKIM_DOMAIN": "bücher.example", text: private},
                            "OUTBOX_DKIM_DOMAIN", "not an ASCII domain"),
     }
 
 
-_CASE_NAMES = ["unreadable file", "file is a folder", "file holds no key", "a public key",
-               "a short key", "empty key", "domain, no key", "key, no domain",
-               "key, no selector", "key and file", "bcc signed", "headers as a string",
-               "a header with a colon", "unicode domain"]
+_CASE_NAMES = ["unreadable file", "file is a folder", "file holds no key",
+               "file with bad base64", "encrypted file", "bad base64", "not PEM text",
+               "a path as the key", "encrypted PKCS#8", "encrypted PKCS#1", "an EC key",
+               "an Ed25519 key", "a certificate", "a public key", "a short key", "empty key",
+               "domain, no key", "key, no domain", "key, no selector", "key and file",
+               "bcc signed", "headers as a string", "a header with a colon", "unicode domain"]
+
+
+def _key_material(config: dict[str, Any]) -> list[str]:
+    """The base64 lines of the PEM text or file a case configures: never to be echoed."""
+    pem = config.get("OUTBOX_DKIM_PRIVATE_KEY") or ""
+    path = config.get("OUTBOX_DKIM_PRIVATE_KEY_FILE")
+    if path and Path(path).is_file():
+        pem = Path(path).read_text()
+    return [line for line in pem.splitlines()
+            if line and not line.startswith("-----") and ":" not in line]
 
 
 @pytest.mark.parametrize("case", _CASE_NAMES)
@@ -348,7 +376,9 @@ def test_a_key_that_cannot_sign_fails_at_init_app_naming_the_key(
         _init(tmp_path, **config)
     assert excinfo.value.key == key
     assert text in str(excinfo.value)
-    assert "PRIVATE KEY-----" not in str(excinfo.value)  # a key is never echoed
+    message = str(excinfo.value)
+    assert "PRIVATE KEY-----" not in message  # a key is never echoed
+    assert not [line for line in _key_material(config) if line[:16] in message]
 
 
 def test_without_dkimpy_the_error_says_what_to_install(
@@ -365,6 +395,24 @@ def test_a_key_file_signs(db_url: str, tmp_path: Path, key_pair: tuple[str, byte
     key_file.write_text(key_pair[0])
     app = make_app(db_url, TESTING=True, OUTBOX_DKIM_DOMAIN=DOMAIN,
                    OUTBOX_DKIM_SELECTOR=SELECTOR, OUTBOX_DKIM_PRIVATE_KEY_FILE=str(key_file))
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("Test", recipients=["to@example.org"], body="x"))
+            db.session.commit()
+        transport = app.extensions["mail_outbox"].outbox().delivery.transport
+        assert verifies(transport.outbox[0].mime, key_pair[1])
+    finally:
+        close_app(app, timeout=5)
+
+
+@pytest.mark.parametrize("line_break", ["\r\n", "\\n", " "],
+                         ids=["CRLF line endings", "escaped newlines", "spaces"])
+def test_a_key_copied_with_other_line_breaks_signs(
+        db_url: str, key_pair: tuple[str, bytes], line_break: str) -> None:
+    """A key file saved on Windows, or a key put on one line of an .env file."""
+    text = key_pair[0].strip().replace("\n", line_break)
+    app = make_app(db_url, TESTING=True, **dkim_config(text))
     mail: OutboxMail = app.extensions["test_mail"]
     try:
         with app.app_context():

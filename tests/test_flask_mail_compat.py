@@ -242,3 +242,30 @@ def test_a_flask_mail_message_is_refused_with_the_fix(app: Flask, mail: OutboxMa
         mail.send(old)  # type: ignore[arg-type]
     with pytest.raises(InvalidMessage, match=r"^messages\[0\]\.msg: .*flask_mail\.Message"):
         mail.send_many([old])  # type: ignore[list-item]
+
+
+def test_default_sender_and_ascii_attachments_set_after_init_app_apply(db_url: str) -> None:
+    """Flask-Mail's tests (and some apps) set these on the state after init_app."""
+    from conftest import close_app, make_app
+
+    from flask_mail_outbox import InvalidMessage, Message
+
+    app = make_app(db_url, TESTING=True)
+    try:
+        state = app.extensions["mail"]
+        mail = app.extensions["test_mail"]
+        with app.app_context():
+            state.default_sender = ("Shop", "shop@example.com")
+            assert state.default_sender == ("Shop", "shop@example.com")
+            msg = Message("Hi", ["a@example.com"], "x")
+            msg.attach("Grüße.txt", "text/plain", b"x")
+            state.ascii_attachments = True
+            assert state.ascii_attachments is True
+            mime = msg.as_bytes()
+            assert b"From: Shop <shop@example.com>" in mime
+            assert b'filename="Grue.txt"' in mime  # Flask-Mail's NFKD + ASCII
+            state.default_sender = None
+            with pytest.raises(InvalidMessage, match="sender"):
+                mail.send(Message("No sender", ["a@example.com"], "x"))
+    finally:
+        close_app(app)

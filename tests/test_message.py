@@ -25,7 +25,6 @@ from flask import Flask
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flask_mail_outbox._errors import ConfigError, InvalidMessage
 from flask_mail_outbox._compose.message import (
     Attachment,
     AttachmentInfo,
@@ -33,6 +32,7 @@ from flask_mail_outbox._compose.message import (
     PreparedEmail,
     prepare_message,
 )
+from flask_mail_outbox._errors import ConfigError, InvalidMessage
 
 SENDER = "sender@example.com"
 OPTIONS = PREPARE_OPTIONS
@@ -859,9 +859,56 @@ def test_recipients_bare_string_message_says_how_to_fix() -> None:
 
 def test_oversized_message_names_the_setting() -> None:
     with pytest.raises(
-        InvalidMessage, match=r"\d+ bytes, which exceeds OUTBOX_MAX_MESSAGE_BYTES \(500\)"
+        InvalidMessage,
+        match=r"the built message is \d\.\d KiB, which exceeds OUTBOX_MAX_MESSAGE_BYTES "
+              r"\(500 bytes\)",
     ):
         prepare(simple(body="x" * 1000), max_message_bytes=500)
+
+
+MIB = 1024 * 1024
+
+
+def test_attachments_over_the_limit_are_told_in_mib() -> None:
+    """#29: "over 31457280 bytes, which exceeds OUTBOX_MAX_MESSAGE_BYTES (26214400)"."""
+    msg = simple(body="see attached")
+    msg.attach("video.mp4", "video/mp4", bytes(30 * MIB))
+    with pytest.raises(InvalidMessage) as info:
+        prepare(msg, max_message_bytes=25 * MIB)
+    assert info.value.field == "message size"
+    assert info.value.problem == (
+        "the attachments alone are at least 30.0 MiB, which exceeds "
+        "OUTBOX_MAX_MESSAGE_BYTES (25 MiB)")
+
+
+def test_a_built_message_over_the_limit_is_told_in_mib_with_the_base64_growth() -> None:
+    msg = simple(body="see attached")
+    msg.attach("scan.pdf", "application/pdf", bytes(20 * MIB))
+    with pytest.raises(InvalidMessage) as info:
+        prepare(msg, max_message_bytes=25 * MIB)
+    assert info.value.problem == (
+        "the built message is 27.4 MiB (attachments grow by a third when encoded for "
+        "email), which exceeds OUTBOX_MAX_MESSAGE_BYTES (25 MiB)")
+
+
+def test_a_limit_of_no_whole_mib_keeps_its_byte_figure() -> None:
+    msg = simple(body="see attached")
+    msg.attach("video.mp4", "video/mp4", bytes(30 * MIB))
+    with pytest.raises(InvalidMessage) as info:
+        prepare(msg, max_message_bytes=10_000_000)
+    assert info.value.problem.endswith(
+        "which exceeds OUTBOX_MAX_MESSAGE_BYTES (9.5 MiB, 10000000 bytes)")
+
+
+def test_sizes_that_round_alike_keep_their_byte_figures() -> None:
+    """One byte over 25 MiB is not "25.0 MiB, which exceeds (25 MiB)"."""
+    msg = simple(body="see attached")
+    msg.attach("data.bin", "application/octet-stream", bytes(25 * MIB + 1))
+    with pytest.raises(InvalidMessage) as info:
+        prepare(msg, max_message_bytes=25 * MIB)
+    assert info.value.problem == (
+        "the attachments alone are at least 25.0 MiB (26214401 bytes), which exceeds "
+        "OUTBOX_MAX_MESSAGE_BYTES (25 MiB, 26214400 bytes)")
 
 
 def test_injection_message_says_why() -> None:

@@ -24,10 +24,10 @@ from conftest import PREPARE_OPTIONS, close_app, db, make_app, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox.core._config import load_config
-from flask_mail_outbox._errors import ConfigError
+from flask_mail_outbox import InvalidMessage, Message, OutboxMail
 from flask_mail_outbox._compose.message import PreparedEmail, prepare_message
+from flask_mail_outbox._errors import ConfigError
+from flask_mail_outbox.core._config import load_config
 
 SENDER = "sender@example.com"
 OPTIONS = PREPARE_OPTIONS
@@ -184,6 +184,45 @@ def test_a_malformed_sender_tuple_is_kept_for_validation_to_report() -> None:
     odd: Any = ("only one",)
     kept: object = Message("Hi", sender=odd).sender
     assert kept == ("only one",)
+
+
+def test_a_message_made_in_an_app_context_takes_the_apps_default_sender() -> None:
+    """Flask-Mail's ``sender or default_sender``, at construction (#29)."""
+    app = Flask(__name__)
+    app.config["MAIL_DEFAULT_SENDER"] = ("The App", "app@example.com")
+    with app.app_context():
+        inside = Message("Hi", ["to@example.com"], "body")
+        emptied = Message("Hi", ["to@example.com"], "body", sender="")
+        own = Message("Hi", ["to@example.com"], "body", sender="own@example.com")
+    outside = Message("Hi", ["to@example.com"], "body")
+    assert inside.sender == emptied.sender == "The App <app@example.com>"
+    assert own.sender == "own@example.com"
+    assert outside.sender is None
+    [author] = parse(prepare(inside).mime)["From"].addresses
+    assert (author.display_name, author.addr_spec) == ("The App", "app@example.com")
+
+
+def test_a_bad_default_sender_taken_at_construction_is_reported_as_the_setting() -> None:
+    app = Flask(__name__)
+    app.config["MAIL_DEFAULT_SENDER"] = "nope"
+    with app.app_context():
+        msg = Message("Hi", ["to@example.com"], "body")
+    with pytest.raises(InvalidMessage) as info:
+        prepare(msg)
+    assert info.value.field == "sender"
+    assert info.value.problem.startswith("MAIL_DEFAULT_SENDER: ")
+
+
+def test_an_attachment_only_message_starts_with_an_empty_text_part_in_its_charset() -> None:
+    """As Flask-Mail writes it: the body comes first, empty, in the message's charset."""
+    msg = Message("Hi", ["to@example.com"], sender=SENDER, charset="us-ascii")
+    msg.attach("data.csv", "text/csv", b"a,b")
+    parsed = parse(prepare(msg).mime)
+    assert shape(parsed) == ("multipart/mixed", ["text/plain", "text/csv"])
+    body, attachment = parsed.iter_parts()
+    assert body["Content-Type"] == 'text/plain; charset="us-ascii"'
+    assert body.get_content() == ""
+    assert attachment.get_filename() == "data.csv"
 
 
 def test_an_empty_subject_writes_no_subject_header() -> None:

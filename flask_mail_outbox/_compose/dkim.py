@@ -18,6 +18,8 @@ by a receiver whose domain policy asks for DKIM).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import logging
 import re
@@ -46,6 +48,10 @@ _MIN_KEY_BITS = 1024
 
 _HEADER_NAME = re.compile(r"[!-9;-~]+")  # RFC 5322 ftext: printable ASCII but ":"
 _INSTALL = "pip install flask-mail-outbox[dkim]"
+_PEM_BEGIN = re.compile(rb"-----BEGIN (?P<label>[A-Z0-9 ]+)-----")
+_PEM_ON_ONE_LINE = re.compile(rb"(-----BEGIN [A-Z0-9 ]+-----)(.*?)(-----END [A-Z0-9 ]+-----)",
+                              re.DOTALL)
+_MAKE_KEY = "DKIM signing needs an RSA private key (openssl genrsa -out dkim.pem 2048)"
 
 
 def _dkimpy() -> Any:
@@ -91,6 +97,63 @@ def _present_headers(mime: bytes) -> set[bytes]:
     return names
 
 
+def _rsa_key(dkim: Any, pem: bytes, key_name: str) -> Any:
+    """The RSA private key in ``pem`` as dkimpy parses it, or ConfigError saying what is wrong.
+
+    dkimpy reads only unencrypted RSA keys (PKCS#1 ``RSA PRIVATE KEY`` or
+    PKCS#8 ``PRIVATE KEY``), and what it raises for anything else ranges from
+    binascii's "Incorrect padding" to ASN.1 byte offsets; the PEM armour says
+    what the text is, so the error can say what to do.
+    """
+    problem = _pem_problem(pem, key_name)
+    if problem is not None:
+        raise ConfigError(key_name, problem)
+    try:
+        return dkim.crypto.parse_pem_private_key(pem)
+    except Exception:  # noqa: BLE001 - dkimpy's ASN.1 errors, whatever their type
+        what = ("a PKCS#8 key of another kind (Ed25519 or EC?)" if b"BEGIN PRIVATE KEY" in pem
+                else "damaged (cut or changed when it was copied?)")
+        raise ConfigError(key_name, f"not an RSA private key that dkimpy can read: {what}; "
+                                    f"{_MAKE_KEY}") from None
+
+
+def _pem_problem(pem: bytes, key_name: str) -> str | None:
+    """What ``pem`` is instead of an unencrypted RSA private key; None when it may be one."""
+    begin = _PEM_BEGIN.search(pem)
+    if begin is None:
+        one_line = b"\n" not in pem.strip()
+        path = one_line and (pem.lstrip().startswith((b"/", b"~", b"."))
+                             or pem.strip().endswith((b".pem", b".key")))
+        hint = (" It looks like a file path: set OUTBOX_DKIM_PRIVATE_KEY_FILE to it instead."
+                if path and key_name == "OUTBOX_DKIM_PRIVATE_KEY" else "")
+        return ("holds no PEM block: the text of an RSA private key starts with a line "
+                f"'-----BEGIN RSA PRIVATE KEY' or '-----BEGIN PRIVATE KEY'.{hint}")
+    label = begin["label"].decode("ascii")
+    end = pem.find(b"-----END " + begin["label"] + b"-----", begin.end())
+    body = pem[begin.end():end] if end >= 0 else b""
+    # An encrypted PKCS#1 key says so in RFC 1421 header lines ("Proc-Type: 4,ENCRYPTED").
+    headers = [line for line in body.split(b"\n") if b":" in line]
+    if label == "ENCRYPTED PRIVATE KEY" or any(b"ENCRYPTED" in line for line in headers):
+        return ("the key is encrypted with a passphrase, which DKIM signing cannot ask for: "
+                "store it unencrypted where only the app can read it (openssl pkey -in "
+                "encrypted.pem -out dkim.pem)")
+    if "PUBLIC KEY" in label:
+        return "this is the public key, which goes in the DNS TXT record; signing needs its private key"
+    if label == "CERTIFICATE":
+        return f"this is a certificate, not a private key; {_MAKE_KEY}"
+    if label not in ("RSA PRIVATE KEY", "PRIVATE KEY"):
+        kind = label.removesuffix(" PRIVATE KEY")
+        return f"this is {'an' if kind[:1] in 'AEIOU' else 'a'} {kind} key, not an RSA key; {_MAKE_KEY}"
+    if end < 0:
+        return f"the {label} block has no END line (cut when it was copied?)"
+    try:
+        base64.b64decode(b"".join(body.split()), validate=True)
+    except binascii.Error:
+        return ("the text between the BEGIN and END lines is not valid base64 (cut or changed "
+                "when it was copied?)")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class DKIMSigner:
     """Signs messages for ``domain`` with ``selector``'s key (``OUTBOX_DKIM_*``)."""
@@ -105,14 +168,11 @@ class DKIMSigner:
     def check(self) -> None:
         """Sign a probe message carrying every header to sign; ConfigError naming the key if not.
 
-        Called by ``init_app``.
+        Called by ``init_app``. What is wrong with the key is said in words,
+        never by quoting it, and neither are dkimpy's own texts about it.
         """
         dkim = _dkimpy()
-        try:
-            key = dkim.crypto.parse_pem_private_key(self.private_key)
-        except dkim.crypto.UnparsableKeyError as exc:
-            raise ConfigError(self.key_name,
-                              f"not a PEM RSA private key that dkimpy can read ({exc})") from None
+        key = _rsa_key(dkim, self.private_key, self.key_name)
         bits = int(key["modulus"]).bit_length()
         if bits < _MIN_KEY_BITS:
             raise ConfigError(self.key_name,
@@ -123,8 +183,9 @@ class DKIMSigner:
                  ).encode("ascii")
         try:
             self.sign(probe)
-        except dkim.DKIMException as exc:
-            raise ConfigError(self.key_name, f"cannot sign a probe message: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any failure here is the key's: say so, by name
+            raise ConfigError(self.key_name, "the key was read but cannot sign a probe message "
+                                             f"({type(exc).__name__}); {_MAKE_KEY}") from None
 
     def sign(self, mime: bytes) -> bytes:
         """``mime`` with a DKIM-Signature header on top; raises dkimpy's DKIMException."""
@@ -197,9 +258,9 @@ def signer_from(get: Any, key_text: Any, key_file: Any, headers: Sequence[str]
 def _key_bytes(value: Any) -> bytes:
     # Never echo the value: it is a private key.
     if isinstance(value, str) and value.strip():
-        return value.encode("ascii", "replace")
+        return _line_breaks(value.encode("ascii", "replace"))
     if isinstance(value, bytes) and value.strip():
-        return value
+        return _line_breaks(value)
     raise ConfigError("OUTBOX_DKIM_PRIVATE_KEY",
                       f"expected the PEM text of a private key, got {type(value).__name__}"
                       f"{' (empty)' if isinstance(value, (str, bytes)) else ''}")
@@ -210,7 +271,22 @@ def _read_key_file(path: Any) -> bytes:
         raise ConfigError("OUTBOX_DKIM_PRIVATE_KEY_FILE", f"expected a file path, got {path!r}")
     try:
         with open(path, "rb") as handle:
-            return handle.read()
+            return _line_breaks(handle.read())
     except OSError as exc:
         raise ConfigError("OUTBOX_DKIM_PRIVATE_KEY_FILE",
                           f"cannot read {path!r}: {exc.strerror or exc}") from None
+
+
+def _line_breaks(pem: bytes) -> bytes:
+    """``pem`` with the LF line breaks dkimpy's reader needs.
+
+    A key file saved on Windows has CRLF; a key put on one line of an .env
+    file or a secret store has the two characters ``\\n`` instead, or spaces.
+    """
+    pem = pem.replace(b"\r\n", b"\n").strip()
+    if b"\n" not in pem:
+        pem = pem.replace(b"\\n", b"\n")
+    one_line = _PEM_ON_ONE_LINE.fullmatch(pem) if b"\n" not in pem else None
+    if one_line is not None:
+        pem = b"\n".join([one_line[1], *one_line[2].split(), one_line[3]])
+    return pem + b"\n"

@@ -37,6 +37,7 @@ __all__ = [
     "extra_headers",
     "resolve_charset",
     "resolve_date",
+    "size_and_limit",
     "text_alternatives",
 ]
 
@@ -297,12 +298,43 @@ def check_attachments(value: object, ascii_only: bool, max_bytes: int) -> list[B
         total += len(data)
         if total > max_bytes:
             # Cheap early exit: base64 only makes it bigger.
+            size, limit = size_and_limit(total, max_bytes)
             raise InvalidMessage(
                 "message size",
-                f"the attachments alone are over {total} bytes, which exceeds OUTBOX_MAX_MESSAGE_BYTES ({max_bytes})",
+                f"the attachments alone are at least {size}, which exceeds "
+                f"OUTBOX_MAX_MESSAGE_BYTES ({limit})",
             )
         built.append(_attachment(field, att, data, ascii_only))
     return built
+
+
+def size_and_limit(size: int, limit: int) -> tuple[str, str]:
+    """``size`` and the ``limit`` it exceeds as people read them: ``("30.0 MiB", "25 MiB")``.
+
+    Byte figures are added only where they tell something: to a limit that is
+    not a whole number of its unit, and to both when rounding shows them alike.
+    """
+    shown, allowed = _one_decimal(size), _one_decimal(limit)
+    factor, unit = _unit(limit)
+    whole = limit % factor == 0
+    limit_text = f"{limit // factor} {unit}" if whole else allowed
+    if shown == allowed:
+        return f"{shown} ({size} bytes)", f"{limit_text}, {limit} bytes"
+    if not whole:
+        limit_text += f", {limit} bytes"
+    return shown, limit_text
+
+
+def _unit(size: int) -> tuple[int, str]:
+    for factor, unit in ((1024 * 1024, "MiB"), (1024, "KiB")):
+        if size >= factor:
+            return factor, unit
+    return 1, "bytes"
+
+
+def _one_decimal(size: int) -> str:
+    factor, unit = _unit(size)
+    return f"{size} bytes" if factor == 1 else f"{size / factor:.1f} {unit}"
 
 
 def _attachment(field: str, att: Any, data: bytes | str, ascii_only: bool) -> BuiltAttachment:

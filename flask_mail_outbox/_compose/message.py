@@ -42,6 +42,7 @@ from .fields import (
     extra_headers,
     resolve_charset,
     resolve_date,
+    size_and_limit,
     text_alternatives,
 )
 from .html_text import html_to_text
@@ -97,9 +98,11 @@ class Message:
 
     The constructor accepts anything, as Flask-Mail's does; ``mail.send()``
     (through ``prepare_message``) validates and raises ``InvalidMessage``
-    naming the offending field. A missing ``sender`` is filled from
-    ``MAIL_DEFAULT_SENDER`` when the message is built. A ``(name, address)``
-    sender reads back as ``"name <address>"``, as in Flask-Mail.
+    naming the offending field. A missing ``sender`` is the app's
+    ``MAIL_DEFAULT_SENDER``, as in Flask-Mail: set by the constructor inside
+    an app context, else filled in when the message is built. A
+    ``(name, address)`` sender reads back as ``"name <address>"``, as in
+    Flask-Mail.
 
     ``msgId`` is made with the message, as Flask-Mail makes it, and becomes
     the stored row's Message-ID. Its domain is ``OUTBOX_MESSAGE_ID_DOMAIN``
@@ -147,6 +150,10 @@ class Message:
         self.body = body
         self.html = html
         self.alts: dict[str, str] = _alts_dict(alts)
+        # Flask-Mail's ``sender or default_sender``: the app's, inside an app context.
+        self._default_sender: Any = None
+        if sender is None or sender == "":
+            sender = self._default_sender = _sender_text(current_options().default_sender)
         self.sender: Address | None = _sender_text(sender)
         self.cc: list[Address] = cc if cc is not None else []
         self.bcc: list[Address] = bcc if bcc is not None else []
@@ -344,7 +351,7 @@ def prepare_message(
     subject = _checked_subject(msg.subject)
     utf8 = app_allows_smtputf8() if allow_smtputf8 is None else allow_smtputf8
     to, cc, bcc = _recipients(msg, allow_local_addresses, utf8)
-    sender = resolve_sender(msg.sender, default_sender, allow_local_addresses, allow_smtputf8=utf8)
+    sender = _sender(msg, default_sender, allow_local_addresses, utf8)
     reply_to = reply_to_list(msg.reply_to, allow_local_addresses, allow_smtputf8=utf8)
     check_esmtp_options("mail_options", msg.mail_options)
     check_esmtp_options("rcpt_options", msg.rcpt_options)
@@ -367,7 +374,7 @@ def prepare_message(
         sender, to, cc, reply_to, subject, date, message_id, body_headers, extra_lines
     )
     mime = "\r\n".join(headers).encode("utf-8") + b"\r\n\r\n" + body
-    _check_message_size(mime, max_message_bytes)
+    _check_message_size(mime, max_message_bytes, bool(attachments))
     return PreparedEmail(
         sender=sender.ascii,
         recipients=_envelope(to, cc, bcc),
@@ -413,6 +420,15 @@ def _recipients(msg: Message, allow_local: bool,
     return to, cc, bcc
 
 
+def _sender(msg: Message, default_sender: Address | None, allow_local: bool,
+            allow_smtputf8: bool) -> Addr:
+    """The sender; one the constructor took from MAIL_DEFAULT_SENDER is checked as that setting."""
+    if msg._default_sender is not None and msg.sender == msg._default_sender:
+        # A fault is the setting's: say so, as when the default is filled in here.
+        return resolve_sender(None, msg.sender, allow_local, allow_smtputf8=allow_smtputf8)
+    return resolve_sender(msg.sender, default_sender, allow_local, allow_smtputf8=allow_smtputf8)
+
+
 def _date(msg: Message, now: datetime | None) -> datetime:
     """``msg.date`` checked; without one, the time of the message's first build, kept."""
     if msg.date is not None:
@@ -435,8 +451,12 @@ def _content(
 
     Like Flask-Mail, a message with any alternative but no text/plain one
     starts its multipart/alternative with a text/plain part: the html's text
-    (``OUTBOX_HTML_TO_TEXT``), else empty as Flask-Mail's.
+    (``OUTBOX_HTML_TO_TEXT``), else empty as Flask-Mail's. A message of
+    attachments only starts with an empty text part too, as Flask-Mail's, so
+    its charset is written and the first part is the body.
     """
+    if not alternatives and attachment_parts:
+        alternatives = [("plain", b"")]
     subtypes = [subtype.lower() for subtype, _ in alternatives]
     if alternatives and "plain" not in subtypes:
         text = ""
@@ -448,11 +468,15 @@ def _content(
     return message_body(alternatives, attachment_parts, charset, msg._seed)
 
 
-def _check_message_size(mime: bytes, max_message_bytes: int) -> None:
+def _check_message_size(mime: bytes, max_message_bytes: int, attachments: bool) -> None:
     if len(mime) > max_message_bytes:
+        size, limit = size_and_limit(len(mime), max_message_bytes)
+        # Users compare the limit with their files' sizes: say why the message is bigger.
+        growth = " (attachments grow by a third when encoded for email)" if attachments else ""
         raise InvalidMessage(
             "message size",
-            f"the built message is {len(mime)} bytes, which exceeds OUTBOX_MAX_MESSAGE_BYTES ({max_message_bytes})",
+            f"the built message is {size}{growth}, which exceeds "
+            f"OUTBOX_MAX_MESSAGE_BYTES ({limit})",
         )
 
 

@@ -14,6 +14,7 @@ them all with one ``send_many`` when the ``with`` block ends.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -68,13 +69,35 @@ class FlaskMailState:
         self.password: str | None = smtp.password
         self.use_tls: bool = smtp.use_tls
         self.use_ssl: bool = smtp.use_ssl
-        self.default_sender: str | tuple[str, str] | None = config.default_sender
+        self._state = app.extensions[EXTENSION_KEY]
         self.suppress: bool = config.suppress_send
-        self.ascii_attachments: bool = config.ascii_attachments
         # Flask-Mail's keys the outbox does not use; they are not in _config's
         # table because nothing in the outbox depends on them.
         self.debug: int = int(app.config.get("MAIL_DEBUG", app.debug))
         self.max_emails: int | None = app.config.get("MAIL_MAX_EMAILS")
+
+    # Flask-Mail's tests and some apps set these after init_app (``mail.default_sender
+    # = ...``): the outbox then builds and sends messages with the new value.
+
+    @property
+    def default_sender(self) -> str | tuple[str, str] | None:
+        """``MAIL_DEFAULT_SENDER`` as the outbox uses it (settable, as in Flask-Mail)."""
+        sender: str | tuple[str, str] | None = self._state.config.default_sender
+        return sender
+
+    @default_sender.setter
+    def default_sender(self, value: str | tuple[str, str] | None) -> None:
+        self._state.config = dataclasses.replace(self._state.config, default_sender=value)
+
+    @property
+    def ascii_attachments(self) -> bool:
+        """``MAIL_ASCII_ATTACHMENTS`` as the outbox uses it (settable, as in Flask-Mail)."""
+        return bool(self._state.config.ascii_attachments)
+
+    @ascii_attachments.setter
+    def ascii_attachments(self, value: bool) -> None:
+        self._state.config = dataclasses.replace(self._state.config,
+                                                 ascii_attachments=bool(value))
 
     def __repr__(self) -> str:
         return (f"<FlaskMailState server={self.server!r} port={self.port!r} "
