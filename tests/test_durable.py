@@ -250,7 +250,8 @@ def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
     from flask_mail_outbox.core import Status
     from flask_mail_outbox.core._store import Outcome
 
-    app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False)
+    app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False,
+                   OUTBOX_DURABLE=True, OUTBOX_LISTEN=False)  # no process delivers
     mail: OutboxMail = app.extensions["test_mail"]
     try:
         with app.app_context():
@@ -287,7 +288,8 @@ def test_one_record_of_several_claims_pairs_each_row_with_its_own_claim(db_url: 
     from flask_mail_outbox.core import Status
     from flask_mail_outbox.core._store import Outcome
 
-    app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False)
+    app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False,
+                   OUTBOX_DURABLE=True, OUTBOX_LISTEN=False)  # no process delivers
     mail: OutboxMail = app.extensions["test_mail"]
     try:
         with app.app_context():

@@ -22,7 +22,7 @@ from flask_mail_outbox.core import email_table
 def _send(app: Flask, subject: str, priority: str | None = None, **options: Any) -> int:
     mail: OutboxMail = app.extensions["test_mail"]
     with app.app_context():
-        kwargs = {} if priority is None else {"priority": priority}
+        kwargs: dict[str, Any] = {} if priority is None else {"priority": priority}
         email_id = mail.send(Message(subject, recipients=["a@example.com"], body="x"),
                              **kwargs, **options)
         db.session.commit()
@@ -45,10 +45,10 @@ def test_the_claim_takes_high_then_normal_then_low_each_in_send_order(
     store = app.extensions["mail_outbox"].outbox().store
     first, _ = store.claim_due(3, owner="a", lease_seconds=60)
     second, _ = store.claim_due(3, owner="b", lease_seconds=60)
-    # Each claim takes the rows first in (priority, due_at, id) order; it
-    # returns them in no particular order.
-    assert sorted(_subjects(first, app)) == ["high 1", "high 2", "normal 1"]
-    assert sorted(_subjects(second, app)) == ["low 1", "low 2", "normal 2"]
+    # Each claim takes the rows first in (priority, due_at, id) order, and
+    # returns them in that order: the order they are sent in.
+    assert _subjects(first, app) == ["high 1", "high 2", "normal 1"]
+    assert _subjects(second, app) == ["normal 2", "low 1", "low 2"]
 
 
 def test_within_a_key_send_order_wins_over_priority(
@@ -152,3 +152,54 @@ def test_a_high_email_goes_first_only_once_it_is_due_on_a_fake_clock(tmp_path: A
         assert _subjects([again], app) == ["high later"]
     finally:
         close_app(app, timeout=5)
+
+
+FIVE = [("low 1", "low"), ("normal 1", "normal"), ("high 1", "high"), ("low 2", "low"),
+        ("high 2", "high")]
+
+
+def test_one_claim_sends_high_then_normal_then_low_each_in_send_order(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    """Five emails drained by one claim of `worker --once --concurrency 1` go out by
+    priority, not in send order (the claim, up to OUTBOX_BATCH_SIZE, takes all five;
+    it used to hand them to the connection by id)."""
+    app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                       OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
+    for subject, priority in FIVE:
+        _send(app, subject, priority)
+    result = app.test_cli_runner().invoke(
+        args=["outbox", "worker", "--once", "--concurrency", "1"])
+    assert result.exit_code == 0, result.output
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == [
+        "high 1", "high 2", "normal 1", "low 1", "low 2"]
+
+
+def test_one_commits_hand_over_sends_high_then_normal_then_low(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    """Inline mode: one commit's low, high and normal go out high, normal, low."""
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_CONCURRENCY=1)
+    with app.app_context():
+        for subject, priority in [("low", "low"), ("high", "high"), ("normal", "normal")]:
+            mail.send(Message(subject, recipients=["a@example.com"], body="x"),
+                      priority=priority)
+        db.session.commit()
+    assert smtp_server.wait_for(3, timeout=30)
+    assert [m.parsed["Subject"] for m in smtp_server.messages] == ["high", "normal", "low"]
+
+
+def test_per_key_order_still_wins_within_one_claim(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    """A key's later high email waits for its earlier low one, even in one drain."""
+    app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                       OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
+    _send(app, "k low", "low", key="k")
+    _send(app, "free normal", "normal")
+    _send(app, "k high", "high", key="k")
+    _send(app, "free high", "high")
+    result = app.test_cli_runner().invoke(
+        args=["outbox", "worker", "--once", "--concurrency", "1"])
+    assert result.exit_code == 0, result.output
+    received = [m.parsed["Subject"] for m in smtp_server.messages]
+    assert received.index("k low") < received.index("k high")
+    assert received[:3] == ["free high", "free normal", "k low"]

@@ -156,7 +156,8 @@ class AppState:
                                      "%s); delivery goes on", entry.email_id)
         self.ensure_started()
         self.deliver_soon([e.email_id for e in entries if e.due_now],
-                          urgent={e.email_id for e in entries if e.urgent})
+                          urgent={e.email_id for e in entries if e.urgent},
+                          scheduled=[e.email_id for e in entries if not e.due_now])
 
     def _after_cancel(self, cancelled: list[staging.StagedEmail]) -> None:
         """A cancel committed: hand each cancelled holder's key to its next email."""
@@ -177,19 +178,22 @@ class AppState:
         if holders:
             self.deliver_soon(holders)
 
-    def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = ()) -> None:
+    def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = (),
+                     scheduled: Sequence[int] = ()) -> None:
         """Start delivering committed rows (see :meth:`Outbox.deliver_soon`); never raises.
 
         The commit succeeded and the rows are safe in the database: a failure
         here is reported, and the sweep takes them.
         """
         try:
-            self.outbox().deliver_soon(ids, urgent=urgent)
+            self.outbox().deliver_soon(ids, urgent=urgent, scheduled=scheduled)
         except Exception as exc:  # noqa: BLE001 - the commit succeeded; never fail it now
+            every = [*ids, *scheduled]
             _degrade.report(
-                f"Could not hand {len(ids)} committed email(s) {list(ids)[:20]} to delivery",
+                f"Could not hand {len(every)} committed email(s) {every[:20]} to delivery",
                 consequence="they stay queued in the database; the periodic sweep takes them "
-                            "after OUTBOX_SWEEP_MIN_AGE_SECONDS",
+                            "after OUTBOX_SWEEP_MIN_AGE_SECONDS (those sent with send_after: "
+                            "when due)",
                 fix="check the database connection and the transport configuration; "
                     "`flask outbox sweep` delivers them once fixed",
                 exc=exc)

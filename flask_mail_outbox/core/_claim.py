@@ -20,6 +20,13 @@ from ._models import Status, email_table
 #: Builds "now" as SQL: the database clock on PostgreSQL, the store's clock elsewhere.
 Now = Callable[[], sa.ColumnElement[datetime]]
 
+#: ``lease_owner`` of a ``queued`` row that was not due when ``send()`` queued it
+#: (``send_after``): its commit handed it to no delivery, so it is in flight
+#: nowhere until it is claimed, and the sweep takes it when due whatever its
+#: age. No claim owner looks like it (those are ``host:pid:n:hex``), and the
+#: claim, like every record, overwrites it.
+SCHEDULED = "scheduled"
+
 #: What a claim returns of each row (see :meth:`._store.Store._claimed`).
 CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sender,
                    email_table.c.recipients, email_table.c.mime, email_table.c.message_id,
@@ -27,6 +34,8 @@ CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sende
                    # reap lists key and error_history last.
                    email_table.c.created_at, email_table.c.smtp_options,
                    email_table.c.transport, email_table.c.expires_at,
+                   # The claim's order, kept for sending (see send_order).
+                   email_table.c.priority, email_table.c.due_at,
                    email_table.c.key, email_table.c.error_history)
 
 
@@ -34,6 +43,17 @@ CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sende
 #: number) first, then oldest due first; ``ix_outbox_email_due`` holds them in this
 #: order after the transport.
 CLAIM_ORDER = (email_table.c.priority, email_table.c.due_at, email_table.c.id)
+
+
+def send_order(row: Any) -> tuple[Any, ...]:
+    """A claimed row's place in :data:`CLAIM_ORDER`: the order its batch is sent in.
+
+    ``UPDATE ... RETURNING`` gives rows in no set order, so a claim of five
+    would otherwise reach a connection as the database happens to list them.
+    Rows of one key never meet in a claim (only a key's holder is claimable),
+    so this cannot reorder a key's line.
+    """
+    return (row.priority, row.due_at, row.id)
 
 
 def claimable(now: Now, *, sqlite: bool) -> sa.ColumnElement[bool]:

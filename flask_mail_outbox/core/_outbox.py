@@ -232,23 +232,30 @@ class Outbox:
         if mode is Mode.DURABLE and self.config.run_worker:
             self.dispatch()
 
-    def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = ()) -> None:
-        """Start delivering committed rows that are due now.
+    def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = (),
+                     scheduled: Sequence[int] = ()) -> None:
+        """Start delivering committed rows: ``ids`` are due now, ``scheduled`` later.
 
-        Memory transports deliver them before this returns, through the same
+        Memory transports deliver due ones before this returns, through the same
         worker (a test sees its messages as soon as ``commit()`` returns); inline mode hands them to this process's worker (``urgent``
         ones before what waits); durable mode wakes this process's dispatcher
         when it runs one (``run_worker``), and otherwise leaves them to the
-        dispatchers the commit's NOTIFY wakes. Raises on a database error; the
-        rows are safe in the database either way.
+        dispatchers the commit's NOTIFY wakes. The worker that delivers here
+        also times the ``scheduled`` ones (``send_after``) and claims each when
+        it is due (see :meth:`Worker.schedule`); without one, a dispatcher's
+        claim or a sweep takes them. Raises on a database error; the rows are
+        safe in the database either way.
         """
         if self.synchronous:
             if ids:
                 self.worker.deliver(ids, timeout=3600.0)
+            self.worker.schedule(scheduled)
         elif self.mode() is Mode.INLINE:
             self.worker.hand(ids, urgent=urgent)
+            self.worker.schedule(scheduled)
         elif self.config.run_worker or self.dispatcher is not None:
             self.dispatch()  # wakes it: it claims them with whatever else is due
+            self.worker.schedule(scheduled)
 
     def dispatch(self, *, hand_ticked: bool = False) -> Worker:
         """Make this process's worker a dispatcher (and LISTEN on PostgreSQL), once.

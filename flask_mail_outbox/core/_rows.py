@@ -16,6 +16,7 @@ from typing import Any
 
 from .._compose.message import Message, prepare_message
 from .._errors import InvalidMessage
+from ._claim import SCHEDULED
 from ._clock import utcnow
 from ._models import DEFAULT_PRIORITY, PRIORITIES, Status
 from ._settings import DEFAULT_TRANSPORT, OutboxConfig
@@ -40,10 +41,18 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
                 priority: int = DEFAULT_PRIORITY,
                 transport: str = DEFAULT_TRANSPORT,
                 expires_at: datetime | None = None) -> QueuedRow:
-    """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad."""
+    """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad.
+
+    A message without a ``date`` is dated when it becomes due: at ``due_at``
+    when that is still ahead (a reminder three days out must not arrive dated
+    three days back), else now. The row of one that is not due yet is marked
+    :data:`._claim.SCHEDULED`: no commit hands it to a delivery, so the
+    sweep's age gate does not hold it back once it is due.
+    """
     check_message(msg)
+    due_now = due_at is None or due_at <= utcnow()
     prepared = prepare_message(
-        msg, default_sender=config.default_sender,
+        msg, now=None if due_now else due_at, default_sender=config.default_sender,
         allow_local_addresses=config.allow_local_addresses,
         max_message_bytes=config.max_message_bytes,
         message_id_domain=config.message_id_domain,
@@ -67,6 +76,8 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
         "smtp_options": _smtp_options(prepared.mail_options, prepared.rcpt_options),
         "priority": priority,
         "transport": transport,
+        # Every row carries the column, so the rows of a send_many() insert together.
+        "lease_owner": None if due_now else SCHEDULED,
     }
     if expires_at is not None:
         values["expires_at"] = expires_at
@@ -75,8 +86,7 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
          "size": info.size}
         for index, info in enumerate(prepared.attachments)
     ]
-    return QueuedRow(values, attachments, prepared.recipients,
-                     due_now=due_at is None or due_at <= utcnow(),
+    return QueuedRow(values, attachments, prepared.recipients, due_now=due_now,
                      urgent=priority < DEFAULT_PRIORITY)
 
 

@@ -142,6 +142,10 @@ class Recorded(NamedTuple):
 #: it (those are ``host:pid:n:hex``), and a claim overwrites it.
 GIVEN_BACK = "given-back"
 
+#: The ``lease_owner`` marks of queued rows in flight nowhere, which the sweep's
+#: age gate does not hold back: given back at a stop, or scheduled by ``send_after``.
+_UNGATED = (GIVEN_BACK, _claim.SCHEDULED)
+
 #: Keys :meth:`Store.retry_all_failed` puts back per transaction (one
 #: advisory lock each on PostgreSQL, held until the transaction ends).
 RETRY_ALL_KEYS_PER_TRANSACTION = 500
@@ -363,8 +367,9 @@ class Store:
                 "lease_owner": owner, "lease_expires_at": self.later_expr(lease_seconds)}
 
     def _claimed(self, rows: Sequence[Any], owner: str) -> list[ClaimedEmail]:
+        """The claimed rows, in the order they are to be sent (:func:`._claim.send_order`)."""
         claimed = []
-        for row in rows:
+        for row in sorted(rows, key=_claim.send_order):
             options = json.loads(row.smtp_options) if row.smtp_options else {}
             claimed.append(ClaimedEmail(
                 id=row.id, owner=owner, attempt=row.attempts, sender=row.sender,
@@ -377,8 +382,27 @@ class Store:
                 transport=row.transport,
                 expires_at=row.expires_at,
             ))
-        claimed.sort(key=lambda email: email.id)
         return claimed
+
+    def due_in(self, ids: Sequence[int]) -> list[tuple[int, float]]:
+        """Seconds until each of ``ids`` still ``queued`` is due (0 or less: due now).
+
+        Measured on the claim's own "now" (the database clock on PostgreSQL),
+        so a worker that waits this long finds the row claimable whatever its
+        host's clock says. Rows no longer queued (sent, cancelled) are left out.
+        """
+        t = email_table
+        unique = sorted(set(ids))
+        found: list[tuple[int, float]] = []
+        with self.read() as conn:
+            for start in range(0, len(unique), 500):
+                chunk = unique[start:start + 500]
+                rows = conn.execute(
+                    sa.select(t.c.id, t.c.due_at, self.now_expr().label("now"))
+                    .where(t.c.id.in_(chunk), t.c.status == Status.QUEUED.value)).all()
+                found += [(int(row.id), (row.due_at - row.now).total_seconds())
+                          for row in rows]
+        return found
 
     def advance_keys(self, keys: Iterable[str]) -> list[int]:
         """Apply the per-key rule to ``keys`` in a short transaction of its own (after a cancel)."""
@@ -588,9 +612,10 @@ class Store:
         """Rows a sweep takes, oldest first (``created_at, id``): at most ``limit``.
 
         Due ``queued`` rows older than the age gate (keyless or key heads, so
-        key order holds), and ``sending`` rows whose lease expired. One
-        statement: a UNION ALL of two index scans, each on its partial index.
-        Returns ``(id, status)`` pairs.
+        key order holds), younger ones in flight nowhere (given back, or not
+        due when queued: see :data:`_UNGATED`), and ``sending`` rows whose
+        lease expired. One statement: a UNION ALL of three index scans, each
+        on its partial index. Returns ``(id, status)`` pairs.
         """
         t = email_table
         now = self.now_expr()
@@ -599,11 +624,12 @@ class Store:
                   .where(_claim.claimable(self.now_expr, sqlite=self.is_sqlite),
                          t.c.created_at <= cutoff)
                   .order_by(t.c.created_at, t.c.id).limit(limit))
-        # Given back by a stopping process: in flight nowhere, so not age-gated.
-        # They are few and young: the scan reads the queued rows' partial index.
+        # Given back by a stopping process, or not due when queued: in flight
+        # nowhere, so not age-gated. Only those younger than the gate are read
+        # here: the scan reads the young end of the queued rows' partial index.
         given_back = (sa.select(t.c.id, t.c.status, t.c.created_at)
                       .where(_claim.claimable(self.now_expr, sqlite=self.is_sqlite),
-                             t.c.created_at > cutoff, t.c.lease_owner == GIVEN_BACK)
+                             t.c.created_at > cutoff, t.c.lease_owner.in_(_UNGATED))
                       .order_by(t.c.created_at, t.c.id).limit(limit))
         expired = (sa.select(t.c.id, t.c.status, t.c.created_at)
                    .where(t.c.status == Status.SENDING.value, t.c.lease_expires_at < now)
@@ -620,7 +646,8 @@ class Store:
     def age_gated(self, *, min_age_seconds: float) -> tuple[int, datetime | None, datetime]:
         """Due queued rows the age gate keeps from a sweep: (count, oldest created_at, now).
 
-        Rows marked :data:`GIVEN_BACK` are not gated. Reads the sweep's partial index.
+        Rows in flight nowhere (:data:`_UNGATED`: given back, or scheduled by
+        ``send_after``) are not gated. Reads the sweep's partial index.
         """
         t = email_table
         cutoff = self._sweep_cutoff(min_age_seconds)
@@ -629,7 +656,7 @@ class Store:
                 sa.select(sa.func.count(), sa.func.min(t.c.created_at), self.now_expr())
                 .where(_claim.claimable(self.now_expr, sqlite=self.is_sqlite),
                        t.c.created_at > cutoff,
-                       sa.or_(t.c.lease_owner.is_(None), t.c.lease_owner != GIVEN_BACK))
+                       sa.or_(t.c.lease_owner.is_(None), t.c.lease_owner.not_in(_UNGATED)))
             ).one()
         return int(count), oldest, now
 

@@ -2,9 +2,11 @@
 
 It takes due ``queued`` rows older than ``OUTBOX_SWEEP_MIN_AGE_SECONDS`` (age,
 not "older than this boot": a younger row may be in flight in some process,
-and only age means the same on every instance) and ``sending`` rows whose
-lease expired, oldest first, at most ``OUTBOX_SWEEP_BATCH`` of them, reading
-one more to know for certain whether it stopped short.
+and only age means the same on every instance), younger ones that are in
+flight nowhere (given back by a stopping process, or sent with ``send_after``:
+not due at their commit, so no commit handed them over), and ``sending`` rows
+whose lease expired, oldest first, at most ``OUTBOX_SWEEP_BATCH`` of them,
+reading one more to know for certain whether it stopped short.
 
 * Inline mode: it hands them to this process's worker (claim -> send ->
   record) and waits for their outcomes; a row another delivery claimed first
@@ -47,7 +49,8 @@ class SweepReport:
     taken but owned by another delivery; ``truncated``: more rows were waiting
     beyond the batch; ``kind``: ``startup``, ``periodic`` or ``manual``;
     ``age_gated``: due queued rows left alone because they are younger than the
-    age gate (they may be in flight in another process), and
+    age gate (they may be in flight in another process; rows given back or sent
+    with ``send_after`` are in flight nowhere, and never counted here), and
     ``age_gated_until``: when the oldest of them becomes eligible.
     """
 
@@ -179,9 +182,15 @@ def _store_report(outbox: Outbox, report: SweepReport, *, quiet: bool = False) -
     outbox.quiet_sweep_stored = quiet
     try:
         outbox.store.set_setting(LAST_SWEEP_SETTING, report.as_dict())
-    except Exception as exc:  # noqa: BLE001 - the report is for status output only
-        logger.error("Could not store the sweep report (status will show an older one): %s",
-                     exc)
+    except Exception as exc:  # noqa: BLE001 - reported; the report is for status output only
+        # Through the tracker: in an outage this is one more part of the one outage.
+        outbox.faults.failing(
+            "sweep-report", "Could not store the sweep report",
+            consequence="`flask outbox status` and `mail.stats()` show an older one; no "
+                        "email is affected",
+            fix="check the database connection; the next sweep stores its own", exc=exc)
+        return
+    outbox.faults.recovered("sweep-report")
 
 
 def _log(report: SweepReport, outbox: Outbox) -> None:

@@ -4,8 +4,9 @@ A :class:`Worker` runs in one daemon thread per app and process, and takes
 work from two sources:
 
 * ids handed to it (:meth:`Worker.hand`): the rows a commit queued, the
-  emails a recorded outcome made their key's holder, and (inline mode) its
-  own in-process retries once their pause is over;
+  emails a recorded outcome made their key's holder, (inline mode) its
+  own in-process retries once their pause is over, and the rows a commit
+  queued with a ``send_after`` once they are due (:meth:`Worker.schedule`);
 * due rows it claims itself (:meth:`~._store.Store.claim_due`) when it is a
   *dispatcher* (durable mode, ``flask outbox worker``): at its poll, or at
   once when a commit or a NOTIFY wakes it.
@@ -24,6 +25,7 @@ an injectable clock, so tests can check the exact gap sequence.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import os
@@ -59,6 +61,13 @@ logger = logging.getLogger(__name__)
 RECORD_WINDOW = 0.003
 #: Ids waiting in memory at most; past it, hand-overs fall back to the sweep.
 MAX_HANDED = 20_000
+#: Scheduled ids (``send_after``) timed in memory at most; past it, the sweep
+#: takes the others when they are due.
+MAX_SCHEDULED = 20_000
+#: What takes a scheduled email once due when no worker times it.
+_TAKEN_LATER = ("the periodic sweep of any process takes them (inline mode, up to "
+                "OUTBOX_SWEEP_INTERVAL_SECONDS late; they are not held to the age gate), or "
+                "a dispatcher's next claim (durable mode)")
 
 
 class Worker:
@@ -89,6 +98,9 @@ class Worker:
         self._handed: dict[int, None] = {}
         self._retries: dict[int, tuple[float, int]] = {}  # id -> (due, retry number)
         self._retry_numbers: dict[int, int] = {}  # claimed ids -> their retry number
+        # Committed with a send_after: (due, id) on time.monotonic(), as the
+        # retries' times are, the next due first.
+        self._scheduled: list[tuple[float, int]] = []
         self._waiters: list[Waiter] = []
         self._in_flight: dict[int, ClaimedEmail] = {}
         self._results: list[tuple[ClaimedEmail, Attempt | None]] = []
@@ -147,6 +159,55 @@ class Worker:
             if first:
                 self._handed = {**dict.fromkeys(first), **self._handed}
             self._handed.update(dict.fromkeys(ids))
+            self._cond.notify_all()
+        self.start()
+
+    def schedule(self, ids: Sequence[int]) -> None:
+        """Deliver ``ids`` (committed, not due yet: ``send_after``) when each is due.
+
+        Their due times are read here, in the committing thread, on the
+        claim's clock (the database's on PostgreSQL), so the loop hands each
+        over at its time: it goes out then, not at a later sweep. If this
+        process stops first, they are queued and marked as scheduled in the
+        database: the next sweep of any process takes them when due, whatever
+        their age.
+        """
+        if not ids or self._stopping:
+            return
+        with self._cond:
+            room = MAX_SCHEDULED - len(self._scheduled)
+        if room < len(ids):
+            self.delivery.faults.failing(
+                "scheduled-overflow",
+                f"This process already times {MAX_SCHEDULED} emails sent with send_after",
+                consequence=f"{len(ids) - max(room, 0)} more (and further ones until some "
+                            "are sent) are not timed here; they stay queued, and once due "
+                            f"{_TAKEN_LATER}",
+                fix="nothing is lost; to have every one sent on time, schedule fewer at "
+                    "once from one process, or spread them over more processes")
+            ids = ids[:max(room, 0)]
+            if not ids:
+                return
+        else:
+            self.delivery.faults.recovered("scheduled-overflow")
+        try:
+            due_in = self.store.due_in(ids)
+        except Exception as exc:  # noqa: BLE001 - reported; the rows are marked for the sweep
+            self.delivery.faults.failing(
+                "scheduled", "Could not read the due times of emails sent with send_after",
+                consequence=f"{len(ids)} such email(s) are not timed by this process; they "
+                            f"stay queued, and once due {_TAKEN_LATER}",
+                fix="check the database connection and the outbox tables "
+                    "(`flask db upgrade outbox@head`)",
+                exc=exc)
+            return
+        self.delivery.faults.recovered("scheduled")
+        now = time.monotonic()
+        with self._cond:
+            if self._stopping:
+                return
+            for email_id, seconds in due_in:
+                heapq.heappush(self._scheduled, (now + max(0.0, seconds), email_id))
             self._cond.notify_all()
         self.start()
 
@@ -258,10 +319,12 @@ class Worker:
             logger.info("Outbox dispatcher started (pid %d)", os.getpid())
 
     def idle(self) -> bool:
-        """Nothing handed, claimed, waiting for a retry or to be recorded."""
+        """Nothing handed, claimed, waiting for a retry or to be recorded, nor
+        scheduled and due (one due later is not work in hand)."""
         with self._cond:
+            due = bool(self._scheduled) and self._scheduled[0][0] <= time.monotonic()
             return not (self._busy or self._handed or self._retries or self._in_flight
-                        or self._results or self._woken or self.last_claim_failed
+                        or self._results or self._woken or self.last_claim_failed or due
                         or (self.dispatching and self.last_claimed))
 
     def wait_idle(self, timeout: float) -> bool:
@@ -289,6 +352,8 @@ class Worker:
             self._forget([*self._handed, *self._retries])
             self._handed.clear()
             self._retries.clear()
+            # Scheduled ones are marked so in the database: any sweep takes them when due.
+            self._scheduled.clear()
             self._cond.notify_all()
             thread = self._thread
         self.cancel_unstarted()
@@ -372,6 +437,8 @@ class Worker:
                 if room and (self._handed or (self.dispatching and self._woken)):
                     return
                 deadlines = [due for due, _ in self._retries.values()]
+                if self._scheduled:
+                    deadlines.append(self._scheduled[0][0])
                 if self.dispatching:
                     deadlines.append(self._next_claim)
                 next_due = min(deadlines, default=None)
@@ -385,8 +452,10 @@ class Worker:
                     return
                 # A dispatcher waits in slices: a signal handler (the worker's
                 # SIGTERM) sets the flag without being able to notify.
-                wait = (None if next_due is None and not self.dispatching else
-                        0.5 if next_due is None or not room else min(0.5, next_due - now))
+                if next_due is None or not room:
+                    wait = 0.5 if self.dispatching or next_due is not None else None
+                else:  # a scheduled email may be due in days: no need to wake before
+                    wait = min(0.5, next_due - now) if self.dispatching else next_due - now
                 if record_in is not None:
                     wait = record_in if wait is None else min(wait, record_in)
                 if slot is not None:
@@ -420,6 +489,8 @@ class Worker:
                     del self._retries[email_id]
                     self._handed[email_id] = None
                     self._retry_numbers[email_id] = number
+            while self._scheduled and self._scheduled[0][0] <= now:
+                self._handed[heapq.heappop(self._scheduled)[1]] = None
             ids = list(itertools.islice(self._handed, room))
             for email_id in ids:
                 del self._handed[email_id]
