@@ -11,7 +11,10 @@ is coalesced: one ERROR when it starts, repeats only counted, and one summary
 when it ends, so an outage does not write a line per tick or per email. A
 database outage hits every part of a process at once (dispatcher ticks, lease
 renewals, outcome writes, the LISTEN connection): a failure to reach the
-database is one fault, :data:`DATABASE`, whichever part reports it.
+database is one fault, :data:`DATABASE`, whichever part reports it. Missing
+outbox tables (before ``create_all()`` or the migrations) are one fault too,
+:data:`TABLES`, said in one line with the fix: no traceback, since the
+cause is known.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 #: The fault every "cannot reach the database" failure is reported under.
 DATABASE = "database"
+#: The fault every "the outbox tables do not exist" failure is reported under.
+TABLES = "tables"
 
 # SQLSTATEs of a connection that failed or was cut: connection exceptions
 # (class 08) and the server shutting down or not accepting connections yet
@@ -35,6 +40,11 @@ DATABASE = "database"
 # statement_timeout or a cancel): a fault of its own, not an outage.
 _UNREACHABLE_SQLSTATE_CLASS = "08"
 _UNREACHABLE_SQLSTATES = ("57P01", "57P02", "57P03")
+#: PostgreSQL's undefined_table.
+_UNDEFINED_TABLE = "42P01"
+_TABLES_FIX = ("create them: `flask db upgrade outbox@head` with Flask-Migrate (see "
+               "docs/migrations.md), or `mail.create_all()` after `db.create_all()` in "
+               "development")
 
 
 def report(what: str, *, consequence: str, fix: str,
@@ -66,12 +76,26 @@ def database_unreachable(exc: BaseException) -> bool:
             or sqlstate in _UNREACHABLE_SQLSTATES)
 
 
+def tables_missing(exc: BaseException) -> str | None:
+    """The driver's one-line message when ``exc`` says an outbox table does not exist.
+
+    None otherwise (a missing column, or a table that is not the outbox's, is
+    a fault of its own).
+    """
+    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    lines = str(orig).strip().splitlines()
+    text = lines[0] if lines else ""
+    undefined = (getattr(orig, "sqlstate", None) == _UNDEFINED_TABLE
+                 or text.startswith("no such table:"))
+    return text if undefined and "outbox_" in text else None
+
+
 @dataclass
 class _Ongoing:
     started: float
     repeats: int
     what: str
-    # The parts whose failures were folded into this one (the database fault).
+    # The parts whose failures were folded into this one (DATABASE, TABLES).
     parts: set[str] = field(default_factory=set)
 
 
@@ -92,9 +116,12 @@ class FaultTracker:
         """Report ``fault``; returns True when this call logged (the fault is new).
 
         When ``exc`` says the database cannot be reached, the report is the
-        one :data:`DATABASE` fault, shared by every part of the process.
+        one :data:`DATABASE` fault, shared by every part of the process; when
+        it says the outbox tables do not exist, the one :data:`TABLES` fault,
+        in one line without a traceback.
         """
         part = fault
+        missing = None if exc is None else tables_missing(exc)
         if exc is not None and database_unreachable(exc):
             fault = DATABASE
             what = f"The database cannot be reached ({what})"
@@ -102,6 +129,12 @@ class FaultTracker:
                            "database waits and retries with backoff too, counted here until "
                            "the database answers again")
             fix = "check that the database is up and reachable; the emails need nothing"
+        elif missing is not None:
+            fault, exc = TABLES, None
+            what = f"The outbox tables do not exist ({what}: {missing})"
+            consequence = ("no email can be queued or delivered until they do (mail.send() "
+                           "raises); the background jobs keep trying")
+            fix = _TABLES_FIX
         with self._lock:
             ongoing = self._ongoing.get(fault)
             if ongoing is not None:
@@ -116,15 +149,15 @@ class FaultTracker:
     def recovered(self, fault: str) -> None:
         """Close ``fault`` if it was ongoing, with one summary line.
 
-        A part that failed during a database outage and works again closes
-        the outage: the database answers.
+        A part that failed during a database outage (or while the tables were
+        missing) and works again closes it: the database answers.
         """
         with self._lock:
             ongoing = self._ongoing.pop(fault, None)
-            if ongoing is None:
-                outage = self._ongoing.get(DATABASE)
-                if outage is not None and fault in outage.parts:
-                    ongoing = self._ongoing.pop(DATABASE)
+            for shared in (DATABASE, TABLES):
+                outage = self._ongoing.get(shared)
+                if ongoing is None and outage is not None and fault in outage.parts:
+                    ongoing = self._ongoing.pop(shared)
         if ongoing is not None:
             # Recovery is not a degradation: INFO, so alerting on ERROR stays meaningful.
             logger.info(

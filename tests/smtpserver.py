@@ -929,9 +929,13 @@ class FaultSMTPServer:
             return self._mid_data_drops
 
     def refuse_recipient(
-        self, address: str, code: int = 550, text: str = "5.1.1 No such user"
+        self, address: str, code: int = 550, text: str = "5.7.1 Recipient address rejected"
     ) -> None:
-        """Refuse ``RCPT TO`` for ``address`` (compared case-insensitively)."""
+        """Refuse ``RCPT TO`` for ``address`` (compared case-insensitively).
+
+        The default is a policy refusal: a test that means an unknown user says
+        ``5.1.1``, which the outbox also answers by suppressing the address.
+        """
         if isinstance(code, bool) or not 400 <= code <= 599:
             raise ValueError(f"code must be a 4xx or 5xx reply code, got {code!r}")
         with self._cond:

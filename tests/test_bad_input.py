@@ -322,6 +322,12 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_DKIM_PRIVATE_KEY", ""),
     ("OUTBOX_DKIM_PRIVATE_KEY_FILE", "/nonexistent/dkim.pem"),
     ("OUTBOX_DKIM_HEADERS", "From"),  # a list is expected
+    ("OUTBOX_WEBHOOK_PREFIX", "outbox/webhooks"),
+    ("OUTBOX_WEBHOOK_PREFIX", "/a?b"),
+    ("OUTBOX_UNSUBSCRIBE_URL", "http://app.example.com/u"),
+    ("OUTBOX_UNSUBSCRIBE_URL", 5),
+    ("OUTBOX_BOUNCE_ADDRESS", "not an address"),
+    ("OUTBOX_BOUNCE_ADDRESS", "b+x@example.com"),
     ("OUTBOX_INLINE_RETRY", 3),  # unknown key, with a suggestion
     ("MAIL_USE_TLS", True),  # with MAIL_USE_SSL below: exclusive
     ("SQLALCHEMY_DATABASE_URI", "sqlite://"),

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import close_app, free_port, make_app
+from conftest import MakeApps, close_app, free_port, make_app, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
+
+from flask_mail_outbox import OutboxMail
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def _flask(db_url: str, smtp_port: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``flask outbox ARGS`` in its own process, for an app that configures no logging."""
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{REPO}",
+           "DEPLOY_DB_URL": db_url, "DEPLOY_SMTP_PORT": str(smtp_port)}
+    return subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "gunicorn_app:create_app", "outbox", *args],
+        env=env, cwd=str(TESTS), capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_send_test_delivers_one_email(app: Flask, smtp_server: FaultSMTPServer) -> None:
@@ -20,15 +38,84 @@ def test_send_test_delivers_one_email(app: Flask, smtp_server: FaultSMTPServer) 
     assert smtp_server.messages[0].rcpt_tos == ["ops@example.com"]
 
 
-def test_send_test_reports_a_failure_with_exit_1(db_url: str) -> None:
-    app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0)
+def test_send_test_against_a_dead_server_is_one_shot(db_url: str) -> None:
+    """Tried once with its inline retries, then expired: no real email is left queued
+    to retry for a day (the library's own retry schedule)."""
+    app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(),
+                   OUTBOX_RETRY_BASE_SECONDS=60.0, OUTBOX_MAX_ATTEMPTS=30)
     try:
         result = app.test_cli_runner().invoke(args=["outbox", "send-test", "--to",
                                                     "ops@example.com"])
         assert result.exit_code == 1
-        assert "queued" in result.output and "Connect call failed" in result.output
+        assert ": expired after 4 attempt(s)" in result.output, result.output
+        assert "Connect call failed" in result.output
+        [row] = rows(app)
+        assert (row["status"], row["attempts"]) == ("expired", 4)
     finally:
         close_app(app)
+
+
+def test_send_test_takes_back_an_email_whose_retry_would_come_before_its_deadline(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """A short retry schedule would retry it within --timeout: it is not retried, it is
+    taken back, and a later sweep sends nothing."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_INLINE_RETRIES=0)  # the tests' 2 s schedule
+    smtp_server.reply("data", 451, "4.3.0 try later")
+    try:
+        result = app.test_cli_runner().invoke(args=["outbox", "send-test", "--to",
+                                                    "ops@example.com"])
+        assert result.exit_code == 1
+        assert ": cancelled after 1 attempt(s)" in result.output, result.output
+        assert "451" in result.output
+        smtp_server.reset_faults()
+        mail: OutboxMail = app.extensions["test_mail"]
+        with app.app_context():
+            report = mail.sweep(min_age=0)
+        assert report.scanned == 0
+        [row] = rows(app)
+        assert (row["status"], row["attempts"]) == ("cancelled", 1)
+        assert smtp_server.messages == []
+    finally:
+        close_app(app)
+
+
+def test_send_test_help_says_it_is_one_shot(app: Flask) -> None:
+    result = app.test_cli_runner().invoke(args=["outbox", "send-test", "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert "one-shot" in text and "never retried later" in text
+
+
+def test_durable_on_writes_the_setting_and_starts_no_delivery(
+        make_apps: MakeApps, db_url: str, smtp_server: FaultSMTPServer) -> None:
+    app, mail = make_apps()  # the tables, and a reader of the setting
+    done = _flask(db_url, smtp_server.port, "durable", "on")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ("delivery mode is now durable for every process (each sees it "
+                           "within OUTBOX_SETTINGS_TTL_SECONDS)\n")
+    assert done.stderr == ""
+    # Even the engine's debug lines show no delivery started.
+    done = _flask(db_url, smtp_server.port, "durable", "on", "--log-level", "debug")
+    assert done.returncode == 0, done.stderr
+    assert "dispatcher" not in done.stderr, done.stderr
+    with app.app_context():
+        assert mail.durable
+
+
+@pytest.mark.parametrize("command", [["send-test", "--to", "ops@example.com"],
+                                     ["sweep", "--dry-run"]], ids=["send-test", "dry-run"])
+def test_a_command_prints_what_it_says_and_engine_lines_only_when_asked(
+        make_apps: MakeApps, db_url: str, smtp_server: FaultSMTPServer,
+        command: list[str]) -> None:
+    make_apps()  # the tables
+    quiet = _flask(db_url, smtp_server.port, *command)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == ""
+    assert quiet.stdout.startswith("email 1 " if command[0] == "send-test" else "scanned ")
+    loud = _flask(db_url, smtp_server.port, *command, "--log-level", "debug")
+    assert loud.returncode == 0, loud.stderr
+    assert " INFO flask_mail_outbox" in loud.stderr, loud.stderr
 
 
 def test_send_test_goes_through_the_named_transport_and_refuses_an_unknown_one(

@@ -55,6 +55,8 @@ from test_workers import Worker, _quiet_after, all_done
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._degrade import FaultTracker
+from flask_mail_outbox.core import Outbox, SweepReport, load_config
+from flask_mail_outbox.core._sweep import _store_report
 
 REPO = Path(__file__).resolve().parent.parent
 PG_CLUSTER = REPO / "scripts" / "pg-cluster"
@@ -205,6 +207,29 @@ def test_one_error_per_database_outage_whichever_part_reports_it(
     [summary] = library_records(caplog, logging.INFO)
     assert summary.startswith("Recovered: The database cannot be reached")
     assert "recurred 4 more time(s)" in summary
+
+
+def test_a_sweep_report_the_outage_keeps_from_being_stored_is_part_of_the_outage(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A sweep that read its rows just before the database went down fails to store its
+    report (what made a full run's worker log a second ERROR, ``Could not store the
+    sweep report ... the database system is shutting down``): one outage, one ERROR."""
+    caplog.set_level(logging.INFO, logger="flask_mail_outbox")
+    faults = FaultTracker()
+    faults.failing("dispatcher-tick", "tick failed", consequence="c", fix="f", exc=refused())
+    gone = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/none"
+    config = load_config({}, instance_path=tempfile.gettempdir(), testing=False)
+    outbox = Outbox(gone, config, faults=faults)
+    try:
+        _store_report(outbox, SweepReport(kind="startup"))
+    finally:
+        outbox.engine.dispose()
+    errors = library_records(caplog, logging.ERROR)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("The database cannot be reached (tick failed)")
+    faults.recovered("dispatcher-tick")
+    [summary] = library_records(caplog, logging.INFO)
+    assert "recurred 1 more time(s)" in summary  # the report's failure, counted
 
 
 def test_errors_the_database_answered_with_are_faults_of_their_own(

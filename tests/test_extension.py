@@ -26,9 +26,10 @@ def bare_app(tmp_path: Path, **config: Any) -> Flask:
 
 def test_public_names_are_pinned() -> None:
     assert sorted(flask_mail_outbox.__all__) == [
-        "Attachment", "ConfigError", "DeliveredMessage", "InvalidMessage", "Message",
-        "OutboxError", "OutboxMail", "PermanentError", "Status", "SweepReport", "TransientError",
-        "TransportError", "email_dispatched", "email_failed", "email_queued", "email_sent",
+        "Attachment", "ConfigError", "DeliveredMessage", "DeliveryEvent", "InvalidMessage",
+        "Message", "OutboxError", "OutboxMail", "PermanentError", "Status", "Suppression",
+        "SweepReport", "TransientError", "TransportError", "email_dispatched", "email_event",
+        "email_failed", "email_queued", "email_sent", "email_unsubscribed",
     ]
     for name in flask_mail_outbox.__all__:
         assert getattr(flask_mail_outbox, name).__doc__

@@ -136,7 +136,8 @@ def test_dead_letters_growing(smtp_app: tuple[Flask, OutboxMail],
                               smtp_server: FaultSMTPServer) -> None:
     app, mail = smtp_app
     assert health(app, mail)["status"] == "ok"  # the baseline: no dead letters
-    smtp_server.refuse_recipient("bad@example.com", 550)
+    # 5.7.1, not the default 5.1.1: an unknown user would be suppressed after the first.
+    smtp_server.refuse_recipient("bad@example.com", 550, "5.7.1 Relay access denied")
     bad = send(app, mail, "bad@example.com")
     wait_rows(app, lambda r: [x["status"] for x in r] == ["failed"], 20)
     result = health(app, mail)

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import MakeApps, db, poll, rows
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
@@ -268,3 +270,76 @@ def test_a_mark_the_database_refuses_at_stop_is_an_error_and_loses_nothing(
     last = poll(lambda: rows(app), lambda rs: rs[1]["status"] == "queued", timeout=10)
     # Queued and unmarked: nothing lost, only left to the age gate.
     assert [(r["status"], r["lease_owner"]) for r in last][2] == ("queued", None)
+
+
+# -- issue 29, item 3: tables created after OutboxMail(app), as the README's tour does -------
+
+
+def _tourist_app(db_url: str, **config: Any) -> tuple[Flask, OutboxMail, SQLAlchemy]:
+    """``OutboxMail(app)`` on a database without the outbox tables (they come later)."""
+    app = Flask(__name__)
+    app.config.update(SQLALCHEMY_DATABASE_URI=db_url, MAIL_SUPPRESS_SEND=False,
+                      MAIL_DEFAULT_SENDER="noreply@example.com", **config)
+    sql = SQLAlchemy(app)
+    return app, OutboxMail(app), sql
+
+
+def _close_tourist(app: Flask, mail: OutboxMail, sql: SQLAlchemy) -> None:
+    mail.stop(timeout=5)
+    with app.app_context():
+        sql.session.remove()
+        sql.engine.dispose()
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["inline", "durable"])
+def test_tables_created_right_after_init_app_start_quietly(
+        db_url: str, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture,
+        durable: bool) -> None:
+    """The start-up job reads the delivery mode before ``mail.create_all()`` ran: that is
+    expected, not an ERROR, and the first email goes out as usual."""
+    caplog.set_level(logging.DEBUG, logger="flask_mail_outbox")
+    app, mail, sql = _tourist_app(db_url, MAIL_SERVER=smtp_server.host,
+                                  MAIL_PORT=smtp_server.port, OUTBOX_DURABLE=durable,
+                                  OUTBOX_LISTEN=False, OUTBOX_SWEEP_ON_STARTUP=False)
+    try:
+        app.extensions["mail_outbox"].ensure_started()  # as the first request does
+        # The start-up job has looked for the mode (and found no table) ...
+        poll(lambda: [r for r in caplog.records if "delivery mode at start-up" in r.getMessage()],
+             timeout=30)
+        with app.app_context():  # ... and only now does the tour create the tables.
+            sql.create_all()
+            mail.create_all()
+            mail.send(Message("hello", recipients=["a@example.com"], body="x"))
+            sql.session.commit()
+        assert smtp_server.wait_for(1)
+    finally:
+        _close_tourist(app, mail, sql)
+    ours = [r for r in caplog.records if r.name.startswith("flask_mail_outbox")]
+    assert [r.getMessage() for r in ours if r.levelno >= logging.WARNING] == []
+    assert not [r for r in ours if r.exc_info]
+
+
+def test_tables_still_missing_when_needed_are_one_error_line_naming_the_fix(
+        db_url: str, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
+    """No ``create_all()`` and no migration: the start-up sweep needs the tables, and
+    says so once, in one line (no traceback), with the fix."""
+    caplog.set_level(logging.DEBUG, logger="flask_mail_outbox")
+    app, mail, sql = _tourist_app(db_url, MAIL_SERVER=smtp_server.host,
+                                  MAIL_PORT=smtp_server.port, OUTBOX_DURABLE=True,
+                                  OUTBOX_LISTEN=False)
+    try:
+        with app.app_context():
+            assert mail.wait_sweep(30) is None  # started it; it failed
+            state = app.extensions["mail_outbox"]
+            state.scheduler._periodic()  # a periodic run finds them missing too
+    finally:
+        _close_tourist(app, mail, sql)
+    ours = [r for r in caplog.records if r.name.startswith("flask_mail_outbox")]
+    errors = [r for r in ours if r.levelno >= logging.WARNING]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    [error] = errors
+    text = error.getMessage()
+    assert error.levelno == logging.ERROR and error.exc_info is None
+    assert "\n" not in text
+    assert text.startswith("The outbox tables do not exist")
+    assert "`flask db upgrade outbox@head`" in text and "`mail.create_all()`" in text

@@ -227,17 +227,23 @@ def _queue_keyed(app: Flask, n: int, keys: int = 2) -> None:
         db.session.commit()
 
 
+#: Delivery's one read of the suppression list per claimed batch.
+SUPPRESSION_LOOKUP = "SELECT outbox_suppression.address, outbox_suppression.reason"
+
+
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # advisory locks
-def test_a_keyed_tick_is_four_statements_on_postgresql(
+def test_a_keyed_tick_is_five_statements_on_postgresql(
         hand_ticked_app: Flask, smtp_server: FaultSMTPServer) -> None:
-    """A keyed tick: the claim, then the record in three statements: the keys'
-    line locks, the batch marked sent, and the keys handed to their next emails
-    (see _ordering). Those are handed to the worker, which claims them at once."""
+    """A keyed tick: the claim; the suppression list read once for the batch's
+    recipients; then the record in three statements: the keys' line locks, the
+    batch marked sent, and the keys handed to their next emails (see _ordering).
+    Those are handed to the worker, which claims them at once."""
     _queue_keyed(hand_ticked_app, 6)
     _frozen_dispatcher(hand_ticked_app)
     with _statements(hand_ticked_app) as statements:
         _step(hand_ticked_app)
-        assert statements == ["WITH due AS", "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
+        assert statements == ["WITH due AS", SUPPRESSION_LOOKUP,
+                              "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
                               "UPDATE outbox_email AS", "WITH c AS"]
         assert [(r["subject"], r["status"], r["key_head"]) for r in rows(hand_ticked_app)] == [
             ("m0", "sent", True), ("m1", "sent", True),
@@ -247,7 +253,7 @@ def test_a_keyed_tick_is_four_statements_on_postgresql(
         assert _step(hand_ticked_app) == 0.0
         # The keys' next emails are claimed by id; the tick's own claim of due
         # rows finds nothing more; the record as before.
-        assert statements == ["UPDATE outbox_email SET", "WITH due AS",
+        assert statements == ["UPDATE outbox_email SET", SUPPRESSION_LOOKUP, "WITH due AS",
                               "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
                               "UPDATE outbox_email AS", "WITH c AS"]
     _step(hand_ticked_app)

@@ -348,7 +348,7 @@ def test_refuse_recipient_partial(server: FaultSMTPServer) -> None:
         server, make_message(), rcpts=["alive@example.com", "Ghost@Example.com"]
     )
 
-    assert refused == {"Ghost@Example.com": (550, b"5.1.1 No such user")}
+    assert refused == {"Ghost@Example.com": (550, b"5.7.1 Recipient address rejected")}
     [received] = server.messages
     assert received.rcpt_tos == ["alive@example.com"]
 

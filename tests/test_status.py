@@ -74,7 +74,8 @@ def test_stats_shape_and_values(make_apps: MakeApps, smtp_server: FaultSMTPServe
     with app.app_context():
         stats = mail.stats()
     assert set(stats) == STATUS_FIELDS | {"dispatcher"}
-    assert stats["counts"] == {"queued": 2, "sending": 1, "sent": 1, "failed": 1, "suppressed": 0}
+    assert stats["counts"] == {"queued": 2, "sending": 1, "sent": 1, "failed": 1, "suppressed": 0,
+                               "expired": 0, "cancelled": 0}
     assert stats["dead_letters"] == 1
     assert stats["mode"] == "inline"
     assert stats["last_sweep"] is None
@@ -88,7 +89,8 @@ def test_empty_outbox(make_apps: MakeApps) -> None:
     app, mail = make_apps(OUTBOX_TRANSPORT="null")
     with app.app_context():
         stats = mail.stats()
-    assert stats["counts"] == {"queued": 0, "sending": 0, "sent": 0, "failed": 0, "suppressed": 0}
+    assert stats["counts"] == {"queued": 0, "sending": 0, "sent": 0, "failed": 0, "suppressed": 0,
+                               "expired": 0, "cancelled": 0}
     assert stats["oldest_queued_age_seconds"] is None and stats["dead_letters"] == 0
 
 
@@ -147,7 +149,8 @@ def test_last_sweep_is_shared_with_other_app_instances_and_processes(
     assert proc.returncode == 0, proc.stderr
     other = json.loads(proc.stdout)
     assert other["last_sweep"] == report.as_dict()
-    assert other["counts"] == {"queued": 0, "sending": 0, "sent": 1, "failed": 0, "suppressed": 0}
+    assert other["counts"] == {"queued": 0, "sending": 0, "sent": 1, "failed": 0, "suppressed": 0,
+                               "expired": 0, "cancelled": 0}
     assert [r["status"] for r in rows(sweeper)] == ["sent"]
 
 
@@ -178,3 +181,27 @@ def test_cli_status_when_the_database_is_down(backend: str, tmp_path: Path) -> N
     assert "cannot read the outbox tables" in result.output
     assert "s3cret-pw" not in result.output and result.exception is not None
     assert isinstance(result.exception, SystemExit)
+
+
+def test_cli_status_dates_the_age_gate_figure_of_the_last_sweep(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    """The last sweep's "younger under the age gate" is what that sweep saw: once the
+    email is sent, status must not present it as current."""
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
+    send(app, mail, "a@example.com")  # queued: this process runs no dispatcher
+    with app.app_context():
+        report = mail.sweep()
+    assert (report.scanned, report.age_gated) == (0, 1)
+    runner = app.test_cli_runner()
+    result = runner.invoke(args=["outbox", "worker", "--once"])
+    assert result.exit_code == 0, result.output
+    assert smtp_server.wait_for(1)
+    result = runner.invoke(args=["outbox", "status"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "  queued              0" in lines and "  sent                1" in lines
+    last = lines[-1]
+    assert last.startswith(f"last sweep: {report.started_at} (durable, manual): scanned 0")
+    assert (f"as of the sweep at {report.started_at}, 1 younger under the age gate until "
+            f"{report.age_gated_until}") in last, last

@@ -202,7 +202,9 @@ def test_a_failing_sweep_is_reported_and_the_scheduler_survives(
     assert scheduler.startup_report is None
     errors = [r for r in caplog.records if r.levelno == logging.ERROR
               and "startup outbox sweep failed" in r.getMessage()]
-    assert any("delivery mode at start-up" in r.getMessage() for r in caplog.records)
+    # Missing tables are one line (the sweep's), not also the start-up mode read's.
+    assert not any("delivery mode at start-up" in r.getMessage() for r in caplog.records
+                   if r.levelno >= logging.WARNING)
     assert len(errors) == 1 and "flask db upgrade outbox@head" in errors[0].getMessage()
     assert scheduler._scheduler is not None and scheduler._scheduler.running
 
@@ -273,7 +275,8 @@ def test_cli_status_dlq_and_purge(make_apps: MakeApps, smtp_server: FaultSMTPSer
     result = runner.invoke(args=["outbox", "status", "--json"])
     assert result.exit_code == 0, result.output
     status = json.loads(result.output)
-    assert status["counts"] == {"queued": 0, "sending": 0, "sent": 1, "failed": 1, "suppressed": 0}
+    assert status["counts"] == {"queued": 0, "sending": 0, "sent": 1, "failed": 1,
+                                "suppressed": 0, "expired": 0, "cancelled": 0}
     assert status["mode"] == "inline" and status["dead_letters"] == 1
     assert "oldest_queued_age_seconds" in status and "last_sweep" in status
     result = runner.invoke(args=["outbox", "status"])

@@ -112,12 +112,25 @@ class SweepScheduler:
         return first
 
     def _start_dispatcher_if_durable(self) -> None:
-        """A serving process in durable mode runs its dispatcher from the start."""
+        """A serving process in durable mode runs its dispatcher from the start.
+
+        No outbox tables yet is expected here (an app that calls
+        ``mail.create_all()`` right after ``init_app``, or a database before
+        its migrations): with no table there is no row to dispatch, so this
+        is left to the first commit that queues email and to the periodic
+        job, and whatever needs the tables says so if they are still missing.
+        """
         try:
             outbox = self.outbox()
             if outbox.mode() is Mode.DURABLE:
                 outbox.dispatch()
         except Exception as exc:  # noqa: BLE001 - reported; the first commit starts it too
+            missing = _degrade.tables_missing(exc)
+            if missing is not None:
+                logger.debug("No outbox tables yet to read the delivery mode at start-up "
+                             "from (%s); in durable mode the first commit that queues email, "
+                             "or the periodic job, starts this process's dispatcher", missing)
+                return
             self.faults.failing(
                 "startup-mode", "Could not read the delivery mode at start-up",
                 consequence="in durable mode this process's dispatcher starts only with its "
@@ -141,6 +154,7 @@ class SweepScheduler:
                     # no row is left without a taker (it ticks once as it starts).
                     if config.run_worker:
                         outbox.dispatch()
+                    self.faults.recovered("sweep")  # this job works again
                     return
         except Exception as exc:  # noqa: BLE001 - reported; the next run retries
             self.faults.failing("sweep", **self._failure("periodic"), exc=exc)

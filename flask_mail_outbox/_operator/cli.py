@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
@@ -19,7 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .._compose.message import Message
 from .._errors import InvalidMessage
 from .._flask.state import AppState, app_state
-from ..core import MAX_CONCURRENCY, utcnow
+from ..core import DURABLE_SETTING, MAX_CONCURRENCY, utcnow
 
 if TYPE_CHECKING:
     from .._flask.extension import OutboxExtension
@@ -30,27 +31,36 @@ _LOG_LEVELS = ("debug", "info", "warning", "error")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _log_level_option(command: _F) -> _F:
+def _log_level_option(default: str | Callable[[dict[str, Any]], str] = "warning"
+                      ) -> Callable[[_F], _F]:
     """``--log-level``: a CLI command is an entry point, so it may set up logging.
 
     When the root logger has no handler (the app configures no logging), the
-    library's records at that level (default INFO) go to stderr; otherwise
-    the app's handlers stay in charge and only the library's level is set
-    when the option is given.
+    library's records at that level go to stderr; otherwise the app's
+    handlers stay in charge and only the library's level is set when the
+    option is given. ``default`` (a level, or one chosen from the command's
+    parameters): ``warning`` keeps a command's output to what it says, with
+    every degradation still shown; ``info`` for the commands whose engine
+    lines are their record of what they did (``worker``, a real ``sweep``).
     """
-    # In the command's body, so after the app (and whatever logging it sets up) loaded.
-    @functools.wraps(command)
-    def configured(*args: Any, log_level: str | None = None, **kwargs: Any) -> Any:
-        _configure_logging(log_level)
-        return command(*args, **kwargs)
+    def decorate(command: _F) -> _F:
+        # In the command's body, so after the app (and whatever logging it sets up) loaded.
+        @functools.wraps(command)
+        def configured(*args: Any, log_level: str | None = None, **kwargs: Any) -> Any:
+            _configure_logging(log_level, default if isinstance(default, str)
+                               else default(kwargs))
+            return command(*args, **kwargs)
 
-    return cast(_F, click.option(
-        "--log-level", type=click.Choice(_LOG_LEVELS, case_sensitive=False), default=None,
-        help="Level of the outbox's log lines (default info, to stderr when the app "
-             "configures no logging).")(configured))
+        shown = default if isinstance(default, str) else "info, warning with --dry-run"
+        return cast(_F, click.option(
+            "--log-level", type=click.Choice(_LOG_LEVELS, case_sensitive=False), default=None,
+            help=f"Level of the outbox's log lines (default {shown}, to stderr when the app "
+                 "configures no logging; debug shows what the engine did).")(configured))
+
+    return decorate
 
 
-def _configure_logging(level: str | None) -> None:
+def _configure_logging(level: str | None, default: str) -> None:
     library = logging.getLogger("flask_mail_outbox")
     root = logging.getLogger()
     if not root.handlers:
@@ -58,7 +68,7 @@ def _configure_logging(level: str | None) -> None:
         handler.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"))
         root.addHandler(handler)
-        library.setLevel((level or "info").upper())
+        library.setLevel((level or default).upper())
     elif level is not None:
         library.setLevel(level.upper())
 
@@ -100,7 +110,7 @@ def _extension() -> OutboxExtension:
 
 
 @outbox_cli.command("send-test")
-@_log_level_option
+@_log_level_option()
 @click.option("--to", "to", required=True, metavar="ADDRESS", help="Recipient address.")
 @click.option("--subject", default="flask-mail-outbox test email", show_default=True)
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=60.0,
@@ -108,31 +118,45 @@ def _extension() -> OutboxExtension:
 @click.option("--transport", "transport", default=None, metavar="NAME",
               help="One of OUTBOX_TRANSPORTS (default: the default transport).")
 def send_test(to: str, subject: str, timeout: float, transport: str | None) -> None:
-    """Send one real email through the configured transport and report the outcome."""
+    """Send one real email through the configured transport and report the outcome.
+
+    A test email is one-shot: it is tried at once (in inline mode with
+    OUTBOX_INLINE_RETRIES quick retries) and never retried later. If no attempt
+    delivers it, it ends failed (a permanent refusal), expired (its next
+    retry would come after --timeout) or cancelled (taken back: its next
+    retry was due sooner), and the command exits 1. It expires at --timeout
+    even if this command is killed.
+    """
     state = _state()
     mail, db = state.ext, state.db
     message = Message(subject, recipients=[to],
                       body="This is a test email from flask-mail-outbox (flask outbox send-test).")
     try:
-        email_id = mail.send(message, transport=transport)
+        email_id = mail.send(message, transport=transport,
+                             expires_after=timedelta(seconds=timeout))
     except InvalidMessage as exc:
         hint = {"subject": "--subject", "transport": "--transport"}.get(exc.field, "--to")
         raise click.BadParameter(str(exc), param_hint=hint) from exc
     db.session.commit()
     idle = mail.wait_idle(timeout)
-    row = state.outbox().reader.email_outcome(email_id)
-    click.echo(f"email {email_id} {row['message_id']}: {row['status']} "
+    reader = state.outbox().reader
+    row = reader.email_outcome(email_id)
+    status = row["status"]
+    if idle and status == "queued" and mail.cancel(email_id):
+        # Waiting for a retry due before its expiry: a test is not retried later.
+        db.session.commit()
+        status = "cancelled"
+    click.echo(f"email {email_id} {row['message_id']}: {status} "
                f"after {row['attempts']} attempt(s)")
-    if row["status"] != "sent":
+    mail.stop()
+    if status != "sent":
         detail = row["last_error"] or ("still in progress" if not idle else "not delivered")
         click.echo(f"error: {detail}", err=True)
-        mail.stop()
         sys.exit(1)
-    mail.stop()
 
 
 @outbox_cli.command("worker")
-@_log_level_option
+@_log_level_option("info")
 @click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=None,
               help="Concurrent SMTP connections (sends in flight) in this process "
                    "[default: OUTBOX_CONCURRENCY, 4 unless set].")
@@ -185,18 +209,20 @@ def worker(concurrency: int | None, once: bool, shutdown_timeout: float) -> None
 
 
 @outbox_cli.command("durable")
-@_log_level_option
+@_log_level_option()
 @click.argument("action", type=click.Choice(["on", "off", "status"]))
 def durable(action: str) -> None:
     """Switch every process sharing the database to durable (on) or inline (off) delivery."""
-    mail = _extension()
+    state = _state()
     if action == "status":
-        click.echo("durable" if mail.durable else "inline")
-        return
-    mail.set_durable(action == "on")
-    click.echo(f"delivery mode is now {'durable' if action == 'on' else 'inline'} "
-               "for every process (each sees it within OUTBOX_SETTINGS_TTL_SECONDS)")
-    mail.stop()
+        click.echo("durable" if state.durable() else "inline")
+    else:
+        # Only the setting: mail.set_durable() would also start this process's
+        # dispatcher, and a command that writes a setting delivers nothing.
+        state.outbox().store.set_setting(DURABLE_SETTING, action == "on")
+        click.echo(f"delivery mode is now {'durable' if action == 'on' else 'inline'} "
+                   "for every process (each sees it within OUTBOX_SETTINGS_TTL_SECONDS)")
+    state.stop(5)
 
 
 def _print_report(report: Any) -> None:
@@ -207,7 +233,7 @@ def _print_report(report: Any) -> None:
 
 
 @outbox_cli.command("sweep")
-@_log_level_option
+@_log_level_option(lambda params: "warning" if params["dry_run"] else "info")
 @click.option("--min-age", type=click.FloatRange(0), default=None,
               help="Seconds a queued row must have waited (default OUTBOX_SWEEP_MIN_AGE_SECONDS).")
 @click.option("--limit", type=click.IntRange(1), default=None,
@@ -230,7 +256,7 @@ def sweep(min_age: float | None, limit: int | None, dry_run: bool) -> None:
 
 
 @outbox_cli.command("status")
-@_log_level_option
+@_log_level_option()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(as_json: bool) -> None:
     """Rows per status, the oldest queued row's age, the mode and the last sweep."""
@@ -262,8 +288,10 @@ def status(as_json: bool) -> None:
         click.echo("last sweep: never")
     else:
         kind = f", {last['kind']}" if last.get("kind") else ""
-        gated = (f", {last['age_gated']} younger under the age gate until "
-                 f"{last['age_gated_until']}" if last.get("age_gated") else "")
+        # What that sweep saw, dated: those emails may have gone out since.
+        gated = (f"; as of the sweep at {last['started_at']}, {last['age_gated']} younger "
+                 f"under the age gate until {last['age_gated_until']}"
+                 if last.get("age_gated") else "")
         click.echo(f"last sweep: {last['started_at']} ({last['mode']}{kind}): scanned "
                    f"{last['scanned']}, requeued {last['requeued']}, sent {last['sent']}, "
                    f"failed {last['failed']}, skipped {last['skipped']}, truncated "
@@ -276,7 +304,7 @@ def dlq() -> None:
 
 
 @dlq.command("list")
-@_log_level_option
+@_log_level_option()
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
 def dlq_list(limit: int) -> None:
     """The newest dead letters with their last error."""
@@ -296,7 +324,7 @@ def dlq_list(limit: int) -> None:
 
 
 @dlq.command("retry")
-@_log_level_option
+@_log_level_option()
 @click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
 @click.option("--all", "retry_all", is_flag=True, help="Every dead letter.")
 def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
@@ -323,14 +351,12 @@ def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
 
 
 @dlq.command("purge")
-@_log_level_option
+@_log_level_option()
 @click.option("--older-than", "days", type=click.FloatRange(0), default=None,
               help="Only emails dead-lettered more than DAYS ago.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def dlq_purge(days: float | None, yes: bool) -> None:
     """Delete dead letters for good."""
-    from datetime import timedelta
-
     state = _state()
     if not yes:
         click.confirm("Delete dead letters" + (f" older than {days:g} days" if days else "")
@@ -342,7 +368,7 @@ def dlq_purge(days: float | None, yes: bool) -> None:
 
 
 @outbox_cli.command("purge")
-@_log_level_option
+@_log_level_option()
 @click.option("--older-than", "days", type=click.FloatRange(0, min_open=True), required=True,
               help="Delete sent emails sent more than DAYS ago.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
@@ -350,8 +376,6 @@ def dlq_purge(days: float | None, yes: bool) -> None:
 @click.option("--batch", type=click.IntRange(1), default=1000, show_default=True)
 def purge(days: float, yes: bool, dry_run: bool, batch: int) -> None:
     """Delete old sent emails in batches (queued, sending and failed rows are kept)."""
-    from datetime import timedelta
-
     state = _state()
     outbox = state.outbox()
     store = outbox.store
@@ -381,7 +405,7 @@ def suppression() -> None:
 
 
 @suppression.command("list")
-@_log_level_option
+@_log_level_option()
 @click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
 @click.option("--prefix", default=None, help="Only addresses that start with PREFIX.")
 def suppression_list(limit: int, prefix: str | None) -> None:
@@ -406,7 +430,7 @@ def suppression_list(limit: int, prefix: str | None) -> None:
 
 
 @suppression.command("add")
-@_log_level_option
+@_log_level_option()
 @click.argument("address")
 @click.option("--reason", type=click.Choice(["manual", "bounced", "complained",
                                              "unsubscribed"]),
@@ -425,7 +449,7 @@ def suppression_add(address: str, reason: str) -> None:
 
 
 @suppression.command("remove")
-@_log_level_option
+@_log_level_option()
 @click.argument("address")
 def suppression_remove(address: str) -> None:
     """Take ADDRESS off the list (exit status 1 if it was not on it)."""
@@ -443,7 +467,7 @@ def suppression_remove(address: str) -> None:
 
 
 @suppression.command("export")
-@_log_level_option
+@_log_level_option()
 @click.option("--output", "-o", type=click.File("w", encoding="utf-8"), default="-",
               help="Write to FILE instead of standard output.")
 def suppression_export(output: Any) -> None:
@@ -465,7 +489,7 @@ def suppression_export(output: Any) -> None:
 
 
 @outbox_cli.command("cancel")
-@_log_level_option
+@_log_level_option()
 @click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
 @click.option("--key", default=None, help="Every queued email of this key.")
 def cancel(ids: tuple[int, ...], key: str | None) -> None:
@@ -500,7 +524,7 @@ EX_TEMPFAIL = 75
 
 
 @outbox_cli.command("bounce")
-@_log_level_option
+@_log_level_option("info")
 def bounce() -> None:
     """Read one bounce message on standard input (an MTA's pipe or alias delivery).
 
@@ -511,6 +535,9 @@ def bounce() -> None:
     message and tries again. Never 1.
     """
     log = logging.getLogger(__name__)
+    if logging.getLogger("flask_mail_outbox").getEffectiveLevel() > logging.DEBUG:
+        # flufl.bounce says "Running detector" at INFO, 17 times a message.
+        logging.getLogger("flufl.bounce").setLevel(logging.WARNING)
     raw = sys.stdin.buffer.read(MAX_BOUNCE_BYTES + 1)
     if len(raw) > MAX_BOUNCE_BYTES:
         log.warning("flask outbox bounce: dropped a message over %d bytes (not read as a "
@@ -518,7 +545,7 @@ def bounce() -> None:
         return
     try:
         mail = _extension()
-    except Exception:  # noqa: BLE001 - exit 75: the MTA retries once the app loads again
+    except Exception:  # exit 75: the MTA retries once the app loads again
         log.exception("flask outbox bounce: the app's outbox is not available; the MTA "
                       "keeps the message (exit 75)")
         sys.exit(EX_TEMPFAIL)
@@ -531,7 +558,7 @@ def bounce() -> None:
         log.error("flask outbox bounce: the database cannot be reached (%s); exit 75, so the "
                   "MTA keeps the message and delivers it again later", type(exc).__name__)
         sys.exit(EX_TEMPFAIL)
-    except Exception:  # noqa: BLE001 - exit 75: kept by the MTA, read again once fixed
+    except Exception:  # exit 75: kept by the MTA, read again once fixed
         log.exception("flask outbox bounce: could not process the message; exit 75, so the "
                       "MTA keeps it and delivers it again later")
         sys.exit(EX_TEMPFAIL)
