@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from flask_mail_outbox import (
     PermanentError,
     TransientError,
 )
+from flask_mail_outbox.core import Worker
 from flask_mail_outbox.core._pacing import IdleBackoff, RateLimiter
 from flask_mail_outbox.core._retry import (
     RetryPolicy,
@@ -24,7 +26,6 @@ from flask_mail_outbox.core._retry import (
     schedule,
 )
 from flask_mail_outbox.core._store import Reaped
-from flask_mail_outbox.core import Worker
 
 # -- the retry policy (pure) -------------------------------------------------------------
 
@@ -471,3 +472,25 @@ def test_a_claim_takes_at_most_the_room_oldest_due_first(make_apps: MakeApps) ->
         worker.tick()
         claimed.append(sorted({r["id"] for r in rows(app) if r["status"] == "sent"} - before))
     assert claimed == [ids[0:5], ids[5:10], ids[10:12]]
+
+
+def test_without_psycopg_3_the_listener_reports_once_and_the_dispatcher_polls(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An app on psycopg2 has no psycopg (3): no LISTEN, an ERROR saying so, no crash."""
+    import sys
+
+    from flask_mail_outbox import _degrade
+    from flask_mail_outbox.core._listen import Listener
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # "import psycopg" raises ImportError
+    states: list[bool] = []
+    listener = Listener("postgresql://nobody@127.0.0.1:1/none", lambda: None, states.append,
+                        _degrade.FaultTracker())
+    with caplog.at_level(logging.ERROR):
+        listener.start()
+        assert listener._thread is not None
+        listener._thread.join(10)
+    assert states == [False]
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "psycopg (3) is not installed" in record.getMessage()
+    assert "OUTBOX_LISTEN" in record.getMessage()

@@ -63,7 +63,19 @@ class Listener:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        import psycopg
+        try:
+            import psycopg
+        except ImportError as exc:
+            # An app on psycopg2 (postgresql://): no LISTEN, the dispatcher polls.
+            self.faults.failing(
+                "listen-driver", "Cannot LISTEN for new emails: psycopg (3) is not installed",
+                consequence="the durable dispatcher does not wake at once for new emails; "
+                            "it polls (OUTBOX_POLL_INTERVAL, backing off to "
+                            "OUTBOX_LISTEN_BACKSTOP_SECONDS)",
+                fix="install the postgres extra (psycopg 3), or set OUTBOX_LISTEN = False",
+                exc=exc)
+            self.on_state(False)
+            return
 
         delay = 1.0
         while not self._stopping.is_set():
