@@ -85,7 +85,7 @@ SHA-256 of its bytes and the recipient.
 Everything read here is unauthenticated mail: the matched row's recipients
 are not known here, so whoever stores the events must not let a bounce
 suppress an address the row never sent to (see the event log's
-``suppress_unmatched``).
+``unauthenticated``).
 """
 
 from __future__ import annotations
@@ -279,11 +279,16 @@ def _typed(value: str) -> tuple[str, str]:
     return kind.strip().lower(), rest.strip()
 
 
+#: NUL and the other control characters: never in an address (a database refuses NUL).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _address(value: str) -> str | None:
     """The email address ``value`` is (``rfc822;`` typed, or bare), or None."""
     _, text = _typed(value)
     text = text.strip().strip("<>").strip()
-    if not text or len(text) > 320 or _ADDRESS.fullmatch(text) is None:
+    if not text or len(text) > 320 or _ADDRESS.fullmatch(text) is None \
+            or _CONTROL.search(text):
         return None
     return text
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import MakeApps, db
+from conftest import MakeApps, db, rows
 
 from flask_mail_outbox import InvalidMessage, Message
 from flask_mail_outbox.core import event_table, suppression_table
@@ -100,24 +100,58 @@ def test_process_bounce_from_python(make_apps: MakeApps) -> None:
 
 def test_a_recipient_cannot_bounce_someone_else_with_their_own_token(
         make_apps: MakeApps) -> None:
-    """A VERP token is no secret to its recipient: it names the email, not whom to suppress."""
+    """A VERP token is no secret to its recipients: it names the email, not whom to suppress.
+
+    A bounce suppresses only the one recipient of a one-recipient email; every
+    other report is kept as an event and suppresses nothing.
+    """
     app, mail = make_apps(TESTING=True, OUTBOX_BOUNCE_ADDRESS="bounces@example.com")
+    verp = app.extensions["mail_outbox"].config.verp
     with app.app_context():
-        email_id = mail.send(Message("Hi", ["mallory@example.com"], "x"))
+        alone = mail.send(Message("Hi", ["mallory@example.com"], "x"))
+        shared = mail.send(Message("Hi all", ["ann@example.com"], "x",
+                                   cc=["bob@example.com"]))
         db.session.commit()
-    token_address = app.extensions["mail_outbox"].config.verp.sender_for(email_id)
 
-    def dsn_for(recipient: bytes) -> bytes:
-        return (f"X-Original-To: {token_address}\r\n".encode()
-                + POSTFIX_DSN.replace(b"nobody-here@example.com", recipient))
+    def dsn(email_id: int, recipient: bytes, tag: bytes) -> bytes:
+        return (f"X-Original-To: {verp.sender_for(email_id)}\r\n".encode()
+                + POSTFIX_DSN.replace(b"nobody-here@example.com", recipient)
+                .replace(b"Message-Id: <", b"Message-Id: <" + tag))
 
-    result = feed(app, dsn_for(b"victim@example.com"))
-    assert result.exit_code == 0
-    assert counts(app) == (0, 0)
+    # Mallory names the victim in a bounce of her own email: kept, suppresses nobody.
+    assert feed(app, dsn(alone, b"victim@example.com", b"a")).exit_code == 0
+    # Ann names Bob in a bounce of the email both got: kept, suppresses nobody.
+    assert feed(app, dsn(shared, b"bob@example.com", b"b")).exit_code == 0
+    assert counts(app) == (2, 0)
     with app.app_context():
         assert mail.suppression("victim@example.com") is None
-    # The same bounce for the address the email did go to is taken.
-    assert feed(app, dsn_for(b"mallory@example.com")).exit_code == 0
+        assert mail.suppression("bob@example.com") is None
+    # A bounce of a one-recipient email for that recipient is taken.
+    assert feed(app, dsn(alone, b"mallory@example.com", b"c")).exit_code == 0
     with app.app_context():
         assert mail.suppression("mallory@example.com") is not None
-        assert [e.event_type for e in mail.events(email_id)] == ["bounced"]
+        assert [e.recipient for e in mail.events(alone)] == ["victim@example.com",
+                                                             "mallory@example.com"]
+
+
+def test_a_complaint_that_names_nobody_is_the_sole_recipients(make_apps: MakeApps) -> None:
+    """Feedback loops often redact the recipient: a one-recipient email says who it was."""
+    app, mail = make_apps(TESTING=True)
+    with app.app_context():
+        email_id = mail.send(Message("News", ["reader@example.com"], "x"))
+        db.session.commit()
+    stored = rows(app)[0]["message_id"]
+    arf = (b"From: feedback@isp.example\r\nTo: abuse@example.com\r\nSubject: complaint\r\n"
+           b"Message-ID: <arf-1@isp.example>\r\nMIME-Version: 1.0\r\n"
+           b'Content-Type: multipart/report; report-type=feedback-report; boundary="b"\r\n'
+           b"\r\n--b\r\nContent-Type: text/plain\r\n\r\nA complaint.\r\n"
+           b"--b\r\nContent-Type: message/feedback-report\r\n\r\n"
+           b"Feedback-Type: abuse\r\nUser-Agent: ISP-FBL/1.0\r\nVersion: 1\r\n"
+           b"\r\n--b\r\nContent-Type: text/rfc822-headers\r\n\r\n"
+           b"From: shop@example.com\r\nTo: undisclosed-recipients:;\r\n"
+           + f"Message-ID: {stored}\r\n".encode() + b"Subject: News\r\n\r\n--b--\r\n")
+    assert feed(app, arf).exit_code == 0
+    with app.app_context():
+        (event,) = mail.events(email_id)
+        assert (event.event_type, event.recipient) == ("complained", "reader@example.com")
+        assert mail.suppression("reader@example.com") is not None

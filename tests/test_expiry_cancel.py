@@ -324,3 +324,74 @@ def test_two_workers_racing_expiries_send_or_expire_each_row_once(
     finally:
         for app in apps:
             close_app(app, timeout=5)
+
+
+def test_a_row_paced_by_a_rate_limit_past_its_expiry_ends_unsent(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """A claimed row waiting (minutes, at "100/day") for a rate slot is checked again when
+    its slot comes: here the slot comes after its expiry."""
+    import dataclasses
+    import time
+
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False,
+                   OUTBOX_RATE_LIMIT=1.0)
+    try:
+        worker = hand_ticked_worker(app)
+        [email_id] = queue(app, hello(subject="late"), expires_after=timedelta(hours=1))
+        store = app.extensions["mail_outbox"].outbox().store
+        [claimed] = store.claim_ids([email_id], owner="paced-test", lease_seconds=60)
+        # Held for its slot while its expiry passes (as a long rate wait would).
+        claimed = dataclasses.replace(
+            claimed, expires_at=datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=1))
+        lane = worker.lanes.lanes["default"]
+        worker._in_flight[email_id] = claimed
+        lane.paced.append((time.monotonic(), claimed))
+        worker._release_paced()
+        worker._record()
+        assert status_of(app) == {email_id: "expired"}
+        assert smtp_server.messages == []
+    finally:
+        close_app(app, timeout=5)
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # row locks
+@pytest.mark.parametrize("ending", ["commit", "rollback"])
+def test_a_cancel_held_open_never_makes_delivery_wait(durable: Flask,
+                                                      smtp_server: FaultSMTPServer,
+                                                      ending: str) -> None:
+    """A request that cancelled a key's next email and has not committed yet holds its row:
+    the record of the key's head must not wait for it (leases would run out meanwhile);
+    the key goes on when that request ends, whichever way."""
+    [head, second, third] = queue(durable, *(hello(subject=s) for s in ("1", "2", "3")),
+                                  key="order-7")
+    cancelled = threading.Event()
+    finish = threading.Event()
+
+    def request() -> None:
+        with durable.app_context():
+            mail_of(durable).cancel(second)
+            cancelled.set()
+            finish.wait(60)
+            if ending == "commit":
+                db.session.commit()
+            else:
+                db.session.rollback()
+
+    holder = threading.Thread(target=request)
+    holder.start()
+    try:
+        assert cancelled.wait(20)
+        ticking = threading.Thread(target=tick, args=(durable,))
+        ticking.start()
+        ticking.join(30)
+        assert not ticking.is_alive(), "the record waited for the request's transaction"
+        assert status_of(durable)[head] == "sent"
+    finally:
+        finish.set()
+        holder.join(30)
+    for _ in range(3):
+        tick(durable)
+    expected = {head: "sent", second: "cancelled" if ending == "commit" else "sent",
+                third: "sent"}
+    assert status_of(durable) == expected

@@ -196,6 +196,8 @@ def test_true_without_the_url_setting_is_refused(db_url: str) -> None:
     ({"OUTBOX_UNSUBSCRIBE_URL": "/u"}, "https"),
     ({"OUTBOX_UNSUBSCRIBE_URL": "https://app.example.com/u?x=1"}, "query"),
     ({"OUTBOX_UNSUBSCRIBE_URL": 42}, "https"),
+    ({"OUTBOX_UNSUBSCRIBE_URL": "https://app.example.com"}, "with a path"),
+    ({"OUTBOX_UNSUBSCRIBE_URL": "https://app.example.com/"}, "with a path"),
     ({"OUTBOX_UNSUBSCRIBE_URL": BASE, "SECRET_KEY": None}, "SECRET_KEY"),
     ({"OUTBOX_WEBHOOK_PREFIX": "outbox/hooks"}, "URL path"),
     ({"OUTBOX_WEBHOOK_PREFIX": "/a?b"}, "URL path"),
@@ -205,3 +207,43 @@ def test_bad_settings_name_their_key(db_url: str, config: dict[str, Any],
     with pytest.raises(ConfigError, match=message) as caught:
         make_app(db_url, TESTING=True, **config)
     assert caught.value.key in config
+
+
+@pytest.mark.parametrize("csrf_first", [True, False], ids=["csrf-first", "csrf-after"])
+def test_flask_wtf_csrf_protection_leaves_the_one_click_post_alone(
+        db_url: str, csrf_first: bool) -> None:
+    """A provider's or mailbox's POST carries no CSRF token: whichever extension is set up
+    first, CSRFProtect must not refuse the one-click route (nor the webhooks)."""
+    from flask_wtf.csrf import CSRFProtect
+
+    csrf = CSRFProtect()
+    app = Flask(__name__)
+    app.config.update(SQLALCHEMY_DATABASE_URI=db_url, SECRET_KEY="test", TESTING=True,
+                      WTF_CSRF_ENABLED=True, OUTBOX_RUN_SCHEDULER=False,
+                      OUTBOX_UNSUBSCRIBE_URL=BASE, MAIL_DEFAULT_SENDER="shop@example.com")
+    if csrf_first:
+        csrf.init_app(app)
+    db.init_app(app)
+    mail = OutboxMail(app)
+    if not csrf_first:
+        csrf.init_app(app)
+
+    @app.post("/form")
+    def form() -> str:
+        return "ok"
+
+    try:
+        with app.app_context():
+            db.create_all()
+            mail.create_all()
+        path = path_of(link_of(app, newsletter()))
+        client = app.test_client()
+        assert client.post("/form").status_code == 400  # CSRF is on for the app's own form
+        assert client.post(path, data=ONE_CLICK).status_code == 200
+        assert suppressions(app)[0][:2] == ("reader@example.com", "unsubscribed")
+    finally:
+        mail.stop()
+        with app.app_context():
+            db.session.remove()
+            for engine in db.engines.values():
+                engine.dispose()

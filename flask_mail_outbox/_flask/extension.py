@@ -417,10 +417,11 @@ class OutboxExtension:
         For an app that fetches a bounce mailbox itself; ``flask outbox bounce``
         does the same for an MTA's pipe. A DSN names its email by the VERP
         token of ``OUTBOX_BOUNCE_ADDRESS`` (a forged token changes nothing)
-        or, without VERP, by the returned Message-ID; a permanent bounce or a
-        complaint for an email of ours suppresses the address (one that names
-        none is kept, and suppresses nothing: a bounce is unauthenticated mail;
-        one that names an email and an address it was not sent to is dropped). A message that is not a bounce, or
+        or, without VERP, by the returned Message-ID. A permanent bounce or a
+        complaint suppresses the recipient of a one-recipient email of ours;
+        anything else is kept as an event and suppresses nothing, since a
+        bounce is mail anyone can send, and every recipient of an email sees
+        its token and its Message-ID. A message that is not a bounce, or
         names no email of ours, returns ``[]`` (logged at INFO); one that is
         not mail at all raises :class:`~flask_mail_outbox.InvalidMessage`.
         Database errors propagate: retry later.
@@ -443,8 +444,7 @@ class OutboxExtension:
             logger.info("Not a bounce of ours: %s", report.reason)
             return []
         recorded = state.outbox().events.record(events, source=f"bounce ({report.kind})",
-                                                suppress_unmatched=False,
-                                                own_recipients_only=True)
+                                                unauthenticated=True)
         if recorded.unmatched:
             logger.info("%d bounce event(s) name no email this outbox knows (kept with "
                         "email_id NULL): %s", recorded.unmatched, report.reason)

@@ -44,6 +44,9 @@ class Publisher(Protocol):
     def publish(self, entries: list[StagedEmail]) -> None:
         """The outermost transaction committed these rows."""
 
+    def cancel_ended(self, entries: list[StagedEmail]) -> None:
+        """A transaction that cancelled ``entries`` ended without committing."""
+
 
 @dataclasses.dataclass(frozen=True)
 class StagedEmail:
@@ -154,6 +157,7 @@ def _after_rollback(session: Session) -> None:
 def _log_discarded(entries: list[StagedEmail]) -> None:
     sends = [e.email_id for e in entries if not e.cancelled]
     cancels = [e.email_id for e in entries if e.cancelled]
+    _cancel_ended([e for e in entries if e.cancelled])
     if sends:
         logger.info("Rollback discarded %d staged email(s) %s; nothing was sent.",
                     len(sends), sends)
@@ -180,6 +184,7 @@ def _after_transaction_end(session: Session, trans: SessionTransaction) -> None:
                     "cancel(s) %s were discarded with its transaction.", len(ids), ids,
                     len(cancels), cancels)
         return
+    _cancel_ended([e for e in entries if e.cancelled])
     if cancels:
         _degrade.report(
             f"The session ended without commit() or rollback() while the cancel of "
@@ -195,6 +200,15 @@ def _after_transaction_end(session: Session, trans: SessionTransaction) -> None:
         consequence="those emails were never stored and will not be sent",
         fix="call db.session.commit() after mail.send() (or db.session.rollback() when the "
             "emails must not go out)")
+
+
+def _cancel_ended(entries: list[StagedEmail]) -> None:
+    """Tell each publisher of the cancels a transaction dropped (their keys go on)."""
+    by_publisher: dict[int, tuple[Publisher, list[StagedEmail]]] = {}
+    for entry in entries:
+        by_publisher.setdefault(id(entry.publisher), (entry.publisher, []))[1].append(entry)
+    for publisher, group in by_publisher.values():
+        publisher.cancel_ended(group)
 
 
 _installed: set[int] = set()

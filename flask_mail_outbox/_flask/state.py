@@ -159,8 +159,16 @@ class AppState:
                           urgent={e.email_id for e in entries if e.urgent},
                           scheduled=[e.email_id for e in entries if not e.due_now])
 
+    def cancel_ended(self, entries: list[staging.StagedEmail]) -> None:
+        """A cancel was rolled back (or never committed): a record may have left its key.
+
+        A record that found the key's next email locked by this transaction
+        left the key to it (see ``Store._advance_recorded``): hand it on now.
+        """
+        self._after_cancel(entries)
+
     def _after_cancel(self, cancelled: list[staging.StagedEmail]) -> None:
-        """A cancel committed: hand each cancelled holder's key to its next email."""
+        """A cancel committed (or ended): hand each cancelled row's key to its next email."""
         keys = {e.cancelled_key for e in cancelled if e.cancelled_key is not None}
         if not keys:
             return
@@ -170,8 +178,9 @@ class AppState:
             _degrade.report(
                 f"Could not hand on the keys {sorted(keys)[:20]} of {len(cancelled)} "
                 "cancelled email(s)",
-                consequence="the next email of each such key waits until the periodic "
-                            "sweep's key repair hands its key on (every tenth sweep)",
+                consequence="the next email of each such key waits until a sweep's key "
+                            "repair hands its key on (inline mode: every tenth periodic "
+                            "sweep; durable mode: the next start-up sweep)",
                 fix="check the database connection; `flask outbox sweep` repairs keys now",
                 exc=exc)
             return

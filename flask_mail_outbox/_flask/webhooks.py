@@ -28,6 +28,7 @@ import httpx
 from flask import Flask, Response, jsonify, request
 
 from .. import _degrade
+from .._errors import InvalidMessage
 from .._events import DeliveryEvent
 from .._webhooks import (
     MAX_BODY_BYTES,
@@ -78,11 +79,28 @@ def register(app: Flask, state: AppState) -> None:
         app.add_url_rule(f"{path}/<token>", endpoint="outbox_unsubscribe",
                          view_func=unsubscribe, methods=["GET", "POST"])
         views.append(unsubscribe)
-    # Flask-WTF's CSRFProtect would refuse a provider's POST: these carry their own proof.
+    # Flask-WTF's CSRFProtect would refuse a provider's POST: these carry their own
+    # proof. It may be set up before the outbox or after (an app factory's order):
+    # exempt the views now, or on the first request, before its own check runs.
+    if views and not _exempt_from_csrf(app, views):
+        done: list[bool] = []
+
+        def exempt_once() -> None:
+            # (Not removed from the hook list: Flask is iterating over it.)
+            if not done and _exempt_from_csrf(app, views):
+                done.append(True)
+
+        app.before_request(exempt_once)
+
+
+def _exempt_from_csrf(app: Flask, views: list[Callable[..., Any]]) -> bool:
+    """Exempt ``views`` from Flask-WTF's CSRFProtect if the app has it; whether it did."""
     csrf = app.extensions.get("csrf")
+    if csrf is None or not hasattr(csrf, "exempt"):
+        return False
     for view in views:
-        if csrf is not None and hasattr(csrf, "exempt"):
-            csrf.exempt(view)
+        csrf.exempt(view)
+    return True
 
 
 def _refusal(status: int, reason: str, *, basic: bool = False) -> Response:
@@ -118,6 +136,10 @@ def _receive(state: AppState, receivers: dict[str, Receiver], name: str) -> Resp
         logger.warning("Refused a %s webhook request for transport %r from %s: %s",
                        receiver.kind, name, request.remote_addr, refused.reason)
         return _refusal(refused.status, refused.reason, basic=receiver.kind == "postmark")
+    except InvalidMessage as exc:  # a verified body with a field no event can hold
+        logger.warning("Refused a %s webhook request for transport %r: %s", receiver.kind,
+                       name, exc)
+        return _refusal(400, f"an event the outbox cannot store: {exc}")
     outbox = state.outbox()
     try:
         recorded = outbox.events.record(received.events, nonces=received.nonces,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import click
 from flask import current_app
 from flask.cli import AppGroup
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
 
 from .._compose.message import Message
 from .._errors import InvalidMessage
@@ -142,7 +142,9 @@ def send_test(to: str, subject: str, timeout: float, transport: str | None) -> N
     reader = state.outbox().reader
     row = reader.email_outcome(email_id)
     status = row["status"]
-    if idle and status == "queued" and mail.cancel(email_id):
+    # Only what this process tried: with no dispatcher here (OUTBOX_RUN_WORKER = False,
+    # durable), a `flask outbox worker` delivers it, and its expiry bounds the wait.
+    if idle and status == "queued" and row["attempts"] > 0 and mail.cancel(email_id):
         # Waiting for a retry due before its expiry: a test is not retried later.
         db.session.commit()
         status = "cancelled"
@@ -553,6 +555,12 @@ def bounce() -> None:
         events = mail.process_bounce(raw)
     except InvalidMessage as exc:
         log.info("flask outbox bounce: dropped: %s", exc.problem)
+        return
+    except (DataError, IntegrityError) as exc:
+        # The message's content, not the database's state: a retry fails the same way.
+        log.error("flask outbox bounce: the database refused what the message says (%s); "
+                  "dropped (exit 0), since the MTA's retries would fail the same way",
+                  type(exc).__name__)
         return
     except SQLAlchemyError as exc:
         log.error("flask outbox bounce: the database cannot be reached (%s); exit 75, so the "

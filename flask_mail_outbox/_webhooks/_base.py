@@ -16,6 +16,7 @@ before a receiver sees anything.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 from collections.abc import Mapping
@@ -120,6 +121,13 @@ def receiver_class(kind: str) -> type[Receiver] | None:
     module, _, name = target.partition(":")
     cls: type[Receiver] = getattr(importlib.import_module(module), name)
     return cls
+
+
+def bounded_id(event_id: str) -> str:
+    """``event_id``, or its SHA-256 when longer than the column (255): still stable."""
+    if len(event_id) <= 255:
+        return event_id
+    return hashlib.sha256(event_id.encode("utf-8")).hexdigest()
 
 
 def json_body(request: WebhookRequest) -> Any:

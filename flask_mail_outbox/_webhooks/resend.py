@@ -77,6 +77,7 @@ from ._base import (
     Receiver,
     WebhookRefused,
     WebhookRequest,
+    bounded_id,
     check_timestamp,
     json_body,
 )
@@ -184,7 +185,8 @@ class ResendReceiver(Receiver):
         return [DeliveryEvent(
             event_type=event_type, recipient=recipient, occurred_at=occurred_at,
             transport=self.name,
-            provider_event_id=svix_id if len(recipients) <= 1 else f"{svix_id}:{recipient}",
+            provider_event_id=bounded_id(svix_id if len(recipients) <= 1
+                                         else f"{svix_id}:{recipient}"),
             bounce_kind=bounce_kind, description=description, mta_response=mta_response,
             provider_message_id=message_id, payload=payload)
             for recipient in recipients]

@@ -102,6 +102,7 @@ from ._base import (
     Receiver,
     WebhookRefused,
     WebhookRequest,
+    bounded_id,
     check_timestamp,
     json_body,
 )
@@ -429,7 +430,8 @@ class _SESEvent:
             event_type=event_type, recipient=address,
             occurred_at=_time(detail.get("timestamp")) or self.fallback,
             transport=self.transport,
-            provider_event_id=f"{self.sns_id}:{address}" if address else self.sns_id,
+            provider_event_id=bounded_id(f"{self.sns_id}:{address}" if address
+                                         else self.sns_id),
             provider_message_id=self.message_id, payload=self.payload, **fields)
 
     def each(self, event_type: str, detail: dict[str, Any],

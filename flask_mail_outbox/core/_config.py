@@ -504,7 +504,11 @@ def _unsubscribe_url(value: Any) -> str | None:
                           f"unsubscribe needs https), got {value!r}")
     if parts.query or parts.fragment or not value.isascii() or " " in value:
         raise ConfigError(key, f"expected a URL without query, fragment or spaces, got {value!r}")
-    _url_path(key, parts.path or "/x")
+    if not parts.path.strip("/"):
+        raise ConfigError(key, f"expected a URL with a path (its path is the unsubscribe "
+                          f"route, e.g. https://app.example.com/outbox/unsubscribe), got "
+                          f"{value!r}")
+    _url_path(key, parts.path)
     return value.rstrip("/")
 
 

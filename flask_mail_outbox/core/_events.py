@@ -65,45 +65,40 @@ class EventLog:
 
     def record(self, events: Sequence[DeliveryEvent], *, nonces: Sequence[str] = (),
                nonce_transport: str = "", source: str | None = None,
-               suppress_unmatched: bool = True,
-               own_recipients_only: bool = False) -> RecordedEvents:
+               unauthenticated: bool = False) -> RecordedEvents:
         """Store ``events`` (and ``nonces``) in one transaction; see the module docstring.
 
         ``source`` is what the suppressions they cause say put them there
-        (the event's transport and type by default). Without
-        ``suppress_unmatched``, only events that name an email of ours
-        suppress (a bounce message is unauthenticated mail: one that names
-        no email we sent must not silence an address). With
-        ``own_recipients_only``, an event that names an email but a recipient
-        that email was not sent to is dropped: a VERP token is no secret to
-        the recipient who sees it in Return-Path, and must not let them
-        suppress someone else. Raises
-        :class:`Replayed` when a nonce was seen before; nothing is written then.
+        (the event's transport and type by default). ``unauthenticated``:
+        the events come from mail anyone can send (a bounce, a complaint
+        report), which names an email by a VERP token or a Message-ID that
+        every recipient of that email has seen. Such an event suppresses
+        only the one recipient of a one-recipient email (filled in when the
+        report names nobody); the others are stored, and suppress nothing.
+        Raises :class:`Replayed` when a nonce was seen before; nothing is
+        written then.
         """
         with self.store.write() as tx:
             return self.record_on(tx, events, nonces=nonces, nonce_transport=nonce_transport,
-                                  source=source, suppress_unmatched=suppress_unmatched,
-                                  own_recipients_only=own_recipients_only)
+                                  source=source, unauthenticated=unauthenticated)
 
     def record_on(self, tx: Connection, events: Sequence[DeliveryEvent], *,
                   nonces: Sequence[str] = (), nonce_transport: str = "",
                   source: str | None = None,
-                  suppress_unmatched: bool = True,
-                  own_recipients_only: bool = False) -> RecordedEvents:
+                  unauthenticated: bool = False) -> RecordedEvents:
         """:meth:`record` on a transaction the caller holds (and commits)."""
         if nonces:
             self._take_nonces(tx, nonce_transport, nonces)
         if not events:
             return RecordedEvents()
         matched = self._match(tx, events)
-        if own_recipients_only:
-            matched = self._own_recipients(tx, matched)
-            if not matched:
-                return RecordedEvents()
+        trusted: set[tuple[int | None, str]] | None = None
+        if unauthenticated:
+            matched, trusted = self._sole_recipients(tx, matched)
         new, duplicates = self._insert(tx, matched)
         entries = [(loose_key(e.recipient), reason, source or f"{e.transport} {e.event_type}")
                    for e in new if (reason := e.suppresses) and e.recipient
-                   and (suppress_unmatched or e.email_id is not None)]
+                   and (trusted is None or (e.email_id, loose_key(e.recipient)) in trusted)]
         self.suppressions.put(tx, entries)
         return RecordedEvents(new=tuple(new), duplicates=duplicates,
                               unmatched=sum(e.email_id is None for e in new),
@@ -142,18 +137,26 @@ class EventLog:
         return matched
 
     @staticmethod
-    def _own_recipients(conn: Connection, events: list[DeliveryEvent]) -> list[DeliveryEvent]:
-        """``events`` but those naming an email and a recipient it was not sent to."""
+    def _sole_recipients(conn: Connection, events: list[DeliveryEvent]
+                         ) -> tuple[list[DeliveryEvent], set[tuple[int | None, str]]]:
+        """Unauthenticated events, and the (email, recipient) pairs they may suppress.
+
+        Only an email's one recipient may be suppressed by them: with several,
+        any of them could forge a report naming another. An event that names
+        such an email but no recipient gets its one recipient.
+        """
         ids = sorted({e.email_id for e in events if e.email_id is not None})
-        sent_to: dict[int, set[str]] = {}
+        sole: dict[int, str] = {}
         for start in range(0, len(ids), _CHUNK):
             rows = conn.execute(sa.select(email_table.c.id, email_table.c.recipients)
                                 .where(email_table.c.id.in_(ids[start:start + _CHUNK]))).all()
             for email_id, recipients in rows:
-                sent_to[email_id] = {loose_key(r) for r in json.loads(recipients)}
-        return [e for e in events if e.email_id is None
-                or (e.recipient is not None and loose_key(e.recipient) in
-                    sent_to.get(e.email_id, set()))]
+                addresses = json.loads(recipients)
+                if len(addresses) == 1:
+                    sole[email_id] = addresses[0]
+        filled = [dataclasses.replace(e, recipient=sole[e.email_id])
+                  if e.recipient is None and e.email_id in sole else e for e in events]
+        return filled, {(email_id, loose_key(address)) for email_id, address in sole.items()}
 
     @staticmethod
     def _ids(conn: Connection, column: Any, values: Iterable[str]) -> dict[str, int]:

@@ -18,7 +18,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from ._delivery import Attempt, BatchReport, Suppressed, envelope_of
+from ._clock import utcnow
+from ._delivery import Attempt, BatchReport, Suppressed, envelope_of, expired
 from ._pacing import RateLimiter, pace
 from ._rate import SharedRate, Slots
 
@@ -155,11 +156,21 @@ class Lanes:
                 lane.pace(emails, self._slots(lane.rate, len(emails)))
         self.release_due(report)
 
-    def release_due(self, report: Report) -> None:
-        """Send the paced rows whose slot has come."""
+    def release_due(self, report: Report,
+                    too_late: Callable[[ClaimedEmail], None] | None = None) -> None:
+        """Send the paced rows whose slot has come; ``too_late`` takes those past their expiry.
+
+        A rate limit can hold a claimed row for minutes: its ``expires_after`` is
+        checked again when its slot comes, not only when it was claimed.
+        """
         now = self.clock()
+        wall = utcnow()
         for lane in self:
             due = lane.due(now)
+            if too_late is not None:
+                for email in [e for e in due if expired(e, wall)]:
+                    too_late(email)
+                due = [e for e in due if not expired(e, wall)]
             if due:
                 lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in due], report)
 

@@ -495,10 +495,36 @@ class Store:
                     .returning(t.c.id)
                 ).first()
                 (recorded if hit is not None else lost).append(outcome)
-            holders = _ordering.advance(tx, keys, locked=True)
+            holders = self._advance_recorded(tx, keys)
             if then is not None:
                 then(tx, recorded)
         return Recorded(recorded, lost, holders)
+
+    def _advance_recorded(self, tx: Connection, keys: Sequence[str]) -> list[int]:
+        """Hand the recorded outcomes' keys on, never waiting on a request (PostgreSQL).
+
+        A request's uncommitted ``cancel()`` holds the row lock of the email it
+        cancels, which may be its key's next one: delivery must not wait for
+        the request (leases would run out meanwhile). Past a short lock timeout
+        the key is left to that request, whose commit or rollback hands it on
+        (see ``_flask.state``); the sweep's key repair is the backstop.
+        """
+        if not keys or not self.is_postgres:
+            return _ordering.advance(tx, keys, locked=True)
+        try:
+            with tx.begin_nested():
+                # How long to wait for a row a request locked before leaving it.
+                tx.exec_driver_sql("SET LOCAL lock_timeout = '200ms'")
+                holders = _ordering.advance(tx, keys, locked=True)
+                tx.exec_driver_sql("SET LOCAL lock_timeout TO DEFAULT")
+                return holders
+        except sa.exc.OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available
+                raise
+            logger.info("Left keys %s to a transaction that holds their next email (a "
+                        "cancel() not yet committed): it hands them on when it ends",
+                        sorted(keys)[:20])
+            return []
 
     def _outcome_values(self, outcome: Outcome, now: Any, scrub_sent: bool) -> dict[str, Any]:
         """The SET of one outcome's update (everything but a plain ``sent``)."""

@@ -150,9 +150,10 @@ class Suppressions:
             expires_at: datetime | None = None, replace: bool = False) -> None:
         """Upsert ``(key, reason, source)`` entries on ``conn`` (keys already normalized).
 
-        Without ``replace`` (what events do), an entry that applies to every
-        email is not narrowed to ``unsubscribed``, which applies to bulk mail
-        only: a complaint followed by an unsubscribe stays a complaint.
+        Without ``replace`` (what events do), a permanent entry that applies
+        to every email is not narrowed to ``unsubscribed``, which applies to
+        bulk mail only: a complaint followed by an unsubscribe stays a
+        complaint; a temporary one (``expires_at``) is replaced.
         """
         if not entries:
             return
@@ -166,9 +167,10 @@ class Suppressions:
         insert = dialect.insert(t)
         where = None
         if not replace:
+            # An entry that lapses (expires_at) is replaced: a permanent one wins.
             where = sa.or_(insert.excluded.reason != "unsubscribed",
                            t.c.reason == "unsubscribed",
-                           t.c.expires_at <= self.store.now_expr())
+                           t.c.expires_at.is_not(None))
         conn.execute(insert.on_conflict_do_update(
             index_elements=[t.c.address],
             set_={"reason": insert.excluded.reason, "source": insert.excluded.source,

@@ -411,7 +411,7 @@ class Worker:
             if self._stopping:  # rows waiting for a rate slot go back at once
                 self._give_back_unsent(self.lanes.take_back())
                 return
-            self.lanes.release_due(self._on_result)
+            self.lanes.release_due(self._on_result, self._expire)
             room = self._room(self.in_flight())
             if room > 0:
                 room -= self._claim_handed(room)
@@ -626,7 +626,7 @@ class Worker:
         self.lanes.send([email for email in screened if email.deliverable], self._on_result)
 
     def _release_paced(self) -> float | None:
-        self.lanes.release_due(self._on_result)
+        self.lanes.release_due(self._on_result, self._expire)
         return self.lanes.next_slot()
 
     def _give_back_unsent(self, emails: list[ClaimedEmail]) -> None:
@@ -638,6 +638,10 @@ class Worker:
                 self._in_flight.pop(email.id, None)
         self.delivery.give_back(emails)
         self._settle(BatchReport(released=[email.id for email in emails]))
+
+    def _expire(self, email: ClaimedEmail) -> None:
+        """A paced row whose expiry passed while it waited for its slot: ends unsent."""
+        self._on_result_of(email, Expired())
 
     def _on_result(self, envelope: Envelope, result: Result) -> None:
         """The transport's report (a transport thread): record it at the next round."""

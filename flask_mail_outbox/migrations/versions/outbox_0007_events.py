@@ -9,10 +9,13 @@ Creates ``outbox_event`` (delivery events, unique per transport and
 and ``outbox_webhook_nonce`` (signature tokens already accepted); adds
 ``outbox_email.expires_at`` (``send(expires_after=...)``); and widens
 ``ck_outbox_email_status`` to the terminal statuses ``suppressed``, ``expired``
-and ``cancelled``. On PostgreSQL the new constraint is added ``NOT VALID`` and
-then validated, so the table is not locked for writes while its rows are
-checked; SQLite cannot alter a constraint and rebuilds the table, as
-outbox_0005 does.
+and ``cancelled``. On PostgreSQL the constraint is replaced in the migration's
+transaction: ``outbox_email`` is locked (writes and reads wait) while its rows
+are checked, a scan of the table, so stop delivery for it on a large table.
+SQLite cannot alter a constraint and rebuilds the table, as outbox_0005 does.
+A downgrade deletes the rows in the three new statuses (unsent, and never to be
+sent: the old schema could only hold them as dead letters, which "retry all"
+would send).
 
 Frozen history: imports nothing from the package (see outbox_0001).
 """
@@ -177,11 +180,10 @@ def _create_tables() -> None:
 
 
 def _set_status_check(statuses: str) -> None:
-    """PostgreSQL: replace the status constraint without a write lock while rows are checked."""
+    """PostgreSQL: replace the status constraint (a scan of the table, under its lock)."""
     op.execute("ALTER TABLE outbox_email DROP CONSTRAINT ck_outbox_email_status")
     op.execute("ALTER TABLE outbox_email ADD CONSTRAINT ck_outbox_email_status "
-               f"CHECK (status IN ({statuses})) NOT VALID")
-    op.execute("ALTER TABLE outbox_email VALIDATE CONSTRAINT ck_outbox_email_status")
+               f"CHECK (status IN ({statuses}))")
 
 
 def upgrade() -> None:
@@ -195,11 +197,11 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # Rows in a status the old constraint refuses cannot stay: they become failed,
-    # with the reason, so nothing is silently lost from the dead-letter view.
-    op.execute("UPDATE outbox_email SET status = 'failed', last_error = "
-               "COALESCE(last_error, status) WHERE status IN ('suppressed', 'expired', "
-               "'cancelled')")
+    # Rows in a status the old constraint refuses cannot stay. They were never sent and
+    # must never be: as dead letters a "retry all" would send them, so they go.
+    unsent = "SELECT id FROM outbox_email WHERE status IN ('suppressed', 'expired', 'cancelled')"
+    op.execute(f"DELETE FROM outbox_attachment WHERE email_id IN ({unsent})")
+    op.execute("DELETE FROM outbox_email WHERE status IN ('suppressed', 'expired', 'cancelled')")
     if op.get_context().dialect.name == "sqlite":
         table = _email_table(new=False)
         _rebuild_sqlite(table, [c.name for c in table.columns])
