@@ -329,7 +329,7 @@ def test_a_bad_entry_fails_at_init_naming_its_key_without_the_secret(
         OutboxMail(app)
     assert excinfo.value.key == f'OUTBOX_TRANSPORTS["default"]{key}'
     assert problem in excinfo.value.problem
-    assert "secret" not in str(excinfo.value)
+    assert "secret" not in str(excinfo.value).replace("webhook_secret", "")  # a key name
 
 
 def test_a_shared_rate_limit_spaces_the_requests(
