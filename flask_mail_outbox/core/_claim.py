@@ -46,14 +46,16 @@ CLAIM_ORDER = (email_table.c.priority, email_table.c.due_at, email_table.c.id)
 
 
 def send_order(row: Any) -> tuple[Any, ...]:
-    """A claimed row's place in :data:`CLAIM_ORDER`: the order its batch is sent in.
+    """The order a claimed batch is sent in: higher priority first, then send order.
 
     ``UPDATE ... RETURNING`` gives rows in no set order, so a claim of five
     would otherwise reach a connection as the database happens to list them.
-    Rows of one key never meet in a claim (only a key's holder is claimable),
-    so this cannot reorder a key's line.
+    Not :data:`CLAIM_ORDER`'s due time: a retried batch must come out in the
+    same order as its first attempt (an API's batch idempotency key is made
+    from its emails in order). Rows of one key never meet in a claim (only a
+    key's holder is claimable), so this cannot reorder a key's line.
     """
-    return (row.priority, row.due_at, row.id)
+    return (row.priority, row.id)
 
 
 def claimable(now: Now, *, sqlite: bool) -> sa.ColumnElement[bool]:
