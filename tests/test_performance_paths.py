@@ -232,19 +232,21 @@ SUPPRESSION_LOOKUP = "SELECT outbox_suppression.address, outbox_suppression.reas
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # advisory locks
-def test_a_keyed_tick_is_five_statements_on_postgresql(
+def test_a_keyed_tick_is_six_statements_on_postgresql(
         hand_ticked_app: Flask, smtp_server: FaultSMTPServer) -> None:
     """A keyed tick: the claim; the suppression list read once for the batch's
-    recipients; then the record in three statements: the keys' line locks, the
-    batch marked sent, and the keys handed to their next emails (see _ordering).
-    Those are handed to the worker, which claims them at once."""
+    recipients; then the record in four statements: the keys' line locks, the
+    batch marked sent, a savepoint with a short lock timeout (a request's
+    uncommitted cancel() must not hold delivery up), and the keys handed to their
+    next emails (see _ordering). Those are handed to the worker, which claims
+    them at once."""
     _queue_keyed(hand_ticked_app, 6)
     _frozen_dispatcher(hand_ticked_app)
     with _statements(hand_ticked_app) as statements:
         _step(hand_ticked_app)
         assert statements == ["WITH due AS", SUPPRESSION_LOOKUP,
                               "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
-                              "UPDATE outbox_email AS", "WITH c AS"]
+                              "UPDATE outbox_email AS", "SAVEPOINT outbox_advance; SET", "WITH c AS"]
         assert [(r["subject"], r["status"], r["key_head"]) for r in rows(hand_ticked_app)] == [
             ("m0", "sent", True), ("m1", "sent", True),
             ("m2", "queued", True), ("m3", "queued", True),
@@ -255,7 +257,8 @@ def test_a_keyed_tick_is_five_statements_on_postgresql(
         # rows finds nothing more; the record as before.
         assert statements == ["UPDATE outbox_email SET", SUPPRESSION_LOOKUP, "WITH due AS",
                               "SELECT pg_advisory_xact_lock(27758, hashtext(k.key))",
-                              "UPDATE outbox_email AS", "WITH c AS"]
+                              "UPDATE outbox_email AS", "SAVEPOINT outbox_advance; SET",
+                              "WITH c AS"]
     _step(hand_ticked_app)
     assert [r["status"] for r in rows(hand_ticked_app)] == ["sent"] * 6
     subjects = [m.parsed["Subject"] for m in smtp_server.messages]

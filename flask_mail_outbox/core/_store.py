@@ -495,9 +495,10 @@ class Store:
                     .returning(t.c.id)
                 ).first()
                 (recorded if hit is not None else lost).append(outcome)
-            holders = self._advance_recorded(tx, keys)
             if then is not None:
                 then(tx, recorded)
+            # Last: on PostgreSQL it sets a lock timeout for the rest of the transaction.
+            holders = self._advance_recorded(tx, keys)
         return Recorded(recorded, lost, holders)
 
     def _advance_recorded(self, tx: Connection, keys: Sequence[str]) -> list[int]:
@@ -511,16 +512,16 @@ class Store:
         """
         if not keys or not self.is_postgres:
             return _ordering.advance(tx, keys, locked=True)
+        # One round trip more than the plain advance: the savepoint and the timeout
+        # (how long to wait for a row a request locked) together; the timeout lasts
+        # to the commit, and nothing runs after this.
+        tx.exec_driver_sql("SAVEPOINT outbox_advance; SET LOCAL lock_timeout = '200ms'")
         try:
-            with tx.begin_nested():
-                # How long to wait for a row a request locked before leaving it.
-                tx.exec_driver_sql("SET LOCAL lock_timeout = '200ms'")
-                holders = _ordering.advance(tx, keys, locked=True)
-                tx.exec_driver_sql("SET LOCAL lock_timeout TO DEFAULT")
-                return holders
+            return _ordering.advance(tx, keys, locked=True)
         except sa.exc.OperationalError as exc:
             if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available
                 raise
+            tx.exec_driver_sql("ROLLBACK TO SAVEPOINT outbox_advance")
             logger.info("Left keys %s to a transaction that holds their next email (a "
                         "cancel() not yet committed): it hands them on when it ends",
                         sorted(keys)[:20])
