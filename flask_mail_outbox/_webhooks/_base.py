@@ -20,10 +20,11 @@ import hashlib
 import importlib
 import json
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from .._errors import ConfigError
-from .._events import DeliveryEvent
+from .._events import DeliveryEvent, naive_utc
 
 #: A signed timestamp further than this from now is a replay (seconds).
 TOLERANCE_SECONDS = 300.0
@@ -128,6 +129,27 @@ def bounded_id(event_id: str) -> str:
     if len(event_id) <= 255:
         return event_id
     return hashlib.sha256(event_id.encode("utf-8")).hexdigest()
+
+
+def iso_time(value: Any) -> datetime | None:
+    """An ISO 8601 time (naive ones taken as UTC) as naive UTC, or None."""
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return naive_utc(moment if moment.tzinfo else moment.replace(tzinfo=UTC))
+
+
+def json_object(value: Any) -> dict[str, Any]:
+    """``value`` when it is a JSON object, else an empty one."""
+    return value if isinstance(value, dict) else {}
+
+
+def joined(separator: str, *parts: Any) -> str:
+    """The non-empty strings of ``parts``, joined."""
+    return separator.join(part for part in parts if isinstance(part, str) and part)
 
 
 def json_body(request: WebhookRequest) -> Any:

@@ -79,7 +79,10 @@ from ._base import (
     WebhookRequest,
     bounded_id,
     check_timestamp,
+    iso_time,
+    joined,
     json_body,
+    json_object,
 )
 
 __all__ = ["ResendReceiver"]
@@ -154,31 +157,31 @@ class ResendReceiver(Receiver):
         kind: str = body["type"]
         data: dict[str, Any] = body["data"]
         event_type = EVENT_TYPES.get(kind, "unknown")
-        occurred_at = _time(body.get("created_at")) or naive_utc(
+        occurred_at = iso_time(body.get("created_at")) or naive_utc(
             datetime.fromtimestamp(signed_at, UTC))
         message_id = data.get("email_id") if isinstance(data.get("email_id"), str) else None
         bounce_kind = None
         description = kind if event_type == "unknown" else ""
         mta_response = ""
         if kind == "email.bounced":
-            bounce = _object(data.get("bounce"))
+            bounce = json_object(data.get("bounce"))
             bounce_kind = "permanent" if bounce.get("type") == "Permanent" else "transient"
-            description = _joined(": ", _joined(" / ", bounce.get("type"), bounce.get("subType")),
+            description = joined(": ", joined(" / ", bounce.get("type"), bounce.get("subType")),
                                   bounce.get("message"))
-            mta_response = _joined("; ", *_strings(bounce.get("diagnosticCode")))
+            mta_response = joined("; ", *_strings(bounce.get("diagnosticCode")))
         elif kind == "email.clicked":
-            description = _joined("", _object(data.get("click")).get("link"))
+            description = joined("", json_object(data.get("click")).get("link"))
         elif kind == "email.failed":
-            description = _joined("", _object(data.get("failed")).get("reason"))
+            description = joined("", json_object(data.get("failed")).get("reason"))
         elif kind == "email.suppressed":
-            suppressed = _object(data.get("suppressed"))
-            description = _joined(": ", suppressed.get("type"), suppressed.get("message")) \
+            suppressed = json_object(data.get("suppressed"))
+            description = joined(": ", suppressed.get("type"), suppressed.get("message")) \
                 or "Resend's suppression list"
         recipients: list[str | None] = [*_recipients(data.get("to"))] or [None]
         if len(recipients) > 1 and (event_type == "complained" or bounce_kind == "permanent"):
             # Whose bounce is it? Resend does not say: one event without a recipient
             # rather than suppressing every address the email went to.
-            description = _joined("; ", description, f"Resend does not say which of the "
+            description = joined("; ", description, f"Resend does not say which of the "
                                   f"{len(recipients)} recipients this concerns")
             recipients = [None]
         payload = capped_payload(body)
@@ -219,27 +222,8 @@ def _recipients(value: Any) -> list[str]:
     return found
 
 
-def _time(value: Any) -> datetime | None:
-    """An ISO 8601 time as naive UTC, or None."""
-    if not isinstance(value, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return naive_utc(moment if moment.tzinfo else moment.replace(tzinfo=UTC))
-
-
-def _object(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
 def _strings(value: Any) -> list[str]:
     """A string, or the strings of a list (Resend's diagnosticCode is either)."""
     if isinstance(value, str):
         return [value]
     return [item for item in value if isinstance(item, str)] if isinstance(value, list) else []
-
-
-def _joined(separator: str, *parts: Any) -> str:
-    return separator.join(part for part in parts if isinstance(part, str) and part)

@@ -85,7 +85,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -96,7 +96,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from .._errors import ConfigError
-from .._events import DeliveryEvent, capped_payload, naive_utc
+from .._events import DeliveryEvent, capped_payload
 from ._base import (
     Received,
     Receiver,
@@ -104,7 +104,10 @@ from ._base import (
     WebhookRequest,
     bounded_id,
     check_timestamp,
+    iso_time,
+    joined,
     json_body,
+    json_object,
 )
 
 __all__ = [
@@ -305,7 +308,7 @@ class SESReceiver(Receiver):
             raise WebhookRefused(403, "SigningCertURL is not an https://sns.<region>."
                                  "amazonaws.com/ certificate URL")
         canonical = _canonical(message)
-        signed_at = _time(message["Timestamp"])
+        signed_at = iso_time(message["Timestamp"])
         if signed_at is None:
             raise WebhookRefused(403, "the SNS Timestamp is not an ISO 8601 time")
         check_timestamp(signed_at.replace(tzinfo=UTC).timestamp(), now)
@@ -355,55 +358,55 @@ class SESReceiver(Receiver):
                                  "expected eventType or notificationType, and mail")
         base = _SESEvent(self.name, message, event, mail)
         if kind == "Bounce":
-            bounce = _object(event.get("bounce"))
+            bounce = json_object(event.get("bounce"))
             bounce_kind = "permanent" if bounce.get("bounceType") == "Permanent" \
                 else "transient"
-            kinds = _joined("/", bounce.get("bounceType"), bounce.get("bounceSubType"))
+            kinds = joined("/", bounce.get("bounceType"), bounce.get("bounceSubType"))
             return [base.one("bounced", entry.get("emailAddress"), bounce, bounce_kind=bounce_kind,
-                             description=_joined(" ", kinds, _parenthesized(entry.get("status"))),
+                             description=joined(" ", kinds, _parenthesized(entry.get("status"))),
                              mta_response=_text(entry.get("diagnosticCode")))
                     for entry in _entries(bounce.get("bouncedRecipients"))] \
                 or base.each("bounced", bounce, bounce_kind=bounce_kind, description=kinds)
         if kind == "Complaint":
-            complaint = _object(event.get("complaint"))
-            description = _joined(": ", "complaint", complaint.get("complaintFeedbackType")
+            complaint = json_object(event.get("complaint"))
+            description = joined(": ", "complaint", complaint.get("complaintFeedbackType")
                                   or complaint.get("complaintSubType"))
             return [base.one("complained", entry.get("emailAddress"), complaint,
                              description=description)
                     for entry in _entries(complaint.get("complainedRecipients"))] \
                 or base.each("complained", complaint, description=description)
         if kind == "Delivery":
-            delivery = _object(event.get("delivery"))
+            delivery = json_object(event.get("delivery"))
             return base.each("delivered", delivery, _unique(_list(delivery.get("recipients"))),
                              mta_response=_text(delivery.get("smtpResponse")))
         if kind == "DeliveryDelay":
-            delay = _object(event.get("deliveryDelay"))
+            delay = json_object(event.get("deliveryDelay"))
             return [base.one("deferred", entry.get("emailAddress"), delay,
-                             description=_joined(" ", _text(delay.get("delayType")),
+                             description=joined(" ", _text(delay.get("delayType")),
                                                  _parenthesized(entry.get("status"))),
                              mta_response=_text(entry.get("diagnosticCode")))
                     for entry in _entries(delay.get("delayedRecipients"))] \
                 or base.each("deferred", delay, description=_text(delay.get("delayType")))
         if kind == "Reject":
-            reject = _object(event.get("reject"))
-            return base.each("rejected", reject, description=_joined(
+            reject = json_object(event.get("reject"))
+            return base.each("rejected", reject, description=joined(
                 ": ", "rejected by SES", reject.get("reason")))
         if kind == "Rendering Failure":
-            failure = _object(event.get("failure"))
-            return base.each("rejected", failure, description=_joined(
+            failure = json_object(event.get("failure"))
+            return base.each("rejected", failure, description=joined(
                 ": ", "rendering failure", failure.get("templateName"),
                 failure.get("errorMessage")))
         if kind in ("Open", "Click"):
-            detail = _object(event.get(kind.lower()))
+            detail = json_object(event.get(kind.lower()))
             return base.each("opened" if kind == "Open" else "clicked", detail,
                              description=_text(detail.get("link")))
         if kind == "Subscription":
-            subscription = _object(event.get("subscription"))
-            preferences = _object(subscription.get("newTopicPreferences"))
+            subscription = json_object(event.get("subscription"))
+            preferences = json_object(subscription.get("newTopicPreferences"))
             if preferences.get("unsubscribeAll") is True:
-                return base.each("unsubscribed", subscription, description=_joined(
+                return base.each("unsubscribed", subscription, description=joined(
                     ": ", "unsubscribed from all topics", subscription.get("contactList")))
-            return base.each("unknown", subscription, description=_joined(
+            return base.each("unknown", subscription, description=joined(
                 ": ", "Subscription (topic preferences changed)",
                 subscription.get("contactList")))
         return base.each("unknown", {}, description=kind)
@@ -416,7 +419,7 @@ class _SESEvent:
                  mail: dict[str, Any]) -> None:
         self.transport = transport
         self.sns_id = str(message["MessageId"])
-        self.fallback = _time(mail.get("timestamp")) or _time(message.get("Timestamp"))
+        self.fallback = iso_time(mail.get("timestamp")) or iso_time(message.get("Timestamp"))
         self.message_id = mail.get("messageId") if isinstance(mail.get("messageId"), str) \
             else None
         self.destination = _unique(_list(mail.get("destination")))
@@ -428,7 +431,7 @@ class _SESEvent:
         address = recipient if isinstance(recipient, str) and recipient else None
         return DeliveryEvent(
             event_type=event_type, recipient=address,
-            occurred_at=_time(detail.get("timestamp")) or self.fallback,
+            occurred_at=iso_time(detail.get("timestamp")) or self.fallback,
             transport=self.transport,
             provider_event_id=bounded_id(f"{self.sns_id}:{address}" if address
                                          else self.sns_id),
@@ -468,21 +471,6 @@ def _canonical(message: dict[str, Any]) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def _time(value: Any) -> datetime | None:
-    """An ISO 8601 time as naive UTC, or None."""
-    if not isinstance(value, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return naive_utc(moment if moment.tzinfo else moment.replace(tzinfo=UTC))
-
-
-def _object(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
@@ -502,7 +490,3 @@ def _text(value: Any) -> str:
 
 def _parenthesized(value: Any) -> str:
     return f"({value})" if isinstance(value, str) and value else ""
-
-
-def _joined(separator: str, *parts: Any) -> str:
-    return separator.join(part for part in parts if isinstance(part, str) and part)
