@@ -2,7 +2,9 @@
 
 The public key is served by a DNS stub (dkimpy's ``verify(..., dnsfunc=...)``);
 the keys are made with the ``openssl`` command line tool, which the SMTP test
-server needs too.
+server needs too. The signer's own matrix (every shape of message, every
+kind of key, relaxed and simple) is tests/test_dkim_sign.py; here is the app:
+the configuration, the keys it refuses, and what each transport delivers.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from email.parser import BytesParser
 from email.policy import default as default_policy
 from pathlib import Path
@@ -47,14 +49,29 @@ def key_pair() -> tuple[str, bytes]:
     return private.decode("ascii"), base64.b64encode(public_der)
 
 
+@pytest.fixture(scope="module")
+def ed25519_pair() -> tuple[str, bytes]:
+    """An Ed25519 key (RFC 8463): (private PEM text, the DNS record's p= value)."""
+    private = _openssl("genpkey", "-algorithm", "ed25519")
+    # The DER SubjectPublicKeyInfo ends with the 32 bytes of the key, which p= holds.
+    raw = _openssl("pkey", "-pubout", "-outform", "DER", data=private)[-32:]
+    return private.decode("ascii"), base64.b64encode(raw)
+
+
 def dns_stub(public: bytes) -> Any:
-    """A dnsfunc that answers only our selector's TXT record."""
+    """A dnsfunc that answers only our selector's TXT record, an RSA key."""
+    return dns_records({SELECTOR: b"v=DKIM1; k=rsa; p=" + public})
+
+
+def dns_records(records: Mapping[str, bytes]) -> Any:
+    """A dnsfunc that answers ``<selector>._domainkey.example.com`` with ``records[selector]``."""
     asked: list[bytes] = []
 
     def dnsfunc(name: bytes, timeout: int = 5) -> bytes | None:
         asked.append(name)
-        if name.rstrip(b".") == f"{SELECTOR}._domainkey.{DOMAIN}".encode():
-            return b"v=DKIM1; k=rsa; p=" + public
+        for selector, record in records.items():
+            if name.rstrip(b".") == f"{selector}._domainkey.{DOMAIN}".encode():
+                return record
         return None
 
     dnsfunc.asked = asked  # type: ignore[attr-defined]
@@ -64,6 +81,14 @@ def dns_stub(public: bytes) -> Any:
 def verifies(data: bytes, public: bytes) -> bool:
     """Whether dkimpy verifies ``data``'s signature against ``public`` (no network)."""
     return bool(dkim.verify(data, dnsfunc=dns_stub(public)))
+
+
+def verifies_at(data: bytes, records: Mapping[str, bytes], index: int) -> bool:
+    """Whether dkimpy verifies the ``index``-th DKIM-Signature of ``data``."""
+    try:
+        return bool(dkim.DKIM(data).verify(idx=index, dnsfunc=dns_records(records)))
+    except dkim.DKIMException:  # a body hash mismatch is raised, not returned
+        return False
 
 
 def signature_tags(data: bytes) -> dict[str, str]:
@@ -152,6 +177,49 @@ def test_a_tampered_message_fails_verification(dkim_app: Flask, smtp_server: Fau
     other = base64.b64encode(_openssl("pkey", "-pubout", "-outform", "DER",
                                       data=_openssl("genrsa", "2048")))
     assert not verifies(data, other)
+
+
+def _key_set(kind: str, rsa_pair: tuple[str, bytes], ed_pair: tuple[str, bytes],
+             tmp_path: Path) -> tuple[dict[str, Any], dict[str, bytes], list[str]]:
+    """The config of ``kind``, its DNS records by selector, and the a= of each signature."""
+    rsa_record = b"v=DKIM1; k=rsa; p=" + rsa_pair[1]
+    ed_record = b"v=DKIM1; k=ed25519; p=" + ed_pair[1]
+    if kind == "ed25519":
+        return dkim_config(ed_pair[0]), {SELECTOR: ed_record}, ["ed25519-sha256"]
+    # Dual: RSA first (every receiver knows it), Ed25519 from a file.
+    key_file = tmp_path / "ed25519.pem"
+    key_file.write_text(ed_pair[0])
+    config = {"OUTBOX_DKIM_DOMAIN": DOMAIN,
+              "OUTBOX_DKIM_KEYS": [{"selector": "rsa2026", "private_key": rsa_pair[0]},
+                                   {"selector": "ed2026", "private_key_file": str(key_file)}]}
+    return config, {"rsa2026": rsa_record, "ed2026": ed_record}, ["rsa-sha256", "ed25519-sha256"]
+
+
+@pytest.mark.parametrize("kind", ["ed25519", "dual"])
+def test_smtp_delivery_signed_with_ed25519_or_both_verifies(
+        db_url: str, smtp_server: FaultSMTPServer, key_pair: tuple[str, bytes],
+        ed25519_pair: tuple[str, bytes], tmp_path: Path, kind: str) -> None:
+    config, records, algorithms = _key_set(kind, key_pair, ed25519_pair, tmp_path)
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port, **config)
+    try:
+        _send(app, subject="Invoice 42", body="Pay 10 EUR to the usual account.\n",
+              html="<p>Hello</p>")
+        assert smtp_server.wait_for(1)
+        data = smtp_server.messages[0].data
+        assert b"Pay 10 EUR" in data and b"Subject: Invoice 42" in data
+        parsed = BytesParser(policy=default_policy).parsebytes(data, headersonly=True)
+        found = [dict(tag.split("=", 1) for tag in re.sub(r"\s+", "", str(h)).split(";") if tag)
+                 for h in parsed.get_all("DKIM-Signature")]
+        assert [t["a"] for t in found] == algorithms
+        assert [t["s"] for t in found] == list(records)
+        for index in range(len(algorithms)):
+            assert verifies_at(data, records, index)
+            assert not verifies_at(data.replace(b"Subject: Invoice 42", b"Subject: Invoice 43"),
+                                   records, index)
+            assert not verifies_at(data.replace(b"Pay 10 EUR", b"Pay 99 EUR"), records, index)
+        assert all("l" not in t for t in found)
+    finally:
+        close_app(app, timeout=5)
 
 
 def test_configured_headers_are_signed_when_present(
@@ -303,7 +371,13 @@ def _bad_key_cases(tmp_path: Path, private: str) -> dict[str, tuple[dict[str, An
     pem_encrypted = _openssl("rsa", "-aes256", "-traditional", "-passout", "pass:secret",
                              data=private.encode()).decode()
     ec_key = _openssl("ecparam", "-genkey", "-name", "prime256v1", "-noout").decode()
-    ed25519_key = _openssl("genpkey", "-algorithm", "ed25519").decode()
+    ed448_key = _openssl("genpkey", "-algorithm", "ed448").decode()
+    pkcs8_ec_key = _openssl("genpkey", "-algorithm", "EC", "-pkeyopt",
+                            "ec_paramgen_curve:P-256").decode()
+    # PEM armour and valid base64 around bytes that are no key (DER cut short).
+    cut_der = _openssl("pkey", "-outform", "DER", data=private.encode())[:300]
+    damaged = ("-----BEGIN PRIVATE KEY-----\n" + base64.encodebytes(cut_der).decode()
+               + "-----END PRIVATE KEY-----\n")
     certificate = _openssl("req", "-x509", "-key", "/dev/stdin", "-subj", "/CN=dkim",
                            "-days", "1", data=private.encode()).decode()
     not_a_key = tmp_path / "not-a-key.pem"
@@ -313,6 +387,11 @@ def _bad_key_cases(tmp_path: Path, private: str) -> dict[str, tuple[dict[str, An
     encrypted_file = tmp_path / "encrypted.pem"
     encrypted_file.write_text(pkcs8_encrypted)
     base = {"OUTBOX_DKIM_DOMAIN": DOMAIN, "OUTBOX_DKIM_SELECTOR": SELECTOR}
+
+    def keys(*entries: Any) -> dict[str, Any]:
+        value = entries[0] if entries and isinstance(entries[0], str) else list(entries)
+        return {"OUTBOX_DKIM_DOMAIN": DOMAIN, "OUTBOX_DKIM_KEYS": value}
+
     text, file = "OUTBOX_DKIM_PRIVATE_KEY", "OUTBOX_DKIM_PRIVATE_KEY_FILE"
     return {
         "unreadable file": ({**base, file: str(tmp_path / "none.pem")}, file, "cannot read"),
@@ -327,8 +406,11 @@ def _bad_key_cases(tmp_path: Path, private: str) -> dict[str, tuple[dict[str, An
                               "set OUTBOX_DKIM_PRIVATE_KEY_FILE"),
         "encrypted PKCS#8": ({**base, text: pkcs8_encrypted}, text, "encrypted"),
         "encrypted PKCS#1": ({**base, text: pem_encrypted}, text, "encrypted"),
-        "an EC key": ({**base, text: ec_key}, text, "an EC key, not an RSA key"),
-        "an Ed25519 key": ({**base, text: ed25519_key}, text, "not an RSA private key"),
+        "an EC key": ({**base, text: ec_key}, text, "an EC key, not an RSA or Ed25519 key"),
+        "a PKCS#8 EC key": ({**base, text: pkcs8_ec_key}, text,
+                            "an EC key, not an RSA or Ed25519 key"),
+        "an Ed448 key": ({**base, text: ed448_key}, text, "an Ed448 key, not an RSA or Ed25519"),
+        "a damaged key": ({**base, text: damaged}, text, "damaged (cut or changed"),
         "a certificate": ({**base, text: certificate}, text, "a certificate"),
         "a public key": ({**base, text: public_pem}, text, "the public key"),
         "a short key": ({**base, text: short}, text, "512 bits"),
@@ -347,25 +429,81 @@ def _bad_key_cases(tmp_path: Path, private: str) -> dict[str, tuple[dict[str, An
                                   "OUTBOX_DKIM_HEADERS", "not a header name"),
         "unicode domain": ({**base, "OUTBOX_DKIM_DOMAIN": "bücher.example", text: private},
                            "OUTBOX_DKIM_DOMAIN", "not an ASCII domain"),
+        # OUTBOX_DKIM_KEYS: each entry's field is named.
+        "keys as a string": (keys("rsa"), "OUTBOX_DKIM_KEYS", "non-empty list"),
+        "no keys": (keys(), "OUTBOX_DKIM_KEYS", "non-empty list"),
+        "a key entry not a dict": ({"OUTBOX_DKIM_DOMAIN": DOMAIN, "OUTBOX_DKIM_KEYS": ["rsa"]},
+                                   "OUTBOX_DKIM_KEYS[0]", "expected a dict"),
+        "an unknown entry field": (keys({"selector": "a", "private_key": private, "pem": 1}),
+                                   'OUTBOX_DKIM_KEYS[0]["pem"]', "not a field of a DKIM key"),
+        "an entry without selector": (keys({"private_key": private}),
+                                      'OUTBOX_DKIM_KEYS[0]["selector"]', "expected the selector"),
+        "an entry's bad selector": (keys({"selector": "a;b", "private_key": private}),
+                                    'OUTBOX_DKIM_KEYS[0]["selector"]', "not an ASCII"),
+        "two entries, one selector": (keys({"selector": "a", "private_key": private},
+                                           {"selector": "a", "private_key": ed448_key}),
+                                      'OUTBOX_DKIM_KEYS[1]["selector"]',
+                                      "selector of OUTBOX_DKIM_KEYS[0] too"),
+        "an entry without key": (keys({"selector": "a"}), 'OUTBOX_DKIM_KEYS[0]["private_key"]',
+                                 "one of them"),
+        "an entry with key and file": (keys({"selector": "a", "private_key": private,
+                                             "private_key_file": str(not_a_key)}),
+                                       'OUTBOX_DKIM_KEYS[0]["private_key"]', "one of them"),
+        "an entry's bad base64": (keys({"selector": "a", "private_key": BAD_BASE64}),
+                                  'OUTBOX_DKIM_KEYS[0]["private_key"]', "not valid base64"),
+        "an entry's short key": (keys({"selector": "a", "private_key": private},
+                                      {"selector": "b", "private_key": short}),
+                                 'OUTBOX_DKIM_KEYS[1]["private_key"]', "512 bits"),
+        "an entry's Ed448 key": (keys({"selector": "a", "private_key": ed448_key}),
+                                 'OUTBOX_DKIM_KEYS[0]["private_key"]', "an Ed448 key"),
+        "an entry's path as key": (keys({"selector": "a", "private_key": "/run/dkim.pem"}),
+                                   'OUTBOX_DKIM_KEYS[0]["private_key"]',
+                                   "set private_key_file to it"),
+        "an entry's unreadable file": (keys({"selector": "a",
+                                             "private_key_file": str(tmp_path / "none.pem")}),
+                                       'OUTBOX_DKIM_KEYS[0]["private_key_file"]', "cannot read"),
+        "an entry's encrypted file": (keys({"selector": "a",
+                                            "private_key_file": str(encrypted_file)}),
+                                      'OUTBOX_DKIM_KEYS[0]["private_key_file"]', "encrypted"),
+        "keys and a key": ({**keys({"selector": "a", "private_key": private}), text: private},
+                           "OUTBOX_DKIM_KEYS", "not both"),
+        "keys and a selector": ({**keys({"selector": "a", "private_key": private}),
+                                 "OUTBOX_DKIM_SELECTOR": SELECTOR},
+                                "OUTBOX_DKIM_SELECTOR", "gives each key its selector"),
+        "keys, no domain": ({"OUTBOX_DKIM_KEYS": [{"selector": "a", "private_key": private}]},
+                            "OUTBOX_DKIM_DOMAIN", "OUTBOX_DKIM_DOMAIN too"),
     }
 
 
 _CASE_NAMES = ["unreadable file", "file is a folder", "file holds no key",
                "file with bad base64", "encrypted file", "bad base64", "not PEM text",
                "a path as the key", "encrypted PKCS#8", "encrypted PKCS#1", "an EC key",
-               "an Ed25519 key", "a certificate", "a public key", "a short key", "empty key",
-               "domain, no key", "key, no domain", "key, no selector", "key and file",
-               "bcc signed", "headers as a string", "a header with a colon", "unicode domain"]
+               "a PKCS#8 EC key", "an Ed448 key", "a damaged key", "a certificate",
+               "a public key", "a short key", "empty key", "domain, no key", "key, no domain",
+               "key, no selector", "key and file", "bcc signed", "headers as a string",
+               "a header with a colon", "unicode domain", "keys as a string", "no keys",
+               "a key entry not a dict", "an unknown entry field", "an entry without selector",
+               "an entry's bad selector", "two entries, one selector", "an entry without key",
+               "an entry with key and file", "an entry's bad base64", "an entry's short key",
+               "an entry's Ed448 key", "an entry's path as key", "an entry's unreadable file",
+               "an entry's encrypted file", "keys and a key", "keys and a selector",
+               "keys, no domain"]
 
 
 def _key_material(config: dict[str, Any]) -> list[str]:
     """The base64 lines of the PEM text or file a case configures: never to be echoed."""
-    pem = config.get("OUTBOX_DKIM_PRIVATE_KEY") or ""
-    path = config.get("OUTBOX_DKIM_PRIVATE_KEY_FILE")
-    if path and Path(path).is_file():
-        pem = Path(path).read_text()
-    return [line for line in pem.splitlines()
-            if line and not line.startswith("-----") and ":" not in line]
+    entries = config.get("OUTBOX_DKIM_KEYS")
+    sources = [config] + [e for e in entries if isinstance(e, dict)] \
+        if isinstance(entries, list) else [config]
+    lines = []
+    for source in sources:
+        pem = source.get("OUTBOX_DKIM_PRIVATE_KEY") or source.get("private_key") or ""
+        path = source.get("OUTBOX_DKIM_PRIVATE_KEY_FILE") or source.get("private_key_file")
+        if path and Path(path).is_file():
+            pem = Path(path).read_text()
+        lines += [line for line in pem.splitlines()
+                  if line and not line.startswith("-----") and ":" not in line]
+    return lines
 
 
 @pytest.mark.parametrize("case", _CASE_NAMES)
@@ -381,13 +519,23 @@ def test_a_key_that_cannot_sign_fails_at_init_app_naming_the_key(
     assert not [line for line in _key_material(config) if line[:16] in message]
 
 
-def test_without_dkimpy_the_error_says_what_to_install(
-        tmp_path: Path, key_pair: tuple[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_signing_needs_no_dkimpy(db_url: str, key_pair: tuple[str, bytes],
+                                 ed25519_pair: tuple[str, bytes], tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenSSL signs (``cryptography``, a main dependency): dkimpy is only the tests' verifier."""
+    config, records, _ = _key_set("dual", key_pair, ed25519_pair, tmp_path)
     monkeypatch.setitem(sys.modules, "dkim", None)  # import dkim raises ImportError
-    with pytest.raises(ConfigError) as excinfo:
-        _init(tmp_path, **dkim_config(key_pair[0]))
-    assert excinfo.value.key == "OUTBOX_DKIM_DOMAIN"
-    assert "pip install flask-mail-outbox[dkim]" in str(excinfo.value)
+    app = make_app(db_url, TESTING=True, **config)
+    try:
+        with app.app_context():
+            app.extensions["test_mail"].send(Message("Test", recipients=["to@example.org"],
+                                                     body="x"))
+            db.session.commit()
+        mime = app.extensions["mail_outbox"].outbox().delivery.transport.outbox[0].mime
+    finally:
+        close_app(app, timeout=5)
+    monkeypatch.undo()
+    assert verifies_at(mime, records, 0) and verifies_at(mime, records, 1)
 
 
 def test_a_key_file_signs(db_url: str, tmp_path: Path, key_pair: tuple[str, bytes]) -> None:

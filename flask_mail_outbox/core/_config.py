@@ -101,12 +101,13 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_HTML_TO_TEXT": True,
     # RFC 6531 addresses (non-ASCII local parts), sent with SMTPUTF8.
     "OUTBOX_ALLOW_SMTPUTF8": False,
-    # DKIM signing at delivery (extra ``dkim``): on when a key is set.
+    # DKIM signing at delivery: on when a key is set.
     "OUTBOX_DKIM_DOMAIN": None,
     "OUTBOX_DKIM_SELECTOR": None,
     "OUTBOX_DKIM_PRIVATE_KEY": None,
     "OUTBOX_DKIM_PRIVATE_KEY_FILE": None,
     "OUTBOX_DKIM_HEADERS": None,  # None: _dkim.DEFAULT_SIGNED_HEADERS
+    "OUTBOX_DKIM_KEYS": None,  # [{"selector", "private_key" or "private_key_file"}]: dual signing
     "OUTBOX_TLS_VERIFY": True,
     "OUTBOX_TLS_CA_FILE": None,
     "OUTBOX_RETENTION_DAYS": None,
@@ -469,10 +470,14 @@ def _retry_delays(keys: _Keys) -> tuple[float, float]:
 
 
 def _dkim_signer(keys: _Keys) -> DKIMSigner | None:
-    """The ``OUTBOX_DKIM_*`` keys: None when DKIM is off (``init_app`` probes the key)."""
+    """The ``OUTBOX_DKIM_*`` keys, each private key read: None when DKIM is off.
+
+    ``init_app`` then signs a probe with each key.
+    """
     headers = signed_header_names(keys.get("OUTBOX_DKIM_HEADERS"))
     return signer_from(keys.text, keys.get("OUTBOX_DKIM_PRIVATE_KEY"),
-                       keys.get("OUTBOX_DKIM_PRIVATE_KEY_FILE"), headers)
+                       keys.get("OUTBOX_DKIM_PRIVATE_KEY_FILE"), headers,
+                       keys.get("OUTBOX_DKIM_KEYS"))
 
 
 def _message_id_domain(keys: _Keys) -> str | None:
