@@ -322,6 +322,7 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_DKIM_PRIVATE_KEY", ""),
     ("OUTBOX_DKIM_PRIVATE_KEY_FILE", "/nonexistent/dkim.pem"),
     ("OUTBOX_DKIM_HEADERS", "From"),  # a list is expected
+    ("OUTBOX_DKIM_KEYS", "rsa2026"),  # a list of {"selector", "private_key"} is expected
     ("OUTBOX_WEBHOOK_PREFIX", "outbox/webhooks"),
     ("OUTBOX_WEBHOOK_PREFIX", "/a?b"),
     ("OUTBOX_UNSUBSCRIBE_URL", "http://app.example.com/u"),
