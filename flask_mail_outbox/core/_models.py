@@ -289,6 +289,145 @@ class OutboxWebhookNonce(Base):
     seen_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False, index=True)
 
 
+class OutboxTally(Base):
+    """Running totals of the large terminal statuses, kept by triggers on ``outbox_email``.
+
+    ``sent``, ``suppressed``, ``expired`` and ``cancelled`` only grow with
+    history, so counting their rows costs more the longer rows are retained;
+    these totals cost the same at any size. The statuses an operator acts on
+    (``queued``, ``sending``, ``failed``) are small and counted exactly from their
+    partial indexes instead, so they are not here.
+
+    The total of a status is ``sum(n)`` over its rows. ``sent_hour`` is the
+    hour ``sent_at`` falls in (hours since the epoch, UTC) for ``sent`` rows,
+    and NULL for the others: the dashboard's chart reads the last 24 of them.
+    On PostgreSQL the triggers only append rows (a change never waits for,
+    nor locks, a row another transaction wrote) and every 64th one folds the
+    rows of each key into one; on SQLite, whose writers are serialized, they
+    update one row per key in place. See :data:`TALLY_DDL`.
+    """
+
+    __tablename__ = "outbox_tally"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    status: Mapped[str] = mapped_column(sa.String(16), nullable=False)
+    sent_hour: Mapped[int | None] = mapped_column(sa.BigInteger())
+    n: Mapped[int] = mapped_column(sa.BigInteger(), nullable=False)
+
+    __table_args__ = (
+        sa.Index("ix_outbox_tally_status_sent_hour", "status", "sent_hour"),
+    )
+
+
+#: The statuses :class:`OutboxTally` keeps totals of; the others are counted exactly.
+TALLIED = (Status.SENT, Status.SUPPRESSED, Status.EXPIRED, Status.CANCELLED)
+_TALLIED_SQL = "(" + ", ".join(f"'{status.value}'" for status in TALLIED) + ")"
+
+#: Two-integer advisory lock ("ta"): held by whoever folds or recounts the tally
+#: (PostgreSQL), so that one of them at a time deletes its rows.
+TALLY_LOCK = (0x7461, 0)
+
+_PG_HOUR = ("CASE WHEN status = 'sent'"
+            " THEN CAST(floor(extract(epoch FROM sent_at) / 3600) AS bigint) END")
+# Statement-level: one appended row per key a statement changed, whatever the
+# number of rows. INSERT only appends (send() must lock nothing shared);
+# UPDATE and DELETE fold, at every 64th appended row, unless someone else is
+# folding (a try-lock: nothing waits). TRUNCATE empties it.
+_PG_FUNCTION = f"""\
+CREATE OR REPLACE FUNCTION outbox_tally_rows() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    fold boolean;
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        PERFORM pg_advisory_xact_lock({TALLY_LOCK[0]}, {TALLY_LOCK[1]});
+        DELETE FROM outbox_tally;
+        RETURN NULL;
+    ELSIF TG_OP = 'INSERT' THEN
+        INSERT INTO outbox_tally (status, sent_hour, n)
+        SELECT status, {_PG_HOUR}, count(*) FROM new_rows
+        WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2;
+        RETURN NULL;
+    ELSIF TG_OP = 'DELETE' THEN
+        WITH added AS (
+            INSERT INTO outbox_tally (status, sent_hour, n)
+            SELECT status, {_PG_HOUR}, -count(*) FROM old_rows
+            WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2
+            RETURNING id)
+        SELECT bool_or(mod(id, 64) = 0) INTO fold FROM added;
+    ELSE
+        WITH added AS (
+            INSERT INTO outbox_tally (status, sent_hour, n)
+            SELECT status, sent_hour, sum(n) FROM (
+                SELECT status, {_PG_HOUR} AS sent_hour, -1 AS n FROM old_rows
+                WHERE status IN {_TALLIED_SQL}
+                UNION ALL
+                SELECT status, {_PG_HOUR}, 1 FROM new_rows
+                WHERE status IN {_TALLIED_SQL}) AS moved
+            GROUP BY status, sent_hour HAVING sum(n) <> 0
+            RETURNING id)
+        SELECT bool_or(mod(id, 64) = 0) INTO fold FROM added;
+    END IF;
+    IF fold AND pg_try_advisory_xact_lock({TALLY_LOCK[0]}, {TALLY_LOCK[1]}) THEN
+        WITH keys AS (
+            SELECT status, coalesce(sent_hour, -1) AS hour FROM outbox_tally
+            GROUP BY 1, 2 HAVING count(*) > 1),
+        folded AS (
+            DELETE FROM outbox_tally
+            WHERE (status, coalesce(sent_hour, -1)) IN (SELECT status, hour FROM keys)
+            RETURNING status, sent_hour, n)
+        INSERT INTO outbox_tally (status, sent_hour, n)
+        SELECT status, sent_hour, sum(n) FROM folded
+        GROUP BY status, sent_hour HAVING sum(n) <> 0;
+    END IF;
+    RETURN NULL;
+END
+$$"""
+
+
+def _pg_trigger(event: str, referencing: str) -> str:
+    return (f"CREATE TRIGGER outbox_tally_{event.lower()} AFTER {event} ON outbox_email"
+            f" REFERENCING {referencing} FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()")
+
+
+def _sqlite_add(row: str, sign: str) -> str:
+    """SQLite: add ``sign`` 1 to the total of ``row`` (NEW or OLD), when its status is tallied."""
+    hour = (f"CASE WHEN {row}.status = 'sent'"
+            f" THEN CAST(strftime('%s', {row}.sent_at) AS INTEGER) / 3600 END")
+    return (f"    UPDATE outbox_tally SET n = n {sign} 1"
+            f" WHERE status = {row}.status AND sent_hour IS {hour};\n"
+            f"    INSERT INTO outbox_tally (status, sent_hour, n) SELECT {row}.status, {hour}, {sign}1"
+            f" WHERE {row}.status IN {_TALLIED_SQL} AND NOT EXISTS (SELECT 1 FROM outbox_tally"
+            f" WHERE status = {row}.status AND sent_hour IS {hour});\n")
+
+
+def _sqlite_trigger(event: str, when: str, body: str) -> str:
+    return (f"CREATE TRIGGER outbox_tally_{event.split()[0].lower()} AFTER {event}"
+            f" ON outbox_email\nWHEN {when}\nBEGIN\n{body}END")
+
+
+#: The tally's triggers, per dialect, in the order they are created. The migration
+#: that added them (outbox_0008) holds the same text: a test compares the catalogs.
+TALLY_DDL: dict[str, tuple[str, ...]] = {
+    "postgresql": (
+        _PG_FUNCTION,
+        _pg_trigger("INSERT", "NEW TABLE AS new_rows"),
+        _pg_trigger("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows"),
+        _pg_trigger("DELETE", "OLD TABLE AS old_rows"),
+        "CREATE TRIGGER outbox_tally_truncate AFTER TRUNCATE ON outbox_email"
+        " FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()",
+    ),
+    "sqlite": (
+        _sqlite_trigger("INSERT", f"NEW.status IN {_TALLIED_SQL}", _sqlite_add("NEW", "+")),
+        _sqlite_trigger(
+            "UPDATE OF status, sent_at",
+            f"(OLD.status IN {_TALLIED_SQL} OR NEW.status IN {_TALLIED_SQL})"
+            " AND (OLD.status IS NOT NEW.status OR OLD.sent_at IS NOT NEW.sent_at)",
+            _sqlite_add("OLD", "-") + _sqlite_add("NEW", "+")),
+        _sqlite_trigger("DELETE", f"OLD.status IN {_TALLIED_SQL}", _sqlite_add("OLD", "-")),
+    ),
+}
+
+
 def search_key(text: str, length: int) -> str:
     """``text`` as the search columns hold it: lower-cased, at most ``length`` characters.
 
@@ -298,6 +437,7 @@ def search_key(text: str, length: int) -> str:
 
 
 email_table: sa.Table = OutboxEmail.__table__  # type: ignore[assignment]
+tally_table: sa.Table = OutboxTally.__table__  # type: ignore[assignment]
 attachment_table: sa.Table = OutboxAttachment.__table__  # type: ignore[assignment]
 setting_table: sa.Table = OutboxSetting.__table__  # type: ignore[assignment]
 rate_table: sa.Table = OutboxRate.__table__  # type: ignore[assignment]
@@ -306,3 +446,17 @@ suppression_table: sa.Table = OutboxSuppression.__table__  # type: ignore[assign
 nonce_table: sa.Table = OutboxWebhookNonce.__table__  # type: ignore[assignment]
 
 TABLE_NAMES = frozenset(metadata.tables)
+
+
+@sa.event.listens_for(email_table, "after_create")
+def _create_tally_triggers(target: sa.Table, connection: sa.Connection, **_: Any) -> None:
+    # exec_driver_sql: the SQL as written, no bind-parameter parsing of its text.
+    for statement in TALLY_DDL.get(connection.dialect.name, ()):
+        connection.exec_driver_sql(statement)
+
+
+@sa.event.listens_for(email_table, "after_drop")
+def _drop_tally_function(target: sa.Table, connection: sa.Connection, **_: Any) -> None:
+    # The triggers went with the table; PostgreSQL keeps their function.
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql("DROP FUNCTION IF EXISTS outbox_tally_rows()")

@@ -5,7 +5,8 @@ Each function takes a :class:`~sqlalchemy.engine.Connection` the caller opened,
 normally with :meth:`Store.read` (on the store's own engine, never the host
 app's session; autocommit on PostgreSQL, so a read costs no BEGIN/ROLLBACK
 trips), and returns plain values. None writes, commits or opens a connection of
-its own, so a caller that needs several reads runs them on one connection. A
+its own (but :func:`recount_tally`), so a caller that needs several reads runs
+them on one connection. A
 function that compares with "now" takes ``clock``, the store's
 (:attr:`Store.clock`): on PostgreSQL "now" is the database clock whatever
 ``clock`` says, on SQLite it is ``clock()`` (see :func:`._store.now_expr`).
@@ -13,9 +14,14 @@ function that compares with "now" takes ``clock``, the store's
 Every query is shaped to use an index whatever the table holds, so it costs
 the same with a million retained ``sent`` rows as with none:
 
-* counts, ages, health and the gauges: each (sub)query is limited to one
-  status, so it reads index entries of that status's rows (which index is the
-  planner's choice: a partial one, or ``ix_outbox_email_status_id``);
+* counts: ``queued``, ``sending`` and ``failed`` exactly, each (sub)query
+  limited to one status, so it reads index entries of that status's rows
+  (which index is the planner's choice: a partial one, or
+  ``ix_outbox_email_status_id``); ``sent``, ``suppressed``, ``expired`` and
+  ``cancelled``, which grow with history, from the running totals the
+  database's triggers keep in ``outbox_tally`` (see
+  :class:`._models.OutboxTally`), exact too and a few rows to add up;
+* ages, health and the gauges: as the exact counts, one status each;
 * listing: newest first by ``id`` (the primary key, or ``(status, id)`` within
   a status), paginated by keyset (``id < last seen``), never ``OFFSET``;
 * search: a prefix is a range ``lo <= search_column < hi`` on
@@ -27,8 +33,10 @@ the same with a million retained ``sent`` rows as with none:
   paginated by ``email_id < last walked``; at most ``EVENT_SCAN_BUDGET`` steps a
   page, so a rare match gives short pages, never a long one;
 * an email's events: ``ix_outbox_event_email``, the newest few hundred only;
-* per hour: the ``sent`` rows since a day ago through the partial index on
-  ``sent_at``, and the dead letters through the one on ``failed`` rows.
+* per hour: the ``sent`` rows from the tally's hours (one row per hour), and
+  the dead letters through the partial index on ``failed`` rows.
+
+One function writes: :func:`recount_tally`, the repair of those totals.
 
 Not here: the reads that are part of a write (the idempotency lookup of
 :func:`._insert.insert_email`, the claim's pick, the keys of
@@ -54,12 +62,15 @@ from ._models import (
     PRIORITIES,
     SEARCH_RECIPIENT_LENGTH,
     SEARCH_SUBJECT_LENGTH,
+    TALLIED,
+    TALLY_LOCK,
     Status,
     attachment_table,
     email_table,
     event_table,
     search_key,
     setting_table,
+    tally_table,
 )
 
 Clock = Callable[[], datetime]
@@ -90,13 +101,75 @@ def _now(conn: Connection, clock: Clock) -> sa.ColumnElement[datetime]:
 # -- status and stats ---------------------------------------------------------------
 
 
+#: The statuses counted row by row: what an operator acts on, small in a healthy outbox.
+EXACT = tuple(status for status in Status if status not in TALLIED)
+_EPOCH = datetime(1970, 1, 1)
+
+
 def counts(conn: Connection) -> dict[str, int]:
-    """Rows per status (every status present, 0 when it has none)."""
-    t = email_table
-    rows = conn.execute(sa.select(t.c.status, sa.func.count()).group_by(t.c.status)).all()
+    """Rows per status (every status present, 0 when it has none), in one statement.
+
+    :data:`EXACT` statuses are counted in their index; the :data:`._models.TALLIED`
+    ones are the sums of their running totals (``outbox_tally``), which cost the
+    same however many rows are retained.
+    """
+    tally = tally_table
+    exact = [sa.select(sa.literal(status.value, sa.String()).label("status"),
+                       _count(status).label("n")) for status in EXACT]
+    tallied = sa.select(tally.c.status, sa.func.sum(tally.c.n)).group_by(tally.c.status)
     result = {status.value: 0 for status in Status}
-    result.update({row[0]: int(row[1]) for row in rows})
+    for status, n in conn.execute(sa.union_all(*exact, tallied)).all():
+        result[status] = int(n)
     return result
+
+
+def recount_tally(conn: Connection) -> dict[str, int]:
+    """Rebuild ``outbox_tally`` from the rows themselves; the totals that were wrong.
+
+    The repair for totals that drifted (a trigger dropped by hand, rows changed
+    with triggers disabled): one count of the tallied rows, a scan of
+    ``outbox_email`` in index order. Returns ``{status: counted - kept}`` for each
+    status whose total was off (empty when none was). The caller commits.
+
+    On PostgreSQL it takes the tally's lock (waiting for a fold in progress),
+    and deletes the old rows and inserts the count in one statement, so both
+    see the same snapshot: a change committed after it is counted by its own
+    trigger's row, and not twice. Writers are not stopped.
+    """
+    tally = tally_table
+    t = email_table
+    before = _tallied_totals(conn)  # with writers running, what they change meanwhile too
+    hour = sa.case((t.c.status == Status.SENT.value, _hour_number(conn, t.c.sent_at)))
+    counted = (sa.select(t.c.status, hour.label("sent_hour"), sa.func.count().label("n"))
+               .where(t.c.status.in_([status.value for status in TALLIED]))
+               .group_by(t.c.status, hour))
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(*TALLY_LOCK)))
+        cleared = tally.delete().returning(tally.c.id).cte("cleared")
+        conn.execute(tally.insert().from_select(
+            ["status", "sent_hour", "n"],
+            counted).add_cte(cleared))
+    else:
+        conn.execute(tally.delete())
+        conn.execute(tally.insert().from_select(["status", "sent_hour", "n"], counted))
+    after = _tallied_totals(conn)
+    return {status: after[status] - before[status] for status in after
+            if after[status] != before[status]}
+
+
+def _tallied_totals(conn: Connection) -> dict[str, int]:
+    tally = tally_table
+    totals = {status.value: 0 for status in TALLIED}
+    totals.update({status: int(n) for status, n in conn.execute(
+        sa.select(tally.c.status, sa.func.sum(tally.c.n)).group_by(tally.c.status)).all()})
+    return totals
+
+
+def _hour_number(conn: Connection, column: Any) -> Any:
+    """``column`` as whole hours since the epoch, in SQL (as the triggers compute it)."""
+    if conn.dialect.name == "postgresql":
+        return sa.cast(sa.func.floor(sa.extract("epoch", column) / 3600), sa.BigInteger())
+    return sa.cast(sa.func.strftime("%s", column), sa.Integer()) / 3600
 
 
 def oldest_queued_age(conn: Connection, *, clock: Clock = utcnow) -> float | None:
@@ -291,6 +364,15 @@ class HourCount:
     start: datetime
     sent: int
     failed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Overview:
+    """What the dashboard's overview shows, read on one connection."""
+
+    counts: dict[str, int]
+    oldest_queued_age: float | None
+    hours: list[HourCount]
 
 
 def prefix_bounds(prefix: str) -> tuple[str, str | None]:
@@ -505,16 +587,21 @@ def hourly_counts(conn: Connection, *, hours: int = 24,
 
     Counts rows as they are now: an email retried since it failed counts where it
     ended, and rows deleted by retention or purge are gone from the chart too.
+    The sent ones are the tally's hours (``outbox_tally.sent_hour``, one row
+    each), the dead letters are counted in the partial index of ``failed`` rows.
     """
     t = email_table
+    tally = tally_table
     now: datetime = conn.execute(sa.select(_now(conn, clock))).scalar_one()
     first = now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=hours - 1)
     since = sa.literal(first, sa.DateTime())
-    sent_hour = _hour(conn, t.c.sent_at)
-    sent = conn.execute(
-        sa.select(sent_hour, sa.func.count())
-        .where(t.c.status == Status.SENT.value, t.c.sent_at >= since).group_by(sent_hour)
+    first_number = (first - _EPOCH) // timedelta(hours=1)
+    sent_numbers = conn.execute(
+        sa.select(tally.c.sent_hour, sa.func.sum(tally.c.n))
+        .where(tally.c.status == Status.SENT.value, tally.c.sent_hour >= first_number)
+        .group_by(tally.c.sent_hour)
     ).all()
+    sent = [(_EPOCH + timedelta(hours=int(number)), n) for number, n in sent_numbers]
     failed_hour = _hour(conn, t.c.failed_at)
     failed = conn.execute(
         sa.select(failed_hour, sa.func.count())
@@ -619,3 +706,11 @@ class Reader:
         """Sent and dead-lettered emails per hour, oldest first."""
         with self.store.read() as conn:
             return hourly_counts(conn, hours=hours, clock=self.clock)
+
+    def overview(self) -> Overview:
+        """The dashboard's overview: counts, oldest queued age, the last 24 hours, on one
+        connection."""
+        with self.store.read() as conn:
+            return Overview(counts=counts(conn),
+                            oldest_queued_age=oldest_queued_age(conn, clock=self.clock),
+                            hours=hourly_counts(conn, clock=self.clock))

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from ..._flask.extension import OutboxExtension
 
 _STATUSES = tuple(status.value for status in Status)
+#: The statuses whose counts are running totals (the others are counted row by row).
+_TALLIED = tuple(status.value for status in Status if status not in _queries.EXACT)
 # What an action tells the page it redirects to: fixed texts, so a link cannot
 # make the dashboard say anything else.
 NOTICES = {
@@ -118,14 +120,12 @@ class Dashboard:
     # -- pages ----------------------------------------------------------------------
 
     def overview(self) -> ResponseReturnValue:
-        reader = self._reader()
-        counts = reader.counts()
-        oldest_queued_age = reader.oldest_queued_age()
-        hours = reader.hourly_counts()
+        # One connection; no figure on it grows with the rows retained (see _queries).
+        figures = self._reader().overview()
         return render_template(
-            "outbox_dashboard/overview.html", counts=counts, statuses=_STATUSES,
-            oldest_queued_age=oldest_queued_age, durable=self.mail.durable,
-            chart=build_chart(hours), notice=_notice())
+            "outbox_dashboard/overview.html", counts=figures.counts, statuses=_STATUSES,
+            tallied=_TALLIED, oldest_queued_age=figures.oldest_queued_age,
+            durable=self.mail.durable, chart=build_chart(figures.hours), notice=_notice())
 
     def emails(self) -> ResponseReturnValue:
         status = request.args.get("status") or None
