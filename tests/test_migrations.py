@@ -14,6 +14,7 @@ import ast
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -212,11 +213,28 @@ def catalog(engine: sa.Engine) -> dict[str, Any]:
                 " WHERE sequence_schema = 'public' ORDER BY 1"
             )
         ).all()
+        triggers = conn.execute(
+            sa.text(
+                "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger"
+                " WHERE NOT tgisinternal AND tgrelid::regclass::text = ANY(:tables)"
+                " ORDER BY 1"
+            ),
+            tables,
+        ).all()
+        functions = conn.execute(
+            sa.text(
+                "SELECT proname, pg_get_functiondef(p.oid) FROM pg_proc p"
+                " JOIN pg_namespace n ON n.oid = p.pronamespace"
+                " WHERE n.nspname = 'public' ORDER BY 1"
+            )
+        ).all()
     return {
         "columns": [tuple(row) for row in columns],
         "constraints": [tuple(row) for row in constraints],
         "indexes": [tuple(row) for row in indexes],
         "sequences": [tuple(row) for row in sequences],
+        "triggers": [tuple(row) for row in triggers],
+        "functions": [tuple(row) for row in functions],
     }
 
 
@@ -339,6 +357,78 @@ def test_downgrade_to_base_removes_every_outbox_table(
     # And back up again: downgrade() left nothing that gets in the way.
     upgrade_branch(branch_config, engine)
     assert diff_against(engine, _models.metadata) == []
+
+
+def triggers_and_functions(engine: sa.Engine) -> list[str]:
+    """The names of the triggers on the outbox tables, and of the database's own functions."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            return list(conn.exec_driver_sql(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger' ORDER BY name").scalars())
+        return list(conn.exec_driver_sql(
+            "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal UNION ALL"
+            " SELECT proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+            " WHERE n.nspname = 'public' ORDER BY 1").scalars())
+
+
+def tally_matches_the_rows(engine: sa.Engine) -> dict[str, int]:
+    """Asserts that the tally's totals (per status, and sent per hour) equal a GROUP BY."""
+    from flask_mail_outbox.core._queries import counts
+
+    hour = ("CAST(strftime('%s', sent_at) AS INTEGER) / 3600" if engine.dialect.name == "sqlite"
+            else "CAST(floor(extract(epoch FROM sent_at) / 3600) AS bigint)")
+    with engine.connect() as conn:
+        real = dict(conn.exec_driver_sql(
+            "SELECT status, count(*) FROM outbox_email GROUP BY status").all())
+        real_hours = dict(conn.exec_driver_sql(
+            f"SELECT {hour}, count(*) FROM outbox_email WHERE status = 'sent' GROUP BY 1").all())
+        tally_hours = {hour_: int(n) for hour_, n in conn.exec_driver_sql(
+            "SELECT sent_hour, sum(n) FROM outbox_tally WHERE status = 'sent'"
+            " GROUP BY sent_hour HAVING sum(n) <> 0").all()}
+        shown = counts(conn)
+    assert shown == {status: real.get(status, 0) for status in shown}
+    assert tally_hours == real_hours
+    return shown
+
+
+def test_outbox_0008_counts_the_rows_already_there_and_its_downgrade_removes_the_tally(
+    new_database: NewDatabase, branch_config: Config
+) -> None:
+    engine = new_database()
+    run(branch_config, engine, lambda cfg: command.upgrade(cfg, "outbox_0007"))
+    statuses = ["queued", "sending", "sent", "failed", "suppressed", "expired", "cancelled"]
+    rows = []
+    for i in range(70):
+        at = datetime(2026, 12, 1, 0, 30) + timedelta(hours=i % 5)
+        status = statuses[i % 7]
+        rows.append({"status": status, "at": at, "sent_at": at if status == "sent" else None})
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox_email (status, created_at, due_at, sent_at, message_id,"
+                " sender, recipients, size) VALUES (:status, :at, :at, :sent_at, 'm', 's',"
+                " '[]', 1)"
+            ),
+            rows,
+        )
+    upgrade_branch(branch_config, engine)  # outbox_0008: the backfill
+    shown = tally_matches_the_rows(engine)
+    assert shown["sent"] == shown["cancelled"] == 10
+    with engine.begin() as conn:  # the triggers keep it from then on
+        conn.exec_driver_sql("UPDATE outbox_email SET status = 'expired' WHERE status = 'queued'")
+        conn.execute(sa.text("DELETE FROM outbox_email WHERE id % 4 = 0"))
+    assert tally_matches_the_rows(engine)["expired"] > 10
+
+    run(branch_config, engine, lambda cfg: command.downgrade(cfg, "outbox_0007"))
+    assert "outbox_tally" not in table_names(engine)
+    assert triggers_and_functions(engine) == []
+    with engine.begin() as conn:  # outbox_email works without them
+        conn.exec_driver_sql("UPDATE outbox_email SET status = 'sent' WHERE status = 'expired'")
+
+    upgrade_branch(branch_config, engine)
+    assert tally_matches_the_rows(engine)["expired"] == 0
+    assert len(triggers_and_functions(engine)) == (
+        3 if engine.dialect.name == "sqlite" else 5)  # PostgreSQL: four and their function
 
 
 def test_branch_is_one_labelled_root_that_imports_nothing_from_the_package(
