@@ -378,9 +378,9 @@ def tally_matches_the_rows(engine: sa.Engine) -> dict[str, int]:
     hour = ("CAST(strftime('%s', sent_at) AS INTEGER) / 3600" if engine.dialect.name == "sqlite"
             else "CAST(floor(extract(epoch FROM sent_at) / 3600) AS bigint)")
     with engine.connect() as conn:
-        real = dict(conn.exec_driver_sql(
+        real: dict[str, int] = dict(conn.exec_driver_sql(
             "SELECT status, count(*) FROM outbox_email GROUP BY status").all())
-        real_hours = dict(conn.exec_driver_sql(
+        real_hours: dict[int, int] = dict(conn.exec_driver_sql(
             f"SELECT {hour}, count(*) FROM outbox_email WHERE status = 'sent' GROUP BY 1").all())
         tally_hours = {hour_: int(n) for hour_, n in conn.exec_driver_sql(
             "SELECT sent_hour, sum(n) FROM outbox_tally WHERE status = 'sent'"
