@@ -14,6 +14,7 @@ import email.charset
 import email.header
 import email.policy
 import re
+import secrets
 from datetime import UTC, datetime
 from email.message import EmailMessage
 from email.parser import BytesParser
@@ -81,6 +82,28 @@ def test_msgid_domain_in_an_app_context() -> None:
         unread = Message("Hi", ["to@example.com"], sender="x@other.example.org")
     # Made in the constructor: read after the app context ended, it is the app's still.
     assert str(unread.msgId).endswith("@ids.example.net>")
+
+
+def test_messages_of_one_default_sender_parse_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every Message() without a sender takes its Message-ID domain from the
+    # same MAIL_DEFAULT_SENDER: read once, not parsed again per message.
+    import flask_mail_outbox._compose.addresses as addresses
+
+    parsed: list[str] = []
+    parseaddr = addresses.parseaddr
+    monkeypatch.setattr(addresses, "parseaddr", lambda text: parsed.append(text) or parseaddr(text))
+    sender = f"Once {secrets.token_hex(4)} <app@once.example.com>"
+    app = Flask(__name__)
+    app.config["MAIL_DEFAULT_SENDER"] = sender
+    with app.app_context():
+        ids = [Message("Hi", ["to@example.com"]).msgId for _ in range(3)]
+    assert all(str(i).endswith("@once.example.com>") for i in ids) and len(set(ids)) == 3
+    assert parsed == [sender]
+    # Another app's default sender is its own.
+    other = Flask(__name__)
+    other.config["MAIL_DEFAULT_SENDER"] = f"Other {secrets.token_hex(4)} <app@other.example.org>"
+    with other.app_context():
+        assert str(Message("Hi", ["to@example.com"]).msgId).endswith("@other.example.org>")
 
 
 def test_msgid_without_an_app_context_or_a_sender_waits_for_a_domain_then_keeps_it() -> None:

@@ -33,7 +33,7 @@ from .addresses import (
     reply_to_list,
     resolve_sender,
 )
-from .ambient import current_options
+from .ambient import ComposeOptions, current_options
 from .fields import (
     AttachmentInfo,
     ExtraHeaders,
@@ -152,8 +152,9 @@ class Message:
         self.alts: dict[str, str] = _alts_dict(alts)
         # Flask-Mail's ``sender or default_sender``: the app's, inside an app context.
         self._default_sender: Any = None
+        options = current_options()
         if sender is None or sender == "":
-            sender = self._default_sender = _sender_text(current_options().default_sender)
+            sender = self._default_sender = _sender_text(options.default_sender)
         self.sender: Address | None = _sender_text(sender)
         self.cc: list[Address] = cc if cc is not None else []
         self.bcc: list[Address] = bcc if bcc is not None else []
@@ -171,20 +172,23 @@ class Message:
         self._built_date: datetime | None = None
         self._msg_id: str | None = None
         self._msg_id_made = False  # made here (not chosen by the user)
-        self._msg_id = self.msgId
+        self._make_msg_id(options)
 
     @property
     def msgId(self) -> str | None:
         """The Message-ID, ``"<unique@domain>"``; see the class docstring for its domain."""
         if self._msg_id is None:
-            domain = context_domain(self.sender)
-            if domain is not None:
-                self._msg_id, self._msg_id_made = new_message_id(domain), True
+            self._make_msg_id(current_options())
         return self._msg_id
 
     @msgId.setter
     def msgId(self, value: str | None) -> None:
         self._msg_id, self._msg_id_made = value, False
+
+    def _make_msg_id(self, options: ComposeOptions) -> None:
+        domain = context_domain(self.sender, options)
+        if domain is not None:
+            self._msg_id, self._msg_id_made = new_message_id(domain), True
 
     def __repr__(self) -> str:
         return f"<Message {self.subject!r} to {self.recipients!r}>"

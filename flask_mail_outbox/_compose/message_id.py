@@ -8,13 +8,14 @@ message agree.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from typing import Any
 
 from .._errors import ConfigError
 from .addresses import Addr, AddressError, bare_address, parse_address
-from .ambient import current_options
+from .ambient import ComposeOptions, current_options
 from .fields import ExtraHeaders, check_message_id, check_message_id_domain
 
 __all__ = ["context_domain", "new_message_id", "resolve_message_id"]
@@ -47,14 +48,16 @@ def new_message_id(domain: str) -> str:
     return f"<{time.time_ns() // 1000:x}.{secrets.token_hex(8)}@{domain}>"
 
 
-def context_domain(sender: object) -> str | None:
+def context_domain(sender: object, options: ComposeOptions | None = None) -> str | None:
     """The Message-ID domain known now: the app's setting, else the sender's; None when neither is known.
 
     In an app context: ``OUTBOX_MESSAGE_ID_DOMAIN`` (as ``init_app`` parsed
     it, or the raw key of an app without the extension), else the domain of
     ``sender`` or of ``MAIL_DEFAULT_SENDER``. Outside one: ``sender``'s.
+    ``options``: the :func:`~.ambient.current_options` the caller has read already.
     """
-    options = current_options()
+    if options is None:
+        options = current_options()
     setting = options.message_id_domain
     if setting:
         try:
@@ -63,6 +66,20 @@ def context_domain(sender: object) -> str | None:
             return None  # reported, naming the key, when the message is built
     if sender is None or sender == "":
         sender = options.default_sender
+    if isinstance(sender, str):
+        return _domain_of_text(sender)
+    return _domain_of(sender)
+
+
+@functools.lru_cache(maxsize=256)
+def _domain_of_text(sender: str) -> str | None:
+    # Every Message() made without a sender asks for the same one, the app's
+    # MAIL_DEFAULT_SENDER: parsing "Name <a@x.org>" each time cost a third of
+    # building the Message.
+    return _domain_of(sender)
+
+
+def _domain_of(sender: object) -> str | None:
     address = bare_address(sender)
     if "@" not in address:
         return None
