@@ -128,6 +128,30 @@ def test_three_hundred_emails_in_one_transaction(
     assert {r["message_id"] for r in rows(app)} == set(ids)
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_sqlite_stores_an_email_in_one_insert_and_returns_its_rows_id(db_url: str) -> None:
+    # The id of a plain send() is the insert's own rowid: no RETURNING row to
+    # fetch, no second statement; each id names the row its email went into.
+    app = make_app(db_url, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                   OUTBOX_TRANSPORT="null")
+    mail: OutboxMail = app.extensions["test_mail"]
+    statements: list[str] = []
+    try:
+        with app.app_context():
+            db.session.execute(sa.text("SELECT 1"))  # the transaction is open: only sends count
+            sa.event.listen(db.engine, "before_cursor_execute",
+                            lambda _c, _cur, sql, *_: statements.append(sql))
+            ids = [mail.send(welcome(f"user{i}@example.com")) for i in range(3)]
+            db.session.commit()
+        assert len(statements) == 3
+        assert all(s.startswith("INSERT INTO outbox_email") and "RETURNING" not in s
+                   for s in statements)
+        stored = {r["id"]: r["recipients"] for r in rows(app)}
+        assert [stored[i] for i in ids] == [f'["user{i}@example.com"]' for i in range(3)]
+    finally:
+        close_app(app)
+
+
 def test_invalid_message_writes_nothing(app: Flask, mail: OutboxMail) -> None:
     with pytest.raises(InvalidMessage, match="recipients"):
         mail.send(Message("No one", recipients=[], body="x"))
