@@ -77,7 +77,6 @@ PrivateKey = rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey
 _FIELD_BREAK = re.compile(rb"\r\n(?![ \t])")
 _FOLD = re.compile(rb"\r\n(?=[ \t])")
 _WSP_RUN = re.compile(rb"(?: [ \t]|\t)[ \t]*")  # white space but a single space
-_WSP_BEFORE_CRLF = re.compile(rb"[ \t]+\r\n")
 #: DKIM-Signature lines are folded to this length (RFC 5322 2.1.1's "SHOULD").
 _LINE = 78
 _PKCS1 = padding.PKCS1v15()
@@ -152,7 +151,7 @@ def canonical_body(body: bytes, how: Canonicalization) -> bytes:
     if how == "relaxed":
         # The searches skip a pass over a body that has nothing to change, the usual case.
         if b" \r\n" in body or b"\t\r\n" in body:
-            body = _WSP_BEFORE_CRLF.sub(b"\r\n", body)
+            body = b"\r\n".join([line.rstrip(b" \t") for line in body.split(b"\r\n")])
         if b"  " in body or b"\t" in body:
             body = _WSP_RUN.sub(b" ", body)
     end = len(body)
@@ -326,24 +325,26 @@ class DKIMSigner:
         Each configured name present is signed as many times as it occurs,
         the last occurrence first (RFC 6376 5.4.2); From always, even absent.
         """
-        wanted: dict[bytes, list[tuple[bytes, bytes]]] = {name: [] for name in self._names}
-        for name, field in fields:
-            found = wanted.get(name)
-            if found is not None:
-                found.append((name, field))
+        wanted = self._names
+        found: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        for item in fields:
+            if item[0] in wanted:
+                found.setdefault(item[0], []).append(item)
         names: list[str] = []
         signed: list[tuple[bytes, bytes]] = []
-        for name, found in wanted.items():
-            if not found and name == b"from":
-                names.append("from")  # signed absent: one added later breaks the signature
-            names += [name.decode("ascii")] * len(found)
-            signed += reversed(found)
+        for name, text in wanted.items():
+            items = found.get(name)
+            if items:
+                names += [text] * len(items)
+                signed += reversed(items)
+            elif name == b"from":
+                names.append(text)  # signed absent: one added later breaks the signature
         return names, canonical_headers(signed, how)
 
     @functools.cached_property
-    def _names(self) -> tuple[bytes, ...]:
-        """``headers`` as :func:`header_fields` names them."""
-        return tuple(name.lower().encode("ascii") for name in self.headers)
+    def _names(self) -> dict[bytes, str]:
+        """``headers`` as :func:`header_fields` names them, and as ``h=`` does."""
+        return {name.lower().encode("ascii"): name.lower() for name in self.headers}
 
     def signed(self, email_id: int, mime: bytes) -> bytes:
         """``mime`` signed, or unsigned with an ERROR when it cannot be (never raises).
@@ -384,7 +385,7 @@ def _folded(tags: list[tuple[str, str]], names: list[str], body_hash: str) -> tu
     lines: list[str] = []
     line = "DKIM-Signature:"
     for glue, text in pieces:
-        room = _LINE - (4 if text == "b=" else 0)  # b= keeps a few of its characters by it
+        room = _LINE - 4 if text == "b=" else _LINE  # b= keeps a few of its characters by it
         if len(line) + len(glue) + len(text) > room:
             lines.append(line)
             line = " " + text
