@@ -78,8 +78,14 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                       "([SMTPUTF8](guide/messages.md#internationalised-addresses-smtputf8))"),
     "OUTBOX_DKIM_DOMAIN": ("str or None", "DKIM signing's `d=` ([DKIM](guide/messages.md#dkim-signing))"),
     "OUTBOX_DKIM_SELECTOR": ("str or None", "DKIM signing's `s=`"),
-    "OUTBOX_DKIM_PRIVATE_KEY": ("str or None", "the RSA private key as PEM text (or the next key)"),
-    "OUTBOX_DKIM_PRIVATE_KEY_FILE": ("str or None", "the RSA private key as a PEM file"),
+    "OUTBOX_DKIM_PRIVATE_KEY": ("str or None", "the RSA or Ed25519 private key as PEM text "
+                                               "(or the next key)"),
+    "OUTBOX_DKIM_PRIVATE_KEY_FILE": ("str or None", "the RSA or Ed25519 private key as a PEM file"),
+    "OUTBOX_DKIM_KEYS": ("list of dict or None",
+                         "instead of the selector and key: several keys of the domain, each "
+                         "signing (RSA + Ed25519): `[{\"selector\": ..., \"private_key\": ... "
+                         "or \"private_key_file\": ...}]` "
+                         "([two keys](guide/messages.md#two-keys-rsa-and-ed25519-signatures))"),
     "OUTBOX_DKIM_HEADERS": ("list of str or None",
                             "headers signed when present (From always); None: From, To, Cc, "
                             "Subject, Date, Message-ID, Reply-To, MIME-Version, Content-Type, "
