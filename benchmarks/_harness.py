@@ -272,6 +272,10 @@ class Sink:
         """``[time, Message-ID, X-Bench-Id]`` of every message since the last reset."""
         return list(self._ask("receipts"))
 
+    def refusals(self) -> list[float]:
+        """The times of the quota's refusals since the last reset."""
+        return [float(t) for t in self._ask("refusals")]
+
     def reset(self) -> None:
         self._ask("reset")
 
@@ -403,11 +407,17 @@ class Context:
                 raise SystemExit(f"unknown backend {backend!r} (sqlite, pg)")
         return out
 
-    def sink(self, delay: float = 0.0, quota: float | None = None) -> Sink:
-        """An SMTP sink process answering each message after ``delay`` s, above ``quota`` 421."""
+    def sink(self, delay: float = 0.0, quota: float | None = None,
+             burst: float | None = None) -> Sink:
+        """An SMTP sink process answering each message after ``delay`` s, above ``quota`` 421.
+
+        ``burst``: the tokens the quota's bucket holds (default: one second's worth).
+        """
         args = [sys.executable, "-m", "benchmarks.sink", "--delay", str(delay)]
         if quota:
             args += ["--quota", f"{quota:g}"]
+            if burst:
+                args += ["--quota-burst", f"{burst:g}"]
         return Sink(self.spawn(args, env={}, name="sink", stdout=subprocess.PIPE))
 
     def log_file(self, name: str) -> IO[Any]:

@@ -195,6 +195,26 @@ class _Rule:
         return _format_reply(self.code, self.text)
 
 
+class _Quota:
+    """A provider's rate limit: ``rate`` tokens a second over every session, ``burst`` held."""
+
+    def __init__(self, rate: float, burst: float, status: str) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.status = status
+        self.tokens = burst
+        self.at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
 @dataclass
 class _Delay:
     """A scripted delay for one phase."""
@@ -476,6 +496,9 @@ class _Handler:
                 server.drop_connection()
         queue_id = f"{next(_queue_ids):08X}"
         status = f"250 2.0.0 OK: queued as {queue_id}"
+        refusal = owner._over_quota()
+        if refusal is not None:
+            await server.reply_and_close(refusal)
         if rule is not None:
             failure = await self._apply_rule(server, rule)
             if failure is not None:
@@ -672,6 +695,8 @@ class FaultSMTPServer:
         self._mid_data_drop: _MidDataDrop | None = None
         self._mid_data_drops = 0
         self._auth_drops = 0  # AUTH commands still to drop; -1 = every one
+        self._quota: _Quota | None = None
+        self._quota_refusals = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -895,6 +920,29 @@ class FaultSMTPServer:
         with self._cond:
             self._rules.setdefault(phase, []).append(rule)
 
+    def quota(self, rate: float, burst: float,
+              status: str = "421 4.7.0 Too many messages, slow down") -> None:
+        """Refuse messages over ``rate`` a second (a token bucket of ``burst`` shared by
+        every session) at the end of DATA with ``status``, closing the connection.
+
+        A refused message is not recorded; :attr:`quota_refusals` counts them.
+        """
+        with self._cond:
+            self._quota = _Quota(rate, burst, status)
+
+    @property
+    def quota_refusals(self) -> int:
+        """Messages refused by :meth:`quota`."""
+        with self._lock:
+            return self._quota_refusals
+
+    def _over_quota(self) -> str | None:
+        with self._cond:
+            if self._quota is None or self._quota.take():
+                return None
+            self._quota_refusals += 1
+            return self._quota.status
+
     def drop(self, phase: Phase = "data", *, times: int | None = None) -> None:
         """Close the connection abruptly, without replying, at ``phase``.
 
@@ -1013,6 +1061,7 @@ class FaultSMTPServer:
             self._credentials = None
             self._mid_data_drop = None
             self._auth_drops = 0
+            self._quota = None
             self._release_locked()
 
     # ------------------------------------------------------------------ internals

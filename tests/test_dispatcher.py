@@ -18,7 +18,7 @@ from flask_mail_outbox import (
     TransientError,
 )
 from flask_mail_outbox.core import Worker
-from flask_mail_outbox.core._pacing import IdleBackoff, RateLimiter
+from flask_mail_outbox.core._pacing import IdleBackoff
 from flask_mail_outbox.core._retry import (
     RetryPolicy,
     human_seconds,
@@ -258,23 +258,6 @@ def test_real_wait_returns_at_once_on_wake() -> None:
     thread.join()
 
 
-def test_rate_limiter_paces_and_backs_off() -> None:
-    clock = FakeClock()
-    slept: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        slept.append(seconds)
-        clock.now += seconds
-
-    limiter = RateLimiter(10, clock=clock, sleep=sleep)
-    assert limiter.acquire(100) == 10
-    assert limiter.acquire(100) == 10
-    assert slept == [1.0]
-    limiter.feedback(throttled=True)
-    assert limiter.current == 5
-    assert limiter.acquire(100) == 5
-
-
 # -- SQL cost of idle ticks on a real engine ---------------------------------------------
 
 def count_statements(engine: sa.Engine) -> list[str]:
@@ -302,6 +285,10 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
         for _ in range(10):
             dispatcher.tick()
             assert dispatcher.last_claimed == 0
+        # Once per process: whether a rate learned earlier paces the lane.
+        learned = [statement for statement in seen if "outbox_rate" in statement]
+        assert [statement.split()[0].upper() for statement in learned] == ["SELECT"]
+        seen = [statement for statement in seen if "outbox_rate" not in statement]
         heads = [statement.split()[0].upper() for statement in seen]
         if backend == "postgresql":
             # One statement per tick, in autocommit (no BEGIN/COMMIT round trips):

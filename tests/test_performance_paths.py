@@ -196,6 +196,8 @@ def _frozen_dispatcher(app: Flask) -> Any:
     """The app's dispatcher (its connection opened outside any count), its clock stopped."""
     dispatcher = _dispatcher(app)
     dispatcher.clock = lambda: 1000.0
+    for lane in dispatcher.lanes:  # its once-per-process look for a learned rate
+        lane.adopt_learned()
     return dispatcher
 
 

@@ -58,17 +58,20 @@ def test_slots_follow_one_schedule_and_a_throttle_halves_it_until_it_grows_back(
         mono.now += 1.0
         assert rate.take(1).start == pytest.approx(51.0)
         # A throttled reply halves the rate: the slots come twice as far apart...
-        rate.throttled()
+        sent = wall.now - 0.2  # the refused message was sent before any cut
+        assert rate.throttled(sent) == pytest.approx(5.0)
         assert _rate_row(app, "bulk")["cut_rate"] == pytest.approx(5.0)
         wall.now += 0.5
         mono.now += 0.5
         halved = rate.take(2)
         assert halved.spacing == pytest.approx(1 / (5.0 + 0.5 * 10 / RECOVERY_SECONDS))
-        # ...at most once a second, so a burst of throttled replies is one halving...
-        other.throttled()
-        assert _rate_row(app, "bulk")["cut_rate"] == pytest.approx(5.0)
+        # ...once per congestion event: the refusals of messages sent before the
+        # cut (another process's, a second later) are the event it answered...
         wall.now += 1.0
-        other.throttled()  # 1.5 s after the first: halves what it has grown back to
+        assert other.throttled(sent + 0.1) is None
+        assert _rate_row(app, "bulk")["cut_rate"] == pytest.approx(5.0)
+        # ...and a refusal of one sent after it is a new event: halves what it has grown to.
+        assert other.throttled(halved.taken_at) is not None
         grown = 5.0 + 1.5 * 10 / RECOVERY_SECONDS
         assert _rate_row(app, "bulk")["cut_rate"] == pytest.approx(grown / 2)
         # ...and it grows back by rate / RECOVERY_SECONDS per second, to the full rate.

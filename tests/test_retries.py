@@ -26,7 +26,6 @@ from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.core import _retry
 from flask_mail_outbox.core._config import _DEFAULTS
 from flask_mail_outbox.core import email_table
-from flask_mail_outbox.core._pacing import RateLimiter
 from flask_mail_outbox.core._retry import longest_unfinished, schedule
 from flask_mail_outbox.core import utcnow
 
@@ -183,9 +182,9 @@ def _hand_ticked(tmp_path: Path, smtp_server: FaultSMTPServer,
     dispatcher = runtime.dispatch(hand_ticked=True)
     # Jitter at its top: the slowest schedule the defaults allow.
     dispatcher.policy = dataclasses.replace(dispatcher.policy, rand=lambda: 1.0)
-    # The process's own pacing after a throttle sleeps on the real clock; these
-    # tests are about due times.
-    dispatcher.lanes.lanes["default"].limiter = RateLimiter(1000.0, sleep=lambda seconds: None)
+    # A rate learned from a throttle paces on the real clock; these tests are
+    # about due times.
+    dispatcher.lanes.lanes["default"].learnable = None
     return app, dispatcher
 
 

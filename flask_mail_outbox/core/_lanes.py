@@ -6,8 +6,9 @@ each lane's in turn), sends over its own stream (its transport's
 connections and concurrency), and paces by its own ``rate_limit``: rows of a
 rate-limited lane wait in :attr:`Lane.paced` for their slot on the shared
 schedule (:class:`~._rate.SharedRate`), the others go at once. A lane without
-a configured rate starts a per-process :class:`~._pacing.RateLimiter` when
-the server first says it sends too fast (see :func:`~._pacing.pace`).
+a configured rate learns one: the first reply that says it sends too fast
+stores the rate the server accepted as a shared schedule, which every process
+then paces by (and a process that starts later finds it).
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from .. import _degrade
 from ._clock import utcnow
 from ._delivery import Attempt, BatchReport, Suppressed, envelope_of, expired
-from ._pacing import RateLimiter, pace
-from ._rate import SharedRate, Slots
+from ._rate import LEARN_WINDOW_SECONDS, SharedRate, Slots
 
 if TYPE_CHECKING:
-    from .. import _degrade
     from .._compose.verp import VerpAddresses
     from ..transports import Envelope, Report, Sending, Transport
     from ._settings import OutboxConfig
@@ -38,16 +39,26 @@ class Lane:
 
     ``verp``: the VERP envelope senders of a transport that speaks SMTP
     (``OUTBOX_BOUNCE_ADDRESS``); None for the APIs, whose providers handle returns.
+    ``learnable``: the schedule a lane without a configured rate learns (None
+    when ``rate`` is configured); it becomes :attr:`rate` once learned.
     """
 
     def __init__(self, name: str, transport: Transport, rate: SharedRate | None,
-                 verp: VerpAddresses | None = None) -> None:
+                 verp: VerpAddresses | None = None,
+                 learnable: SharedRate | None = None) -> None:
         self.name = name
         self.transport = transport
+        #: The schedule this lane paces by: configured, learned, or None (unpaced).
         self.rate = rate
         self.verp = verp
-        #: Started by the first throttled reply when no rate is configured.
-        self.limiter: RateLimiter | None = None
+        self.learnable = learnable
+        self._looked = learnable is None
+        #: When each email in flight was paced (its slot taken) or handed over
+        #: unpaced, on the wall clock: a refusal is a new congestion event only
+        #: if the rate was not cut since.
+        self.sent_at: dict[int, float] = {}
+        #: When this lane first handed an email over (monotonic), for learning.
+        self.first_put: float | None = None
         self.sending: Sending | None = None
         #: The dispatcher's last claim of this lane was full: more is due.
         self.backlog = False
@@ -58,12 +69,19 @@ class Lane:
         """Hand ``envelopes`` to this lane's stream (opened on first use)."""
         if not envelopes:
             return
+        if self.first_put is None:
+            self.first_put = time.monotonic()
+        now = time.time()
+        for envelope in envelopes:
+            self.sent_at.setdefault(envelope.email_id, now)
         if self.sending is None:
             self.sending = self.transport.open(report)
         self.sending.put_many(envelopes)
 
     def pace(self, claimed: Sequence[ClaimedEmail], slots: Slots) -> None:
         """Queue ``claimed`` for their slots (one each, in order)."""
+        for email in claimed:
+            self.sent_at[email.id] = slots.taken_at
         self.paced.extend((slots.at(i), email) for i, email in enumerate(claimed))
 
     def due(self, now: float) -> list[ClaimedEmail]:
@@ -86,10 +104,30 @@ class Lane:
         local queue.
         """
         if self.rate is None:
-            return room if self.limiter is None else self.limiter.acquire(room)
+            self.adopt_learned()
+        if self.rate is None:
+            return room
         if len(self.paced) > self.rate.block // 4:
             return 0
         return min(room, self.rate.block)
+
+    def adopt_learned(self) -> None:
+        """Pace by a rate learned earlier (by any process), looked for once per process."""
+        if self._looked or self.learnable is None:
+            return
+        self._looked = True
+        try:
+            found = self.learnable.exists()
+        except Exception:  # noqa: BLE001 - unpaced until a refusal learns the rate again
+            logger.exception("Could not read transport %r's learned rate (outbox_rate); "
+                             "this process sends unpaced until the server throttles it",
+                             self.name)
+            return
+        if found:
+            self.rate = self.learnable
+            logger.info("Transport %r paces at its learned shared rate, %.3g msg/s now "
+                        "(outbox_rate; set its rate_limit to replace it)", self.name,
+                        self.learnable.current)
 
     def ready_at(self) -> float | None:
         """When :meth:`claim_limit` allows a claim again; None when it does now."""
@@ -101,6 +139,8 @@ class Lane:
         """Every paced row, unsent (the worker stops): the caller gives them back."""
         rows = [email for _, email in self.paced]
         self.paced.clear()
+        for email in rows:
+            self.sent_at.pop(email.id, None)
         return rows
 
     def cancel(self) -> tuple[set[int], int]:
@@ -129,7 +169,9 @@ class Lanes:
             spec.name: Lane(spec.name, transports[spec.name],
                             SharedRate(store, spec.name, spec.rate, clock=clock)
                             if spec.rate else None,
-                            verp=config.verp if spec.cls.takes_esmtp_options else None)
+                            verp=config.verp if spec.cls.takes_esmtp_options else None,
+                            learnable=None if spec.rate else SharedRate(store, spec.name, None,
+                                                                        clock=clock))
             for spec in config.transport_specs}
 
     def __iter__(self) -> Iterator[Lane]:
@@ -197,29 +239,82 @@ class Lanes:
                 fix="check the database connection and that the outbox tables are migrated "
                     "(`flask db upgrade outbox@head` creates outbox_rate)",
                 exc=exc)
-            return Slots(count, self.clock(), 1.0 / rate.rate.per_second)
+            return Slots(count, self.clock(), 1.0 / rate.current, time.time())
         self.faults.recovered(f"rate-{rate.name}")
         return slots
 
     def after_record(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]],
                      report: BatchReport, *, dispatching: bool) -> None:
-        """Each lane's rate after a record: a throttled reply halves it."""
+        """Each lane's rate after a record: a new congestion event cuts it (or learns one).
+
+        A lane without a rate learns one only while dispatching: an inline
+        process sends what its own requests queued, unpaced.
+        """
         for lane in self:
             mine = {email.id for email, result in done if email.transport == lane.name
                     and not isinstance(result, Suppressed)}  # not sent, so not paced
             if not mine:
                 continue
-            transient = [t for t in report.transient if t[0] in mine]
-            if lane.rate is not None:
-                if any(error.throttled for _, _, error in transient):
-                    try:
-                        lane.rate.throttled()
-                    except Exception:
-                        logger.exception("Could not halve transport %r's shared rate "
-                                         "after a throttled reply", lane.name)
-            elif dispatching:
-                lane.limiter = pace(lane.limiter, BatchReport(transient=transient),
-                                    tried=len(mine), config=self.config, clock=self.clock)
+            sent_at = {email_id: lane.sent_at.pop(email_id) for email_id in mine
+                       if email_id in lane.sent_at}
+            throttled = [email_id for email_id, _, error in report.transient
+                         if email_id in mine and error.throttled]
+            if not throttled:
+                continue
+            if lane.rate is None:
+                if not dispatching or lane.learnable is None:
+                    continue
+                self._learn(lane, len(throttled))
+                continue  # what was refused was sent before the rate it learned
+            try:
+                cut = lane.rate.throttled(max(sent_at.get(i, 0.0) for i in throttled))
+            except Exception:
+                logger.exception("Could not cut transport %r's shared rate after a "
+                                 "throttled reply", lane.name)
+                continue
+            if cut is not None and lane.rate.learned:
+                logger.info("Transport %r was throttled again: its learned shared rate is "
+                            "now %.3g msg/s", lane.name, cut)
+
+    def _learn(self, lane: Lane, refused: int) -> None:
+        """The first throttled reply of an unconfigured lane: learn its rate, pace by it."""
+        if lane.learnable is None:
+            return
+        sending_for = (time.monotonic() - lane.first_put if lane.first_put is not None
+                       else LEARN_WINDOW_SECONDS)
+        try:
+            rate = lane.learnable.learn(sending_for)
+        except Exception as exc:  # noqa: BLE001 - reported; refusals keep being deferred
+            self.faults.failing(
+                f"rate-{lane.name}",
+                f"Could not store the rate learned for transport {lane.name!r}, whose "
+                "server throttles this process",
+                consequence="this process keeps sending unpaced and drawing refusals (each "
+                            "refused email is queued again)",
+                fix="check the database connection and that the outbox tables are migrated "
+                    "(`flask db upgrade outbox@head` creates outbox_rate), or set the "
+                    "transport's rate_limit",
+                exc=exc)
+            return
+        self.faults.recovered(f"rate-{lane.name}")
+        lane.rate = lane.learnable
+        # What the unpaced stream holds and has not handed to the server yet would
+        # be refused too: it is given back (not attempted) and comes back paced.
+        never, _ = lane.cancel()
+        _degrade.report(
+            f"The server of transport {lane.name!r} is throttling this process ({refused} "
+            "email(s) refused with a reply that says it sends too fast), and no rate_limit "
+            "is configured for it",
+            consequence="those emails are queued again, their attempt given back at most "
+                        f"OUTBOX_MAX_THROTTLE_DEFERRALS ({self.config.max_throttle_deferrals}) "
+                        "times each; every process now paces this transport at a learned "
+                        f"shared rate, {rate:.3g} msg/s to start with (what the server "
+                        "accepted over the last second), cut at each new refusal and grown "
+                        "back while it holds (outbox_rate); the "
+                        f"{len(never)} email(s) it had not handed to the server yet were "
+                        "taken back to go at that rate",
+            fix="set the transport's rate_limit (OUTBOX_RATE_LIMIT for the default) to the "
+                "rate your provider allows")
 
     def take_back(self) -> list[ClaimedEmail]:
         """Every lane's paced rows, unsent (the worker stops): the caller gives them back."""

@@ -1,25 +1,11 @@
 """How fast a worker goes: pure rules, each testable on a fake clock.
 
 * :class:`IdleBackoff`: the gap before a dispatcher's next claim of due rows;
-* :class:`RateLimiter`: messages per second for one process, halved when the
-  server says it sends too fast;
-* :func:`pace`: a dispatcher's limiter after a record, started when the server
-  says "too fast" and no rate was configured;
 * :func:`inline_backoff`: the pause before an in-process retry (inline mode);
 * :class:`ReapSchedule`: which of a dispatcher's claims also reap.
 """
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-from .. import _degrade
-
-if TYPE_CHECKING:
-    from ._delivery import BatchReport
-    from ._settings import OutboxConfig
 
 
 def inline_backoff(retry: int) -> float:
@@ -75,57 +61,3 @@ class IdleBackoff:
         self._idle_gap = self.initial
         # A full claim means more is waiting: go again as soon as there is room.
         return 0.0 if full else self.initial
-
-
-class RateLimiter:
-    """Messages per second for one process; slows down when the server throttles."""
-
-    def __init__(self, rate: float, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.rate = rate
-        self.current = rate
-        self.clock = clock
-        self.sleep = sleep
-        self._next_free = clock()
-
-    def acquire(self, wanted: int) -> int:
-        """Wait for the right to send up to ``wanted`` now; returns how many."""
-        now = self.clock()
-        if self._next_free > now:
-            self.sleep(self._next_free - now)
-            now = self._next_free
-        # At most one second's worth per claim, at least one message.
-        allowed = max(1, min(wanted, int(self.current)))
-        self._next_free = now + allowed / self.current
-        return allowed
-
-    def feedback(self, *, throttled: bool) -> None:
-        """Halve the rate when throttled; creep back up to the configured rate otherwise."""
-        if throttled:
-            self.current = max(self.rate / 64, self.current / 2)
-        else:
-            self.current = min(self.rate, self.current * 1.1)
-
-
-def pace(limiter: RateLimiter | None, report: BatchReport, *, tried: int,
-         config: OutboxConfig, clock: Callable[[], float]) -> RateLimiter | None:
-    """The limiter after ``report``: throttled replies slow it down, others let it recover.
-
-    With no configured rate, the first throttled reply starts one at half of what
-    was tried, and feedback finds the server's pace from there.
-    """
-    throttled = sum(error.throttled for _, _, error in report.transient)
-    if throttled and limiter is None:
-        limiter = RateLimiter(float(config.batch_size) * 10, clock=clock)
-        limiter.current = max(1.0, tried / 2)
-        _degrade.report(
-            f"The SMTP server is throttling this process ({throttled} "
-            "email(s) refused with a reply that says it is sending too fast)",
-            consequence="those emails are queued again, their attempt given back at most "
-                        f"OUTBOX_MAX_THROTTLE_DEFERRALS ({config.max_throttle_deferrals}) "
-                        "times each, and this process now paces itself below the "
-                        "server's limit",
-            fix="set OUTBOX_RATE_LIMIT to the rate your provider allows")
-    if limiter is not None:
-        limiter.feedback(throttled=throttled > 0)
-    return limiter

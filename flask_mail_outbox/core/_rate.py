@@ -1,6 +1,6 @@
-"""A transport's ``rate_limit``, shared by every process on the database.
+"""A transport's rate, shared by every process on the database: configured or learned.
 
-The limit is one schedule per transport in ``outbox_rate`` (a GCRA, the
+The rate is one schedule per transport in ``outbox_rate`` (a GCRA, the
 token bucket's cousin that stores one time instead of a level): ``tat`` is
 when the next message may go. A worker takes slots in blocks, one
 ``UPDATE ... RETURNING`` per block: the block's first slot starts at
@@ -10,9 +10,24 @@ burst (a provider that counts per second sees at most the rate). Nothing
 is taken while idle: a worker takes slots for rows it has claimed. The
 schedule survives restarts, so a day's limit holds across deploys.
 
-A reply that says the client is too fast halves the shared rate (at most
-once a second, down to a 64th); it then grows back additively, to the full
-rate in :data:`RECOVERY_SECONDS` (AIMD).
+A reply that says the client sends too fast is a congestion event: the rate
+is cut once per event, not once per refusal. A refusal belongs to a new event
+only when its message was handed to the server after the last cut (``cut_at
+< sent_at``): the refusals of messages already on their way when the rate was
+cut are the same event, however many there are.
+
+* A **configured** ``rate_limit`` is halved by a cut (down to a 64th) and grows
+  back additively, to the full rate in :data:`RECOVERY_SECONDS` (AIMD).
+* **Learned** (no ``rate_limit``, :meth:`SharedRate.learn`): the first
+  throttled reply stores the rate the server actually accepted over the last
+  second (the rows recorded ``sent``, every process's) as ``cut_rate``, the
+  rate to hold; a cut stores what the server accepted over the last second,
+  if that is less than the rate in force at the refusal. From a cut the rate
+  follows TCP CUBIC's curve, relative to that stored rate ``w``: it starts at
+  :data:`LEARNED_CUT` × ``w``, is back at ``w`` after
+  :data:`LEARNED_PLATEAU_SECONDS` and flat around it, then probes above it
+  faster and faster, up to twice ``w`` and further only while the schedule is
+  saturated (``tat`` ahead of now): a rate nobody uses does not grow unbounded.
 """
 
 from __future__ import annotations
@@ -21,12 +36,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ._models import rate_table
+from ._models import Status, email_table, rate_table
 
 if TYPE_CHECKING:
     from ._settings import Rate
@@ -34,18 +50,35 @@ if TYPE_CHECKING:
 
 #: Seconds a halved rate takes to grow back to the configured one.
 RECOVERY_SECONDS = 30.0
-#: A halving waits this long after the last one (one per round trip of the feedback).
-CUT_INTERVAL_SECONDS = 1.0
 #: A block holds about this many seconds of the rate (at least one message).
 BLOCK_SECONDS = 0.25
+#: A learned rate right after a cut, as a share of the rate it holds (TCP CUBIC's 0.7).
+LEARNED_CUT = 0.7
+#: Seconds from a cut until the learned rate is back at the rate it holds.
+LEARNED_PLATEAU_SECONDS = 2.0
+#: The cubic's coefficient: ``1 - LEARNED_CUT`` below the held rate at the cut.
+_CUBIC = (1.0 - LEARNED_CUT) / LEARNED_PLATEAU_SECONDS ** 3
+#: The most a learned rate probes above the rate it holds, unless saturated.
+LEARNED_CAP = 2.0
+#: The slowest learned rate: one message a minute.
+LEARNED_FLOOR = 1 / 60
+#: The window over which the first throttled reply measures the accepted rate...
+LEARN_WINDOW_SECONDS = 1.0
+#: ...or the time since the process began sending, if shorter, but not this.
+LEARN_SHORTEST_SECONDS = 0.25
 
 
-def effective_rate(max_rate: float, cut_rate: float | None, cut_at: float,
+def effective_rate(max_rate: float | None, cut_rate: float | None, cut_at: float,
                    now: float) -> float:
-    """The rate in force at ``now``: the configured one, or a halved one growing back.
+    """The rate in force at ``now`` (the same rule as :meth:`SharedRate._effective` in SQL).
 
-    The same rule as :meth:`SharedRate._effective` writes in SQL.
+    Configured (``max_rate``): the configured one, or a halved one growing
+    back. Learned (``max_rate`` None): the last cut value growing, capped.
     """
+    if max_rate is None:
+        held = LEARNED_FLOOR if cut_rate is None else cut_rate
+        x = now - cut_at - LEARNED_PLATEAU_SECONDS
+        return max(LEARNED_FLOOR, held * min(LEARNED_CAP, 1.0 + _CUBIC * x * x * x))
     if cut_rate is None:
         return max_rate
     return min(max_rate, cut_rate + (now - cut_at) * max_rate / RECOVERY_SECONDS)
@@ -53,11 +86,17 @@ def effective_rate(max_rate: float, cut_rate: float | None, cut_at: float,
 
 @dataclasses.dataclass(frozen=True)
 class Slots:
-    """``count`` send times: ``start`` (on the caller's clock) and every ``spacing`` after."""
+    """``count`` send times: ``start`` (on the caller's clock) and every ``spacing`` after.
+
+    ``taken_at``: when they were taken, on the wall clock (``time.time()``): a
+    refusal of one of them is a new congestion event only if the rate was not
+    cut since (see :meth:`SharedRate.throttled`).
+    """
 
     count: int
     start: float
     spacing: float
+    taken_at: float = 0.0
 
     def at(self, index: int) -> float:
         """When slot ``index`` (0-based) may go."""
@@ -65,9 +104,13 @@ class Slots:
 
 
 class SharedRate:
-    """One transport's shared schedule (see the module docstring)."""
+    """One transport's shared schedule (see the module docstring).
 
-    def __init__(self, store: Store, name: str, rate: Rate, *,
+    ``rate`` is the configured ``rate_limit``; None for a learned schedule,
+    which exists once :meth:`learn` (or another process) has stored it.
+    """
+
+    def __init__(self, store: Store, name: str, rate: Rate | None, *,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.store = store
@@ -75,39 +118,133 @@ class SharedRate:
         self.rate = rate
         self.clock = clock
         self.wall = wall
-        #: Messages per block: a quarter of a second's worth, at least one.
-        self.block = max(1, math.ceil(rate.per_second * BLOCK_SECONDS))
-        self._ensured = False
+        #: The rate in force at the last take or cut, in messages per second.
+        self.current = rate.per_second if rate is not None else LEARNED_FLOOR
+        #: The database's clock minus ``wall`` at the last statement (0 on SQLite,
+        #: whose "now" is ``wall``): puts a send time on the schedule's clock.
+        self._offset = 0.0
+        self._ensured = rate is None  # a learned row is made by learn(), never here
         self._take: Any = None
         self._cut: Any = None
 
+    @property
+    def learned(self) -> bool:
+        """Whether this schedule is learned from the server's replies (no ``rate_limit``)."""
+        return self.rate is None
+
+    @property
+    def block(self) -> int:
+        """Messages per block: a quarter of a second's worth of the rate in force, at least one."""
+        return max(1, math.ceil(self.current * BLOCK_SECONDS))
+
     def take(self, count: int) -> Slots:
         """Reserve ``count`` slots on the shared schedule; when they may go."""
+        taken_at = self.wall()
         if count <= 0:
-            return Slots(0, self.clock(), 0.0)
+            return Slots(0, self.clock(), 0.0, taken_at)
         self._ensure()
-        params: dict[str, Any] = {"rate_name": self.name, "n": float(count),
-                                  "max_rate": self.rate.per_second}
-        if not self.store.is_postgres:
-            params["now"] = self.wall()
         with self.store.write() as conn:
-            row = conn.execute(self._take_statement(), params).one()
-        now = float(row.now) if self.store.is_postgres else params["now"]
-        rate = effective_rate(self.rate.per_second, row.cut_rate, row.cut_at, now)
+            row = conn.execute(self._take_statement(), self._params(rate_name=self.name,
+                                                                    n=float(count))).one()
+        now = self._db_now(row)
+        rate = effective_rate(self._max_rate, row.cut_rate, row.cut_at, now)
+        self.current = rate
         # The block's first slot, in seconds from the database's "now".
         start_in = float(row.tat) - count / rate - now
-        return Slots(count, self.clock() + max(0.0, start_in), 1.0 / rate)
+        return Slots(count, self.clock() + max(0.0, start_in), 1.0 / rate, taken_at)
 
-    def throttled(self) -> None:
-        """The server said this transport sends too fast: halve the shared rate."""
+    def throttled(self, sent_at: float) -> float | None:
+        """A message sent at ``sent_at`` (wall clock) was refused as too fast: cut the rate.
+
+        Only if the rate was not cut since ``sent_at``: the refusals of
+        messages sent before a cut are the congestion event it answered. A
+        learned rate is cut to what the server accepted over the last second
+        (every process's ``sent`` rows), if that is less than the rate in
+        force. Returns the rate in force after the cut, None when this refusal
+        made none.
+        """
         self._ensure()
-        params: dict[str, Any] = {"rate_name": self.name, "max_rate": self.rate.per_second}
-        if not self.store.is_postgres:
-            params["now"] = self.wall()
+        params = self._params(rate_name=self.name, sent_at=sent_at + self._offset)
         with self.store.write() as conn:
-            conn.execute(self._cut_statement(), params)
+            if self.rate is None:
+                params["accepted"] = max(1.0, self._accepted(conn) / LEARN_WINDOW_SECONDS)
+            row = conn.execute(self._cut_statement(), params).first()
+        if row is None:
+            return None
+        self.current = (float(row.cut_rate) if self.rate is not None
+                        else float(row.cut_rate) * LEARNED_CUT)
+        return self.current
+
+    def exists(self) -> bool:
+        """Whether a learned rate is stored for this transport (by any process, any time)."""
+        t = rate_table
+        with self.store.read() as conn:
+            found = conn.execute(sa.select(t.c.cut_rate)
+                                 .where(t.c.name == self.name, t.c.cut_rate.is_not(None))
+                                 ).first()
+        if found is not None:
+            self.current = float(found.cut_rate)
+        return found is not None
+
+    def learn(self, sending_for: float) -> float:
+        """Store the rate the server accepted as this transport's learned rate; returns it.
+
+        The accepted rate is the ``sent`` rows of this transport recorded in the
+        last :data:`LEARN_WINDOW_SECONDS` (every process's), over that window or
+        over the ``sending_for`` seconds this process has been sending if that
+        is shorter (at least :data:`LEARN_SHORTEST_SECONDS`): a server with a
+        small burst refuses within a fraction of a second. At least one a
+        second. It is stored like a cut to that rate (the refusals that taught
+        it are that congestion event); an overestimate is cut to the share
+        accepted at the next refusal. A rate another process stored first is
+        kept.
+        """
+        with self.store.write() as conn:
+            accepted = self._accepted(conn)
+            window = min(LEARN_WINDOW_SECONDS, max(LEARN_SHORTEST_SECONDS, sending_for))
+            initial = max(1.0, accepted / window)
+            insert: Any = (postgresql.insert(rate_table) if self.store.is_postgres
+                           else sqlite.insert(rate_table))
+            now = self._now()
+            # Like a cut to the rate accepted: the refusals that taught it are its event.
+            held_since = now
+            statement = (insert.values(name=self.name, tat=now, cut_rate=initial,
+                                       cut_at=held_since)
+                         .on_conflict_do_update(
+                             index_elements=["name"],
+                             set_={"cut_rate": initial, "cut_at": held_since},
+                             where=rate_table.c.cut_rate.is_(None)))
+            conn.execute(statement, self._params())
+            row = conn.execute(sa.select(rate_table.c.cut_rate, rate_table.c.cut_at,
+                                         (now.label("now") if self.store.is_postgres
+                                          else sa.literal(0.0).label("now")))
+                               .where(rate_table.c.name == self.name),
+                               self._params()).one()
+        now_value = self._db_now(row)
+        self.current = effective_rate(None, row.cut_rate, row.cut_at, now_value)
+        return self.current
 
     # -- statements -------------------------------------------------------------------
+
+    @property
+    def _max_rate(self) -> float | None:
+        return None if self.rate is None else self.rate.per_second
+
+    def _params(self, **params: Any) -> dict[str, Any]:
+        if self.rate is not None:
+            params["max_rate"] = self.rate.per_second
+        if not self.store.is_postgres:
+            params["now"] = self.wall()
+        return params
+
+    def _db_now(self, row: Any) -> float:
+        """The statement's "now" on the schedule's clock (PostgreSQL's, else ``wall``)."""
+        if not self.store.is_postgres:
+            self._offset = 0.0
+            return self.wall()
+        now = float(row.now)
+        self._offset = now - self.wall()
+        return now
 
     def _ensure(self) -> None:
         if self._ensured:
@@ -125,9 +262,15 @@ class SharedRate:
         return sa.bindparam("now", type_=sa.Float())
 
     def _effective(self, now: Any) -> Any:
-        """The rate in force: the configured one, or a halved one growing back."""
+        """The rate in force (see :func:`effective_rate`)."""
         t = rate_table
         least = sa.func.least if self.store.is_postgres else sa.func.min
+        greatest = sa.func.greatest if self.store.is_postgres else sa.func.max
+        if self.rate is None:
+            x = now - t.c.cut_at - LEARNED_PLATEAU_SECONDS
+            curve = least(sa.literal(LEARNED_CAP, sa.Float()), 1.0 + _CUBIC * x * x * x)
+            return greatest(sa.literal(LEARNED_FLOOR, sa.Float()),
+                            sa.func.coalesce(t.c.cut_rate, LEARNED_FLOOR) * curve)
         max_rate = sa.bindparam("max_rate", type_=sa.Float())
         return sa.case(
             (t.c.cut_rate.is_(None), max_rate),
@@ -141,14 +284,22 @@ class SharedRate:
             greatest = sa.func.greatest if self.store.is_postgres else sa.func.max
             n = sa.bindparam("n", type_=sa.Float())
             rate = self._effective(now)
+            values: dict[str, Any] = {"tat": greatest(t.c.tat, now) + n / rate}
+            if self.rate is None:
+                # A learned rate at its cap probes on only while it is all used:
+                # the cap becomes the rate it holds, reached now.
+                rebase = sa.and_(t.c.tat > now, rate >= t.c.cut_rate * (LEARNED_CAP * 0.999))
+                values["cut_rate"] = sa.case((rebase, t.c.cut_rate * LEARNED_CAP),
+                                             else_=t.c.cut_rate)
+                values["cut_at"] = sa.case((rebase, now - LEARNED_PLATEAU_SECONDS),
+                                           else_=t.c.cut_at)
             # RETURNING holds no parameters (SQLite would bind them out of order):
             # the caller computes the rate in force from the columns.
             returned = [t.c.tat, t.c.cut_rate, t.c.cut_at]
             if self.store.is_postgres:
                 returned.append(now.label("now"))
             self._take = (t.update().where(t.c.name == sa.bindparam("rate_name"))
-                          .values(tat=greatest(t.c.tat, now) + n / rate)
-                          .returning(*returned))
+                          .values(**values).returning(*returned))
         return self._take
 
     def _cut_statement(self) -> Any:
@@ -156,10 +307,36 @@ class SharedRate:
             t = rate_table
             now = self._now()
             greatest = sa.func.greatest if self.store.is_postgres else sa.func.max
-            max_rate = sa.bindparam("max_rate", type_=sa.Float())
+            least = sa.func.least if self.store.is_postgres else sa.func.min
+            if self.rate is None:
+                # The rate to hold: what the server accepted, if less than what was in force.
+                cut = greatest(LEARNED_FLOOR, least(self._effective(now), sa.bindparam(
+                    "accepted", type_=sa.Float())))
+            else:
+                cut = greatest(sa.bindparam("max_rate", type_=sa.Float()) / 64,
+                               self._effective(now) / 2)
+            returned = [t.c.cut_rate]
             self._cut = (t.update()
                          .where(t.c.name == sa.bindparam("rate_name"),
-                                t.c.cut_at <= now - CUT_INTERVAL_SECONDS)
-                         .values(cut_rate=greatest(max_rate / 64, self._effective(now) / 2),
-                                 cut_at=now))
+                                t.c.cut_at < sa.bindparam("sent_at", type_=sa.Float()))
+                         .values(cut_rate=cut, cut_at=now)
+                         .returning(*returned))
         return self._cut
+
+    def _accepted(self, conn: Any) -> int:
+        """How many of this transport's rows were recorded sent in the last window."""
+        return int(conn.execute(self._accepted_statement(),
+                                self._params(name=self.name)).scalar_one())
+
+    def _accepted_statement(self) -> Any:
+        """How many rows of transport ``name`` were recorded sent in the last window."""
+        e = email_table
+        if self.store.is_postgres:
+            since: Any = (sa.func.timezone("UTC", sa.func.now())
+                          - sa.literal_column(f"interval '{LEARN_WINDOW_SECONDS:g} second'"))
+        else:
+            since = sa.literal(self.store.clock() - timedelta(seconds=LEARN_WINDOW_SECONDS),
+                               sa.DateTime())
+        return (sa.select(sa.func.count()).select_from(e)
+                .where(e.c.status == Status.SENT.value, e.c.transport == sa.bindparam("name"),
+                       e.c.sent_at >= since))
