@@ -23,6 +23,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flask_mail_outbox._compose.dkim import (
+    DEFAULT_SIGNED_HEADERS,
+    Canonicalization,
     DKIMKey,
     DKIMSigner,
     canonical_body,
@@ -64,12 +66,12 @@ def dns(keys: Keys) -> Callable[..., bytes | None]:
     return dnsfunc
 
 
-def signer(keys: Keys, selectors: list[str], canonicalization: tuple[str, str] = (
-        "relaxed", "relaxed"), headers: tuple[str, ...] | None = None) -> DKIMSigner:
-    extra: dict[str, Any] = {} if headers is None else {"headers": headers}
+def signer(keys: Keys, selectors: list[str],
+           canonicalization: tuple[Canonicalization, Canonicalization] = ("relaxed", "relaxed"),
+           headers: tuple[str, ...] = DEFAULT_SIGNED_HEADERS) -> DKIMSigner:
     return DKIMSigner(domain=DOMAIN, keys=tuple(DKIMKey(s, keys[s], f"key {s}")
                                                 for s in selectors),
-                      canonicalization=canonicalization, **extra)  # type: ignore[arg-type]
+                      headers=headers, canonicalization=canonicalization)
 
 
 def verifies(data: bytes, keys: Keys, index: int = 0) -> bool:
@@ -117,8 +119,8 @@ MESSAGES: dict[str, bytes] = {
     "white space in lines": b"From: shop@example.com\r\n\r\n  a  \t b \r\n\t\r\nc\r\n",
 }
 
-CANONICALIZATIONS = [("relaxed", "relaxed"), ("simple", "simple"), ("relaxed", "simple"),
-                     ("simple", "relaxed")]
+CANONICALIZATIONS: list[tuple[Canonicalization, Canonicalization]] = [
+    ("relaxed", "relaxed"), ("simple", "simple"), ("relaxed", "simple"), ("simple", "relaxed")]
 KINDS = {"rsa1024": ["rsa1024"], "rsa2048": ["rsa2048"], "rsa4096": ["rsa4096"],
          "ed25519": ["ed25519"], "dual rsa+ed25519": ["rsa2048", "ed25519"]}
 HEADERS = ("From", "To", "Subject", "Date", "Message-ID", "MIME-Version", "Content-Type",
@@ -158,7 +160,8 @@ def test_every_key_signs_every_shape_of_message(keys: Keys, kind: str, shape: st
                          ids=["/".join(c) for c in CANONICALIZATIONS])
 @pytest.mark.parametrize("shape", list(MESSAGES))
 def test_relaxed_and_simple_canonicalization_verify(
-        keys: Keys, canonicalization: tuple[str, str], shape: str) -> None:
+        keys: Keys, canonicalization: tuple[Canonicalization, Canonicalization],
+        shape: str) -> None:
     dual = signer(keys, ["rsa2048", "ed25519"], canonicalization, headers=HEADERS)
     data = dual.sign(MESSAGES[shape])
     check_signed(data, keys, 2)
@@ -168,8 +171,11 @@ def test_relaxed_and_simple_canonicalization_verify(
 def test_relaxed_survives_what_relays_do_and_simple_does_not(keys: Keys) -> None:
     """Re-folded headers and trailing white space: what relaxed/relaxed is chosen for."""
     message = MESSAGES["plain"]
-    relayed = (lambda d: d.replace(b"Subject: Hello", b"Subject:\r\n   Hello")
-               .replace(b"shipped.\r\n", b"shipped. \r\n"))
+
+    def relayed(data: bytes) -> bytes:
+        return (data.replace(b"Subject: Hello", b"Subject:\r\n   Hello")
+                .replace(b"shipped.\r\n", b"shipped. \r\n"))
+
     relaxed = signer(keys, ["rsa2048", "ed25519"]).sign(message)
     simple = signer(keys, ["rsa2048", "ed25519"], ("simple", "simple")).sign(message)
     assert verifies(relayed(relaxed), keys, 0) and verifies(relayed(relaxed), keys, 1)
@@ -233,9 +239,10 @@ _VALUE_BYTES = st.lists(st.sampled_from([b"v", b" ", b"\t", b"\r\n ", b"\r\n\t",
 def test_body_canonicalization_is_dkimpys(body: bytes) -> None:
     # As SMTP delivers it: with its last CRLF (our signer adds it when missing).
     body += b"" if not body or body.endswith(b"\r\n") else b"\r\n"
-    for how, theirs in (("relaxed", dkim.canonicalization.Relaxed),
-                        ("simple", dkim.canonicalization.Simple)):
-        assert canonical_body(body, how) == theirs.canonicalize_body(body)  # type: ignore[arg-type]
+    pairs: list[tuple[Canonicalization, Any]] = [("relaxed", dkim.canonicalization.Relaxed),
+                                                 ("simple", dkim.canonicalization.Simple)]
+    for how, theirs in pairs:
+        assert canonical_body(body, how) == theirs.canonicalize_body(body)
 
 
 @given(name=st.sampled_from([b"Subject", b"X-Tag ", b"to"]), value=_VALUE_BYTES)
