@@ -30,7 +30,7 @@ from smtpserver import FaultSMTPServer
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.core import Status, email_table
 from flask_mail_outbox.core._models import tally_table
-from flask_mail_outbox.core._queries import counts, hourly_counts
+from flask_mail_outbox.core._queries import counts, hourly_counts, recount_tally
 from flask_mail_outbox.core._store import Store
 
 EPOCH = datetime(1970, 1, 1)
@@ -364,7 +364,6 @@ def test_recount_while_workers_record_counts_each_change_once(
     stop = threading.Event()
     errors: list[BaseException] = []
 
-    # Its own engine: the CLI's mail.stop() disposes the store's.
     recorder_engine = sa.create_engine(engine.url)
 
     def record() -> None:
@@ -379,8 +378,10 @@ def test_recount_while_workers_record_counts_each_change_once(
     recorder = threading.Thread(target=record)
     recorder.start()
     try:
+        store = store_of(durable)
         for _ in range(15):
-            recount(durable)
+            with store.write() as conn:
+                recount_tally(conn)
     finally:
         stop.set()
         recorder.join()
@@ -395,3 +396,31 @@ def test_status_text_says_which_counts_are_running_totals(durable: Flask) -> Non
     assert ("  (sent, suppressed, expired, cancelled: running totals kept by the database;"
             " --recount rebuilds them)") in result.output.splitlines()
 
+
+
+def test_create_all_on_a_database_an_older_create_all_made_adds_and_fills_the_tally(
+        db_url: str) -> None:
+    """Development databases made by ``create_all`` before the tally existed get it,
+    with its triggers and the rows already there, from the next ``create_all``."""
+    from flask_mail_outbox.core._models import metadata
+
+    engine = sa.create_engine(db_url)
+    try:
+        metadata.create_all(engine, tables=[table for table in metadata.sorted_tables
+                                            if table is not tally_table])
+        at = datetime(2026, 12, 1, 10, 30)
+        with engine.begin() as conn:
+            conn.execute(email_table.insert(), [
+                {"status": status, "created_at": at, "due_at": at, "message_id": "m",
+                 "sender": "s", "recipients": "[]", "size": 1,
+                 "sent_at": at if status == "sent" else None}
+                for status in ["sent", "sent", "cancelled", "queued", "expired"]])
+        metadata.create_all(engine)
+        assert_exact(engine, "create_all added the tally")
+        run_sql(engine, "UPDATE outbox_email SET status = 'sent', sent_at = :at"
+                        " WHERE status = 'queued'", at=at)
+        assert_exact(engine, "and its triggers")
+        assert truth(engine)[0]["sent"] == 3
+    finally:
+        metadata.drop_all(engine)
+        engine.dispose()

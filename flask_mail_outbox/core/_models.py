@@ -448,15 +448,35 @@ nonce_table: sa.Table = OutboxWebhookNonce.__table__  # type: ignore[assignment]
 TABLE_NAMES = frozenset(metadata.tables)
 
 
-@sa.event.listens_for(email_table, "after_create")
-def _create_tally_triggers(target: sa.Table, connection: sa.Connection, **_: Any) -> None:
+#: Counts the rows already in ``outbox_email`` into a new ``outbox_tally`` (as the triggers would).
+TALLY_BACKFILL = {
+    "postgresql": f"INSERT INTO outbox_tally (status, sent_hour, n) SELECT status, {_PG_HOUR},"
+                  f" count(*) FROM outbox_email WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2",
+    "sqlite": "INSERT INTO outbox_tally (status, sent_hour, n) SELECT status, CASE WHEN"
+              " status = 'sent' THEN CAST(strftime('%s', sent_at) AS INTEGER) / 3600 END,"
+              f" count(*) FROM outbox_email WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2",
+}
+
+
+@sa.event.listens_for(metadata, "after_create")
+def _create_tally_triggers(target: sa.MetaData, connection: sa.Connection,
+                           tables: list[sa.Table] | None = None, **_: Any) -> None:
+    """With ``outbox_tally`` new (``create_all``): its triggers, and the rows already there.
+
+    Keyed to the tally, not to ``outbox_email``: a database made by an older
+    ``create_all`` gets the tally, its triggers and its backfill together.
+    """
+    if tally_table not in (tables or ()):
+        return
     # exec_driver_sql: the SQL as written, no bind-parameter parsing of its text.
     for statement in TALLY_DDL.get(connection.dialect.name, ()):
         connection.exec_driver_sql(statement)
+    if connection.dialect.name in TALLY_BACKFILL:
+        connection.exec_driver_sql(TALLY_BACKFILL[connection.dialect.name])
 
 
-@sa.event.listens_for(email_table, "after_drop")
-def _drop_tally_function(target: sa.Table, connection: sa.Connection, **_: Any) -> None:
-    # The triggers went with the table; PostgreSQL keeps their function.
+@sa.event.listens_for(metadata, "after_drop")
+def _drop_tally_function(target: sa.MetaData, connection: sa.Connection, **_: Any) -> None:
+    # The triggers went with outbox_email; PostgreSQL keeps their function.
     if connection.dialect.name == "postgresql":
         connection.exec_driver_sql("DROP FUNCTION IF EXISTS outbox_tally_rows()")
