@@ -169,7 +169,7 @@ def _hour_number(conn: Connection, column: Any) -> Any:
     """``column`` as whole hours since the epoch, in SQL (as the triggers compute it)."""
     if conn.dialect.name == "postgresql":
         return sa.cast(sa.func.floor(sa.extract("epoch", column) / 3600), sa.BigInteger())
-    return sa.cast(sa.func.strftime("%s", column), sa.Integer()) / 3600
+    return sa.cast(sa.func.strftime("%s", column), sa.Integer()) // 3600  # integer division
 
 
 def oldest_queued_age(conn: Connection, *, clock: Clock = utcnow) -> float | None:
