@@ -552,6 +552,9 @@ def test_overview_shows_counts_mode_and_the_per_hour_chart(
     assert '<span class="count" id="count-sent">3</span>' in page
     assert '<span class="count" id="count-failed">1</span>' in page
     assert '<span id="mode">inline</span>' in page
+    # Which counts are running totals (outbox_tally) and which are counted row by row.
+    assert re.search(r'id="counts-note">sent, suppressed, expired, cancelled: running totals',
+                     page)
     assert "Last 24 hours: 3 sent, 1 dead-lettered" in page
     assert page.count('class="bar-sent"') == 24 and page.count('class="bar-failed"') == 24
     # The bars hold all of them (in one hour's bar or two, if the hour turned meanwhile).
