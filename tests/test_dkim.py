@@ -140,7 +140,7 @@ def test_smtp_delivery_is_signed_and_verifies(dkim_app: Flask, smtp_server: Faul
     assert (tags["d"], tags["s"], tags["a"], tags["c"]) == (DOMAIN, SELECTOR, "rsa-sha256",
                                                             "relaxed/relaxed")
     # The default list, only the headers present: no Reply-To, no List-Unsubscribe.
-    assert tags["h"].split(":") == ["from", "to", "cc", "subject", "date", "message-id",
+    assert tags["h"].split(":") == ["from", "from", "to", "cc", "subject", "date", "message-id",
                                     "mime-version", "content-type"]
     # The stored bytes stay what send() validated: signing happens on the way out.
     [row] = wait_rows(dkim_app, lambda r: r[0]["status"] == "sent", timeout=10)
@@ -233,7 +233,7 @@ def test_configured_headers_are_signed_when_present(
         data = smtp_server.messages[0].data
         assert verifies(data, key_pair[1])
         # From first (always signed), the rest in the configured order, Reply-To absent.
-        assert signature_tags(data)["h"].split(":") == ["from", "subject", "x-campaign"]
+        assert signature_tags(data)["h"].split(":") == ["from", "from", "subject", "x-campaign"]
         assert not verifies(data.replace(b"X-Campaign: spring", b"X-Campaign: autumn"),
                             key_pair[1])
     finally:

@@ -185,8 +185,8 @@ def test_relaxed_survives_what_relays_do_and_simple_does_not(keys: Keys) -> None
 def test_a_header_is_signed_as_many_times_as_it_occurs_bottom_up(keys: Keys) -> None:
     data = signer(keys, ["ed25519"], headers=("From", "To", "Subject")).sign(
         MESSAGES["repeated headers"])
-    assert tags(signature_headers(data)[0])["h"].split(":") == ["from", "to", "to", "subject",
-                                                                "subject"]
+    assert tags(signature_headers(data)[0])["h"].split(":") == [
+        "from", "from", "to", "to", "subject", "subject"]
     # Either occurrence changed or removed, or one more added below them (a verifier
     # takes the last first), breaks the signature.
     for changed in (data.replace(b"To: a@", b"To: z@"), data.replace(b"To: b@", b"To: z@"),
@@ -195,6 +195,20 @@ def test_a_header_is_signed_as_many_times_as_it_occurs_bottom_up(keys: Keys) -> 
                     data.replace(b"Subject: one", b"Subject: one\r\nSubject: three")):
         assert not verifies(changed, keys)
     assert verifies(data, keys)
+
+
+def test_from_is_oversigned_so_that_one_added_on_top_breaks_the_signature(
+        keys: Keys) -> None:
+    """RFC 6376 8.15: h= names From once more than it occurs. Receivers show the
+    top From; without the extra instance a From added above would leave the
+    signature valid (a verifier signs the bottom-most instances first)."""
+    data = signer(keys, ["rsa2048"], headers=("From", "Subject")).sign(
+        b"From: shop@example.com\r\nSubject: hi\r\n\r\nbody\r\n")
+    assert tags(signature_headers(data)[0])["h"] == "from:from:subject"
+    assert verifies(data, keys)
+    head, _, rest = data.partition(b"From: shop@example.com")
+    forged = head + b"From: evil@example.net\r\nFrom: shop@example.com" + rest
+    assert not verifies(forged, keys)
 
 
 def test_only_present_headers_are_signed_and_from_always(keys: Keys) -> None:
@@ -212,7 +226,7 @@ def test_a_long_list_of_signed_headers_folds_within_78_columns(keys: Keys) -> No
         f"{n}: {i}\r\n".encode() for i, n in enumerate(names)) + b"\r\nbody\r\n"
     data = signer(keys, ["rsa4096", "ed25519"], headers=("From", *names)).sign(message)
     check_signed(data, keys, 2)
-    assert len(tags(signature_headers(data)[0])["h"].split(":")) == 13
+    assert len(tags(signature_headers(data)[0])["h"].split(":")) == 14  # From oversigned
 
 
 def test_a_line_that_is_not_a_header_field_is_refused(keys: Keys) -> None:

@@ -323,7 +323,8 @@ class DKIMSigner:
         """The ``h=`` names and the canonicalized fields they sign, in that order.
 
         Each configured name present is signed as many times as it occurs,
-        the last occurrence first (RFC 6376 5.4.2); From always, even absent.
+        the last occurrence first (RFC 6376 5.4.2); From once more than that,
+        so that a From added on top fails verification.
         """
         wanted = self._names
         found: dict[bytes, list[tuple[bytes, bytes]]] = {}
@@ -337,8 +338,10 @@ class DKIMSigner:
             if items:
                 names += [text] * len(items)
                 signed += reversed(items)
-            elif name == b"from":
-                names.append(text)  # signed absent: one added later breaks the signature
+            if name == b"from":
+                # Once more than it occurs, so signed absent above the signed ones: a
+                # From added on top breaks the signature (RFC 6376 8.15, oversigning).
+                names.append(text)
         return names, canonical_headers(signed, how)
 
     @functools.cached_property
