@@ -141,7 +141,7 @@ def test_schema_comes_from_the_migrations(example: Example) -> None:
     assert {"users", "outbox_email", "outbox_attachment", "outbox_setting",
             "alembic_version"} <= tables
     # The latest merge revision that joins the example's history and the outbox branch.
-    assert versions == {"example_0008"}
+    assert versions == {"example_0009"}
 
 
 def test_signup_form_renders(example: Example) -> None:
