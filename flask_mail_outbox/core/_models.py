@@ -389,6 +389,12 @@ def _pg_trigger(event: str, referencing: str) -> str:
             f" REFERENCING {referencing} FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()")
 
 
+def _sqlite_tallied(column: str) -> str:
+    """``column IN (tallied)`` as OR-ed equalities: in a trigger SQLite builds an IN list's
+    lookup table anew for every row (about 4 us a row, measured), a comparison costs ~1."""
+    return "(" + " OR ".join(f"{column} = '{status.value}'" for status in TALLIED) + ")"
+
+
 def _sqlite_add(row: str, sign: str) -> str:
     """SQLite: add ``sign`` 1 to the total of ``row`` (NEW or OLD), when its status is tallied."""
     hour = (f"CASE WHEN {row}.status = 'sent'"
@@ -396,7 +402,7 @@ def _sqlite_add(row: str, sign: str) -> str:
     return (f"    UPDATE outbox_tally SET n = n {sign} 1"
             f" WHERE status = {row}.status AND sent_hour IS {hour};\n"
             f"    INSERT INTO outbox_tally (status, sent_hour, n) SELECT {row}.status, {hour}, {sign}1"
-            f" WHERE {row}.status IN {_TALLIED_SQL} AND NOT EXISTS (SELECT 1 FROM outbox_tally"
+            f" WHERE {_sqlite_tallied(row + '.status')} AND NOT EXISTS (SELECT 1 FROM outbox_tally"
             f" WHERE status = {row}.status AND sent_hour IS {hour});\n")
 
 
@@ -417,13 +423,13 @@ TALLY_DDL: dict[str, tuple[str, ...]] = {
         " FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()",
     ),
     "sqlite": (
-        _sqlite_trigger("INSERT", f"NEW.status IN {_TALLIED_SQL}", _sqlite_add("NEW", "+")),
+        _sqlite_trigger("INSERT", _sqlite_tallied("NEW.status"), _sqlite_add("NEW", "+")),
         _sqlite_trigger(
             "UPDATE OF status, sent_at",
-            f"(OLD.status IN {_TALLIED_SQL} OR NEW.status IN {_TALLIED_SQL})"
+            f"({_sqlite_tallied('OLD.status')} OR {_sqlite_tallied('NEW.status')})"
             " AND (OLD.status IS NOT NEW.status OR OLD.sent_at IS NOT NEW.sent_at)",
             _sqlite_add("OLD", "-") + _sqlite_add("NEW", "+")),
-        _sqlite_trigger("DELETE", f"OLD.status IN {_TALLIED_SQL}", _sqlite_add("OLD", "-")),
+        _sqlite_trigger("DELETE", _sqlite_tallied("OLD.status"), _sqlite_add("OLD", "-")),
     ),
 }
 

@@ -34,6 +34,7 @@ down_revision: str | None = "outbox_0007"
 branch_labels: tuple[str, ...] | None = None
 depends_on: str | None = None
 
+TALLIED = ("sent", "suppressed", "expired", "cancelled")
 TALLIED_SQL = "('sent', 'suppressed', 'expired', 'cancelled')"
 TALLY_LOCK = (0x7461, 0)
 
@@ -97,13 +98,17 @@ def _pg_trigger(event: str, referencing: str) -> str:
             f" REFERENCING {referencing} FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()")
 
 
+def _sqlite_tallied(column: str) -> str:
+    return "(" + " OR ".join(f"{column} = '{status}'" for status in TALLIED) + ")"
+
+
 def _sqlite_add(row: str, sign: str) -> str:
     hour = (f"CASE WHEN {row}.status = 'sent'"
             f" THEN CAST(strftime('%s', {row}.sent_at) AS INTEGER) / 3600 END")
     return (f"    UPDATE outbox_tally SET n = n {sign} 1"
             f" WHERE status = {row}.status AND sent_hour IS {hour};\n"
             f"    INSERT INTO outbox_tally (status, sent_hour, n) SELECT {row}.status, {hour}, {sign}1"
-            f" WHERE {row}.status IN {TALLIED_SQL} AND NOT EXISTS (SELECT 1 FROM outbox_tally"
+            f" WHERE {_sqlite_tallied(row + '.status')} AND NOT EXISTS (SELECT 1 FROM outbox_tally"
             f" WHERE status = {row}.status AND sent_hour IS {hour});\n")
 
 
@@ -122,13 +127,13 @@ TRIGGERS = {
         " FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()",
     ),
     "sqlite": (
-        _sqlite_trigger("INSERT", f"NEW.status IN {TALLIED_SQL}", _sqlite_add("NEW", "+")),
+        _sqlite_trigger("INSERT", _sqlite_tallied("NEW.status"), _sqlite_add("NEW", "+")),
         _sqlite_trigger(
             "UPDATE OF status, sent_at",
-            f"(OLD.status IN {TALLIED_SQL} OR NEW.status IN {TALLIED_SQL})"
+            f"({_sqlite_tallied('OLD.status')} OR {_sqlite_tallied('NEW.status')})"
             " AND (OLD.status IS NOT NEW.status OR OLD.sent_at IS NOT NEW.sent_at)",
             _sqlite_add("OLD", "-") + _sqlite_add("NEW", "+")),
-        _sqlite_trigger("DELETE", f"OLD.status IN {TALLIED_SQL}", _sqlite_add("OLD", "-")),
+        _sqlite_trigger("DELETE", _sqlite_tallied("OLD.status"), _sqlite_add("OLD", "-")),
     ),
 }
 
