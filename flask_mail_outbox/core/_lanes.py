@@ -118,10 +118,14 @@ class Lane:
         self._looked = True
         try:
             found = self.learnable.exists()
-        except Exception:  # noqa: BLE001 - unpaced until a refusal learns the rate again
-            logger.exception("Could not read transport %r's learned rate (outbox_rate); "
-                             "this process sends unpaced until the server throttles it",
-                             self.name)
+        except Exception as exc:  # noqa: BLE001 - unpaced until a refusal learns it again
+            _degrade.report(
+                f"Could not read transport {self.name!r}'s learned rate (outbox_rate)",
+                consequence="this process sends unpaced until the server throttles it, and "
+                            "draws the refusals that teach it the rate again",
+                fix="check the database connection and that the outbox tables are migrated "
+                    "(`flask db upgrade outbox@head`), or set the transport's rate_limit",
+                exc=exc)
             return
         if found:
             self.rate = self.learnable
