@@ -226,6 +226,38 @@ def test_postgres_folds_the_appended_rows(
     assert_exact(engine, "300 single-row updates")
 
 
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_a_repeatable_read_transaction_is_never_failed_by_a_fold(
+        backend: str, durable: Flask, isolation: str) -> None:
+    """A caller's transaction (a cancel() joins it) may run at REPEATABLE READ: its
+    snapshot can hold tally rows another fold deleted since, so it never folds."""
+    engine = store_of(durable).engine
+    at = datetime.now(UTC).replace(tzinfo=None)
+    run_sql(engine, "INSERT INTO outbox_email (status, created_at, due_at, message_id, sender,"
+                    " recipients, size) SELECT 'queued', :at, :at, 'm', 's', '[]', 1"
+                    " FROM generate_series(1, 200)", at=at)
+    with engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT id FROM outbox_email ORDER BY id")).scalars().all()
+    run_sql(engine, "UPDATE outbox_email SET status = 'cancelled' WHERE id = :id", id=ids[0])
+    with engine.connect().execution_options(isolation_level=isolation) as caller:
+        caller.begin()
+        caller.execute(sa.text("SELECT count(*) FROM outbox_tally")).one()  # its snapshot
+        # Others append and fold (every 64th appended row) and commit meanwhile...
+        for email_id in ids[1:100]:
+            run_sql(engine, "UPDATE outbox_email SET status = 'cancelled' WHERE id = :id",
+                    id=email_id)
+        with engine.connect() as conn:
+            last = conn.execute(sa.text("SELECT max(id) FROM outbox_tally")).scalar_one()
+        # ...and the caller's own change appends the row a fold would start at.
+        run_sql(engine, f"SELECT setval(pg_get_serial_sequence('outbox_tally', 'id'),"
+                        f" {(last // 64 + 1) * 64 - 1})")
+        caller.execute(sa.text("UPDATE outbox_email SET status = 'cancelled' WHERE id = :id"),
+                       {"id": ids[150]})
+        caller.commit()
+    assert_exact(engine, f"a {isolation} change at a fold's turn")
+
+
 def test_concurrent_transactions_never_deadlock_and_count_right(
         backend: str, durable: Flask) -> None:
     """Threads, each with its own connection (a PostgreSQL backend process), change
@@ -384,15 +416,19 @@ def test_recount_while_workers_record_counts_each_change_once(
     recorder.start()
     try:
         store = store_of(durable)
+        reports = []
         for _ in range(15):
             with store.write() as conn:
-                recount_tally(conn)
+                reports.append(recount_tally(conn))
     finally:
         stop.set()
         recorder.join()
         recorder_engine.dispose()
     assert errors == []
     assert_exact(engine, "recounts during changes")
+    # The totals were right all along: no recount may report a correction (what it
+    # kept and what it counted come from one snapshot, not two reads around writes).
+    assert reports == [{}] * 15, reports
 
 
 def test_status_text_says_which_counts_are_running_totals(durable: Flask) -> None:

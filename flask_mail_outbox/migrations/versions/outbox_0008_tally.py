@@ -76,7 +76,10 @@ BEGIN
             RETURNING id)
         SELECT bool_or(mod(id, 64) = 0) INTO fold FROM added;
     END IF;
-    IF fold AND pg_try_advisory_xact_lock({TALLY_LOCK[0]}, {TALLY_LOCK[1]}) THEN
+    -- Only where each statement sees what the last fold committed (READ COMMITTED):
+    -- a REPEATABLE READ snapshot may hold rows another fold deleted since.
+    IF fold AND current_setting('transaction_isolation') = 'read committed'
+            AND pg_try_advisory_xact_lock({TALLY_LOCK[0]}, {TALLY_LOCK[1]}) THEN
         WITH keys AS (
             SELECT status, coalesce(sent_hour, -1) AS hour FROM outbox_tally
             GROUP BY 1, 2 HAVING count(*) > 1),
@@ -159,7 +162,11 @@ def upgrade() -> None:
     )
     op.create_index("ix_outbox_tally_status_sent_hour", "outbox_tally", ["status", "sent_hour"])
     # Triggers first, then the count: on PostgreSQL CREATE TRIGGER makes writers
-    # wait until this commits, so no change falls between the two.
+    # wait until this commits, so no change falls between the two. On SQLite a
+    # write first takes the database's write lock (the driver begins no
+    # transaction before DDL, so CREATE TRIGGER alone would commit at once).
+    if dialect == "sqlite":
+        op.execute("DELETE FROM outbox_tally")
     for statement in TRIGGERS.get(dialect, ()):
         op.execute(statement)
     if dialect in BACKFILL:
