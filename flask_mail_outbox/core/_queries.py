@@ -20,7 +20,8 @@ the same with a million retained ``sent`` rows as with none:
   ``ix_outbox_email_status_id``); ``sent``, ``suppressed``, ``expired`` and
   ``cancelled``, which grow with history, from the running totals the
   database's triggers keep in ``outbox_tally`` (see
-  :class:`._models.OutboxTally`), exact too and a few rows to add up;
+  :class:`._models.OutboxTally`), exact too: one row per status and (for
+  ``sent``) per hour of retained history, about 8,760 rows a year to add up;
 * ages, health and the gauges: as the exact counts, one status each;
 * listing: newest first by ``id`` (the primary key, or ``(status, id)`` within
   a status), paginated by keyset (``id < last seen``), never ``OFFSET``;
@@ -138,23 +139,35 @@ def recount_tally(conn: Connection) -> dict[str, int]:
     """
     tally = tally_table
     t = email_table
-    before = _tallied_totals(conn)  # with writers running, what they change meanwhile too
     hour = sa.case((t.c.status == Status.SENT.value, _hour_number(conn, t.c.sent_at)))
     counted = (sa.select(t.c.status, hour.label("sent_hour"), sa.func.count().label("n"))
                .where(t.c.status.in_([status.value for status in TALLIED]))
                .group_by(t.c.status, hour))
+    kept = {status.value: 0 for status in TALLIED}
+    recounted = dict(kept)
     if conn.dialect.name == "postgresql":
         conn.execute(sa.select(sa.func.pg_advisory_xact_lock(*TALLY_LOCK)))
-        cleared = tally.delete().returning(tally.c.id).cte("cleared")
-        conn.execute(tally.insert().from_select(
-            ["status", "sent_hour", "n"],
-            counted).add_cte(cleared))
+        # What was kept, and what is counted, from one snapshot: a change
+        # committed meanwhile is in neither (its trigger's row stays).
+        cleared = tally.delete().returning(tally.c.status, tally.c.n).cte("cleared")
+        added = (tally.insert().from_select(["status", "sent_hour", "n"], counted)
+                 .returning(tally.c.status, tally.c.n).cte("added"))
+        both = sa.union_all(
+            sa.select(cleared.c.status, cleared.c.n.label("kept"),
+                      sa.literal(0, sa.BigInteger()).label("counted")),
+            sa.select(added.c.status, sa.literal(0, sa.BigInteger()), added.c.n)).subquery()
+        rows = conn.execute(sa.select(both.c.status, sa.func.sum(both.c.kept),
+                                      sa.func.sum(both.c.counted)).group_by(both.c.status))
+        for status, was, now in rows:
+            kept[status], recounted[status] = int(was), int(now)
     else:
-        conn.execute(tally.delete())
+        # The DELETE takes SQLite's write lock: nobody writes until the caller commits.
+        for status, n in conn.execute(tally.delete().returning(tally.c.status, tally.c.n)):
+            kept[status] += int(n)
         conn.execute(tally.insert().from_select(["status", "sent_hour", "n"], counted))
-    after = _tallied_totals(conn)
-    return {status: after[status] - before[status] for status in after
-            if after[status] != before[status]}
+        recounted.update(_tallied_totals(conn))
+    return {status: recounted[status] - kept[status] for status in recounted
+            if recounted[status] != kept[status]}
 
 
 def _tallied_totals(conn: Connection) -> dict[str, int]:
