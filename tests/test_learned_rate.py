@@ -21,6 +21,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
+from flask_mail_outbox.core import Rate
 from flask_mail_outbox.core._rate import (
     LEARNED_CAP,
     LEARNED_CUT,
@@ -212,3 +213,29 @@ def test_a_worker_started_later_paces_by_the_rate_learned_before(make_apps: Any)
     lane = lane_of(later)
     assert lane.claim_limit(500) == 1  # a block of the learned rate (1/s): one message
     assert lane.rate is not None and lane.rate.learned
+
+
+def test_deleting_the_learned_rate_forgets_it_in_running_workers(make_apps: Any) -> None:
+    """The documented way to forget a learned rate (DELETE its row) reaches a worker
+    already pacing by it: it goes unpaced, with no error, until a refusal teaches it
+    again. A configured rate's deleted row starts again."""
+    app, _ = make_apps(OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
+    worker, _ = make_apps(OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
+    _queue(app, 5)
+    SharedRate(app.extensions["mail_outbox"].outbox().store, "default", None).learn(1.0)
+    lanes = worker.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True).lanes
+    lane = lanes.lanes["default"]
+    assert lane.claim_limit(500) == 1 and lane.rate is not None  # paced by it
+    with app.app_context(), db.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox_rate WHERE name = 'default'"))
+    assert lanes._slots(lane, 2) is None  # no slots: the rows go at once
+    assert lane.rate is None and lane.claim_limit(500) == 500
+    assert not lanes.faults._ongoing  # nothing reported as failing
+
+    store = app.extensions["mail_outbox"].outbox().store
+    configured = SharedRate(store, "bulk", Rate(10, 1.0))
+    assert configured.take(2).spacing == pytest.approx(0.1)
+    with app.app_context(), db.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox_rate WHERE name = 'bulk'"))
+    assert configured.take(2).spacing == pytest.approx(0.1)
+    assert _rate_row(app, "bulk") is not None

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from .. import _degrade
 from ._clock import utcnow
 from ._delivery import Attempt, BatchReport, Suppressed, envelope_of, expired
-from ._rate import LEARN_WINDOW_SECONDS, SharedRate, Slots
+from ._rate import LEARN_WINDOW_SECONDS, RateForgotten, SharedRate, Slots
 
 if TYPE_CHECKING:
     from .._compose.verp import VerpAddresses
@@ -52,7 +52,7 @@ class Lane:
         self.rate = rate
         self.verp = verp
         self.learnable = learnable
-        self._looked = learnable is None
+        self.looked = learnable is None
         #: When each email in flight was paced (its slot taken) or handed over
         #: unpaced, on the wall clock: a refusal is a new congestion event only
         #: if the rate was not cut since.
@@ -113,9 +113,9 @@ class Lane:
 
     def adopt_learned(self) -> None:
         """Pace by a rate learned earlier (by any process), looked for once per process."""
-        if self._looked or self.learnable is None:
+        if self.looked or self.learnable is None:
             return
-        self._looked = True
+        self.looked = True
         try:
             found = self.learnable.exists()
         except Exception as exc:  # noqa: BLE001 - unpaced until a refusal learns it again
@@ -196,10 +196,11 @@ class Lanes:
             by_lane.setdefault(email.transport, []).append(email)
         for name, emails in by_lane.items():
             lane = self.lanes[name]
-            if lane.rate is None:
+            slots = self._slots(lane, len(emails)) if lane.rate is not None else None
+            if slots is None:
                 lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in emails], report)
             else:
-                lane.pace(emails, self._slots(lane.rate, len(emails)))
+                lane.pace(emails, slots)
         self.release_due(report)
 
     def release_due(self, report: Report,
@@ -229,17 +230,27 @@ class Lanes:
         return min((at for lane in self if lane.backlog and (at := lane.ready_at()) is not None),
                    default=None)
 
-    def _slots(self, rate: SharedRate, count: int) -> Slots:
-        """``count`` slots of a shared rate; paced by this process alone if that fails."""
+    def _slots(self, lane: Lane, count: int) -> Slots | None:
+        """``count`` slots of ``lane``'s shared rate; paced by this process alone if that
+        fails; None when its learned rate was deleted (it then goes unpaced)."""
+        rate = lane.rate
+        if rate is None:
+            return None
         try:
             slots = rate.take(count)
+        except RateForgotten:
+            lane.rate, lane.looked = None, False
+            logger.info("Transport %r's learned rate was deleted (outbox_rate): it sends "
+                        "unpaced until its server throttles it again", lane.name)
+            return None
         except Exception as exc:  # noqa: BLE001 - reported; the emails still go, paced here
             self.faults.failing(
                 f"rate-{rate.name}",
-                f"Could not take slots of transport {rate.name!r}'s shared rate limit",
-                consequence=f"this process paces its {count} email(s) at the whole rate "
-                            f"({rate.rate}) by itself, so processes sharing the limit "
-                            "may together send faster than it until the database answers",
+                f"Could not take slots of transport {rate.name!r}'s shared rate",
+                consequence=f"this process paces its {count} email(s) at the rate last in "
+                            f"force ({rate.current:.3g} msg/s) by itself, so processes "
+                            "sharing the rate may together send faster than it until the "
+                            "database answers",
                 fix="check the database connection and that the outbox tables are migrated "
                     "(`flask db upgrade outbox@head` creates outbox_rate)",
                 exc=exc)
@@ -312,9 +323,10 @@ class Lanes:
             consequence="those emails are queued again, their attempt given back at most "
                         f"OUTBOX_MAX_THROTTLE_DEFERRALS ({self.config.max_throttle_deferrals}) "
                         "times each; every process now paces this transport at a learned "
-                        f"shared rate, {rate:.3g} msg/s to start with (what the server "
-                        "accepted over the last second), cut at each new refusal and grown "
-                        "back while it holds (outbox_rate); the "
+                        f"shared rate, starting at {rate:.3g} msg/s (0.7 of the rate stored "
+                        "in outbox_rate: what the server accepted over the last second, or "
+                        "what another process learned first), cut at each new refusal and "
+                        "grown back while it holds; the "
                         f"{len(never)} email(s) it had not handed to the server yet were "
                         "taken back to go at that rate",
             fix="set the transport's rate_limit (OUTBOX_RATE_LIMIT for the default) to the "

@@ -84,6 +84,10 @@ def effective_rate(max_rate: float | None, cut_rate: float | None, cut_at: float
     return min(max_rate, cut_rate + (now - cut_at) * max_rate / RECOVERY_SECONDS)
 
 
+class RateForgotten(LookupError):
+    """A learned rate's row is gone (deleted to forget it): its lane goes unpaced."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Slots:
     """``count`` send times: ``start`` (on the caller's clock) and every ``spacing`` after.
@@ -96,7 +100,7 @@ class Slots:
     count: int
     start: float
     spacing: float
-    taken_at: float = 0.0
+    taken_at: float
 
     def at(self, index: int) -> float:
         """When slot ``index`` (0-based) may go."""
@@ -143,9 +147,16 @@ class SharedRate:
         if count <= 0:
             return Slots(0, self.clock(), 0.0, taken_at)
         self._ensure()
+        params = self._params(rate_name=self.name, n=float(count))
         with self.store.write() as conn:
-            row = conn.execute(self._take_statement(), self._params(rate_name=self.name,
-                                                                    n=float(count))).one()
+            row = conn.execute(self._take_statement(), params).first()
+        if row is None:  # the row was deleted by hand
+            if self.rate is None:
+                raise RateForgotten(self.name)
+            self._ensured = False  # a configured schedule starts again
+            self._ensure()
+            with self.store.write() as conn:
+                row = conn.execute(self._take_statement(), params).one()
         now = self._db_now(row)
         rate = effective_rate(self._max_rate, row.cut_rate, row.cut_at, now)
         self.current = rate
