@@ -231,7 +231,11 @@ def _plain_insert(dialect: str, notify: bool, many: bool = False) -> sa.Insert:
 
 def _insert_plain(session: Session, dialect: str, values: dict[str, Any],
                   clock: Callable[[], datetime], notify: bool) -> int:
-    """Insert ``values`` (no key, no idempotency key) with :func:`_plain_insert`."""
+    """Insert ``values`` (no key, no idempotency key); the new row's id.
+
+    SQLite: a plain INSERT, the id from the cursor's ``lastrowid``; elsewhere
+    :func:`_plain_insert` (``RETURNING id``, and the wake-up on PostgreSQL).
+    """
     if dialect == "postgresql":
         values["due_at_or_now"] = values.pop("due_at", None)
     else:
@@ -241,7 +245,7 @@ def _insert_plain(session: Session, dialect: str, values: dict[str, Any],
             values["due_at"] = now
     if dialect == "sqlite":
         # One row: its id is the cursor's lastrowid, which costs no result row
-        # to fetch and process (RETURNING did, a tenth of send()).
+        # to fetch and process (see docs/performance.md).
         conn = session.connection(bind_arguments={"clause": _INSERT_CLAUSE})
         return int(conn.execute(_INSERT_CLAUSE, values).lastrowid)
     stmt = _plain_insert(dialect, notify)
