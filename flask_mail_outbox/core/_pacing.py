@@ -2,13 +2,10 @@
 
 * :class:`IdleBackoff`: the gap before a dispatcher's next claim of due rows;
 * :func:`inline_backoff`: the pause before an in-process retry (inline mode);
-* :class:`ReapSchedule`: which of a dispatcher's claims also reap;
-* :class:`HeldWork`: how many rows a dispatcher holds claimed.
+* :class:`ReapSchedule`: which of a dispatcher's claims also reap.
 """
 
 from __future__ import annotations
-
-import math
 
 
 def inline_backoff(retry: int) -> float:
@@ -64,51 +61,3 @@ class IdleBackoff:
         self._idle_gap = self.initial
         # A full claim means more is waiting: go again as soon as there is room.
         return 0.0 if full else self.initial
-
-
-#: A dispatcher holds about this many seconds of its streams' work claimed (see HeldWork).
-HOLD_SECONDS = 0.25
-#: The streams' delivery rate is measured over windows at least this long.
-HOLD_WINDOW_SECONDS = 0.5
-
-
-class HeldWork:
-    """How many rows a dispatcher may hold claimed and not yet recorded.
-
-    A batch (``OUTBOX_BATCH_SIZE``) at most, but no more than about
-    :data:`HOLD_SECONDS` of what this process's streams deliver, and at least
-    ``floor`` (a message on each connection and one waiting for it). Against
-    a slow server a batch is seconds of one process's work: when the backlog
-    runs out it would still be sending while the other processes sit idle, and
-    a process killed holds that many rows until their leases expire.
-
-    The rate is the last window's: results recorded over at least
-    :data:`HOLD_WINDOW_SECONDS`; a pause without results longer than a window
-    starts a new window (idle time is no measure of the streams).
-    """
-
-    def __init__(self, batch: int, floor: int) -> None:
-        self.batch = max(1, batch)
-        self.floor = max(1, min(self.batch, floor))
-        #: Results a second in the last whole window; None before the first.
-        self.rate: float | None = None
-        self._start = 0.0
-        self._last = -float("inf")
-        self._count = 0
-
-    def finished(self, count: int, now: float) -> None:
-        """``count`` results were recorded at ``now`` (monotonic seconds)."""
-        if now - self._last > HOLD_WINDOW_SECONDS:  # the first, or after a pause
-            self._start, self._count = now, 0
-        self._last = now
-        self._count += count
-        elapsed = now - self._start
-        if elapsed >= HOLD_WINDOW_SECONDS:
-            self.rate = self._count / elapsed
-            self._start, self._count = now, 0
-
-    def capacity(self) -> int:
-        """Rows this dispatcher may hold now."""
-        if self.rate is None:
-            return self.batch
-        return max(self.floor, min(self.batch, math.ceil(self.rate * HOLD_SECONDS)))

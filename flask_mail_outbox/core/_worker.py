@@ -47,7 +47,7 @@ from ._delivery import (
     new_owner,
 )
 from ._lanes import Lanes
-from ._pacing import HeldWork, IdleBackoff, ReapSchedule, inline_backoff
+from ._pacing import IdleBackoff, ReapSchedule, inline_backoff
 from ._store import ClaimedEmail, KeptConnection, Reaped
 
 if TYPE_CHECKING:
@@ -88,10 +88,8 @@ class Worker:
         #: least a message on each connection and one waiting for it), so the
         #: connections stay fed while the claim runs, and a claim takes many
         #: rows, not one per result.
-        self.refill_at = self._refill_at(self.capacity)
-        #: A dispatcher holds no more than a fraction of a second of its streams'
-        #: work (at most a batch): see HeldWork.
-        self.held = HeldWork(self.capacity, 2 * self.lanes.concurrency)
+        self.refill_at = min(self.capacity - 1, max(2 * self.lanes.concurrency,
+                                                          self.capacity // 2))
         #: Claims due rows itself (durable mode): see :meth:`dispatch`.
         self.dispatching = False
         self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
@@ -477,20 +475,9 @@ class Worker:
             return 0.0
         return self._results_since + RECORD_WINDOW - time.monotonic()
 
-    def _refill_at(self, capacity: int) -> int:
-        return min(capacity - 1, max(2 * self.lanes.concurrency, capacity // 2))
-
     def _room(self, in_flight: int) -> int:
-        """How many rows a claim may take with ``in_flight`` unrecorded (0 above the refill point).
-
-        A dispatcher running on its own holds what its streams send in a
-        fraction of a second (:class:`HeldWork`); a hand-ticked one, a batch.
-        """
-        capacity, refill_at = self.capacity, self.refill_at
-        if self.dispatching and not self.hand_ticked:
-            capacity = self.held.capacity()
-            refill_at = self._refill_at(capacity) if capacity < self.capacity else refill_at
-        return capacity - in_flight if in_flight <= refill_at else 0
+        """How many rows a claim may take with ``in_flight`` unrecorded (0 above the refill point)."""
+        return self.capacity - in_flight if in_flight <= self.refill_at else 0
 
     # -- claiming -----------------------------------------------------------------------
 
@@ -690,7 +677,6 @@ class Worker:
             self._forget([email.id for email, _ in done])
             return
         self.finished += report.count
-        self.held.finished(len(done), time.monotonic())
         self.lanes.after_record(done, report, dispatching=self.dispatching)
         self._settle(report, retry_now)
         self.hand(report.holders)
