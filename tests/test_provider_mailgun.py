@@ -342,6 +342,8 @@ def test_a_shared_rate_limit_spaces_the_requests(
         db.session.commit()
     assert mailgun.wait_for(total, timeout=30)
     times = sorted(r.received_at for r in mailgun.requests)
-    assert times[-1] - times[0] >= (total - 1) / rate * 0.9, times
+    # From the second request: the first opens its connection, and on a loaded
+    # machine it can arrive as late as the second slot (then both come together).
+    assert times[-1] - times[1] >= (total - 2) / rate * 0.9, times
     wait_rows(app, _all_sent(total), timeout=10)
     assert len(mailgun.accepted) == total
