@@ -17,7 +17,6 @@ from ._flask.compat import FlaskMailState
 from ._flask.extension import OutboxExtension
 from ._flask.state import EXTENSION_KEY, AppState
 from ._operator import health as health_check
-from ._operator import metrics
 from ._operator.cli import outbox_cli
 from ._operator.dashboard import make_blueprint
 
@@ -94,4 +93,8 @@ class OutboxMail(OutboxExtension):
         if registered is None or registered.ext is not self:
             raise RuntimeError("init_metrics(app=...): this OutboxMail is not registered on "
                                "that app; call mail.init_app(app) first")
+        # prometheus_client is the `metrics` extra: imported here, where it is used,
+        # so an install without it can import and run everything else.
+        from ._operator import metrics
+
         metrics.install(registered, registry)
