@@ -71,9 +71,9 @@ def pytest_report_header() -> str:
 # database (and with it its own LISTEN/NOTIFY channels and advisory locks: PostgreSQL
 # scopes both to a database); servers bind port 0 or free_port(); files go under
 # tmp_path, Postfix and the outage cluster under their own mkdtemp() directories. The
-# modules below keep all their tests on one worker (the scheduler below): each sets up
-# something costly once per module, which every worker given one of its tests would
-# otherwise set up again.
+# modules below send all their tests to one worker, in file order (the scheduler below):
+# each sets up something costly once per module, which every worker given one of its
+# tests would otherwise set up again, or has a test that needs the ones before it.
 
 SLOW_LIST = Path(__file__).with_name("slow.txt")
 
@@ -120,7 +120,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     (Not `--dist loadgroup` with xdist_group marks: xdist 3.8 tags the grouped tests by
     rewriting their node ids, which pytest 9.2 no longer lets it do, so the marks are
-    silently ignored.)
+    silently ignored. `_split_scope` is the method xdist's own loadgroup and loadfile
+    schedulers override to say what goes to one worker.)
     """
     if config.getoption("dist") != "load":
         return None  # the caller chose another mode
