@@ -303,8 +303,8 @@ TRIGGERS = {
         _pg_trigger("INSERT", "NEW TABLE AS new_rows"),
         _pg_trigger("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows"),
         _pg_trigger("DELETE", "OLD TABLE AS old_rows"),
-        "CREATE TRIGGER outbox_tally_truncate AFTER TRUNCATE ON outbox_email"
-        " FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()",
+        ("CREATE TRIGGER outbox_tally_truncate AFTER TRUNCATE ON outbox_email"
+         " FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()"),
     ),
     "sqlite": (
         _sqlite_trigger("INSERT", _sqlite_tallied("NEW.status"), _sqlite_add("NEW", "+")),
