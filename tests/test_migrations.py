@@ -612,6 +612,21 @@ def test_example_app_upgrade_creates_everything_and_autogenerate_proposes_nothin
             assert diff_against(engine, [db.metadata, _models.metadata]) == []
             # What `flask --app example_app db check` runs: `db migrate` would find nothing.
             command.check(config)
+            assert applied(engine) == {"example_0001"}  # outbox_0001 implied: a dependency
+
+            # A release adds outbox_0002 (a copy of the package's folder stands in for it):
+            # the same command applies it; example_0001's depends_on is no merge.
+            installed = tmp_path / "installed_versions"
+            installed.mkdir()
+            for path in Path(VERSIONS_DIR).glob("*.py"):
+                (installed / path.name).write_text(path.read_text(encoding="utf-8"))
+            (installed / "outbox_0002_simulated.py").write_text(SIMULATED_OUTBOX_0002)
+            config = current_app.extensions["migrate"].migrate.get_config()
+            config.set_main_option("version_locations", ";".join(
+                [str(REPO_ROOT / "migrations" / "versions"), str(installed).replace("%", "%%")]))
+            command.upgrade(config, "heads")
+            assert applied(engine) == {"example_0001", "outbox_0002"}
+            assert "simulated" in columns_of(engine, "outbox_email")
             db.session.remove()
     finally:
         mail.stop(timeout=5)
