@@ -9,7 +9,8 @@
   in an empty temporary folder; ``<!-- runnable: pytest -->`` blocks run as a test module.
 - The migration recipes of docs/migrations.md run exactly as written (the commands parsed
   from the page, with the app file the page shows), in a temporary folder, on SQLite, with
-  this environment's ``flask``.
+  this environment's ``flask`` (tests/test_migrations.py runs them on both databases,
+  across a simulated second outbox revision).
 
 Sphinx and myst-parser come with the ``test`` extra; when they are missing these tests
 fail (they never skip).
@@ -211,7 +212,12 @@ def heads(cwd: Path) -> list[str]:
 
 def assert_migrated(cwd: Path, package_before: set[str]) -> None:
     assert {"user", "outbox_email", "outbox_attachment", "outbox_setting"} <= tables(cwd)
-    assert len(heads(cwd)) == 1, "the recipe should leave one head"
+    # Two branches, never merged: the project's head and the outbox's.
+    found = heads(cwd)
+    assert len(found) == 2 and len([h for h in found if "(outbox)" in h]) == 1, found
+    merges = [p.name for p in (cwd / "migrations" / "versions").glob("*.py")
+              if "down_revision = (" in p.read_text(encoding="utf-8")]
+    assert merges == [], "the recipe should write no merge revision"
     # Nothing was written into the installed package's folder (a revision there would be
     # lost with the next install, and Alembic puts one there when the order is wrong).
     assert versions_in_the_package() == package_before
@@ -220,10 +226,14 @@ def assert_migrated(cwd: Path, package_before: set[str]) -> None:
 def test_the_recipes_say_the_commands_in_order() -> None:
     new = [line for line in recipe("new-project").splitlines() if line.strip()]
     assert new[0] == "flask db init"
-    assert new.index("flask db upgrade outbox@head") < next(
+    assert new.index("flask db upgrade heads") < next(
         i for i, line in enumerate(new) if line.startswith("flask db migrate"))
-    assert "outbox_0" not in MIGRATIONS.read_text(encoding="utf-8").split("## A new project")[1]\
-        .split("## When a release")[0], "the recipes must not name an outbox revision id"
+    text = MIGRATIONS.read_text(encoding="utf-8")
+    assert "outbox_0" not in text.split("## A new project")[1].split("## Your tables refer")[0], \
+        "the recipes must not name an outbox revision id"
+    recipes = [body for _, _, body in marked_blocks(MIGRATIONS, "recipe")]
+    assert recipes and not [body for body in recipes if "flask db merge" in body]
+    assert recipe("upgrade").strip() == "flask db upgrade heads"
 
 
 def test_the_new_project_recipe_runs_as_written(tmp_path: Path) -> None:
@@ -231,7 +241,7 @@ def test_the_new_project_recipe_runs_as_written(tmp_path: Path) -> None:
     (tmp_path / "app.py").write_text(recipe_file("app.py"), encoding="utf-8")
     run_recipe("new-project", tmp_path)
     assert_migrated(tmp_path, before)
-    assert len(list((tmp_path / "migrations" / "versions").glob("*.py"))) == 2  # initial, merge
+    assert len(list((tmp_path / "migrations" / "versions").glob("*.py"))) == 1  # initial
 
 
 def test_the_existing_project_recipe_runs_as_written(tmp_path: Path) -> None:
