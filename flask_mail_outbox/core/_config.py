@@ -10,13 +10,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-import os
 import re
-import sys
 import urllib.parse
-import warnings
 from collections.abc import Mapping
-from types import FrameType
 from typing import Any
 
 from .._compose.addresses import AddressError, parse_address
@@ -27,10 +23,8 @@ from .._errors import ConfigError
 from .._webhooks import receiver_class
 from ..transports import (
     SMTPSettings,
-    Transport,
     TransportSettings,
     is_builtin,
-    takes_legacy_config,
     transport_class,
 )
 from ._settings import DEFAULT_TRANSPORT, OutboxConfig, Rate, TransportSpec
@@ -296,7 +290,7 @@ def _transport_specs(keys: _Keys, smtp: SMTPSettings,
     password): what it leaves out takes Flask-Mail's defaults.
     """
     kind = keys.get("OUTBOX_TRANSPORT")
-    cls = _transport_class(kind, "OUTBOX_TRANSPORT")
+    cls = transport_class(kind, "OUTBOX_TRANSPORT")
     if cls.entry_keys() is not None:
         raise ConfigError("OUTBOX_TRANSPORT", f"a {kind} transport needs settings of its own: "
                           f"configure it as OUTBOX_TRANSPORTS = {{'default': {{'transport': "
@@ -332,7 +326,7 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
     if not isinstance(entry, Mapping):
         raise ConfigError(prefix, f"expected a dict of settings, got {entry!r}")
     kind = entry.get("transport", "smtp")
-    cls = _transport_class(kind, f'{prefix}["transport"]')
+    cls = transport_class(kind, f'{prefix}["transport"]')
     own = cls.entry_keys()
     allowed = ENTRY_KEYS if own is None else (*GENERAL_KEYS, *own)
     unknown = sorted(set(entry) - set(allowed), key=str)
@@ -374,30 +368,6 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
         failover=tuple(check_name(f'{prefix}["failover"]', n) for n in failover),
         webhook_secret=secret,
     )
-
-
-def _transport_class(kind: Any, key: str) -> type[Transport]:
-    """The class ``kind`` names; a deprecation warning for one built from the app config."""
-    cls = transport_class(kind, key)
-    if takes_legacy_config(cls):
-        warnings.warn(
-            f"{key}: {cls.__module__}.{cls.__qualname__}.__init__(config) takes the whole app "
-            "config, which is deprecated and stops working in the next release: give it an "
-            "__init__ without that argument, and a classmethod from_settings(cls, settings) "
-            "when it needs its OUTBOX_TRANSPORTS entry (flask_mail_outbox.transports."
-            "TransportSettings: .smtp, .file_path, .concurrency, .options)",
-            DeprecationWarning, stacklevel=_caller_outside_package())
-    return cls
-
-
-def _caller_outside_package() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside this package."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _smtp_settings(get: Any, prefix: str = "") -> SMTPSettings:

@@ -30,7 +30,6 @@ from ..transports import (
     FailoverTransport,
     MemoryTransport,
     Transport,
-    TransportSettings,
     build,
 )
 from ._delivery import Callbacks, Delivery
@@ -66,27 +65,11 @@ def build_transports(config: OutboxConfig, *, concurrency: int) -> dict[str, Tra
     for spec in config.transport_specs:
         settings = dataclasses.replace(spec.settings,
                                        concurrency=spec.concurrency or concurrency)
-        own[spec.name] = build(spec.cls, settings, legacy_config=_EntryConfig(config, settings))
+        own[spec.name] = build(spec.cls, settings)
     return {spec.name: FailoverTransport([(name, own[name]) for name in
                                           (spec.name, *spec.failover)])
             if spec.failover else own[spec.name]
             for spec in config.transport_specs}
-
-
-class _EntryConfig:
-    """The settings as a custom transport written against ``Transport(config)`` reads them.
-
-    The app's settings, with the SMTP settings and file path of the transport's
-    own entry. Deprecated with ``Transport(config)``; goes with it.
-    """
-
-    def __init__(self, config: OutboxConfig, settings: TransportSettings) -> None:
-        self._config = config
-        self.smtp = settings.smtp
-        self.file_path = settings.file_path
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
 
 
 def create_engine(url: str | sa.URL) -> sa.Engine:
