@@ -56,6 +56,7 @@ from ._outbox import (
     build_transports,
     create_engine,
     ensure_wal,
+    sqlite_on_connect,
 )
 from ._queries import SEARCH_FIELDS, HourCount, Reader
 from ._retry import RetryPolicy
@@ -135,6 +136,7 @@ __all__ = [
     "rate_table",
     "run_sweep",
     "setting_table",
+    "sqlite_on_connect",
     "suppression_key",
     "suppression_table",
     "transport_name",

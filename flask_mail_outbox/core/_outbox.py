@@ -92,6 +92,19 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
         cursor.close()
 
 
+def sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    """The ``connect`` event for the app's own SQLite engine: WAL before its first write.
+
+    The app's engine keeps its own busy timeout; only the journal mode, which
+    is the file's and which the delivery thread needs, is set here.
+    """
+    cursor = dbapi_conn.cursor()
+    try:
+        ensure_wal(cursor)
+    finally:
+        cursor.close()
+
+
 def ensure_wal(cursor: Any) -> None:
     """Switch a SQLite database to WAL (persistent, per file) unless it already is.
 
@@ -331,4 +344,4 @@ class Outbox:
 
 
 __all__ = ["DEFAULT_TRANSPORT", "DURABLE_SETTING", "Mode", "Outbox", "build_transports",
-           "create_engine", "ensure_wal"]
+           "create_engine", "ensure_wal", "sqlite_on_connect"]
