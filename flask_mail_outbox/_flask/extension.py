@@ -22,7 +22,7 @@ from .._bounces import NotMail, read_bounce
 from .._compose.message import Message
 from .._errors import ConfigError, InvalidMessage
 from .._events import DeliveryEvent, capped_payload, naive_utc
-from ..core import (
+from ..core._internal import (
     CONFIG_DEFAULTS,
     DeliveredMessage,
     Mode,
