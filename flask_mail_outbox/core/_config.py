@@ -47,8 +47,9 @@ _PERIODS = {"s": 1.0, "sec": 1.0, "second": 1.0, "min": 60.0, "minute": 60.0,
             "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*([a-z]+)\s*$")
 
-# Flask-Mail's keys keep Flask-Mail's defaults; the outbox's own keys follow
-# DESIGN.md. ``None`` for OUTBOX_SWEEP_INTERVAL_SECONDS means "by mode".
+# Flask-Mail's keys keep Flask-Mail's defaults; the outbox's own keys are described in
+# docs/_ext/config_descriptions.py, rendered on docs/configuration.md (tests/test_docs.py
+# checks both ways). ``None`` for OUTBOX_SWEEP_INTERVAL_SECONDS means "by mode".
 _DEFAULTS: dict[str, Any] = {
     "MAIL_SERVER": "127.0.0.1",
     "MAIL_PORT": 25,
@@ -115,7 +116,7 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_UNSUBSCRIBE_URL": None,
     # VERP: SMTP envelope senders bounces+<signed token>@domain (None: the sender).
     "OUTBOX_BOUNCE_ADDRESS": None,
-    # Not in Flask-Mail nor DESIGN.md's table: lets a process that imports the
+    # Not a Flask-Mail key: lets a process that imports the
     # app without serving it (a script, a test) skip the sweep jobs.
     "OUTBOX_RUN_SCHEDULER": True,
 }
