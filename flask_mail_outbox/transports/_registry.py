@@ -87,7 +87,7 @@ def build(cls: type[Transport], settings: TransportSettings) -> Transport:
 
 
 def _needs_arguments(cls: type[Transport]) -> bool:
-    """Whether ``cls()`` cannot work: an ``__init__`` with required arguments, no ``from_settings``."""
+    """Whether ``cls()`` cannot work: ``__init__`` requires arguments, no ``from_settings``."""
     if _builds_itself(cls) or cls.__init__ is Transport.__init__:
         return False
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
