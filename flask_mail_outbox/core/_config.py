@@ -20,6 +20,7 @@ from .._compose.dkim import DKIMSigner, signed_header_names, signer_from
 from .._compose.links import UnsubscribeLinks
 from .._compose.verp import VerpAddresses
 from .._errors import ConfigError
+from .._providers import PROVIDERS
 from .._webhooks import receiver_class
 from ..transports import (
     SMTPSettings,
@@ -352,8 +353,8 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
         receiver = receiver_class(kind)
         if receiver is None:
             raise ConfigError(f'{prefix}["webhook_secret"]',
-                              f"a {kind} transport has no provider webhooks (postmark, sendgrid, "
-                              "mailgun, resend and ses do); feed its events to "
+                              f"a {kind} transport has no provider webhooks ("
+                              f"{', '.join(PROVIDERS)} have); feed its events to "
                               "mail.record_event() from a route of your own")
         receiver.check_secret(secret, f'{prefix}["webhook_secret"]')
     return TransportSpec(

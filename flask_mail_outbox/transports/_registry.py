@@ -13,6 +13,7 @@ import inspect
 from typing import Any
 
 from .._errors import ConfigError
+from .._providers import PROVIDERS
 from ._base import Transport
 from ._settings import TransportSettings
 from ._simple import ConsoleTransport, FileTransport, MemoryTransport, NullTransport
@@ -28,16 +29,11 @@ BUILTIN: dict[str, type[Transport]] = {
 }
 
 
-#: The provider API transports by name, imported on first use (``ses`` needs an extra).
-API_KINDS: dict[str, str] = {
-    "postmark": "flask_mail_outbox.transports._postmark:PostmarkTransport",
-    "sendgrid": "flask_mail_outbox.transports._sendgrid:SendGridTransport",
-    "mailgun": "flask_mail_outbox.transports._mailgun:MailgunTransport",
-    "resend": "flask_mail_outbox.transports._resend:ResendTransport",
-    "ses": "flask_mail_outbox.transports._ses:SESTransport",
-}
+#: The provider API transports by name, imported on first use (``ses`` needs an extra):
+#: ``_providers.PROVIDERS``, the one table of providers.
+API_KINDS: dict[str, str] = {kind: p.transport for kind, p in PROVIDERS.items()}
 #: What a kind needs installed beyond the package's own dependencies.
-_EXTRAS = {"ses": "ses"}
+_EXTRAS = {kind: p.extra for kind, p in PROVIDERS.items() if p.extra is not None}
 
 
 def is_builtin(name: object) -> bool:
