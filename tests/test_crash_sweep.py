@@ -38,7 +38,7 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message
 from flask_mail_outbox.core import email_table
-from flask_mail_outbox.core import now_expr
+from flask_mail_outbox.core._clock import now_expr
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

@@ -271,3 +271,95 @@ def test_the_retry_schedule_on_the_modes_page_is_the_readmes() -> None:
     modes = schedule_of((DOCS / "guide" / "modes.md").read_text(encoding="utf-8"))
     assert len(readme[0]) == 29 and len(readme[1]) == 2
     assert modes == readme
+
+
+# --- the architecture page and the package's faces ---------------------------------------
+# docs/architecture.md is held to the code as the configuration reference is: its layer
+# rows are the import-linter "layers" contract, every module it names exists, and every
+# module of the package is named.
+
+PACKAGE = ROOT / "flask_mail_outbox"
+ARCHITECTURE = DOCS / "architecture.md"
+
+
+def _layers_contract() -> list[set[str]]:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    [contract] = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    return [{name.strip().removeprefix("flask_mail_outbox.") for name in row.split("|")}
+            for row in contract["layers"]]
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end == -1 else text[start:end]
+
+
+def test_the_architecture_page_shows_the_layers_contract_row_by_row() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    contract = _layers_contract()
+    block = re.search(r"^<!-- layers: [^\n]* -->\n```text\n(?P<body>.*?)^```$", text,
+                      re.MULTILINE | re.DOTALL)
+    assert block is not None, "the layer block (after <!-- layers: ... -->) is gone"
+    shown = [{name.strip() for name in re.split(r"\s{2,}", line)[0].split("|")}
+             for line in block.group("body").splitlines()]
+    assert shown == contract
+    table = [line for line in _section(text, "The layers").splitlines()
+             if line.startswith("| `")]
+    rows = [set(re.findall(r"`([\w.]+)`", line.split("|")[1])) for line in table]
+    assert rows == contract
+    count = "one two three four five six seven eight nine ten".split()[len(contract) - 1]
+    assert f"The package is {count} layers" in text
+
+
+def test_every_module_of_the_package_is_in_a_layer() -> None:
+    layered = set().union(*_layers_contract())
+    children = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | {
+        p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(children - layered) == [], "modules in no layer of the contract"
+    assert sorted(layered - children) == [], "layers naming no module"
+
+
+def test_the_architecture_page_names_every_module_and_only_modules_that_exist() -> None:
+    modules = _section(ARCHITECTURE.read_text(encoding="utf-8"), "The modules, one job each")
+    named: set[Path] = set()
+    base = PACKAGE
+    for line in modules.splitlines():
+        if line.startswith("### "):
+            folder = [t for t in re.findall(r"`([^`]+)`", line) if t.endswith("/")]
+            base = PACKAGE / folder[0] if folder else PACKAGE
+            assert base.is_dir(), line
+        elif line.startswith("| `"):
+            for token in re.findall(r"`([\w./]+)`", line.split("|")[1]):
+                named.add(base / token)
+    missing = sorted(str(p.relative_to(ROOT)) for p in named if not p.exists())
+    assert missing == [], "docs/architecture.md names modules that do not exist"
+    folders = [p for p in named if p.is_dir()]
+    unnamed = sorted(
+        str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+        if "__pycache__" not in p.parts and p not in named
+        and not any(folder in p.parents for folder in folders))
+    assert unnamed == [], "modules docs/architecture.md does not name"
+
+
+def test_no_page_or_module_refers_to_a_file_outside_the_repository() -> None:
+    # The product contract was once a DESIGN.md kept outside the repository.
+    texts = [*pages(), *PACKAGE.rglob("*.py")]
+    assert [str(p.relative_to(ROOT)) for p in texts
+            if "DESIGN.md" in p.read_text(encoding="utf-8")] == []
+    architecture = ARCHITECTURE.read_text(encoding="utf-8")
+    for path in re.findall(r"`((?:tests|scripts|docs|\.ci)/[\w./-]+)`", architecture):
+        assert (ROOT / path).exists(), path
+
+
+def test_the_core_public_face_is_on_the_api_page() -> None:
+    import flask_mail_outbox.core as core
+
+    section = (DOCS / "api.md").read_text(encoding="utf-8")
+    section = section[section.index("## The delivery core"):]
+    section = section[:section.index("\n## ", 1)]
+    shown = set(re.findall(r"flask_mail_outbox\.core\.(\w+)$", section, re.MULTILINE)) | set(
+        re.findall(r"`(\w+)`", section))
+    assert sorted(set(core.__all__) - shown) == []

@@ -41,7 +41,7 @@ from provider_ses import (
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, InvalidMessage, Message, OutboxMail
-from flask_mail_outbox.core import utcnow
+from flask_mail_outbox.core._clock import utcnow
 from flask_mail_outbox.transports._ses import MAX_MESSAGE_BYTES
 
 #: The AWS chain's environment: cleared for every test that relies on the chain.

@@ -30,6 +30,7 @@ from flask import Flask, Response, jsonify, request
 from .. import _degrade
 from .._errors import InvalidMessage
 from .._events import DeliveryEvent
+from .._providers import webhook_auth
 from .._webhooks import (
     MAX_BODY_BYTES,
     Receiver,
@@ -135,7 +136,8 @@ def _receive(state: AppState, receivers: dict[str, Receiver], name: str) -> Resp
     except WebhookRefused as refused:
         logger.warning("Refused a %s webhook request for transport %r from %s: %s",
                        receiver.kind, name, request.remote_addr, refused.reason)
-        return _refusal(refused.status, refused.reason, basic=receiver.kind == "postmark")
+        return _refusal(refused.status, refused.reason,
+                        basic=webhook_auth(receiver.kind) == "basic")
     except InvalidMessage as exc:  # a verified body with a field no event can hold
         logger.warning("Refused a %s webhook request for transport %r: %s", receiver.kind,
                        name, exc)

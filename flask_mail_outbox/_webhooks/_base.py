@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, naive_utc
+from .._providers import PROVIDERS
 
 #: A signed timestamp further than this from now is a replay (seconds).
 TOLERANCE_SECONDS = 300.0
@@ -32,14 +33,8 @@ TOLERANCE_SECONDS = 300.0
 #: The largest body a webhook route reads (bytes); more is refused with 413.
 MAX_BODY_BYTES = 1024 * 1024
 
-#: kind -> "module:Class" of its receiver, imported when first used.
-RECEIVERS = {
-    "postmark": "flask_mail_outbox._webhooks.postmark:PostmarkReceiver",
-    "sendgrid": "flask_mail_outbox._webhooks.sendgrid:SendGridReceiver",
-    "mailgun": "flask_mail_outbox._webhooks.mailgun:MailgunReceiver",
-    "resend": "flask_mail_outbox._webhooks.resend:ResendReceiver",
-    "ses": "flask_mail_outbox._webhooks.ses:SESReceiver",
-}
+#: kind -> "module:Class" of its receiver, imported when first used (``_providers.PROVIDERS``).
+RECEIVERS = {kind: p.receiver for kind, p in PROVIDERS.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
-from ..core._models import TABLE_NAMES
+from ..core._internal import TABLE_NAMES
 
 __all__ = ["BRANCH_LABEL", "VERSIONS_DIR", "combine_include_object", "include_object"]
 
