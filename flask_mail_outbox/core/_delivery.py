@@ -29,9 +29,12 @@ from email.policy import default as default_policy
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import exc as sa_exc
+
 from .. import _degrade
 from .._errors import PermanentError, TransientError, TransportError
 from .._events import DeliveryEvent
+from .._outside import TEXT_LIMIT, clean_line, clean_text
 from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Transport
 from ._clock import utcnow
 from ._events import EventLog
@@ -54,6 +57,60 @@ _HOST = socket.gethostname()
 
 #: Why a row claimed past its last attempt is dead-lettered unsent.
 SPENT_LEASE = "lease expired: the process sending it stopped, and its attempts are spent"
+
+
+def about_the_data(exc: BaseException) -> bool:
+    """Whether the database refused ``exc``'s write for what it said, not for being away.
+
+    A text it cannot store (a NUL on PostgreSQL, a lone surrogate), a value
+    too long for its column, an encoding error: retrying the same write
+    fails the same way. An outage (``OperationalError``, ``InterfaceError``)
+    is never one of these.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+            return False
+        if isinstance(current, (sa_exc.DataError, UnicodeError)):
+            return True
+        sqlstate = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(sqlstate, str) and sqlstate.startswith("22"):  # data exception
+            return True
+        if type(current).__name__ == "DataError":  # a driver's own (psycopg, sqlite3)
+            return True
+        current = getattr(current, "orig", None) or current.__cause__ or current.__context__
+    return False
+
+
+def _safe_text(text: str | None, limit: int = TEXT_LIMIT) -> str | None:
+    return None if text is None else clean_text(text, limit)
+
+
+def made_safe(outcome: Outcome) -> Outcome:
+    """``outcome`` with every text from outside made safe to store (see :mod:`.._outside`)."""
+    provider_id = outcome.provider_message_id
+    return dataclasses.replace(
+        outcome, error_message=_safe_text(outcome.error_message),
+        provider_message_id=(clean_line(provider_id) or None) if provider_id else None,
+        unknown_recipients=tuple((clean_line(address, 320), clean_text(reply, 1000))
+                                 for address, reply in outcome.unknown_recipients),
+        failovers=tuple(dataclasses.replace(step, error=TransientError(
+            clean_text(step.error.message), code=step.error.code))
+            for step in outcome.failovers))
+
+
+def bare(outcome: Outcome, why: str) -> Outcome:
+    """``outcome`` with nothing from outside: its status, and why its reply is missing."""
+    said = ("the server's reply could not be stored (the database refused it: "
+            f"{why})")
+    message = None
+    if outcome.error_message is not None:
+        message = (f"some recipients refused; {said}" if outcome.status is Status.SENT
+                   else said)
+    return dataclasses.replace(outcome, error_message=message, provider_message_id=None,
+                               unknown_recipients=(), failovers=())
 
 
 def new_owner() -> str:
@@ -582,6 +639,11 @@ class Delivery:
             try:
                 result = record() if kept is None else kept.run(record)
             except Exception as exc:
+                if about_the_data(exc):
+                    # Not an outage: the database refuses what the outcomes say.
+                    # Retrying would only sleep and, the rows left sending, send
+                    # them again: record them without what it refuses.
+                    return self._record_made_safe(outcomes, kept, stored, exc)
                 if delay is None:
                     sent = sum(o.status is Status.SENT for o in outcomes)
                     _degrade.report(
@@ -604,6 +666,52 @@ class Delivery:
                 self.faults.recovered("record")
                 return result
         raise RuntimeError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _record_made_safe(self, outcomes: list[Outcome], kept: KeptConnection | None,
+                          stored: list[DeliveryEvent] | None, refused: Exception) -> Recorded:
+        """Record ``outcomes`` the database refused for their data, without the poisoned part.
+
+        First with every text from outside made safe (:func:`made_safe`); if
+        the database still refuses, with none of it (:func:`bare`): each
+        email keeps its status (a sent one stays sent) and says why its
+        server's reply is missing. Each try is one write, never a sleep: the
+        rows are never left ``sending`` to be claimed and sent again.
+        """
+        why = f"{type(refused).__name__}: {clean_line(refused, 300)}"
+        last: Exception = refused
+        for step, shaped in (("made safe", [made_safe(o) for o in outcomes]),
+                             ("left out", [bare(o, why) for o in outcomes])):
+            def write_events(tx: Connection, recorded: list[Outcome]) -> None:
+                written = self._write_events(tx, recorded)
+                if stored is not None:
+                    stored[:] = written
+
+            def record(conn: Connection | None = None,
+                       shaped: list[Outcome] = shaped) -> Recorded:
+                return self.store.record(shaped, scrub_sent=self.config.scrub_sent,
+                                         conn=conn, then=write_events)
+
+            try:
+                result = record() if kept is None else kept.run(record)
+            except Exception as exc:
+                if not about_the_data(exc):
+                    raise
+                last = exc
+                continue
+            _degrade.report(
+                f"The database refused the outcome of {len(outcomes)} email(s) "
+                f"{[o.email.id for o in outcomes][:20]} as the server's reply gave it ({why})",
+                consequence=f"they are recorded with the server's text {step} (their status "
+                            "is as delivery found it: nothing is sent again)",
+                fix="nothing for these emails; report the server's reply if it recurs")
+            return result
+        _degrade.report(
+            f"Could not record the outcome of {len(outcomes)} email(s) even without the "
+            "server's reply",
+            consequence="they stay sending until their lease expires, then are delivered "
+                        "again: the accepted ones arrive twice, with the same Message-ID",
+            fix="report this with the traceback below", exc=last)
+        raise last
 
     def _write_events(self, tx: Connection, recorded: list[Outcome]) -> list[DeliveryEvent]:
         """The events recorded outcomes come with, written on ``tx``.

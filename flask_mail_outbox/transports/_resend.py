@@ -273,6 +273,7 @@ class ResendTransport(HTTPTransport):
         with self._account_lock:
             first, self._account_failing = not self._account_failing, True
         if first:
+            problem = self.outside(problem)
             _degrade.report(
                 f"The resend transport OUTBOX_TRANSPORTS[{self.name!r}] cannot send: "
                 f"{problem}",
