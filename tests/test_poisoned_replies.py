@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from conftest import MakeApps, db, rows, wait_rows
@@ -104,7 +104,7 @@ class PoisonTransport(Transport):
     id of a delivered message has a NUL too. Counts each message it is given.
     """
 
-    sent: list[str] = []
+    sent: ClassVar[list[str]] = []
 
     def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
         PoisonTransport.sent.append(envelope.message_id)
@@ -116,7 +116,7 @@ class PoisonTransport(Transport):
 class FailingPoisonTransport(Transport):
     """Fails every message permanently with a NUL in the error text."""
 
-    sent: list[str] = []
+    sent: ClassVar[list[str]] = []
 
     def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
         from flask_mail_outbox import PermanentError

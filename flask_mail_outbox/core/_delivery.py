@@ -282,19 +282,28 @@ class Callbacks:
     events: Callable[[Sequence[DeliveryEvent]], None] | None = None
 
 
+#: OUTBOX_AMBIGUOUS_RETRIES's default.
+AMBIGUOUS_RETRIES = 1
+
+
 def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy, *,
-                retry_now: bool = False) -> Outcome:
+                retry_now: bool = False,
+                ambiguous_retries: int = AMBIGUOUS_RETRIES) -> Outcome:
     """What to record for ``email`` after ``result`` (None: claimed past its last attempt).
 
     The retry policy decides every failure in both modes: a transient one sets
     the row's next due time, or dead-letters it on its last allowed attempt; a
     throttled one gives the attempt back a bounded number of times.
     ``retry_now``: the caller retries it in process, so it is due again at once
-    (a throttle deferral still waits its few seconds).
+    (a throttle deferral still waits its few seconds). A failure after which
+    the message may have been accepted (``maybe_sent``) is retried at most
+    ``ambiguous_retries`` times in the row's life, then ends ``failed`` with
+    a last error that says it may have been sent.
     """
     if result is None:
         return Outcome(email, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
-    outcome = _outcome_of(email, result, policy, retry_now=retry_now)
+    outcome = _outcome_of(email, result, policy, retry_now=retry_now,
+                          ambiguous_retries=ambiguous_retries)
     if result.failovers:
         outcome = dataclasses.replace(outcome, failovers=result.failovers)
     unknown = unknown_recipients(result)
@@ -304,7 +313,7 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
 
 
 def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
-                retry_now: bool) -> Outcome:
+                retry_now: bool, ambiguous_retries: int) -> Outcome:
     if isinstance(result, Suppressed):
         why = ", ".join(f"{address} ({reason})" for address, reason in email.suppressed)
         return Outcome(email, Status.SUPPRESSED, give_back_attempt=True,
@@ -327,9 +336,15 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
     if isinstance(error, NotAttempted):
         return Outcome(email, Status.QUEUED, give_back_attempt=True)
+    maybe_sent = isinstance(error, TransientError) and error.maybe_sent
+    if maybe_sent and email.ambiguous_attempts >= ambiguous_retries:
+        return Outcome(email, Status.FAILED, error_code=error.code, maybe_sent=True,
+                       error_message=may_have_been_sent(email.ambiguous_attempts + 1,
+                                                        ambiguous_retries, error.message))
     decision = policy.decide(email.attempt, error, deferrals=email.throttle_deferrals)
     if decision.dead:
-        return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
+        return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message,
+                       maybe_sent=maybe_sent)
     due_in = None if retry_now and decision.charge else decision.delay
     asked = getattr(error, "retry_after", None)
     if asked is not None:
@@ -343,7 +358,19 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                                      f"before its next attempt; last error: {error.message}")
     return Outcome(email, Status.QUEUED, error_code=error.code, error_message=error.message,
                    due_in=due_in, give_back_attempt=not decision.charge,
-                   deferred=decision.deferral)
+                   deferred=decision.deferral, maybe_sent=maybe_sent)
+
+
+#: How the last error of a row ended by OUTBOX_AMBIGUOUS_RETRIES starts.
+MAY_HAVE_BEEN_SENT = "may have been sent"
+
+
+def may_have_been_sent(unclear: int, retries: int, message: str) -> str:
+    """The last error of a row whose ``unclear`` attempts may each have delivered it."""
+    return (f"{MAY_HAVE_BEEN_SENT}: {unclear} attempt(s) ended without knowing whether the "
+            f"server accepted it, and it is not retried again (OUTBOX_AMBIGUOUS_RETRIES="
+            f"{retries}) so as not to deliver another copy; check with the recipient or the "
+            f"provider before retrying it. Last: {message}")
 
 
 class Heartbeat:
@@ -516,7 +543,8 @@ class Delivery:
         report = BatchReport()
         if not done:
             return report
-        outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now)
+        outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now,
+                                ambiguous_retries=self.config.ambiguous_retries)
                     for email, result in done]
         stored: list[DeliveryEvent] = []
         try:
@@ -558,17 +586,23 @@ class Delivery:
         elif outcome.status is Status.FAILED:
             report.failed.append(email.id)
             why = ("failed permanently" if isinstance(error, PermanentError) else
+                   "may have been sent (it is not retried again)"
+                   if (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT) else
                    "had an expired lease (the process sending it stopped) and no attempt "
                    f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
                    "not have accepted its last one" if outcome.error_message == SPENT_LEASE else
                    f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
                    f"{policy.max_attempts})")
+            maybe = (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT)
             _degrade.report(
                 f"Email {email.id} ({email.message_id}) {why} on attempt {email.attempt}: "
                 f"{error}",
-                consequence="it is dead-lettered (status failed) and will not be sent",
-                fix=f"correct the cause, then put it back with mail.retry({email.id}) or "
-                    f"`flask outbox dlq retry {email.id}`")
+                consequence="it is dead-lettered (status failed) and will not be sent"
+                            + (" again" if maybe else ""),
+                fix=(f"check whether it arrived (the provider's log, the recipient) before "
+                     f"putting it back with mail.retry({email.id})" if maybe else
+                     f"correct the cause, then put it back with mail.retry({email.id}) or "
+                     f"`flask outbox dlq retry {email.id}`"))
             self._tell(self.callbacks.failed, email, error)
         elif outcome.status in (Status.SUPPRESSED, Status.EXPIRED):
             (report.suppressed if outcome.status is Status.SUPPRESSED

@@ -12,8 +12,10 @@ A subclass says how a message becomes a request (:meth:`HTTPTransport.request_fo
 and what a successful answer means for each message (:meth:`HTTPTransport.results_for`).
 Everything else is classified here, the same way for every provider:
 
-* a timeout, a refused or dropped connection, a 5xx: transient, and the
-  transport's fault (the attempt moves to its ``failover`` list);
+* a refused connection, a timeout while connecting, a 5xx: transient, and the
+  transport's fault (the attempt moves to its ``failover`` list); a timeout or
+  a dropped connection after the request went out: transient, and ambiguous
+  (below);
 * 429: throttled (``Retry-After`` honoured; the shared rate is halved and no
   attempt is charged, as for a throttling SMTP reply);
 * 401 and 403: transient, with one ERROR naming the transport, so a rotated
@@ -25,7 +27,10 @@ Whether the provider may have accepted a message that failed so: a 2xx it
 could not read, a timeout or a dropped connection after the request went
 out. Such an error is ``maybe_sent`` (retried only ``OUTBOX_AMBIGUOUS_RETRIES``
 times), unless the provider honours an idempotency key
-(:attr:`HTTPTransport.idempotent`), which makes a retry safe.
+(:attr:`HTTPTransport.idempotent`), which makes a retry safe; either way it
+is no transport fault, so it never fails over to another transport (which
+would send a copy of its own). A timeout or a refusal before the request
+went out (connecting) is a transport fault as before.
 
 Every text of an answer (its body, its message, a provider's id) is made
 safe to store where it enters (:meth:`HTTPTransport.outside`): control
@@ -51,16 +56,7 @@ import httpx
 from .. import _degrade
 from .._errors import ConfigError, PermanentError, TransientError, TransportError
 from .._outside import clean_line, clean_text, redact
-from ._base import (
-    Delivered,
-    Envelope,
-    Failed,
-    NotAttempted,
-    Report,
-    Result,
-    Sending,
-    Transport,
-)
+from ._base import Envelope, Failed, NotAttempted, Report, Result, Sending, Transport
 from ._settings import TransportSettings
 
 logger = logging.getLogger(__name__)
@@ -103,6 +99,7 @@ class HTTPTransport(Transport):
     #: The provider honours an idempotency key the transport sends with each
     #: request (the same on every attempt of an email): an ambiguous failure is
     #: then retried like any other, since a retry cannot send a second copy.
+    #: It still never fails over: another transport knows nothing of the key.
     idempotent: ClassVar[bool] = False
 
     #: httpx errors raised before the request reached the provider: never ambiguous.
@@ -272,22 +269,23 @@ class HTTPTransport(Transport):
 
     async def _attempt(self, envelopes: Sequence[Envelope]) -> list[Result]:
         client = self._http_client()
-        maybe = not self.idempotent
         try:
             request = self.request_for(client, envelopes)
             response = await client.send(request)
         except httpx.TimeoutException as exc:
             # A timeout after the request went out: the provider may have taken it.
-            sent = maybe and not isinstance(exc, self._NOT_SENT)
+            # Then it is no transport fault: a failover would send another copy.
+            sent = not isinstance(exc, self._NOT_SENT)
             return self._all(envelopes, TransientError(
                 f"{self.kind} API did not answer within {self.timeout:g} s "
-                f"({type(exc).__name__})" + (_MAYBE if sent else ""), transport_fault=True,
-                maybe_sent=sent))
+                f"({type(exc).__name__})" + (_MAYBE if sent else ""), transport_fault=not sent,
+                maybe_sent=sent and not self.idempotent))
         except httpx.TransportError as exc:
-            sent = maybe and not isinstance(exc, self._NOT_SENT)
+            sent = not isinstance(exc, self._NOT_SENT)
             return self._all(envelopes, TransientError(
                 f"{self.kind} API connection failed: {type(exc).__name__}: {exc}"
-                + (_MAYBE if sent else ""), transport_fault=True, maybe_sent=sent))
+                + (_MAYBE if sent else ""), transport_fault=not sent,
+                maybe_sent=sent and not self.idempotent))
         except TransportError as exc:  # the provider's own refusal to build the request
             return self._all(envelopes, exc)
         return self._classify(envelopes, response)

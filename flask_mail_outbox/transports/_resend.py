@@ -125,6 +125,8 @@ class ResendTransport(HTTPTransport):
     required_keys = ("api_key",)
     secret_keys = ("api_key",)
     max_batch = MAX_BATCH
+    #: Every request carries the email's Idempotency-Key: a retry is safe.
+    idempotent = True
 
     def __init__(self, options: Mapping[str, Any], *, name: str = "default",
                  concurrency: int = 4) -> None:
