@@ -26,7 +26,8 @@ from conftest import MakeApps, db, rows, wait_rows
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message
-from flask_mail_outbox.transports import Envelope, Transport
+from flask_mail_outbox.transports import Delivered, Envelope, Report, Result, Sending, Transport
+from flask_mail_outbox.transports._base import _OneAtATime
 
 GOOD, BAD, OTHER = "good@example.com", "bad@example.com", "other@example.com"
 #: What the server answers BAD: an unknown user, with a NUL in the middle.
@@ -162,3 +163,39 @@ def test_a_permanent_failure_with_a_poisoned_text_ends_failed_once(
     assert "\ufffd" in row["last_error"]
     time.sleep(4.5)
     assert FailingPoisonTransport.sent == [row["message_id"]]
+
+
+class _LongIds(_OneAtATime):
+    def _send(self, envelope: Envelope) -> Result:
+        LongIdTransport.sent.append(envelope.message_id)
+        # Longer than provider_message_id's 255 characters: PostgreSQL refuses it.
+        return Delivered(provider_message_id="id-" + "x" * 300 + "\x00")
+
+
+class LongIdTransport(Transport):
+    """A transport whose stream hands back a provider id no column can hold."""
+
+    sent: ClassVar[list[str]] = []
+
+    def open(self, report: Report) -> Sending:
+        return _LongIds(self, report)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_provider_id_too_long_for_its_column_is_stored_cut_and_sent_once(
+        mode: str, make_apps: MakeApps, backend: str) -> None:
+    """PostgreSQL refuses the 304 characters (and the NUL); SQLite stores any length."""
+    LongIdTransport.sent = []
+    app, mail = make_apps(OUTBOX_TRANSPORT="test_poisoned_replies:LongIdTransport",
+                          **MODES[mode], **SHORT_LEASE)
+    with app.app_context():
+        mail.send(Message("long id", recipients=[GOOD], body="x"))
+        db.session.commit()
+    [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", timeout=PROMPT)
+    assert row["status"] == "sent"
+    stored = row["provider_message_id"]
+    assert stored is not None and stored.startswith("id-x")
+    if backend == "postgresql":
+        assert len(stored) <= 255 and "\x00" not in stored
+    time.sleep(4.5)
+    assert LongIdTransport.sent == [row["message_id"]]
