@@ -26,7 +26,14 @@ from conftest import MakeApps, db, rows, wait_rows
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message
-from flask_mail_outbox.transports import Delivered, Envelope, Report, Result, Sending, Transport
+from flask_mail_outbox.transports import (
+    Delivered,
+    Envelope,
+    Report,
+    Result,
+    Sending,
+    Transport,
+)
 from flask_mail_outbox.transports._base import _OneAtATime
 
 GOOD, BAD, OTHER = "good@example.com", "bad@example.com", "other@example.com"
