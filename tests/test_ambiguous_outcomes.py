@@ -111,6 +111,19 @@ def test_smtp_dropped_once_after_the_final_dot_is_sent_on_the_retry(
     assert smtp_server.message_ids().count(row["message_id"]) == 2
 
 
+def test_smtp_silent_after_the_final_dot_is_ambiguous_too(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
+    """No reply within MAIL_TIMEOUT after the content: the server may have queued it."""
+    smtp_server.delay("data", 3)
+    app, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                       MAIL_TIMEOUT=0.5, **FAST)
+    _send(app)
+    [row] = _settled(app)
+    assert (row["status"], row["attempts"]) == ("failed", 2)
+    assert smtp_server.data_attempts == 2
+    assert "may have been sent:" in row["last_error"] and "timed out" in row["last_error"]
+
+
 def test_smtp_refused_after_the_final_dot_is_not_ambiguous(
         make_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
     """A 451 after the dot is an answer: retried as usual, never counted as maybe sent."""
