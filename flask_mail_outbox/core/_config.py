@@ -72,6 +72,9 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_RETRY_BASE_SECONDS": 60.0,
     "OUTBOX_RETRY_MAX_SECONDS": 3600.0,
     "OUTBOX_MAX_THROTTLE_DEFERRALS": 10,
+    # Retries of an attempt that may have been delivered (a drop after the final
+    # dot, a provider's timeout after the request went): each may be a copy.
+    "OUTBOX_AMBIGUOUS_RETRIES": 1,
     "OUTBOX_LEASE_SECONDS": 30.0,
     "OUTBOX_BATCH_SIZE": 100,
     "OUTBOX_CONCURRENCY": 4,
@@ -228,6 +231,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         retry_max_seconds=retry_max,
         max_throttle_deferrals=keys.number("OUTBOX_MAX_THROTTLE_DEFERRALS", minimum=0,
                                            integer=True),
+        ambiguous_retries=keys.number("OUTBOX_AMBIGUOUS_RETRIES", minimum=0, integer=True),
         lease_seconds=keys.number("OUTBOX_LEASE_SECONDS", minimum=1),
         batch_size=keys.number("OUTBOX_BATCH_SIZE", minimum=1, integer=True),
         concurrency=_concurrency(keys),
