@@ -244,3 +244,20 @@ def test_a_clean_clone_builds_an_sdist_with_tests_and_a_wheel_without(tmp_path: 
                            capture_output=True, text=True, timeout=120, check=False, env=env)
     assert probe.returncode == 0, probe.stdout + probe.stderr
     assert str(venv) in probe.stdout
+
+
+def test_the_changelog_opens_with_the_version_to_release() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
+    changelog = (ROOT / "docs/changelog.md").read_text("utf-8")
+    first = re.search(r"^## (?P<title>.+)$", changelog, re.MULTILINE)
+    assert first is not None, "docs/changelog.md has no release section"
+    # "## 0.1.0", dated ("## 0.1.0 (2027-01-15)") when it is tagged.
+    assert first.group("title").split()[0] == project["version"], first.group(0)
+    # The Python versions the classifiers claim start at requires-python's floor.
+    floor = project["requires-python"].removeprefix(">=")
+    claimed = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"]
+               if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert claimed and claimed[0] == floor, (floor, claimed)
+    assert "Typing :: Typed" in project["classifiers"]
