@@ -33,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,7 +171,7 @@ def test_the_pages_that_recommend_postgresql_show_its_driver(page: str) -> None:
     assert "postgresql+psycopg://" in text, f"{page}: no psycopg 3 database URL"
 
 
-def _check_install_module():  # type: ignore[no-untyped-def]
+def _check_install_module() -> types.ModuleType:
     """scripts/check-install as a module: its sdist and wheel checks, shared."""
     loader = importlib.machinery.SourceFileLoader("check_install", str(ROOT / "scripts/check-install"))
     spec = importlib.util.spec_from_loader("check_install", loader)
