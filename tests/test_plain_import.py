@@ -7,7 +7,8 @@ environment has every extra installed, so an import at module level would go
 unnoticed here and break every install without that extra (as ``_mail.py``'s
 import of the metrics module once did). A child interpreter refuses those imports
 with an import hook (a ``sys.meta_path`` finder), as if those were not installed,
-then imports the package, makes an app, sends an html-only email (whose text part
+then imports the package (and its public modules), makes an app with the
+dashboard, asks for its health, sends an html-only email (whose text part
 the standard-library renderer makes without the ``html`` extra) through to
 ``sent``, and runs ``flask outbox status``'s command. An optional import on that
 path that does not fall back fails it with the hook's ImportError.
@@ -49,6 +50,9 @@ _CHILD = textwrap.dedent('''
     sys.meta_path.insert(0, RefuseOptional())
 
     import flask_mail_outbox
+    import flask_mail_outbox.core
+    import flask_mail_outbox.migrations
+    import flask_mail_outbox.transports
     from flask_mail_outbox import Message, OutboxMail
     from flask import Flask
     from flask_sqlalchemy import SQLAlchemy
@@ -56,20 +60,26 @@ _CHILD = textwrap.dedent('''
     db_path = sys.argv[2]
     app = Flask("plain")
     app.config.update(TESTING=True, SQLALCHEMY_DATABASE_URI="sqlite:///" + db_path,
+                      SECRET_KEY="a test's secret key, long enough for the dashboard",
                       MAIL_DEFAULT_SENDER="Example <noreply@example.com>")
     db = SQLAlchemy(app)
     mail = OutboxMail(app)
+    app.register_blueprint(mail.dashboard_blueprint(authorize=lambda: True), url_prefix="/outbox")
     with app.app_context():
         mail.create_all()
+        health = mail.health()
         with mail.record_messages() as delivered:
             email_id = mail.send(Message("Welcome", recipients=["ann@example.com"],
                                          html="<p>Hi <b>Ann</b></p>"))
             db.session.commit()
     with sqlite3.connect(db_path) as con:
         [(status,)] = con.execute("SELECT status FROM outbox_email WHERE id = ?", (email_id,))
+    page = app.test_client().get("/outbox/")
     result = app.test_cli_runner().invoke(args=["outbox", "status", "--json"])
     print(json.dumps({
         "status": status,
+        "health": sorted(health),
+        "dashboard": page.status_code,
         "delivered": [m.subject for m in delivered],
         "cli_exit": result.exit_code,
         "cli_output": result.output,
@@ -95,6 +105,8 @@ def test_the_plain_path_imports_no_optional_extra(tmp_path: Path) -> None:
     # refusal is an absent extra and its fallback runs: nothing optional got loaded.
     assert report["loaded"] == [], report["refused"]
     assert report["status"] == "sent"
+    assert report["health"], "mail.health() said nothing"
+    assert report["dashboard"] == 200
     assert report["delivered"] == ["Welcome"]
     assert report["cli_exit"] == 0, report["cli_output"]
     assert json.loads(report["cli_output"])["counts"]["sent"] == 1, report["cli_output"]
