@@ -262,3 +262,11 @@ def test_the_changelog_opens_with_the_version_to_release() -> None:
                if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
     assert claimed and claimed[0] == floor, (floor, claimed)
     assert "Typing :: Typed" in project["classifiers"]
+
+
+def test_getting_started_lists_exactly_the_extras_for_users(wheel: BuiltWheel) -> None:
+    # The contributors' extras (scripts/check-install installs every other one).
+    provided = set(wheel.metadata.get_all("Provides-Extra", [])) - {"test", "dev", "bench"}
+    section = install_section(ROOT / "docs/getting-started.md")
+    listed = set(re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE))
+    assert listed == provided
