@@ -127,7 +127,7 @@ def test_a_message_the_reader_fails_on_is_dropped_not_retried(
 
 def test_the_database_unreachable_is_75_and_a_later_run_processes_it(
         make_apps: MakeApps, caplog: pytest.LogCaptureFixture) -> None:
-    app, mail = make_apps(TESTING=True)
+    app, _ = make_apps(TESTING=True)
     with app.app_context(), db.engine.begin() as conn:
         conn.execute(sa.text("ALTER TABLE outbox_event RENAME TO outbox_event_away"))
     try:
