@@ -21,8 +21,15 @@ Which reader, in this order:
    is given to flufl.bounce too, and stays a ``"dsn"`` without events when
    it finds nobody either.
 
-flufl.bounce reads the first :data:`FLUFL_BYTES` of a message (see
-:func:`_trimmed`), and one message gives at most :data:`MAX_EVENTS` events.
+Anyone can mail the bounce address, so every step is linear in the input and
+bounded: the first :data:`MAX_BYTES` of a message are read; of the headers the
+VERP address may be in, the first :data:`_ADDRESS_HEADERS` of each name, each
+cut to :data:`_ADDRESS_CHARS` with its comments taken out, and the first
+:data:`_ADDRESS_CANDIDATES` addresses; flufl.bounce reads the first
+:data:`FLUFL_BYTES` (see :func:`_trimmed`); one message gives at most
+:data:`MAX_EVENTS` events. A message the reader fails on anyway raises
+:class:`NotMail` (logged at ERROR): a poison message is dropped, never retried.
+What an event stores of the message goes through :mod:`._outside` once.
 
 ==============================================  =========================================
 what the message says                           event (bounce kind)
