@@ -111,6 +111,9 @@ SHAPES: dict[str, tuple[Callable[[int], bytes], int]] = {
                               + DSN, 20000),
     "quotes in to": (lambda n: b"To: " + b'"\\' * n + b"\n" + DSN, 20000),
     "nested multiparts": (_nested, 200),
+    "nested returned messages": (lambda n: b"From: a@example.com\nMIME-Version: 1.0\n"
+                                 + b"Content-Type: message/rfc822\n\nSubject: x\n" * n
+                                 + b"\nend\n" * n, 200),
     # Huge numbers, and lines: a status, a date, the text flufl.bounce reads.
     "huge status": (lambda n: DSN.replace(b"Status: 5.1.1", b"Status: 5." + b"1" * n + b".1"),
                     20000),
