@@ -195,7 +195,6 @@ _COPY_MARKERS = re.compile(
     re.MULTILINE | re.IGNORECASE)
 
 _STATUS = re.compile(r"\b([245])\.(\d{1,3})\.(\d{1,3})\b")
-_ADDRESS = re.compile(r"[^\s<>@]+@[^\s<>@]+")
 _MESSAGE_ID = re.compile(r"<[^<>\s]+>")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 _SPACES = re.compile(r"\s+")
@@ -345,9 +344,6 @@ def _typed(value: str) -> tuple[str, str]:
         return "", value.strip()
     return kind.strip().lower(), rest.strip()
 
-
-#: NUL and the other control characters: never in an address (a database refuses NUL).
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _address(value: str) -> str | None:
