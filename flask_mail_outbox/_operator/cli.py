@@ -22,7 +22,13 @@ from .._bounces import MAX_BYTES
 from .._compose.message import Message
 from .._errors import InvalidMessage
 from .._flask.state import AppState, app_state
-from ..core import DURABLE_SETTING, MAX_CONCURRENCY, utcnow
+from ..core._internal import (
+    DURABLE_SETTING,
+    EXACT,
+    MAX_CONCURRENCY,
+    recount_tally,
+    utcnow,
+)
 
 if TYPE_CHECKING:
     from .._flask.extension import OutboxExtension
@@ -277,14 +283,13 @@ def status(as_json: bool, recount: bool) -> None:
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ..core import _queries
 
     mail = _extension()
     corrected: dict[str, int] | None = None
     try:
         if recount:
             with _state().outbox().store.write() as conn:
-                corrected = _queries.recount_tally(conn)
+                corrected = recount_tally(conn)
         stats = mail.stats()
     except SQLAlchemyError as exc:
         # The type only: a driver's message may name hosts and users.
@@ -307,7 +312,7 @@ def status(as_json: bool, recount: bool) -> None:
     for name, count in stats["counts"].items():
         click.echo(f"  {name:<10} {count:>10}")
     tallied = [name for name in stats["counts"]
-               if name not in {exact.value for exact in _queries.EXACT}]
+               if name not in {exact.value for exact in EXACT}]
     click.echo(f"  ({', '.join(tallied)}: running totals kept by the database; "
                "--recount rebuilds them)")
     age = stats["oldest_queued_age_seconds"]
