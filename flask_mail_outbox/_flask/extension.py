@@ -433,7 +433,7 @@ class OutboxExtension:
         try:
             report = read_bounce(bytes(raw), email_id_of=verp.email_id_of if verp else None)
         except NotMail as exc:
-            raise InvalidMessage("raw", f"not a mail message: {exc}") from None
+            raise InvalidMessage("raw", str(exc)) from None
         events = [event for event in report.events
                   if verp is None or report.kind == "arf" or event.email_id is not None]
         if len(events) < len(report.events):
