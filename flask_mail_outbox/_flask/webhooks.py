@@ -178,7 +178,7 @@ def _after(state: AppState, events: tuple[DeliveryEvent, ...], confirm_url: str 
         try:
             response = httpx.get(confirm_url, timeout=10.0, follow_redirects=False)
             response.raise_for_status()
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             _degrade.report(
                 f"Could not confirm the SNS subscription of transport {name!r}",
                 consequence="SNS does not send this endpoint SES events until the "

@@ -250,7 +250,7 @@ def _derived_id(record_type: str, message_id: str | None, recipient: str | None,
                 time_text: str | None) -> str:
     """A stable id for a record Postmark gives none: the same record gives the same id."""
     parts = (record_type, message_id or "", recipient or "", time_text or "")
-    return hashlib.sha256("\x1f".join(parts).encode("utf-8")).hexdigest()
+    return hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _time(field: str | None, text: str | None) -> datetime | None:
@@ -258,8 +258,9 @@ def _time(field: str | None, text: str | None) -> datetime | None:
         return None
     try:
         return naive_utc(datetime.fromisoformat(text))
-    except ValueError:
-        raise WebhookRefused(400, f"{field} is not an ISO 8601 time") from None
+    except (ValueError, OverflowError):  # not a time; a time past 9999 in UTC
+        raise WebhookRefused(400, f"{field} is not an ISO 8601 time between the years 1 "
+                             "and 9999") from None
 
 
 def _text(record: Mapping[str, Any], key: str) -> str | None:

@@ -89,6 +89,10 @@ __all__ = ["ResendReceiver"]
 
 SECRET_PREFIX = "whsec_"
 
+#: The longest ``to`` entry read as an address (a display name and an address);
+#: longer ones are skipped, since the address parser is not linear.
+MAX_ADDRESS_TEXT = 1000
+
 #: Resend type -> normalized type; anything else is ``unknown``.
 EVENT_TYPES = {
     "email.delivered": "delivered",
@@ -214,10 +218,15 @@ def _recipients(value: Any) -> list[str]:
     """The addresses of ``data.to`` (a list, or one string), without display names."""
     values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
     found: list[str] = []
+    seen: set[str] = set()
     for item in values:
-        if isinstance(item, str):
-            address = parseaddr(item)[1] or item.strip()
-            if address and address not in found:
+        if isinstance(item, str) and len(item) <= MAX_ADDRESS_TEXT:
+            try:
+                address = parseaddr(item)[1] or item.strip()
+            except (RecursionError, ValueError, IndexError):  # the parser recurses on "(((("
+                address = item.strip()
+            if address and address not in seen:
+                seen.add(address)
                 found.append(address)
     return found
 

@@ -199,9 +199,9 @@ def _event_id(event: dict[str, Any], index: int) -> str:
     if event_id is not None and len(event_id) <= 255:
         return event_id
     if event_id is not None:
-        return hashlib.sha256(event_id.encode("utf-8")).hexdigest()
+        return hashlib.sha256(event_id.encode("utf-8", "surrogatepass")).hexdigest()
     canonical = json.dumps(event, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _time(event: dict[str, Any], index: int) -> datetime | None:
