@@ -69,23 +69,6 @@ class DeliveryEvent:
     id: int | None = None
 
     def __post_init__(self) -> None:
-        # Text from outside (a webhook's fields) is made safe to store here, once, for
-        # every source: control characters and lone surrogates replaced, length cut, a
-        # recipient that is not an address dropped (it never becomes a suppression key).
-        if isinstance(self.provider_event_id, str) and _UNSAFE_ID.search(self.provider_event_id):
-            # Still unique and stable (a resend repeats it): its digest.
-            object.__setattr__(self, "provider_event_id", hashlib.sha256(
-                self.provider_event_id.encode("utf-8", "surrogatepass")).hexdigest())
-        for name, line_limit in (("provider_message_id", 255), ("message_id", 998)):
-            value = getattr(self, name)
-            if isinstance(value, str) and _UNSAFE_ID.search(value):
-                object.__setattr__(self, name, clean_line(value, line_limit) or None)
-        not_an_address = ""
-        if isinstance(self.recipient, str):
-            address = clean_address(self.recipient)
-            if address is None:
-                not_an_address = self.recipient
-            object.__setattr__(self, "recipient", address)
         for name, limit in (("recipient", 320), ("provider_event_id", 255),
                             ("provider_message_id", 255), ("message_id", 998)):
             value = getattr(self, name)
@@ -104,6 +87,23 @@ class DeliveryEvent:
         for name in ("description", "mta_response"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidMessage(name, f"expected a str, got {getattr(self, name)!r:.80}")
+        # Text from outside (a webhook's fields) is made safe to store here, once, for
+        # every source: control characters and lone surrogates replaced, length cut, a
+        # recipient that is not an address dropped (it never becomes a suppression key).
+        if isinstance(self.provider_event_id, str) and _UNSAFE_ID.search(self.provider_event_id):
+            # Still unique and stable (a resend repeats it): its digest.
+            object.__setattr__(self, "provider_event_id", hashlib.sha256(
+                self.provider_event_id.encode("utf-8", "surrogatepass")).hexdigest())
+        for name, line_limit in (("provider_message_id", 255), ("message_id", 998)):
+            value = getattr(self, name)
+            if isinstance(value, str) and _UNSAFE_ID.search(value):
+                object.__setattr__(self, name, clean_line(value, line_limit) or None)
+        not_an_address = ""
+        if isinstance(self.recipient, str):
+            address = clean_address(self.recipient)
+            if address is None:
+                not_an_address = self.recipient
+            object.__setattr__(self, "recipient", address)
         if self.event_type not in EVENT_TYPES:
             raise InvalidMessage("event_type", f"{self.event_type!r} is not one of "
                                  f"{', '.join(EVENT_TYPES)}")

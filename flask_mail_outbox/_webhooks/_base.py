@@ -154,6 +154,20 @@ def iso_time(value: Any) -> datetime | None:
         return None
 
 
+def outside_recipient(value: str | None) -> str | None:
+    """A recipient a provider named, bounded for :class:`DeliveryEvent`.
+
+    The event makes it safe (:func:`~flask_mail_outbox._outside.clean_address`:
+    what is not an address is dropped, and shown in the description); text over
+    an address's 320 characters is cut here (and marked, with a space no address
+    holds), so it is dropped the same way rather than refused with the rest of
+    the request.
+    """
+    if value is None or len(value) <= 320:
+        return value
+    return value[:300] + " …"
+
+
 def json_object(value: Any) -> dict[str, Any]:
     """``value`` when it is a JSON object, else an empty one."""
     return value if isinstance(value, dict) else {}

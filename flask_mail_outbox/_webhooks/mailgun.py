@@ -76,6 +76,7 @@ from ._base import (
     WebhookRequest,
     check_timestamp,
     json_body,
+    outside_recipient,
 )
 
 #: Mailgun ``event`` -> event type (``failed`` is decided by its severity and reason).
@@ -96,7 +97,7 @@ MAX_TOKEN = 255
 #: with the split moved: ``("1700000000e0", token[2:])`` for a token starting "e0".
 SIGNED_TIMESTAMP = re.compile(r"[0-9]{1,12}")
 #: A signature token: Mailgun's are 50 hexadecimal characters; letters, digits, - and _.
-TOKEN = re.compile(r"[A-Za-z0-9_-]{16,%d}" % MAX_TOKEN)
+TOKEN = re.compile(rf"[A-Za-z0-9_-]{{16,{MAX_TOKEN}}}")
 #: A signature: HMAC-SHA256 in lower-case hexadecimal, as Mailgun writes it.
 SIGNATURE = re.compile(r"[0-9a-f]{64}")
 #: The longest ``To`` header read for a rejected event's recipients.
@@ -184,7 +185,7 @@ class MailgunReceiver(Receiver):
             recipients = [*_addresses(_text(headers, "to") or "")] or [None]
         per_address = recipients != [recipient]
         return tuple(DeliveryEvent(
-            event_type=event_type, bounce_kind=bounce_kind, recipient=address,
+            event_type=event_type, bounce_kind=bounce_kind, recipient=outside_recipient(address),
             occurred_at=None if timestamp is None else _utc(timestamp), transport=self.name,
             provider_event_id=_bounded(f"{event_id}:{address}") if per_address else event_id,
             description=description, mta_response=mta_response,

@@ -93,7 +93,14 @@ from typing import Any, ClassVar
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, capped_payload, naive_utc
-from ._base import Received, Receiver, WebhookRefused, WebhookRequest, json_body
+from ._base import (
+    Received,
+    Receiver,
+    WebhookRefused,
+    WebhookRequest,
+    json_body,
+    outside_recipient,
+)
 
 #: Bounce ``Type`` -> (``TypeCode``, event type, bounce kind).
 BOUNCE_TYPES: dict[str, tuple[int, str, str | None]] = {
@@ -198,7 +205,7 @@ class PostmarkReceiver(Receiver):
         event_id = str(bounce_id) if bounce_id not in (None, "") else _derived_id(
             record_type, message_id, recipient, time_text)
         return DeliveryEvent(
-            event_type=event_type, bounce_kind=bounce_kind, recipient=recipient,
+            event_type=event_type, bounce_kind=bounce_kind, recipient=outside_recipient(recipient),
             occurred_at=_time(time_field, time_text), transport=self.name,
             provider_event_id=event_id, description=description,
             mta_response=_text(record, "Details") or "",

@@ -83,6 +83,7 @@ from ._base import (
     joined,
     json_body,
     json_object,
+    outside_recipient,
 )
 
 __all__ = ["ResendReceiver"]
@@ -190,7 +191,7 @@ class ResendReceiver(Receiver):
             recipients = [None]
         payload = capped_payload(body)
         return [DeliveryEvent(
-            event_type=event_type, recipient=recipient, occurred_at=occurred_at,
+            event_type=event_type, recipient=outside_recipient(recipient), occurred_at=occurred_at,
             transport=self.name,
             provider_event_id=bounded_id(svix_id if len(recipients) <= 1
                                          else f"{svix_id}:{recipient}"),

@@ -71,6 +71,7 @@ from ._base import (
     WebhookRequest,
     check_timestamp,
     json_body,
+    outside_recipient,
 )
 
 SIGNATURE_HEADER = "x-twilio-email-event-webhook-signature"
@@ -141,7 +142,7 @@ class SendGridReceiver(Receiver):
         message_id = _text(event, "sg_message_id", index)
         return DeliveryEvent(
             event_type=event_type, bounce_kind=bounce_kind,
-            recipient=_text(event, "email", index), occurred_at=_time(event, index),
+            recipient=outside_recipient(_text(event, "email", index)), occurred_at=_time(event, index),
             transport=self.name, provider_event_id=_event_id(event, index),
             description=description, mta_response=response or "",
             provider_message_id=message_id.partition(".")[0] if message_id else None,

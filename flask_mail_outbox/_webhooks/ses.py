@@ -115,6 +115,7 @@ from ._base import (
     joined,
     json_body,
     json_object,
+    outside_recipient,
 )
 
 __all__ = [
@@ -502,7 +503,7 @@ class _SESEvent:
         """The event for ``recipient``, at ``detail``'s timestamp."""
         address = recipient if isinstance(recipient, str) and recipient else None
         return DeliveryEvent(
-            event_type=event_type, recipient=address,
+            event_type=event_type, recipient=outside_recipient(address),
             occurred_at=iso_time(detail.get("timestamp")) or self.fallback,
             transport=self.transport,
             provider_event_id=bounded_id(f"{self.sns_id}:{address}" if address
