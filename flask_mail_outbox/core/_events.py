@@ -20,7 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .._events import DeliveryEvent
-from ._models import email_table, event_table, nonce_table
+from ._models import (
+    SEARCH_RECIPIENT_LENGTH,
+    email_table,
+    event_table,
+    nonce_table,
+    search_key,
+)
 from ._suppression import Suppressions, loose_key
 
 if TYPE_CHECKING:
@@ -227,6 +233,19 @@ class EventLog:
                 new.append(dataclasses.replace(event, id=inserted[position].id))
                 position += 1
         return new, len(events) - len(new)
+
+    def email_sent_to(self, address: str, message_id: str) -> tuple[int, str] | None:
+        """(id, transport) of the newest email with ``message_id`` whose first recipient is
+        ``address``, or None. (By the indexed first-recipient column: a one-click link's
+        email has one recipient.)"""
+        t = email_table
+        with self.store.read() as conn:
+            row = conn.execute(
+                sa.select(t.c.id, t.c.transport)
+                .where(t.c.search_recipient == search_key(address, SEARCH_RECIPIENT_LENGTH),
+                       t.c.message_id == message_id)
+                .order_by(t.c.id.desc()).limit(1)).first()
+        return (int(row.id), str(row.transport)) if row is not None else None
 
     def for_email(self, email_id: int) -> list[DeliveryEvent]:
         """Every event of one email, oldest first."""
