@@ -42,7 +42,9 @@ from webhooks_helpers import (
 
 from flask_mail_outbox import OutboxMail
 from flask_mail_outbox._errors import ConfigError
+from flask_mail_outbox._events import PAYLOAD_LIMIT, capped_payload
 from flask_mail_outbox._webhooks import WebhookRefused, WebhookRequest
+from flask_mail_outbox._webhooks._base import bounded_json, json_depth
 from flask_mail_outbox._webhooks.ses import CertificateUnavailable, SESReceiver, SNSCertificates
 from flask_mail_outbox.core import email_table
 
@@ -302,3 +304,51 @@ def test_unverified_sns_requests_cost_one_fetch_per_url_and_a_few_a_minute(
             certificates.get(url.format(n))
     assert len(fetched) == 3
 
+
+
+# -- every parser of a webhook body is linear -------------------------------------------
+
+
+def _seconds(text: str) -> float:
+    start = time.perf_counter()
+    try:
+        bounded_json(text, "the body")
+    except WebhookRefused:
+        pass
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("shape", [
+    "[", "]", "{", '"', '\\"', '"\\', '"\\\\', "[[[]", '{"a":', '["a",', "9", "\x00", "\ud800",
+    "1e", '"[', "é",
+], ids=repr)
+def test_the_json_reader_is_linear_on_adversarial_shapes(shape: str) -> None:
+    """A megabyte (the route's cap) of each worst shape: four times the input costs well
+    under the sixteen times a quadratic reader would, and under a second."""
+    small = shape * (250_000 // len(shape))
+    large = small * 4
+    _seconds(small)
+    small_time = min(_seconds(small) for _ in range(3))
+    large_time = min(_seconds(large) for _ in range(3))
+    assert large_time < max(10 * small_time, 0.05), (small_time, large_time)
+    assert large_time < 1.0
+
+
+def test_json_depth_counts_brackets_outside_strings() -> None:
+    assert json_depth('[1, {"a": "[[[[", "b": [2]}]') == 3
+    assert json_depth('["\\"[[[["]') == 1
+    assert json_depth("") == 0
+    assert bounded_json("[" * 64 + "]" * 64, "x") is not None
+    with pytest.raises(WebhookRefused) as caught:
+        bounded_json("[" * 65 + "]" * 65, "the body")
+    assert caught.value.status == 400 and "deeper than 64" in caught.value.reason
+
+
+def test_a_payload_is_always_storable() -> None:
+    assert capped_payload({"a": "\x00\ud800"}) == '{"a":"\\u0000\\ud800"}'
+    assert capped_payload("raw \x00 text \udfff") == "raw \\u0000 text \\udfff"
+    assert len(capped_payload(["é" * 100_000]).encode()) <= PAYLOAD_LIMIT  # type: ignore[union-attr]
+    nested: list[Any] = []
+    for _ in range(5000):
+        nested = [nested]
+    assert capped_payload(nested) is not None  # too deep for json.dumps: kept as text
