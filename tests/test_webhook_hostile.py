@@ -32,7 +32,6 @@ from webhooks_helpers import (
     TRANSPORTS,
     post,
     sign,
-    sign_mailgun,
     sign_postmark,
     sign_resend,
     sign_sendgrid,
@@ -45,7 +44,11 @@ from flask_mail_outbox._errors import ConfigError
 from flask_mail_outbox._events import PAYLOAD_LIMIT, capped_payload
 from flask_mail_outbox._webhooks import WebhookRefused, WebhookRequest
 from flask_mail_outbox._webhooks._base import bounded_json, json_depth
-from flask_mail_outbox._webhooks.ses import CertificateUnavailable, SESReceiver, SNSCertificates
+from flask_mail_outbox._webhooks.ses import (
+    CertificateUnavailable,
+    SESReceiver,
+    SNSCertificates,
+)
 from flask_mail_outbox.core import email_table
 
 DEEP = "[" * 2000 + "]" * 2000
