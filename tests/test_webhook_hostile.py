@@ -255,6 +255,23 @@ def test_events_match_emails_of_their_own_transport_only(app: Flask) -> None:
         "unmatched"] == 0
 
 
+def test_an_email_that_failed_over_matches_the_transport_that_sent_it(app: Flask) -> None:
+    history = json.dumps([{"code": 503, "message": "down", "at": "2030-01-01T00:00:00Z",
+                           "attempt": 1, "transport": "postmark",
+                           "failed_over_to": "sendgrid"}])
+    with app.app_context(), db.engine.begin() as conn:
+        conn.execute(email_table.insert().values(
+            status="sent", created_at=sa.func.current_timestamp(),
+            due_at=sa.func.current_timestamp(), message_id="<fo@example.com>",
+            sender="s@example.com", recipients='["a@example.com"]', size=1,
+            transport="postmark", provider_message_id="fo-id", error_history=history))
+    now = time.time()
+    batch = [provider_sendgrid.webhook_event("delivered", "fo-id", "a@example.com", int(now),
+                                             event_id="sg-fo")]
+    assert post(app, "sendgrid", *sign_sendgrid(json.dumps(batch).encode(), now)).get_json()[
+        "unmatched"] == 0
+
+
 def test_sns_signature_version_1_can_be_refused() -> None:
     receiver = SESReceiver("ses", {"topics": [provider_ses.TOPIC_ARN],
                                    "signature_versions": ["2"]})
