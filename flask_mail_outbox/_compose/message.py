@@ -366,10 +366,10 @@ def prepare_message(
     alternatives = text_alternatives(msg.body, msg.html, msg.alts, codec)
     date = _date(msg, now)
     extra = extra_headers(msg.extra_headers)
+    message_id = resolve_message_id(msg, extra, message_id_domain, sender)
     unsubscribe = unsubscribe_lines(msg.list_unsubscribe, extra, allow_local_addresses,
                                     recipients=_envelope(to, cc, bcc),
-                                    links=unsubscribe_links)
-    message_id = resolve_message_id(msg, extra, message_id_domain, sender)
+                                    links=unsubscribe_links, message_id=message_id)
     attachments = check_attachments(msg.attachments, ascii_attachments, max_message_bytes)
 
     body_headers, body = _content(

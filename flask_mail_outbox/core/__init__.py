@@ -27,14 +27,8 @@ integration, the operator's tools, the migrations) reach the rest through
 
 from __future__ import annotations
 
-# The "X as X" imports are not public (not in __all__): _operator/cli.py,
-# _operator/dashboard/_views.py and _flask/webhooks.py still import them from
-# here, and go to ._internal; then they go.
-from ._clock import utcnow as utcnow
-from ._config import MAX_CONCURRENCY as MAX_CONCURRENCY
 from ._config import load_config
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
-from ._events import Replayed as Replayed
 from ._insert import insert_emails
 from ._models import (
     Status,
@@ -44,16 +38,12 @@ from ._models import (
     metadata,
     suppression_table,
 )
-from ._outbox import DURABLE_SETTING as DURABLE_SETTING
 from ._outbox import Mode, Outbox
-from ._queries import SEARCH_FIELDS as SEARCH_FIELDS
 from ._queries import HourCount, Reader
 from ._rows import QueuedRow, prepare_row
 from ._settings import OutboxConfig, Rate, TransportSpec
 from ._store import ClaimedEmail
-from ._suppression import REASONS as REASONS
 from ._suppression import Suppression
-from ._suppression import suppression_key as suppression_key
 from ._sweep import SweepReport, run_sweep
 from ._worker import Worker
 
