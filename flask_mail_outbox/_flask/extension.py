@@ -384,8 +384,9 @@ class OutboxExtension:
                      mta_response: str = "", payload: Any = None) -> DeliveryEvent | None:
         """Store a delivery event from a custom transport or an app's own webhook.
 
-        The email is ``email_id``, or found by ``provider_message_id`` or
-        ``message_id`` (the Message-ID); an event that names none is kept
+        The email is ``email_id``, or found by ``provider_message_id`` among
+        the emails ``transport`` sent (so pass the sending transport's name
+        with it), or by ``message_id`` (the Message-ID); an event that names none is kept
         with ``email_id`` None. A permanent bounce, a complaint and an
         unsubscribe put ``recipient`` on the suppression list, as a
         provider's webhook does. Returns the stored event, or None when
