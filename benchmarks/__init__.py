@@ -27,7 +27,7 @@ Layout: ``_harness.py`` (PostgreSQL, sink and worker processes, tables and
 statistics), ``bench_app.py`` (the app under test, from ``BENCH_*`` variables
 in child processes), ``sink.py`` (the aiosmtpd sink, with a per-message delay
 and an optional quota), one module per scenario (``enqueue``, ``transport``,
-``drain``, ``limits``, ``request``, ``history``, ``idle``), and ``peers/`` (the
+``drain``, ``limits``, ``request``, ``history``, ``idle``, ``bounces``, ...), and ``peers/`` (the
 outbox against Flask-Mail, Celery and django-post-office; its README says how
 to install them).
 """

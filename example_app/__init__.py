@@ -2,7 +2,7 @@
 
 Run it from the repository root::
 
-    flask --app example_app db upgrade      # creates the app's table and the outbox's
+    flask --app example_app db upgrade heads   # creates the app's table and the outbox's
     flask --app example_app run
 
 (``scripts/run-example`` does both.) The outbox dashboard is at ``/outbox/``, open to

@@ -21,8 +21,16 @@ Which reader, in this order:
    is given to flufl.bounce too, and stays a ``"dsn"`` without events when
    it finds nobody either.
 
-flufl.bounce reads the first :data:`FLUFL_BYTES` of a message (see
-:func:`_trimmed`), and one message gives at most :data:`MAX_EVENTS` events.
+Anyone can mail the bounce address, so every step is linear in the input and
+bounded: the first :data:`MAX_BYTES` of a message are read, up to its
+:data:`_MAX_CONTAINERS` + 1st multipart or message/* type; of the headers the
+VERP address may be in, the first :data:`_ADDRESS_HEADERS` of each name, each
+cut to :data:`_ADDRESS_CHARS` with its comments taken out, and the first
+:data:`_ADDRESS_CANDIDATES` addresses; flufl.bounce reads the first
+:data:`FLUFL_BYTES` (see :func:`_trimmed`); one message gives at most
+:data:`MAX_EVENTS` events. A message the reader fails on anyway raises
+:class:`NotMail` (logged at ERROR): a poison message is dropped, never retried.
+What an event stores of the message goes through :mod:`._outside` once.
 
 ==============================================  =========================================
 what the message says                           event (bounce kind)
@@ -97,6 +105,7 @@ import email
 import email.parser
 import email.policy
 import hashlib
+import itertools
 import logging
 import quopri
 import re
@@ -110,6 +119,7 @@ from typing import Any
 import flufl.bounce
 
 from ._events import DeliveryEvent, capped_payload, naive_utc
+from ._outside import clean_address, clean_line, clean_text
 
 __all__ = ["KINDS", "TRANSPORT", "BounceReport", "NotMail", "read_bounce"]
 
@@ -139,6 +149,32 @@ MAX_EVENTS = 1000
 FLUFL_BYTES = 128 * 1024
 FLUFL_LINE = 256
 
+#: The most bytes of a message read: its start, where a bounce says what it reports (the
+#: headers, the human-readable part, the report, the returned original's headers). The rest
+#: of a longer one (a returned original with a big attachment) is not read.
+MAX_BYTES = 1024 * 1024
+
+#: The most multipart and message/* parts read: the message is read up to the next one.
+#: The stdlib parser passes each line through one generator per enclosing part, so its time
+#: grows with their nesting depth times the lines inside (800 levels: 1 s for 42 KB); a
+#: bounce has a report, a returned message and its few parts.
+_MAX_CONTAINERS = 32
+_CONTAINER = re.compile(rb"(?i)\b(?:multipart|message)/")
+
+#: Of each header the VERP address may be in (``Delivered-To``, ``To``, ...), the first
+#: :data:`_ADDRESS_HEADERS` fields are read, each up to :data:`_ADDRESS_CHARS` characters,
+#: and the first :data:`_ADDRESS_CANDIDATES` addresses found are tried: a real bounce names
+#: its envelope recipient once or twice, near the top.
+_ADDRESS_HEADERS = 50
+_ADDRESS_CHARS = 4000
+_ADDRESS_CANDIDATES = 100
+
+#: The most items of a list kept in an event's payload (it is for people to read).
+_SUMMARY_ITEMS = 20
+
+#: The longest date read (an RFC 5322 date is about 40 characters).
+_DATE_CHARS = 200
+
 #: The MIME tree is walked at most this deep, and through at most this many parts.
 _MAX_DEPTH = 30
 _MAX_PARTS = 2000
@@ -159,7 +195,6 @@ _COPY_MARKERS = re.compile(
     re.MULTILINE | re.IGNORECASE)
 
 _STATUS = re.compile(r"\b([245])\.(\d{1,3})\.(\d{1,3})\b")
-_ADDRESS = re.compile(r"[^\s<>@]+@[^\s<>@]+")
 _MESSAGE_ID = re.compile(r"<[^<>\s]+>")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 _SPACES = re.compile(r"\s+")
@@ -195,9 +230,39 @@ def read_bounce(raw: bytes, *,
     returned Message-ID only. Raises :class:`NotMail` for input that is not
     a mail message.
     """
-    msg = _parse(raw)
-    reader = _Bounce(bytes(raw), msg, email_id_of)
-    return reader.read()
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected the message as bytes, got {type(raw).__name__}")
+    data = _bounded(bytes(raw[:MAX_BYTES]))
+    msg = _parse(data)
+    try:
+        reader = _Bounce(data, msg)
+    except Exception as exc:  # noqa: BLE001 - a poison message: retrying cannot help
+        raise _unreadable(exc) from None
+    # The caller's function: what it raises (a database error) is the caller's.
+    reader.match(email_id_of)
+    try:
+        return reader.read()
+    except Exception as exc:  # noqa: BLE001 - a poison message: retrying cannot help
+        raise _unreadable(exc) from None
+
+
+def _bounded(data: bytes) -> bytes:
+    """``data`` up to its :data:`_MAX_CONTAINERS` + 1st multipart or message/* type, if any."""
+    lower = data.lower()  # counted first: a scan with the regular expression costs more
+    if lower.count(b"multipart/") + lower.count(b"message/") <= _MAX_CONTAINERS:
+        return data
+    for count, found in enumerate(_CONTAINER.finditer(data), 1):
+        if count > _MAX_CONTAINERS:
+            return data[:found.start()]
+    return data
+
+
+def _unreadable(exc: Exception) -> NotMail:
+    """A message the reader failed on (a bug of the reader's, not the message's fault)."""
+    log.error("A bounce message could not be read (%s: %s): it is dropped as unreadable and "
+              "no event is recorded; a bug to report to flask-mail-outbox with the message",
+              type(exc).__name__, clean_line(exc, 200))
+    return NotMail(f"the message could not be read ({type(exc).__name__})")
 
 
 # -- parsing -------------------------------------------------------------------------------
@@ -205,9 +270,7 @@ def read_bounce(raw: bytes, *,
 
 def _parse(raw: bytes) -> Message:
     """``raw`` as a message, or :class:`NotMail`."""
-    if not isinstance(raw, (bytes, bytearray, memoryview)):
-        raise TypeError(f"expected the message as bytes, got {type(raw).__name__}")
-    data = bytes(raw)
+    data = raw
     if not data.strip():
         raise NotMail("the input is empty")
     head_end = min(_header_end(data), _HEADER_SCAN)
@@ -218,6 +281,8 @@ def _parse(raw: bytes) -> Message:
         msg = email.message_from_bytes(data, policy=email.policy.compat32)
     except RecursionError:
         raise NotMail("the input's MIME parts nest too deeply to be a mail message") from None
+    except Exception as exc:  # noqa: BLE001 - the stdlib parser failed on it: poison
+        raise _unreadable(exc) from None
     names = {name.lower() for name in msg}
     if not names:
         raise NotMail("the input has no header fields: not a mail message")
@@ -267,8 +332,9 @@ def _field(block: Message, name: str) -> str:
     return _text(block.get(name))
 
 
-def _fields(block: Message, name: str) -> list[str]:
-    return [_text(value) for value in block.get_all(name) or []]
+def _fields(block: Message, name: str, limit: int | None = None) -> list[str]:
+    """The ``name`` fields of ``block`` as text (the first ``limit`` of them)."""
+    return [_text(value) for value in (block.get_all(name) or [])[:limit]]
 
 
 def _typed(value: str) -> tuple[str, str]:
@@ -279,18 +345,67 @@ def _typed(value: str) -> tuple[str, str]:
     return kind.strip().lower(), rest.strip()
 
 
-#: NUL and the other control characters: never in an address (a database refuses NUL).
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
 
 def _address(value: str) -> str | None:
     """The email address ``value`` is (``rfc822;`` typed, or bare), or None."""
     _, text = _typed(value)
-    text = text.strip().strip("<>").strip()
-    if not text or len(text) > 320 or _ADDRESS.fullmatch(text) is None \
-            or _CONTROL.search(text):
-        return None
-    return text
+    return clean_address(text.strip().strip("<>").strip())
+
+
+def _addresses(values: list[str]) -> list[str]:
+    """The addresses named in header ``values``, once each, in order; bounded.
+
+    The first :data:`_ADDRESS_HEADERS` values, each cut to :data:`_ADDRESS_CHARS`
+    characters and its comments taken out (the stdlib reads nested comments by
+    recursion), then at most :data:`_ADDRESS_CANDIDATES` addresses.
+    """
+    found: dict[str, None] = {}
+    cut = [_uncommented(value[:_ADDRESS_CHARS]) for value in values[:_ADDRESS_HEADERS]]
+    for _, address in getaddresses(cut):
+        address = address.strip()
+        if address and "@" in address:
+            found[address] = None
+            if len(found) >= _ADDRESS_CANDIDATES:
+                break
+    return list(found)
+
+
+def _uncommented(value: str) -> str:
+    """``value`` with its RFC 5322 comments (nested, or left open) replaced by a space.
+
+    In one pass: a quoted string is kept (a ``(`` in it is text), as is what
+    follows a backslash.
+    """
+    if "(" not in value:
+        return value
+    out: list[str] = []
+    depth = 0
+    quoted = escaped = False
+    for char in value:
+        if escaped:
+            escaped = False
+            if not depth:
+                out.append(char)
+            continue
+        if char == "\\":
+            escaped = True
+            if not depth:
+                out.append(char)
+        elif quoted:
+            quoted = char != '"'
+            out.append(char)
+        elif char == "(":
+            if not depth:
+                out.append(" ")
+            depth += 1
+        elif depth:
+            depth -= char == ")"
+        elif char == '"':
+            quoted = True
+            out.append(char)
+        else:
+            out.append(char)
+    return "".join(out)
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -300,13 +415,13 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 def _time(value: str) -> datetime | None:
     """An RFC 5322 date as naive UTC, or None."""
-    if not value:
+    if not value or len(value) > _DATE_CHARS:
         return None
     try:
-        moment = parsedate_to_datetime(value)
+        # A zone such as -2359 on 31 Dec 9999 is past what a datetime holds in UTC.
+        return naive_utc(parsedate_to_datetime(value))
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    return naive_utc(moment)
 
 
 def _message_id(value: str) -> str | None:
@@ -314,7 +429,16 @@ def _message_id(value: str) -> str | None:
     match = _MESSAGE_ID.search(value or "")
     if match is None or len(match.group(0)) > 998:
         return None
-    return match.group(0)
+    return clean_line(match.group(0), 998)
+
+
+def _clean_value(value: Any) -> Any:
+    """A summary value made safe to store: text cleaned and cut, lists bounded."""
+    if isinstance(value, str):
+        return clean_line(value, 1000)
+    if isinstance(value, list):
+        return [_clean_value(item) for item in value[:MAX_EVENTS]]
+    return value
 
 
 def _decoded(part: Message) -> bytes:
@@ -350,21 +474,32 @@ def _blocks_of(text: str) -> list[_Block]:
     without its leading space (MessageLabs), a space before the colon
     (Mimecast). A line that does not start a field continues the last one.
     """
+    # Each field's lines are collected, and joined once at the end of the field: joining
+    # them per continuation line would be quadratic in a field's length.
     blocks: list[_Block] = []
     current: _Block | None = None
+    name: str | None = None
+    lines: list[str] = []
+
+    def end_field() -> None:
+        if current is not None and name is not None:
+            current.fields.append((name, _text(" ".join(lines))))
+
     for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
         if not line.strip():
-            current = None
+            end_field()
+            current, name, lines = None, None, []
             continue
         match = None if line[:1] in " \t" else _FIELD.fullmatch(line)
         if current is None:
             current = _Block()
             blocks.append(current)
         if match is not None:
-            current.fields.append((match.group(1).lower(), _text(match.group(2))))
-        elif current.fields:
-            name, value = current.fields[-1]
-            current.fields[-1] = (name, _text(value + " " + line))
+            end_field()
+            name, lines = match.group(1).lower(), [match.group(2)]
+        elif name is not None:
+            lines.append(line)
+    end_field()
     return [block for block in blocks if block.fields]
 
 
@@ -429,8 +564,7 @@ def _leaves(msg: Message) -> Iterator[Message]:
 class _Bounce:
     """One message being read."""
 
-    def __init__(self, raw: bytes, msg: Message,
-                 email_id_of: Callable[[str], int | None] | None) -> None:
+    def __init__(self, raw: bytes, msg: Message) -> None:
         self.raw = raw
         self.msg = msg
         self.parts = list(_leaves(msg))
@@ -439,9 +573,12 @@ class _Bounce:
         self.is_dsn = any(part.get_content_type() in _DSN_TYPES for part in self.parts)
         self.arf_part = next((p for p in self.parts if p.get_content_type() == _ARF_TYPE), None)
         self.own_id = _message_id(_field(msg, "message-id"))
+        self._raw_hash: hashlib._Hash | None = None
         self.date = _time(_field(msg, "date"))
         self.returned = self._returned()
-        self.envelope, self.email_id = self._match(email_id_of)
+        self.candidates = self._candidates()
+        self.envelope: str | None = None
+        self.email_id: int | None = None
 
     def read(self) -> BounceReport:
         if self.is_dsn:
@@ -479,28 +616,23 @@ class _Bounce:
         """The addresses that may be the VERP address, most trustworthy first."""
         values: list[str] = []
         for name in ("x-original-to", "delivered-to", "envelope-to", "x-envelope-to", "to"):
-            values += _fields(self.msg, name)
+            values += _fields(self.msg, name, _ADDRESS_HEADERS)
         if self.returned is not None:
-            values += _fields(self.returned, "return-path")
-        for block in self.dsn_blocks:
-            values += [_typed(value)[1] for value in block.get_all("x-postfix-sender")]
-        found: list[str] = []
-        for _, address in getaddresses(values):
-            address = address.strip()
-            if address and "@" in address and address not in found:
-                found.append(address)
-        return found
+            values += _fields(self.returned, "return-path", _ADDRESS_HEADERS)
+        senders = (value for block in self.dsn_blocks
+                   for value in block.get_all("x-postfix-sender"))
+        values += [_typed(value)[1] for value in itertools.islice(senders, _ADDRESS_HEADERS)]
+        return _addresses(values)
 
-    def _match(self, email_id_of: Callable[[str], int | None] | None
-               ) -> tuple[str | None, int | None]:
-        """The VERP address of ours the bounce came back to, and its row."""
+    def match(self, email_id_of: Callable[[str], int | None] | None) -> None:
+        """Find the VERP address of ours the bounce came back to, and its row."""
         if email_id_of is None:
-            return None, None
-        for address in self._candidates():
+            return
+        for address in self.candidates:
             email_id = email_id_of(address)
             if email_id is not None:
-                return address, email_id
-        return None, None
+                self.envelope, self.email_id = clean_line(address, 320), email_id
+                return
 
     def original_id(self, extra: str = "") -> str | None:
         """The returned original's Message-ID, by the best source there is."""
@@ -520,13 +652,19 @@ class _Bounce:
             if len(value) <= 255:
                 return value
             return "sha256:" + hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()
-        digest = hashlib.sha256(self.raw + b"\x00" + tail.encode("utf-8", "replace"))
+        # The message is hashed once, not once per event (a report of 1,000 recipients).
+        if self._raw_hash is None:
+            self._raw_hash = hashlib.sha256(self.raw + b"\x00")
+        digest = self._raw_hash.copy()
+        digest.update(tail.encode("utf-8", "replace"))
         return "sha256:" + digest.hexdigest()
 
     def event(self, event_type: str, recipient: str | None, *, occurred_at: datetime | None,
               message_id: str | None, summary: dict[str, Any], bounce_kind: str | None = None,
               description: str = "", mta_response: str = "") -> DeliveryEvent:
-        summary = {key: value for key, value in summary.items()
+        # What the message says is made safe to store here, once (recipient is an
+        # address of _address's, the ids are of _message_id's: clean_address'd and cut).
+        summary = {key: _clean_value(value) for key, value in summary.items()
                    if value is not None and value != "" and value != []}
         if self.envelope is not None:
             summary["envelope_recipient"] = self.envelope
@@ -536,7 +674,7 @@ class _Bounce:
             event_type=event_type, recipient=recipient, occurred_at=occurred_at,
             transport=TRANSPORT, provider_event_id=self.event_id(recipient),
             email_id=self.email_id, bounce_kind=bounce_kind,
-            description=_one_line(description, 500), mta_response=mta_response,
+            description=clean_line(description, 500), mta_response=clean_text(mta_response),
             message_id=message_id, payload=capped_payload(summary))
 
     def matched(self) -> str:
@@ -564,8 +702,8 @@ class _Bounce:
         arrival = _time(per_message.get("arrival-date"))
         # Exim's X-Failed-Recipients names the address when its one block names a pipe or
         # a file (a local delivery that failed at the far end).
-        failed = [a for _, a in getaddresses(_fields(self.msg, "x-failed-recipients"))
-                  if _address(a)]
+        failed = [a for a in map(_address, _addresses(_fields(
+            self.msg, "x-failed-recipients", _ADDRESS_HEADERS))) if a]
         fallback = failed[0] if len(recipients) == 1 and len(failed) == 1 else None
         kept = _unique([self._dsn_event(block, mta, original, arrival, fallback)
                         for block in recipients[:MAX_EVENTS]])
@@ -634,14 +772,16 @@ class _Bounce:
         rcpts = list(dict.fromkeys(
             a for a in (_address(v) for v in report.get_all("original-rcpt-to")) if a))
         if not rcpts and self.returned is not None:
-            named = [a for _, a in getaddresses(_fields(self.returned, "to")) if "@" in a]
-            if len(named) == 1 and _address(named[0]):
-                rcpts = [named[0]]
+            named = _addresses(_fields(self.returned, "to", _ADDRESS_HEADERS))
+            only = _address(named[0]) if len(named) == 1 else None
+            if only:
+                rcpts = [only]
         original = self.original_id()
         arrival = report.get("arrival-date") or report.get("received-date")
         summary = {
             "kind": "arf", "feedback_type": feedback, "user_agent": agent,
-            "original_rcpt_to": report.get_all("original-rcpt-to"),
+            # Every event of the report carries it: the first few, for people to read.
+            "original_rcpt_to": report.get_all("original-rcpt-to")[:_SUMMARY_ITEMS],
             "original_mail_from": report.get("original-mail-from"), "arrival_date": arrival,
             "source_ip": report.get("source-ip"),
             "reported_domain": report.get("reported-domain"),

@@ -67,15 +67,22 @@ class TransientError(TransportError):
     ``transport_fault`` is True when the failure is the transport's, not the
     message's; the attempt then moves to the transport's ``failover`` list.
     ``retry_after`` is how many seconds the server asked to wait (an HTTP
-    ``Retry-After``), None when it did not say.
+    ``Retry-After``), None when it did not say. ``maybe_sent`` is True when
+    the message may have been accepted all the same (the connection dropped
+    after the whole message went, a timeout after the request was sent, a
+    2xx the transport could not read): retrying it may deliver a second copy,
+    so the delivery layer retries it only ``OUTBOX_AMBIGUOUS_RETRIES`` times.
     """
 
     def __init__(self, message: str, *, code: int = 0, throttled: bool = False,
                  transport_fault: bool = False, retry_after: float | None = None,
-                 refused: dict[str, tuple[int, str]] | None = None) -> None:
+                 refused: dict[str, tuple[int, str]] | None = None,
+                 maybe_sent: bool = False) -> None:
         super().__init__(message, code=code, refused=refused)
         self.throttled = throttled
         self.retry_after = retry_after
+        #: The message may have been delivered although the attempt failed.
+        self.maybe_sent = maybe_sent
         #: The transport itself is broken, not this message (refused connection,
         #: TLS or login failure, timeout, 421): a transport's ``failover`` takes it.
         self.transport_fault = transport_fault

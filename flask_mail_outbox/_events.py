@@ -9,11 +9,14 @@ This module is plain data: it knows no database and no provider.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
 from ._errors import InvalidMessage
+from ._outside import clean_address, clean_line, clean_text
 
 __all__ = ["BOUNCE_KINDS", "EVENT_TYPES", "PAYLOAD_LIMIT", "DeliveryEvent", "capped_payload",
            "naive_utc"]
@@ -30,6 +33,11 @@ PAYLOAD_LIMIT = 64 * 1024
 
 #: Longest ``description`` / ``mta_response`` kept (characters).
 TEXT_LIMIT = 2000
+
+# What no database stores as text: NUL (PostgreSQL), lone surrogates (UTF-8).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+# What an id may not hold: any control character or lone surrogate.
+_UNSAFE_ID = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,23 @@ class DeliveryEvent:
         for name in ("description", "mta_response"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidMessage(name, f"expected a str, got {getattr(self, name)!r:.80}")
+        # Text from outside (a webhook's fields) is made safe to store here, once, for
+        # every source: control characters and lone surrogates replaced, length cut, a
+        # recipient that is not an address dropped (it never becomes a suppression key).
+        if isinstance(self.provider_event_id, str) and _UNSAFE_ID.search(self.provider_event_id):
+            # Still unique and stable (a resend repeats it): its digest.
+            object.__setattr__(self, "provider_event_id", hashlib.sha256(
+                self.provider_event_id.encode("utf-8", "surrogatepass")).hexdigest())
+        for name, line_limit in (("provider_message_id", 255), ("message_id", 998)):
+            value = getattr(self, name)
+            if isinstance(value, str) and _UNSAFE_ID.search(value):
+                object.__setattr__(self, name, clean_line(value, line_limit) or None)
+        not_an_address = ""
+        if isinstance(self.recipient, str):
+            address = clean_address(self.recipient)
+            if address is None:
+                not_an_address = self.recipient
+            object.__setattr__(self, "recipient", address)
         if self.event_type not in EVENT_TYPES:
             raise InvalidMessage("event_type", f"{self.event_type!r} is not one of "
                                  f"{', '.join(EVENT_TYPES)}")
@@ -89,8 +114,15 @@ class DeliveryEvent:
             raise InvalidMessage("bounce_kind", "only a bounced event has a bounce kind")
         if self.occurred_at is not None and self.occurred_at.tzinfo is not None:
             object.__setattr__(self, "occurred_at", naive_utc(self.occurred_at))
-        object.__setattr__(self, "description", self.description[:TEXT_LIMIT])
-        object.__setattr__(self, "mta_response", self.mta_response[:TEXT_LIMIT])
+        description = self.description
+        if not_an_address:
+            shown = clean_line(not_an_address, 200)
+            description = "; ".join(filter(None, (
+                description, f"the recipient given is not an address: {shown}")))
+        object.__setattr__(self, "description", clean_text(description, TEXT_LIMIT))
+        object.__setattr__(self, "mta_response", clean_text(self.mta_response, TEXT_LIMIT))
+        if self.payload is not None:
+            object.__setattr__(self, "payload", capped_payload(self.payload))
 
     @property
     def suppresses(self) -> str | None:
@@ -119,12 +151,23 @@ def capped_payload(payload: Any) -> str | None:
     """``payload`` (parsed JSON, or JSON text) as text of at most :data:`PAYLOAD_LIMIT` bytes.
 
     A payload over the limit is cut at a character boundary; it is kept for
-    people to read, not parsed again.
+    people to read, not parsed again. A NUL or a lone surrogate in it is written
+    as its JSON escape (``\\u0000``), so it can always be stored.
     """
     if payload is None:
         return None
-    text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"),
-                                                               ensure_ascii=False, default=str)
+    if isinstance(payload, str):
+        text = payload
+    else:
+        try:
+            text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, default=str)
+        except (ValueError, TypeError, RecursionError):  # a cycle, nesting too deep
+            text = clean_text(payload, PAYLOAD_LIMIT)
+    # NUL and lone surrogates (JSON text escapes them, text given as str may not) as
+    # JSON escapes, which every database stores and a reader still sees.
+    text = _UNSTORABLE.sub(lambda found: f"\\u{ord(found[0]):04x}", text)
+    if len(text) <= PAYLOAD_LIMIT // 4:  # at most 4 bytes a character: within the limit
+        return text
     data = text.encode("utf-8")
     if len(data) <= PAYLOAD_LIMIT:
         return text

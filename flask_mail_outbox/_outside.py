@@ -35,10 +35,14 @@ _CUT = "…"
 _UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 # The same, with TAB, LF and CR as well (one-line values).
 _UNSAFE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-# One addr-spec as mail systems write it, bounded: local@domain, no spaces,
-# no angle brackets, no quotes, no control characters.
-_ADDRESS = re.compile(r"[^\s<>()\[\]\\,;:\"@\x00-\x1f\x7f]{1,64}"
-                      r"@[^\s<>()\[\]\\,;:\"@\x00-\x1f\x7f]{1,255}")
+# What an address never holds: white space, the specials (angle brackets,
+# quotes, ...), control characters (C0, DEL, C1), lone surrogates (unstorable),
+# and the invisible format characters that make one address look like another.
+_NOT_IN_ADDRESS = ("\\s<>()\\[\\]\\\\,;:\"@\x00-\x1f\x7f-\x9f\ud800-\udfff"
+                   "\u200b-\u200f\u202a-\u202e\u2060-\u2064\ufeff")
+# One addr-spec as mail systems write it, bounded: local@domain. Neither class
+# holds "@", so matching is linear.
+_ADDRESS = re.compile(f"[^{_NOT_IN_ADDRESS}]{{1,64}}@[^{_NOT_IN_ADDRESS}]{{1,255}}")
 
 
 def _as_str(value: object) -> str:
@@ -48,13 +52,18 @@ def _as_str(value: object) -> str:
         return bytes(value).decode("utf-8", "replace")
     if value is None:
         return ""
-    return str(value)
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - an int over Python's 4,300 digits, a broken __str__
+        return f"<{type(value).__name__} that cannot be shown>"
 
 
 def _capped(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
-    return text[:max(limit - len(_CUT), 0)] + _CUT
+    if limit <= len(_CUT):
+        return text[:max(limit, 0)]
+    return text[:limit - len(_CUT)] + _CUT
 
 
 def clean_text(value: object, limit: int = TEXT_LIMIT) -> str:
@@ -75,13 +84,13 @@ def clean_line(value: object, limit: int = 255) -> str:
     """:func:`clean_text` for a one-line value: TAB, CR and LF become spaces too,
     and white space at either end is removed."""
     text = _as_str(value)
-    if len(text) > limit * 2:
-        text = text[:limit * 2]
+    if len(text) > max(limit, 0) * 2:
+        text = text[:max(limit, 0) * 2]
     text = text.replace("\r\n", " ").translate(_LINE_BREAKS).strip()
     return _UNSAFE_LINE.sub(REPLACEMENT, _capped(text, limit))
 
 
-_LINE_BREAKS = str.maketrans({"\t": " ", "\r": " ", "\n": " "})
+_LINE_BREAKS = str.maketrans({"\t": " ", "\r": " ", "\n": " ", "\u2028": " ", "\u2029": " "})
 
 
 def clean_address(value: object) -> str | None:
@@ -102,7 +111,8 @@ def clean_address(value: object) -> str | None:
         return None
     local, _, domain = text.rpartition("@")
     domain = domain.rstrip(".").lower()
-    if not domain or "." not in domain and domain != "localhost" or ".." in domain:
+    if not domain or ("." not in domain and domain != "localhost") or ".." in domain \
+            or domain.startswith((".", "-")):
         return None
     return f"{local}@{domain}"
 

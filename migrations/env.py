@@ -15,14 +15,15 @@ reconfiguration when logging is already set up). To do the same in your own proj
    outbox tables (they are not in your ``db.metadata``; the branch migrates them). See
    ``combine_include_object`` below for a project that has a hook of its own.
 
-3. Create the tables: ``flask db upgrade heads`` (everything), or ``flask db upgrade
-   outbox@head`` (just the outbox branch).
+3. Create the tables: ``flask db upgrade heads`` (every branch: this app's and the
+   outbox's).
 
-The outbox branch is a second head beside your history. This example joins the two with
-a merge revision (``migrations/versions/example_0002_join_outbox.py``, made with ``flask
-db merge heads``), so plain ``flask db upgrade`` and ``flask db migrate`` keep working.
-When a new release of flask-mail-outbox adds a revision, ``flask db heads`` shows two
-heads again: run ``flask db upgrade heads``, then ``flask db merge heads`` once more.
+The outbox branch stays a head of its own beside this app's history, never merged:
+``migrations/versions/example_0001_users.py`` (the root of the ``example`` branch)
+declares ``depends_on = "outbox_0001"``. When a new release of flask-mail-outbox adds an
+outbox revision, ``flask --app example_app db upgrade heads`` applies it; nothing is
+written here. A new revision of the app: ``flask --app example_app db migrate -m "..."
+--head example@head``. See docs/migrations.md.
 """
 
 import logging

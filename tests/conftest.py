@@ -135,6 +135,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return OneWorkerModules(config, log)
 
 
+def _escape_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape, ``\\udcff``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker sends the report
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Captured output with a lone surrogate (a hostile server's reply, logged) cannot be
+    sent from an xdist worker, which would die of it (execnet encodes strictly to UTF-8):
+    such characters are shown escaped, as a run in one process shows them replaced."""
+    report.sections = [(title, _escape_surrogates(content))
+                       for title, content in report.sections]
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """With OUTBOX_COLLECTION_REPORT=<file>: one line per test, "slow|fast <node id>"
     (tests/test_fast_subset.py reads it)."""

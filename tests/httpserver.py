@@ -7,6 +7,10 @@ its documented endpoints, auth and reply shapes. Tests script faults in front
 of that: the next requests answer a given status and body (with headers such
 as ``Retry-After``), answer late, answer a body that is not JSON, or close the
 connection in the middle of the response; and a latency for every request.
+:meth:`FakeAPI.answer_ambiguously` lets the provider handle a request as usual
+(it accepts what it accepts) and then loses its answer: the client cannot know
+whether the message went. :meth:`FakeAPI.echo_credentials` answers an error
+that repeats the request's headers (its API key) back.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class FakeAPI:
         self.requests: list[Request] = []
         self.latency = 0.0
         self._scripted: list[Reply] = []
+        self._ambiguous: list[tuple[str, float, int | None]] = []
+        self._echo: int | None = None
         self._lock = threading.Condition()
         fake = self
 
@@ -133,12 +139,51 @@ class FakeAPI:
         with self._lock:
             self._scripted.extend(replies)
 
+    def answer_ambiguously(self, shape: str, *, times: int | None = None,
+                           delay: float = 1.5) -> None:
+        """Handle the next ``times`` requests (None: every one) as the provider does, then
+        lose the answer: ``"garbled"`` a 200 whose body is not the provider's (a proxy's
+        page), ``"late"`` the answer after ``delay`` s (past the client's timeout),
+        ``"cut"`` the answer's connection closed mid-body. What the provider accepted
+        stays accepted."""
+        if shape not in ("garbled", "late", "cut"):
+            raise ValueError(f"shape must be garbled, late or cut, got {shape!r}")
+        with self._lock:
+            self._ambiguous = [(shape, delay, times)]
+
+    def echo_credentials(self, status: int = 401) -> None:
+        """Answer every request ``status`` with a body repeating its headers (the API key)."""
+        with self._lock:
+            self._echo = status
+
+    def _lose(self, reply: Reply) -> Reply:
+        with self._lock:
+            if not self._ambiguous:
+                return reply
+            shape, delay, times = self._ambiguous[0]
+            if times is not None:
+                self._ambiguous = [(shape, delay, times - 1)] if times > 1 else []
+        if shape == "garbled":
+            return Reply(200, b"<html><body>502 upstream says hi</body></html>",
+                         {"Content-Type": "text/html"})
+        if shape == "late":
+            return dataclasses.replace(reply, delay=delay)
+        return dataclasses.replace(reply, cut=True, body=reply.body or b"x" * 64)
+
     def _reply(self, request: Request) -> Reply:
         with self._lock:
             self.requests.append(request)
             self._lock.notify_all()
             scripted = self._scripted.pop(0) if self._scripted else None
-        return scripted if scripted is not None else self.handle(request)
+            echo = self._echo
+        if scripted is not None:
+            return scripted
+        if echo is not None:
+            said = "; ".join(f"{k}: {v}" for k, v in request.headers.items())
+            return Reply(echo, {"message": f"refused the request with {said}",
+                                "Message": f"refused the request with {said}",
+                                "errors": [{"message": f"refused: {said}"}]})
+        return self._lose(self.handle(request))
 
     def handle(self, request: Request) -> Reply:
         """The provider's answer to ``request``; a subclass implements its API."""

@@ -519,6 +519,8 @@ class _Handler:
                 queue_id=queue_id,
             )
         )
+        if owner._take_accept_drop():
+            server.drop_connection()
         return status
 
     async def handle_AUTH(
@@ -693,6 +695,8 @@ class FaultSMTPServer:
         self._held = 0
         self._delaying = 0
         self._mid_data_drop: _MidDataDrop | None = None
+        # drop_after_accept(): messages still to record and then drop (-1: all).
+        self._accept_drops = 0
         self._mid_data_drops = 0
         self._auth_drops = 0  # AUTH commands still to drop; -1 = every one
         self._quota: _Quota | None = None
@@ -1041,6 +1045,22 @@ class FaultSMTPServer:
         with self._cond:
             self._credentials = (username, password)
 
+    def drop_after_accept(self, *, times: int | None = None) -> None:
+        """Record the message at the end of DATA, then close the connection without its
+        ``250``: the server took it, and the client cannot know (a crash after the queue
+        write). ``times`` works as for :meth:`reply`."""
+        _check_times(times)
+        with self._cond:
+            self._accept_drops = -1 if times is None else times
+
+    def _take_accept_drop(self) -> bool:
+        with self._cond:
+            if self._accept_drops == 0:
+                return False
+            if self._accept_drops > 0:
+                self._accept_drops -= 1
+            return True
+
     def drop_during_auth(self, *, times: int | None = None) -> None:
         """Close the connection, without replying, when the client sends AUTH.
 
@@ -1060,6 +1080,7 @@ class FaultSMTPServer:
             self._refused.clear()
             self._credentials = None
             self._mid_data_drop = None
+            self._accept_drops = 0
             self._auth_drops = 0
             self._quota = None
             self._release_locked()

@@ -285,6 +285,8 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_RETRY_MAX_SECONDS", 1),  # below the default base (60)
     ("OUTBOX_MAX_THROTTLE_DEFERRALS", -1),
     ("OUTBOX_MAX_THROTTLE_DEFERRALS", 1.5),
+    ("OUTBOX_AMBIGUOUS_RETRIES", -1),
+    ("OUTBOX_AMBIGUOUS_RETRIES", "once"),
     ("OUTBOX_LEASE_SECONDS", 0.5),
     ("OUTBOX_BATCH_SIZE", 0),
     ("OUTBOX_POLL_INTERVAL", 0),

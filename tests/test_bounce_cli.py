@@ -1,8 +1,9 @@
 """``flask outbox bounce``: what each kind of input exits with (MTAs act on it).
 
 0 when processed, and 0 too for what is not a bounce, names no email of ours,
-is over 10 MiB or is not mail at all (logged); 75 (EX_TEMPFAIL) when the
-database cannot be reached, so the MTA keeps the message; never 1.
+is not mail at all or cannot be read (logged); 75 (EX_TEMPFAIL) only when the
+database cannot be reached, so the MTA keeps the message; never 1. Of a
+message over 1 MiB the first 1 MiB is read.
 """
 
 from __future__ import annotations
@@ -39,7 +40,23 @@ def counts(app: Any) -> tuple[int, int]:
     ("an auto-reply", (SAMPLES / "vacation-auto-reply.eml").read_bytes(), (0, 0)),
     ("binary junk", bytes(range(256)) * 64, (0, 0)),
     ("empty", b"", (0, 0)),
-    ("over 10 MiB", b"Subject: big\r\n\r\n" + b"x" * (10 * 1024 * 1024), (0, 0)),
+    ("over 10 MiB, not a bounce", b"Subject: big\r\n\r\n" + b"x" * (10 * 1024 * 1024), (0, 0)),
+    # Poison (defect 6): these exited 75, and the MTA delivered them again for days.
+    ("a Date past what UTC holds",
+     POSTFIX_DSN.replace(b"Date: Sun,  6 Dec 2026 00:27:28 +0000 (UTC)\nFrom",
+                         b"Date: Fri, 31 Dec 9999 23:59:59 -2359\nFrom"), (1, 0)),
+    ("a Last-Attempt-Date past what UTC holds",
+     POSTFIX_DSN.replace(b"Action: failed\n",
+                         b"Action: failed\nLast-Attempt-Date: Fri, 31 Dec 9999 23:59:59 -2359\n"),
+     (1, 0)),
+    # Defect 2's shapes: each took a core for seconds to minutes.
+    ("a DSN field of 40,000 folded lines",
+     POSTFIX_DSN.replace(b'Diagnostic-Code: X-Postfix; unknown user: "nobody-here"',
+                         b"Diagnostic-Code: smtp; 550" + b"\n x" * 40_000), (1, 0)),
+    ("40,000 Delivered-To", b"".join(b"Delivered-To: a%d@example.com\n" % i
+                                     for i in range(40_000)) + POSTFIX_DSN, (0, 0)),
+    ("140,000 To addresses", b"To: " + b", ".join(b"a%d@x.example" % i for i in range(140_000))
+     + b"\n" + POSTFIX_DSN, (0, 0)),
     ("a DSN without a recipient block",
      POSTFIX_DSN.replace(b"Final-Recipient:", b"X-Gone:")
      .replace(b"Original-Recipient:", b"X-Gone-Too:").replace(b"Action:", b"X-Action:"),
@@ -54,9 +71,63 @@ def test_every_kind_of_input_exits_0(make_apps: MakeApps, name: str, raw: bytes,
     assert counts(app) == stored
 
 
+def test_200000_open_parentheses_exit_0_and_the_verp_address_below_is_read(
+        make_apps: MakeApps) -> None:
+    """Defect 6: with VERP on, ``To:`` and 200,000 ``(`` was a RecursionError: exit 75 for ever."""
+    app, mail = make_apps(TESTING=True, OUTBOX_BOUNCE_ADDRESS="bounces@example.com")
+    verp = app.extensions["mail_outbox"].config.verp
+    with app.app_context():
+        email_id = mail.send(Message("Hi", ["nobody-here@example.com"], "x"))
+        db.session.commit()
+    parens = b"(" * 200_000
+    assert feed(app, b"From: a@example.com\nTo: " + parens + b"\n\nhi\n").exit_code == 0
+    assert counts(app) == (0, 0)
+    dsn = (b"To: " + parens + b"\n" + f"X-Original-To: {verp.sender_for(email_id)}\n".encode()
+           + POSTFIX_DSN)
+    assert feed(app, dsn).exit_code == 0
+    with app.app_context():
+        assert [(e.event_type, e.email_id) for e in mail.events(email_id)] == [
+            ("bounced", email_id)]
+    assert counts(app) == (1, 1)
+
+
+def test_a_bounce_returning_a_big_attachment_is_read_from_its_start(
+        make_apps: MakeApps) -> None:
+    """A DSN that returns a 12 MB original was dropped whole; its report is in its first KB."""
+    app, _ = make_apps(TESTING=True)
+    big = POSTFIX_DSN.replace(b"Follow this link", b"x" * (12 * 1024 * 1024) + b"\nFollow")
+    result = feed(app, big)
+    assert result.exit_code == 0, result.output
+    assert counts(app) == (1, 0)
+
+
+def test_a_message_the_reader_fails_on_is_dropped_not_retried(
+        make_apps: MakeApps, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A reader bug on some shape not yet known: exit 0 and an ERROR, never 75 for ever.
+
+    (The failure is injected: every known poison shape is read now, see above.)
+    """
+    import flask_mail_outbox._bounces as bounces
+
+    def fails(text: str) -> list[object]:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(bounces, "_blocks_of", fails)
+    app, mail = make_apps(TESTING=True)
+    with caplog.at_level(logging.INFO):
+        result = feed(app, POSTFIX_DSN)
+    assert result.exit_code == 0, result.output
+    assert counts(app) == (0, 0)
+    (error,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "RecursionError" in error.getMessage() and "dropped" in error.getMessage()
+    with app.app_context(), pytest.raises(InvalidMessage, match="could not be read"):
+        mail.process_bounce(POSTFIX_DSN)
+
+
 def test_the_database_unreachable_is_75_and_a_later_run_processes_it(
         make_apps: MakeApps, caplog: pytest.LogCaptureFixture) -> None:
-    app, mail = make_apps(TESTING=True)
+    app, _ = make_apps(TESTING=True)
     with app.app_context(), db.engine.begin() as conn:
         conn.execute(sa.text("ALTER TABLE outbox_event RENAME TO outbox_event_away"))
     try:

@@ -883,8 +883,10 @@ def test_mime_nested_too_deeply() -> None:
     raw = b"From: a@example.com\n" + b"".join(
         b"Content-Type: multipart/mixed; boundary=B%d\n\n--B%d\n" % (i, i)
         for i in range(depth)) + b"Content-Type: text/plain\n\nx\n"
-    with pytest.raises(NotMail, match="nest too deeply"):
-        read_bounce(raw)
+    # Read up to the 33rd multipart (the stdlib parser's time grows with the depth times
+    # the lines inside): nothing past it, so nothing to report.
+    report = read_bounce(raw)
+    assert (report.kind, report.events) == ("not-a-bounce", ())
 
 
 def test_many_parts() -> None:

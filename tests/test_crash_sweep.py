@@ -1,7 +1,7 @@
 """Crashes with real processes: SIGKILL at every point of a delivery, then the next start.
 
-DESIGN ("Delivery modes", "Sweep"): a crash at any moment leaves a row that a
-sweep or a worker finishes; the claim is the single gate, so two processes
+The guarantee (docs/guide/modes.md, docs/guide/sweep.md): a crash at any moment
+leaves a row that a sweep or a worker finishes; the claim is the single gate, so two processes
 starting at once over the same stranded rows deliver each exactly once; the
 only duplicate is the RFC 5321 section 6.1 window (the server accepted, the
 process died before recording it), and it carries the same Message-ID.
@@ -38,7 +38,7 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message
 from flask_mail_outbox.core import email_table
-from flask_mail_outbox.core import now_expr
+from flask_mail_outbox.core._clock import now_expr
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -426,7 +426,7 @@ def test_a_crash_on_the_last_attempt_is_reported_truthfully_by_the_next_start(
     Nothing else is running (the process that owned the row was SIGKILLed), so the
     row cannot be "owned by another delivery": the report must not count it as
     ``skipped``. Whatever the sweep does with it, the report says so (``sent``, or
-    ``failed`` with an ERROR line naming the email, DESIGN "Loud degradations": a row
+    ``failed`` with an ERROR line naming the email: like every degradation, a row
     dead-lettered is reported at ERROR).
     """
     [email_id] = kill_during_data(children, smtp_server, "last-attempt")
@@ -449,7 +449,7 @@ def test_a_durable_start_capped_by_its_batch_reports_no_more_than_it_scanned(
         local: Flask, children: Spawn, smtp_server: FaultSMTPServer) -> None:
     """A crash leaves 3 expired leases; a durable start with OUTBOX_SWEEP_BATCH=1 sweeps.
 
-    DESIGN "Sweep": ``scanned`` are the rows taken; ``requeued`` the ones made due
+    docs/guide/sweep.md: ``scanned`` are the rows taken; ``requeued`` the ones made due
     for the dispatcher, ``skipped`` those owned by another delivery. A count of
     rows can be neither larger than what was scanned nor negative.
     """

@@ -9,26 +9,21 @@ only ``authorize() is True`` lets a request in; a hand-edited link is a 400 or 4
 never a 500. Then the pages: keyset pagination and prefix search (wildcards literal,
 runs of equal values paged once), the actions (retry; retry all as one UPDATE that
 keeps each key's order; purge, which spares a row retried while it runs; mode), the
-per-hour chart, OUTBOX_SCRUB_SENT, and the outbox_0002 migration filling the search
-columns of existing rows (set-based for ASCII rows, indexes after the fill).
+per-hour chart, and OUTBOX_SCRUB_SENT.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from html.parser import HTMLParser
-from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
 from conftest import (
     close_app,
     empty_postgres,
@@ -53,7 +48,6 @@ from flask_mail_outbox.core._insert import search_values
 from flask_mail_outbox.core._ordering import producer_lock
 from flask_mail_outbox.core._queries import get_setting, list_emails, prefix_bounds
 from flask_mail_outbox.core._store import Outcome, Store
-from flask_mail_outbox.migrations import VERSIONS_DIR
 
 PREFIX = "/outbox"
 XSS = "<script>alert(1)</script>"
@@ -938,86 +932,6 @@ def test_a_reaped_row_whose_attempts_are_spent_gets_its_failed_at(
     assert row["status"] == "failed" and row["failed_at"] is not None
     assert row["attempts"] == max_attempts and "attempts are spent" in row["last_error"]
     assert "1 dead-lettered" in client.get(f"{PREFIX}/").get_data(as_text=True)
-
-
-# --- the migration ---------------------------------------------------------------------
-
-
-def test_migration_0002_fills_the_search_columns_of_existing_rows(
-        db_url: str, tmp_path: Path, backend: str) -> None:
-    engine = sa.create_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
-        config = Config()
-        env = tmp_path / "env"
-        env.mkdir()
-        (env / "env.py").write_text(
-            "from alembic import context\n"
-            "context.configure(connection=context.config.attributes['connection'])\n"
-            "with context.begin_transaction():\n    context.run_migrations()\n")
-        config.set_main_option("script_location", str(env))
-        config.set_main_option("path_separator", "newline")
-        config.set_main_option("version_locations", VERSIONS_DIR)
-
-        def upgrade(target: str) -> None:
-            with engine.begin() as conn:
-                config.attributes["connection"] = conn
-                command.upgrade(config, target)
-
-        upgrade("outbox_0001")
-        old = sa.table("outbox_email", *[sa.column(name) for name in (
-            "status", "created_at", "due_at", "message_id", "attempts", "sender",
-            "recipients", "subject", "size")])
-        recipients = [json.dumps(["Zoë@Example.com", "b@example.com"]), json.dumps([]),
-                      json.dumps(["x@example.com"])]
-        subjects = ["ÄRGER " * 60, "", "Plain"]
-        with engine.begin() as conn:
-            for n in range(1203):  # more than one batch of the backfill
-                conn.execute(old.insert().values(
-                    status="sent", created_at=sa.func.current_timestamp(),
-                    due_at=sa.func.current_timestamp(), message_id=f"<{n}@x>", attempts=1,
-                    sender="s@example.com", recipients=recipients[n % 3],
-                    subject=subjects[n % 3], size=1))
-        executed: list[tuple[str, int]] = []  # (statement, parameter sets)
-
-        def note(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,
-                 many: bool) -> None:
-            executed.append((statement, len(parameters) if many else 1))
-
-        sa.event.listen(engine, "before_cursor_execute", note)
-        try:
-            upgrade("outbox@head")
-        finally:
-            sa.event.remove(engine, "before_cursor_execute", note)
-        updates = [(x, n) for x, n in executed if x.startswith("UPDATE outbox_email")]
-        # The 802 ASCII rows in one set-based statement; only the 401 rows with
-        # "Zoë"/"ÄRGER" row by row from Python (whose lower() the package uses).
-        assert len([x for x, n in updates if n == 1]) == 1, updates
-        assert sum(n for _, n in updates if n > 1) == 401, updates
-        if backend == "postgresql":  # indexes built once, after the fill
-            first_index = next(i for i, (x, _) in enumerate(executed)
-                               if x.startswith("CREATE INDEX"))
-            last_update = max(i for i, (x, _) in enumerate(executed)
-                              if x.startswith("UPDATE outbox_email"))
-            assert last_update < first_index
-        with engine.connect() as conn:
-            migrated = conn.execute(sa.select(
-                email_table.c.recipients, email_table.c.subject,
-                email_table.c.search_recipient, email_table.c.search_subject,
-                email_table.c.failed_at)).all()
-        assert len(migrated) == 1203
-        for row in migrated:
-            assert {"search_recipient": row.search_recipient,
-                    "search_subject": row.search_subject} == search_values(row.recipients,
-                                                                          row.subject)
-            assert row.failed_at is None
-        assert {row.search_recipient for row in migrated} == {"zoë@example.com", "",
-                                                              "x@example.com"}
-    finally:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
-        engine.dispose()
 
 
 def test_list_query_reads_one_row_more_to_know_about_the_next_page(

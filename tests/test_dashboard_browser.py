@@ -123,7 +123,7 @@ def served(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path,
                               daemon=True)
     try:
         with app.app_context():
-            flask_migrate.upgrade(directory=str(REPO_ROOT / "migrations"))
+            flask_migrate.upgrade(directory=str(REPO_ROOT / "migrations"), revision="heads")
             db.session.remove()
         thread.start()
         yield Served(app, server, log)

@@ -27,7 +27,8 @@ from flask.testing import FlaskClient
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import DeliveryEvent, Message, OutboxMail
-from flask_mail_outbox.core import Store, event_table, suppression_table
+from flask_mail_outbox.core import event_table, suppression_table
+from flask_mail_outbox.core._store import Store
 
 PREFIX = "/outbox"
 PAGE_SIZE = 20

@@ -9,7 +9,8 @@
   in an empty temporary folder; ``<!-- runnable: pytest -->`` blocks run as a test module.
 - The migration recipes of docs/migrations.md run exactly as written (the commands parsed
   from the page, with the app file the page shows), in a temporary folder, on SQLite, with
-  this environment's ``flask``.
+  this environment's ``flask`` (tests/test_migrations.py runs them on both databases,
+  across a simulated second outbox revision).
 
 Sphinx and myst-parser come with the ``test`` extra; when they are missing these tests
 fail (they never skip).
@@ -211,7 +212,12 @@ def heads(cwd: Path) -> list[str]:
 
 def assert_migrated(cwd: Path, package_before: set[str]) -> None:
     assert {"user", "outbox_email", "outbox_attachment", "outbox_setting"} <= tables(cwd)
-    assert len(heads(cwd)) == 1, "the recipe should leave one head"
+    # Two branches, never merged: the project's head and the outbox's.
+    found = heads(cwd)
+    assert len(found) == 2 and len([h for h in found if "(outbox)" in h]) == 1, found
+    merges = [p.name for p in (cwd / "migrations" / "versions").glob("*.py")
+              if "down_revision = (" in p.read_text(encoding="utf-8")]
+    assert merges == [], "the recipe should write no merge revision"
     # Nothing was written into the installed package's folder (a revision there would be
     # lost with the next install, and Alembic puts one there when the order is wrong).
     assert versions_in_the_package() == package_before
@@ -220,10 +226,14 @@ def assert_migrated(cwd: Path, package_before: set[str]) -> None:
 def test_the_recipes_say_the_commands_in_order() -> None:
     new = [line for line in recipe("new-project").splitlines() if line.strip()]
     assert new[0] == "flask db init"
-    assert new.index("flask db upgrade outbox@head") < next(
+    assert new.index("flask db upgrade heads") < next(
         i for i, line in enumerate(new) if line.startswith("flask db migrate"))
-    assert "outbox_0" not in MIGRATIONS.read_text(encoding="utf-8").split("## A new project")[1]\
-        .split("## When a release")[0], "the recipes must not name an outbox revision id"
+    text = MIGRATIONS.read_text(encoding="utf-8")
+    assert "outbox_0" not in text.split("## A new project")[1].split("## Your tables refer")[0], \
+        "the recipes must not name an outbox revision id"
+    recipes = [body for _, _, body in marked_blocks(MIGRATIONS, "recipe")]
+    assert recipes and not [body for body in recipes if "flask db merge" in body]
+    assert recipe("upgrade").strip() == "flask db upgrade heads"
 
 
 def test_the_new_project_recipe_runs_as_written(tmp_path: Path) -> None:
@@ -231,7 +241,7 @@ def test_the_new_project_recipe_runs_as_written(tmp_path: Path) -> None:
     (tmp_path / "app.py").write_text(recipe_file("app.py"), encoding="utf-8")
     run_recipe("new-project", tmp_path)
     assert_migrated(tmp_path, before)
-    assert len(list((tmp_path / "migrations" / "versions").glob("*.py"))) == 2  # initial, merge
+    assert len(list((tmp_path / "migrations" / "versions").glob("*.py"))) == 1  # initial
 
 
 def test_the_existing_project_recipe_runs_as_written(tmp_path: Path) -> None:
@@ -261,3 +271,95 @@ def test_the_retry_schedule_on_the_modes_page_is_the_readmes() -> None:
     modes = schedule_of((DOCS / "guide" / "modes.md").read_text(encoding="utf-8"))
     assert len(readme[0]) == 29 and len(readme[1]) == 2
     assert modes == readme
+
+
+# --- the architecture page and the package's faces ---------------------------------------
+# docs/architecture.md is held to the code as the configuration reference is: its layer
+# rows are the import-linter "layers" contract, every module it names exists, and every
+# module of the package is named.
+
+PACKAGE = ROOT / "flask_mail_outbox"
+ARCHITECTURE = DOCS / "architecture.md"
+
+
+def _layers_contract() -> list[set[str]]:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    [contract] = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    return [{name.strip().removeprefix("flask_mail_outbox.") for name in row.split("|")}
+            for row in contract["layers"]]
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end == -1 else text[start:end]
+
+
+def test_the_architecture_page_shows_the_layers_contract_row_by_row() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    contract = _layers_contract()
+    block = re.search(r"^<!-- layers: [^\n]* -->\n```text\n(?P<body>.*?)^```$", text,
+                      re.MULTILINE | re.DOTALL)
+    assert block is not None, "the layer block (after <!-- layers: ... -->) is gone"
+    shown = [{name.strip() for name in re.split(r"\s{2,}", line)[0].split("|")}
+             for line in block.group("body").splitlines()]
+    assert shown == contract
+    table = [line for line in _section(text, "The layers").splitlines()
+             if line.startswith("| `")]
+    rows = [set(re.findall(r"`([\w.]+)`", line.split("|")[1])) for line in table]
+    assert rows == contract
+    count = "one two three four five six seven eight nine ten".split()[len(contract) - 1]
+    assert f"The package is {count} layers" in text
+
+
+def test_every_module_of_the_package_is_in_a_layer() -> None:
+    layered = set().union(*_layers_contract())
+    children = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | {
+        p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(children - layered) == [], "modules in no layer of the contract"
+    assert sorted(layered - children) == [], "layers naming no module"
+
+
+def test_the_architecture_page_names_every_module_and_only_modules_that_exist() -> None:
+    modules = _section(ARCHITECTURE.read_text(encoding="utf-8"), "The modules, one job each")
+    named: set[Path] = set()
+    base = PACKAGE
+    for line in modules.splitlines():
+        if line.startswith("### "):
+            folder = [t for t in re.findall(r"`([^`]+)`", line) if t.endswith("/")]
+            base = PACKAGE / folder[0] if folder else PACKAGE
+            assert base.is_dir(), line
+        elif line.startswith("| `"):
+            for token in re.findall(r"`([\w./]+)`", line.split("|")[1]):
+                named.add(base / token)
+    missing = sorted(str(p.relative_to(ROOT)) for p in named if not p.exists())
+    assert missing == [], "docs/architecture.md names modules that do not exist"
+    folders = [p for p in named if p.is_dir()]
+    unnamed = sorted(
+        str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+        if "__pycache__" not in p.parts and p not in named
+        and not any(folder in p.parents for folder in folders))
+    assert unnamed == [], "modules docs/architecture.md does not name"
+
+
+def test_no_page_or_module_refers_to_a_file_outside_the_repository() -> None:
+    # The product contract was once a DESIGN.md kept outside the repository.
+    texts = [*pages(), *PACKAGE.rglob("*.py")]
+    assert [str(p.relative_to(ROOT)) for p in texts
+            if "DESIGN.md" in p.read_text(encoding="utf-8")] == []
+    architecture = ARCHITECTURE.read_text(encoding="utf-8")
+    for path in re.findall(r"`((?:tests|scripts|docs|\.ci)/[\w./-]+)`", architecture):
+        assert (ROOT / path).exists(), path
+
+
+def test_the_core_public_face_is_on_the_api_page() -> None:
+    import flask_mail_outbox.core as core
+
+    section = (DOCS / "api.md").read_text(encoding="utf-8")
+    section = section[section.index("## The delivery core"):]
+    section = section[:section.index("\n## ", 1)]
+    shown = set(re.findall(r"flask_mail_outbox\.core\.(\w+)$", section, re.MULTILINE)) | set(
+        re.findall(r"`(\w+)`", section))
+    assert sorted(set(core.__all__) - shown) == []

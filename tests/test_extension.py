@@ -166,6 +166,8 @@ def test_suppress_send_follows_testing(tmp_path: Path) -> None:
 def test_sqlite_database_is_switched_to_wal(tmp_path: Path) -> None:
     import sqlite3
     app = bare_app(tmp_path)
-    OutboxMail(app)
+    OutboxMail(app)  # opens no connection: the app engine's first one sets WAL
+    with app.app_context():
+        app.extensions["sqlalchemy"].engine.connect().close()
     with sqlite3.connect(tmp_path / "x.db") as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

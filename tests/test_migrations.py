@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import ast
 import os
+import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
@@ -351,6 +354,7 @@ def test_downgrade_to_base_removes_every_outbox_table(
                 .all()
             )
         assert sequences == []
+    assert triggers_and_functions(engine) == []  # PostgreSQL keeps a function unless dropped
     with engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM alembic_version").scalar() == 0
 
@@ -391,11 +395,13 @@ def tally_matches_the_rows(engine: sa.Engine) -> dict[str, int]:
     return shown
 
 
-def test_outbox_0008_counts_the_rows_already_there_and_its_downgrade_removes_the_tally(
+def test_the_tally_triggers_keep_the_totals_from_the_first_row(
     new_database: NewDatabase, branch_config: Config
 ) -> None:
     engine = new_database()
-    run(branch_config, engine, lambda cfg: command.upgrade(cfg, "outbox_0007"))
+    upgrade_branch(branch_config, engine)
+    assert len(triggers_and_functions(engine)) == (
+        3 if engine.dialect.name == "sqlite" else 5)  # PostgreSQL: four and their function
     statuses = ["queued", "sending", "sent", "failed", "suppressed", "expired", "cancelled"]
     rows = []
     for i in range(70):
@@ -411,24 +417,12 @@ def test_outbox_0008_counts_the_rows_already_there_and_its_downgrade_removes_the
             ),
             rows,
         )
-    upgrade_branch(branch_config, engine)  # outbox_0008: the backfill
     shown = tally_matches_the_rows(engine)
     assert shown["sent"] == shown["cancelled"] == 10
-    with engine.begin() as conn:  # the triggers keep it from then on
+    with engine.begin() as conn:
         conn.exec_driver_sql("UPDATE outbox_email SET status = 'expired' WHERE status = 'queued'")
         conn.execute(sa.text("DELETE FROM outbox_email WHERE id % 4 = 0"))
     assert tally_matches_the_rows(engine)["expired"] > 10
-
-    run(branch_config, engine, lambda cfg: command.downgrade(cfg, "outbox_0007"))
-    assert "outbox_tally" not in table_names(engine)
-    assert triggers_and_functions(engine) == []
-    with engine.begin() as conn:  # outbox_email works without them
-        conn.exec_driver_sql("UPDATE outbox_email SET status = 'sent' WHERE status = 'expired'")
-
-    upgrade_branch(branch_config, engine)
-    assert tally_matches_the_rows(engine)["expired"] == 0
-    assert len(triggers_and_functions(engine)) == (
-        3 if engine.dialect.name == "sqlite" else 5)  # PostgreSQL: four and their function
 
 
 def test_branch_is_one_labelled_root_that_imports_nothing_from_the_package(
@@ -562,17 +556,30 @@ def example_app_config() -> Config:
     return config
 
 
-def test_example_env_finds_the_installed_branch_and_has_one_head() -> None:
+def test_example_env_is_two_branches_that_no_revision_merges() -> None:
     script = ScriptDirectory.from_config(example_app_config())
     outbox_base = script.get_revision("outbox_0001")
     assert outbox_base is not None
     assert Path(outbox_base.path).parent == Path(VERSIONS_DIR)
+    # One head per branch: the example's and the outbox's.
     heads = script.get_heads()
-    assert len(heads) == 1, (
-        f"migrations/ has {len(heads)} heads {heads}: `flask --app example_app db upgrade` "
-        "(scripts/run-example) needs one. A new outbox revision? Join it to the example's "
-        'history: flask --app example_app db merge -m "join the outbox branch" heads'
-    )
+    assert len(heads) == 2, heads
+    assert len(script.revision_map.filter_for_lineage(heads, BRANCH_LABEL)) == 1, heads
+    assert len(script.revision_map.filter_for_lineage(heads, "example")) == 1, heads
+    revisions = list(script.walk_revisions())
+    outbox_revisions = {rev.revision for rev in revisions
+                        if Path(rev.path).parent == Path(VERSIONS_DIR)}
+    example_revisions = [rev for rev in revisions
+                         if Path(rev.path).parent == REPO_ROOT / "migrations" / "versions"]
+    assert outbox_revisions and example_revisions
+    assert [rev.revision for rev in example_revisions if rev.is_base] == ["example_0001"]
+    for rev in example_revisions:
+        # No merge, and no outbox revision as a parent: a release adds nothing here.
+        parents = rev.down_revision if isinstance(rev.down_revision, tuple) else (
+            rev.down_revision,)
+        assert len(parents) == 1 and not set(parents) & outbox_revisions, rev.revision
+    root = script.get_revision("example_0001")
+    assert root is not None and root.dependencies == "outbox_0001"
 
 
 def test_example_app_upgrade_creates_everything_and_autogenerate_proposes_nothing(
@@ -598,16 +605,166 @@ def test_example_app_upgrade_creates_everything_and_autogenerate_proposes_nothin
     try:
         with app.app_context():
             config = current_app.extensions["migrate"].migrate.get_config()
-            # What `flask --app example_app db upgrade` runs.
-            command.upgrade(config, "head")
+            # What `flask --app example_app db upgrade heads` (scripts/run-example) runs.
+            command.upgrade(config, "heads")
             assert table_names(engine) >= _models.TABLE_NAMES | {"users", "alembic_version"}
             # Everything, the app's table included, is as the two sets of models say.
             assert diff_against(engine, [db.metadata, _models.metadata]) == []
             # What `flask --app example_app db check` runs: `db migrate` would find nothing.
             command.check(config)
+            assert applied(engine) == {"example_0001"}  # outbox_0001 implied: a dependency
+
+            # A release adds outbox_0002 (a copy of the package's folder stands in for it):
+            # the same command applies it; example_0001's depends_on is no merge.
+            installed = tmp_path / "installed_versions"
+            installed.mkdir()
+            for path in Path(VERSIONS_DIR).glob("*.py"):
+                (installed / path.name).write_text(path.read_text(encoding="utf-8"))
+            (installed / "outbox_0002_simulated.py").write_text(SIMULATED_OUTBOX_0002)
+            config = current_app.extensions["migrate"].migrate.get_config()
+            config.set_main_option("version_locations", ";".join(
+                [str(REPO_ROOT / "migrations" / "versions"), str(installed).replace("%", "%%")]))
+            command.upgrade(config, "heads")
+            assert applied(engine) == {"example_0001", "outbox_0002"}
+            assert "simulated" in columns_of(engine, "outbox_email")
             db.session.remove()
     finally:
         mail.stop(timeout=5)
         with app.app_context():
             for app_engine in db.engines.values():
                 app_engine.dispose()
+
+
+# --- the upgrade story of docs/migrations.md, across a second outbox revision ------------
+
+DOCS_PAGE = REPO_ROOT / "docs" / "migrations.md"
+_DOCS_BLOCK = re.compile(
+    r"^<!-- recipe(?P<file>-file)?: (?P<name>[^ ]+) -->\n```[a-z]*\n(?P<body>.*?)^```$",
+    re.MULTILINE | re.DOTALL,
+)
+
+# What a later release of the package would add to its versions folder: a column and an
+# index on outbox_email, on top of outbox_0001.
+SIMULATED_OUTBOX_0002 = '''\
+"""outbox: a second revision, simulated by tests/test_migrations.py"""
+import sqlalchemy as sa
+from alembic import op
+
+revision = "outbox_0002"
+down_revision = "outbox_0001"
+branch_labels = None
+depends_on = None
+
+
+def upgrade():
+    op.add_column("outbox_email", sa.Column("simulated", sa.Integer(), nullable=True))
+    op.create_index("ix_outbox_email_simulated", "outbox_email", ["simulated"])
+
+
+def downgrade():
+    op.drop_index("ix_outbox_email_simulated", table_name="outbox_email")
+    op.drop_column("outbox_email", "simulated")
+'''
+
+
+def docs_recipes() -> dict[str, str]:
+    """The page's recipes by name (``new-project``, ``daily``, ...), and its ``app.py``."""
+    return {m.group("name"): m.group("body")
+            for m in _DOCS_BLOCK.finditer(DOCS_PAGE.read_text(encoding="utf-8"))}
+
+
+class UserProject:
+    """A user's Flask-Migrate project in a folder, run with this environment's ``flask``.
+
+    Its app is the page's ``app.py`` with two changes: the database URL, and the outbox's
+    versions folder, which is a copy of the installed package's (``installed``), so that a
+    test can add what a later release would bring.
+    """
+
+    def __init__(self, folder: Path, database_url: str) -> None:
+        self.folder = folder
+        self.installed = folder / "site-packages-flask_mail_outbox-migrations-versions"
+        self.installed.mkdir()
+        for path in Path(VERSIONS_DIR).glob("*.py"):
+            (self.installed / path.name).write_text(path.read_text(encoding="utf-8"))
+        app = docs_recipes()["app.py"]
+        uri = 'app.config["SQLALCHEMY_DATABASE_URI"] = "sqlite:///app.db"'
+        package = "flask_mail_outbox.migrations:versions"
+        assert uri in app and package in app, "docs/migrations.md's app.py changed"
+        self.app = (app.replace(uri, f"app.config['SQLALCHEMY_DATABASE_URI'] = {database_url!r}")
+                    .replace(package, str(self.installed).replace("%", "%%")))
+        self.write_app()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FLASK_")}
+        bin_dir = str(Path(sys.executable).parent)
+        self.env["PATH"] = f"{bin_dir}{os.pathsep}{self.env.get('PATH', '')}"
+        self.env["PYTHONDONTWRITEBYTECODE"] = "1"
+
+    def write_app(self, extra_columns: str = "") -> None:
+        (self.folder / "app.py").write_text(self.app + extra_columns, encoding="utf-8")
+
+    def run(self, script: str) -> str:
+        """Runs ``script`` (shell commands) in the project; its output."""
+        result = subprocess.run(["bash", "-e", "-x", "-c", script], cwd=self.folder,
+                                env=self.env, capture_output=True, text=True, timeout=300,
+                                check=False)
+        assert result.returncode == 0, f"{script}\nfailed:\n{result.stdout}\n{result.stderr}"
+        return result.stdout + result.stderr
+
+    def own_revisions(self) -> dict[str, str]:
+        """The project's own revision files: name -> text."""
+        return {p.name: p.read_text(encoding="utf-8")
+                for p in (self.folder / "migrations" / "versions").glob("*.py")}
+
+
+def applied(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        return set(conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars())
+
+
+def columns_of(engine: sa.Engine, table: str) -> set[str]:
+    with engine.connect() as conn:
+        return {column["name"] for column in sa.inspect(conn).get_columns(table)}
+
+
+def test_a_release_with_a_new_outbox_revision_needs_no_migration_from_the_user(
+    new_database: NewDatabase, tmp_path: Path
+) -> None:
+    engine = new_database()
+    recipes = docs_recipes()
+    project = UserProject(tmp_path, engine.url.render_as_string(hide_password=False))
+
+    # A new project, as the page says; then a change of the user's models, day to day.
+    project.run(recipes["new-project"])
+    assert len(project.own_revisions()) == 1, "the recipe writes the initial revision only"
+    (initial,) = project.own_revisions()
+    project.write_app("    name: Mapped[str | None]\n")
+    project.run(recipes["daily"])
+    assert "name" in columns_of(engine, "user")
+    mine = project.own_revisions()
+    assert len(mine) == 2, "a change of the models makes one revision, no merge"
+    user_head = applied(engine) - {"outbox_0001"}
+    assert len(user_head) == 1 and "outbox_0001" in applied(engine)
+
+    # The package's next release brings outbox_0002.
+    (project.installed / "outbox_0002_simulated.py").write_text(SIMULATED_OUTBOX_0002)
+    output = project.run(recipes["upgrade"])
+    assert "Running upgrade outbox_0001 -> outbox_0002" in output
+    assert applied(engine) == user_head | {"outbox_0002"}
+    assert "simulated" in columns_of(engine, "outbox_email")
+    assert "ix_outbox_email_simulated" in index_definitions(engine)
+    # ... and the user wrote nothing for it: no merge, no revision, nothing changed.
+    assert project.own_revisions() == mine
+    assert "No new upgrade operations detected" in project.run("flask db check")
+
+    # Day to day afterwards: the next revision builds on the user's head, not the outbox's.
+    project.write_app("    name: Mapped[str | None]\n    nickname: Mapped[str | None]\n")
+    project.run(recipes["daily"])
+    (latest,) = set(project.own_revisions()) - set(mine)
+    script = ScriptDirectory(str(tmp_path / "migrations"),
+                             version_locations=[str(tmp_path / "migrations" / "versions"),
+                                                str(project.installed)])
+    newest = next(rev for rev in script.walk_revisions() if Path(rev.path).name == latest)
+    assert newest.down_revision in user_head
+    assert applied(engine) == {newest.revision, "outbox_0002"}
+    assert {"name", "nickname"} <= columns_of(engine, "user")
+    assert initial in project.own_revisions()

@@ -73,18 +73,20 @@ def event_count(app: Flask) -> int:
         return int(conn.execute(sa.select(sa.func.count()).select_from(event_table)).scalar_one())
 
 
-def test_the_link_names_the_recipient_and_is_signed(app: Flask) -> None:
-    url = link_of(app, newsletter())
+def test_the_link_names_the_recipient_and_its_email_and_is_signed(app: Flask) -> None:
+    msg = newsletter()
+    url = link_of(app, msg)
     token = url.rsplit("/", 1)[1]
     assert re.fullmatch(r"[A-Za-z0-9_.-]+", token)
     with app.app_context():
-        mail_of(app).send(newsletter())
-        db.session.commit()
+        links = app.extensions["mail_outbox"].config.unsubscribe_links
+    assert links.named_by(token) == ("reader@example.com", msg.msgId)
+    # The message sent carries that link; another message, another link.
     with mail_of(app).record_messages() as outbox, app.app_context():
+        mail_of(app).send(msg)
         mail_of(app).send(newsletter())
         db.session.commit()
-    (sent,) = outbox
-    assert url in sent.mime.decode()
+    assert url in outbox[0].mime.decode() and url not in outbox[1].mime.decode()
 
 
 def test_post_one_click_suppresses_for_bulk_mail_and_signals(app: Flask) -> None:
@@ -247,3 +249,75 @@ def test_flask_wtf_csrf_protection_leaves_the_one_click_post_alone(
             db.session.remove()
             for engine in db.engines.values():
                 engine.dispose()
+
+
+# -- issue 36: HEAD, repeated POSTs, the email the link came from ---------------------
+
+
+def sent_newsletter(app: Flask) -> tuple[int, str]:
+    """(email id, one-click path) of a newsletter sent by ``app``."""
+    mail = mail_of(app)
+    with mail.record_messages() as outbox, app.app_context():
+        email_id = int(mail.send(newsletter()))
+        db.session.commit()
+    (sent,) = outbox
+    unfolded = re.sub(r"\r\n\s+", " ", sent.mime.decode().split("\r\n\r\n", 1)[0])
+    (url,) = re.findall(r"List-Unsubscribe: <([^>]+)>", unfolded)
+    return email_id, path_of(url)
+
+
+def test_a_head_with_the_one_click_body_changes_nothing(app: Flask) -> None:
+    path = path_of(link_of(app, newsletter()))
+    response = app.test_client().open(path, method="HEAD", data=ONE_CLICK)
+    assert response.status_code == 200
+    assert suppressions(app) == [] and event_count(app) == 0
+    # Nor does any other method than POST.
+    for method in ("PUT", "DELETE", "PATCH"):
+        assert app.test_client().open(path, method=method, data=ONE_CLICK).status_code == 405
+    assert suppressions(app) == [] and event_count(app) == 0
+
+
+def test_repeated_posts_of_one_link_store_one_event_and_signal_once(app: Flask) -> None:
+    _, path = sent_newsletter(app)
+    heard: list[str] = []
+
+    def on_unsubscribed(sender: Flask, address: str, **_: Any) -> None:
+        heard.append(address)
+
+    with email_unsubscribed.connected_to(on_unsubscribed, app):
+        for _ in range(5):
+            response = app.test_client().post(path, data=ONE_CLICK)
+            response.close()
+            assert response.status_code == 200
+            assert "will get no more" in response.get_data(as_text=True)
+    assert event_count(app) == 1
+    assert heard == ["reader@example.com"]
+    assert suppressions(app) == [("reader@example.com", "unsubscribed", "list-unsubscribe")]
+
+
+def test_the_unsubscribe_is_recorded_with_its_email(app: Flask) -> None:
+    app.register_blueprint(mail_of(app).dashboard_blueprint(authorize=lambda: True),
+                           url_prefix="/dash")
+    email_id, path = sent_newsletter(app)
+    assert app.test_client().post(path, data=ONE_CLICK).status_code == 200
+    with app.app_context():
+        (event,) = mail_of(app).events(email_id)
+    # Under the transport that sent the email, not a made-up one.
+    assert (event.event_type, event.recipient, event.email_id, event.transport) == (
+        "unsubscribed", "reader@example.com", email_id, "default")
+    page = app.test_client().get(f"/dash/emails/{email_id}").get_data(as_text=True)
+    assert "<h2>Delivery events</h2>" in page and "the one-click unsubscribe link" in page
+
+
+def test_a_link_made_before_links_named_their_email_still_works(app: Flask) -> None:
+    """Tokens already sent hold the address alone: read as before, no email named."""
+    from itsdangerous import URLSafeSerializer
+
+    # As links.py made them before (the app's SECRET_KEY, the same salt).
+    token = URLSafeSerializer(b"test", salt="flask-mail-outbox.unsubscribe").dumps(
+        "reader@example.com")
+    client = app.test_client()
+    for _ in range(3):
+        assert client.post(f"/outbox/unsubscribe/{token}", data=ONE_CLICK).status_code == 200
+    assert suppressions(app) == [("reader@example.com", "unsubscribed", "list-unsubscribe")]
+    assert event_count(app) == 1

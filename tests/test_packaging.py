@@ -11,6 +11,13 @@
 - Every extra an install line in the docs names is one the wheel provides, and each page
   that recommends PostgreSQL shows the ``postgres`` extra and a psycopg 3 URL.
 
+- A clean clone (``git clone`` of this checkout's commit) builds with ``python -m build``
+  (the sdist, then the wheel from it): the sdist holds every committed file but CI's own,
+  tests and docs included; the wheel holds the package and nothing else, no tests; the
+  sdist installs into a fresh virtualenv, and what it installs has its migrations,
+  templates, static files and ``py.typed``, and imports.
+  (scripts/check-install, run by scripts/run-tests, installs the wheel with each extra.)
+
 The build fetches setuptools from the package index: offline, the wheel's tests are
 skipped locally and fail in CI.
 """
@@ -19,11 +26,14 @@ from __future__ import annotations
 
 import email
 import email.message
+import importlib.machinery
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
+import types
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,3 +169,104 @@ def test_the_pages_that_recommend_postgresql_show_its_driver(page: str) -> None:
     assert "postgres" in extras, f"{page}: no install line with the postgres extra"
     # SQLAlchemy's plain postgresql:// means psycopg2, which the extra does not bring.
     assert "postgresql+psycopg://" in text, f"{page}: no psycopg 3 database URL"
+
+
+def _check_install_module() -> types.ModuleType:
+    """scripts/check-install as a module: its sdist and wheel checks, shared."""
+    loader = importlib.machinery.SourceFileLoader("check_install", str(ROOT / "scripts/check-install"))
+    spec = importlib.util.spec_from_loader("check_install", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_install"] = module  # its dataclasses look their module up
+    loader.exec_module(module)
+    return module
+
+
+_SDIST_PROBE = """
+import importlib.resources, sys
+from pathlib import Path
+import flask_mail_outbox
+from flask_mail_outbox import OutboxMail
+from flask_mail_outbox.migrations import include_object
+package = importlib.resources.files("flask_mail_outbox")
+assert Path(flask_mail_outbox.__file__).resolve().is_relative_to(Path(sys.prefix).resolve())
+assert package.joinpath("py.typed").is_file()
+assert any(p.name.endswith(".py") for p in package.joinpath("migrations", "versions").iterdir())
+templates = package.joinpath("_operator", "dashboard", "templates", "outbox_dashboard")
+assert templates.joinpath("base.html").is_file()
+assert any(package.joinpath("_operator", "dashboard", "static").iterdir())
+print("installed", flask_mail_outbox.__file__)
+"""
+
+
+def test_a_clean_clone_builds_an_sdist_with_tests_and_a_wheel_without(tmp_path: Path) -> None:
+    if not (ROOT / ".git").exists():
+        if IN_CI:
+            pytest.fail(f"{ROOT} is not a git checkout: CI runs on a clone")
+        pytest.skip(f"{ROOT} is not a git checkout (an unpacked sdist?): nothing to clone")
+    check_install = _check_install_module()
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(clone)],
+                   check=True, capture_output=True, timeout=120)
+    committed = subprocess.run(["git", "-C", str(clone), "ls-files", "-z"], check=True,
+                               capture_output=True, text=True).stdout.split("\0")
+    files = sorted(n for n in committed if n)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    build = subprocess.run([sys.executable, "-m", "build", "--outdir", str(tmp_path / "dist"),
+                            str(clone)], capture_output=True, text=True, timeout=600,
+                           check=False, env=env)
+    output = build.stdout + build.stderr
+    if build.returncode != 0:
+        if not IN_CI and any(line in output for line in _OFFLINE):
+            pytest.skip(f"python -m build could not fetch setuptools:\n{output[-3000:]}")
+        pytest.fail(f"python -m build failed in a clean clone:\n{output[-6000:]}")
+    [sdist] = (tmp_path / "dist").glob("*.tar.gz")
+    [wheel] = (tmp_path / "dist").glob("*.whl")
+    version = check_install.tomllib.loads((clone / "pyproject.toml").read_text())["project"]["version"]
+    built = check_install.Built(sdist=sdist, wheel=wheel, version=version)
+    # Every committed file but CI's, no more; tests and docs among them.
+    check_install.check_sdist(built, files)
+    assert any(n.startswith("tests/test_") for n in files)
+    assert "docs/index.md" in files
+    # The package's files and nothing else: no tests.
+    extras = check_install.check_wheel(built, clone)
+    assert "postgres" in extras
+
+    # The sdist installs (pip builds it again, as a user's pip does without a wheel).
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "--quiet", "--disable-pip-version-check", "--no-input", str(sdist)],
+        capture_output=True, text=True, timeout=900, check=False, env=env)
+    assert install.returncode == 0, (install.stdout + install.stderr)[-6000:]
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", _SDIST_PROBE], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    assert str(venv) in probe.stdout
+
+
+def test_the_changelog_opens_with_the_version_to_release() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
+    changelog = (ROOT / "docs/changelog.md").read_text("utf-8")
+    first = re.search(r"^## (?P<title>.+)$", changelog, re.MULTILINE)
+    assert first is not None, "docs/changelog.md has no release section"
+    # "## 0.1.0", dated ("## 0.1.0 (2027-01-15)") when it is tagged.
+    assert first.group("title").split()[0] == project["version"], first.group(0)
+    # The Python versions the classifiers claim start at requires-python's floor.
+    floor = project["requires-python"].removeprefix(">=")
+    claimed = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"]
+               if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert claimed and claimed[0] == floor, (floor, claimed)
+    assert "Typing :: Typed" in project["classifiers"]
+
+
+def test_getting_started_lists_exactly_the_extras_for_users(wheel: BuiltWheel) -> None:
+    # The contributors' extras (scripts/check-install installs every other one).
+    provided = set(wheel.metadata.get_all("Provides-Extra", [])) - {"test", "dev", "bench"}
+    section = install_section(ROOT / "docs/getting-started.md")
+    listed = set(re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE))
+    assert listed == provided

@@ -124,7 +124,7 @@ def test_a_high_email_goes_first_only_once_it_is_due_on_a_fake_clock(tmp_path: A
 
     from conftest import close_app, make_app
 
-    from flask_mail_outbox.core import utcnow
+    from flask_mail_outbox.core._clock import utcnow
 
     app = make_app(f"sqlite:///{tmp_path / 'clock.db'}", OUTBOX_DURABLE=True,
                    OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)

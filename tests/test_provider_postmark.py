@@ -184,11 +184,6 @@ def _fail_with_500(fake: FakePostmark) -> dict[str, Any]:
     return {}
 
 
-def _time_out(fake: FakePostmark) -> dict[str, Any]:
-    fake.script(Reply(200, {}, delay=1.5))
-    return {"timeout": 0.3}
-
-
 def _refuse_connections(fake: FakePostmark) -> dict[str, Any]:
     return {"base_url": f"http://127.0.0.1:{free_port()}"}
 
@@ -199,7 +194,7 @@ def _account_cannot_send(fake: FakePostmark) -> dict[str, Any]:
 
 
 TRANSPORT_FAULTS: dict[str, Callable[[FakePostmark], dict[str, Any]]] = {
-    "503": _fail_with_500, "timeout": _time_out, "refused": _refuse_connections,
+    "503": _fail_with_500, "refused": _refuse_connections,
     "422-account-pending": _account_cannot_send,
 }
 

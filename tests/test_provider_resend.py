@@ -256,11 +256,6 @@ def _fail_with_502(fake: FakeResend) -> dict[str, Any]:
     return {}
 
 
-def _time_out(fake: FakeResend) -> dict[str, Any]:
-    fake.script(Reply(200, {}, delay=1.5))
-    return {"timeout": 0.3}
-
-
 def _refuse_connections(fake: FakeResend) -> dict[str, Any]:
     return {"base_url": f"http://127.0.0.1:{free_port()}"}
 
@@ -277,7 +272,7 @@ def _quota_spent(fake: FakeResend) -> dict[str, Any]:
 
 
 TRANSPORT_FAULTS: dict[str, Callable[[FakeResend], dict[str, Any]]] = {
-    "502": _fail_with_502, "timeout": _time_out, "refused": _refuse_connections,
+    "502": _fail_with_502, "refused": _refuse_connections,
     "403-unverified-domain": _unverified_domain, "429-daily-quota": _quota_spent,
 }
 

@@ -41,7 +41,7 @@ from provider_ses import (
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, InvalidMessage, Message, OutboxMail
-from flask_mail_outbox.core import utcnow
+from flask_mail_outbox.core._clock import utcnow
 from flask_mail_outbox.transports._ses import MAX_MESSAGE_BYTES
 
 #: The AWS chain's environment: cleared for every test that relies on the chain.
@@ -407,11 +407,6 @@ def _fail_with_503(fake: SignedSESFake) -> dict[str, Any]:
     return {}
 
 
-def _time_out(fake: SignedSESFake) -> dict[str, Any]:
-    fake.script(Reply(200, {"MessageId": "late"}, delay=1.5))
-    return {"timeout": 0.3}
-
-
 def _refuse_connections(fake: SignedSESFake) -> dict[str, Any]:
     return {"base_url": f"http://127.0.0.1:{free_port()}"}
 
@@ -428,7 +423,7 @@ def _wrong_secret(fake: SignedSESFake) -> dict[str, Any]:
 
 
 TRANSPORT_FAULTS: dict[str, Callable[[SignedSESFake], dict[str, Any]]] = {
-    "503": _fail_with_503, "timeout": _time_out, "refused": _refuse_connections,
+    "503": _fail_with_503, "refused": _refuse_connections,
     "sending-paused": _sending_paused, "invalid-signature": _wrong_secret,
 }
 

@@ -23,11 +23,10 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox.core import _retry
+from flask_mail_outbox.core import _retry, email_table
+from flask_mail_outbox.core._clock import utcnow
 from flask_mail_outbox.core._config import _DEFAULTS
-from flask_mail_outbox.core import email_table
 from flask_mail_outbox.core._retry import longest_unfinished, schedule
-from flask_mail_outbox.core import utcnow
 
 GREYLISTED = "4.7.1 Greylisted, please try again later"
 THROTTLED = "Throttling failure: Maximum sending rate exceeded."

@@ -599,27 +599,9 @@ def test_the_sql_check_catches_sql_built_from_values() -> None:
 
 # Reviewed exceptions: SQL text built from identifiers, never from values.
 IDENTIFIERS_ONLY = {
-    # SQLite table rebuild: the column names of the outbox's own table.
-    ("migrations/versions/outbox_0002_dashboard_search.py",
-     "INSERT INTO outbox_email ({old_columns}) SELECT {old_columns}"),
-    ("migrations/versions/outbox_0004_priority.py",
-     "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
-    ("migrations/versions/outbox_0005_transport.py",
-     "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
-    ("migrations/versions/outbox_0006_provider_message_id.py",
-     "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
-    ("migrations/versions/outbox_0007_events.py",
-     "INSERT INTO outbox_email ({columns}) SELECT {columns}"),
-    # The status list is one of two module constants.
-    ("migrations/versions/outbox_0007_events.py",
-     "ALTER TABLE outbox_email ADD CONSTRAINT ck_outbox_email_status CHECK (status I"),
     # send_many's PostgreSQL insert: the names of outbox_email's columns (the keys of
     # the row send() builds) and their compiled types; every value is an array parameter.
     ("core/_insert.py", "INSERT INTO {email_table.name} ({quoted}, created_at) SELECT {selected}"),
-    # Offline `upgrade --sql`: {first} is one of two SQL literals chosen by dialect (the
-    # name is bound again later, to a Python value that never reaches SQL text).
-    ("migrations/versions/outbox_0002_dashboard_search.py",
-     "search_recipient = substr(lower(coalesce({first}"),
 }
 
 

@@ -28,7 +28,8 @@ from flask_mail_outbox import (
     Suppression,
     email_event,
 )
-from flask_mail_outbox.core import suppression_key, suppression_table
+from flask_mail_outbox.core import suppression_table
+from flask_mail_outbox.core._suppression import suppression_key
 
 NEWSLETTER_URL = "https://app.example.com/unsubscribe/abc"
 

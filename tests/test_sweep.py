@@ -295,7 +295,7 @@ def test_cli_status_dlq_and_purge(make_apps: MakeApps, smtp_server: FaultSMTPSer
     assert [r["status"] for r in rows(app)] == ["sent", "sent"]
 
     with app.app_context():  # make the first one old
-        from flask_mail_outbox.core import utcnow
+        from flask_mail_outbox.core._clock import utcnow
         db.session.execute(email_table.update().where(email_table.c.id == good).values(
             sent_at=utcnow() - timedelta(days=40)))
         db.session.commit()

@@ -212,28 +212,23 @@ def test_a_builtin_entry_still_refuses_an_unknown_key(make_apps: MakeApps) -> No
         make_apps(OUTBOX_TRANSPORTS={"bulk": {"transport": "smtp", "token": "x"}})
 
 
-class LegacyTransport(Transport):
-    """Written against the deprecated ``Transport(config)``: reads the app's settings."""
-
-    ports: list[int] = []
+class NeedsConfig(Transport):
+    """Written as ``__init__(self, config)`` with no ``from_settings``: nothing can build it."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
+        super().__init__()
 
     def send(self, envelope: Envelope) -> Mapping[str, tuple[int, str]]:
-        self.ports.append(self.config.smtp.port)
         return {}
 
 
-def test_a_transport_taking_the_app_config_works_for_a_release_with_a_warning(
+def test_a_transport_whose_init_takes_arguments_without_from_settings_is_refused(
         make_apps: MakeApps) -> None:
-    LegacyTransport.ports = []
-    with pytest.warns(DeprecationWarning, match=r"__init__\(config\).*from_settings"):
-        app, mail = make_apps(OUTBOX_TRANSPORT="test_transports:LegacyTransport",
-                              MAIL_PORT=2525)
-    send_one(app, mail)
-    assert statuses(app) == ["sent"]
-    assert LegacyTransport.ports == [2525]
+    with pytest.raises(ConfigError, match=r"^OUTBOX_TRANSPORT: .*__init__ takes arguments.*"
+                                          r"from_settings"):
+        make_apps(OUTBOX_TRANSPORT="test_transports:NeedsConfig")
+    with pytest.raises(ConfigError, match=r'^OUTBOX_TRANSPORTS\["bulk"\]\["transport"\]: '):
+        make_apps(OUTBOX_TRANSPORTS={"bulk": {"transport": "test_transports:NeedsConfig"}})
 
 
 def test_the_registry_names_every_builtin_and_refuses_what_is_not_a_transport() -> None:

@@ -446,7 +446,8 @@ def test_a_bad_certificate_url_is_refused_before_any_fetch(signer: SNSSigner) ->
 
 
 def test_a_certificate_outside_its_dates_is_refused(certificates: SNSCertificates) -> None:
-    expired = sns_signer(f"https://sns.{SNS_REGION}.amazonaws.com/expired.pem",
+    expired = sns_signer(f"https://sns.{SNS_REGION}.amazonaws.com/"
+                         "SimpleNotificationService-expired.pem",
                          valid_until=datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC))
     certificates.trust(expired.url, expired.pem)
     receiver = SESReceiver("ses", TOPIC_ARN, certificates=certificates)
@@ -458,7 +459,7 @@ def test_a_certificate_outside_its_dates_is_refused(certificates: SNSCertificate
 
 def test_a_certificate_without_an_rsa_key_is_refused(
         certificates: SNSCertificates, signer: SNSSigner) -> None:
-    url = f"https://sns.{SNS_REGION}.amazonaws.com/ec.pem"
+    url = f"https://sns.{SNS_REGION}.amazonaws.com/SimpleNotificationService-ec.pem"
     certificates.trust(url, _certificate("sns.amazonaws.com")[1])
     receiver = SESReceiver("ses", TOPIC_ARN, certificates=certificates)
     record = ses_event("Delivery", [ANN], delivery_detail([ANN]))
@@ -512,6 +513,18 @@ def test_topic_arns_of_every_partition_are_accepted() -> None:
     ("https://[::1/x.pem", False),
     ("https://sns.us-east-1.amazonaws.com/x.txt", False),
     (None, False),
+    # An S3 bucket's virtual host, which anyone can create (issue 36).
+    ("https://sns.s3.amazonaws.com/SimpleNotificationService-abc.pem", False),
+    ("https://sns.s3-website.amazonaws.com/SimpleNotificationService-abc.pem", False),
+    # Any other path on the SNS host.
+    ("https://sns.us-east-1.amazonaws.com/x.pem", False),
+    ("https://sns.us-east-1.amazonaws.com/a/SimpleNotificationService-abc.pem", False),
+    ("https://sns.us-east-1.amazonaws.com/SimpleNotificationService-abc.pem?x=.pem", False),
+    ("https://sns.us-east-1.amazonaws.com/SimpleNotificationService-abc.pem#", False),
+    # What urlsplit drops silently and the HTTP client refuses (issue 36: a 500).
+    ("https://sns.us-east-1.amazonaws.com/SimpleNotification\tService-abc.pem", False),
+    ("https://sns.us-east-1.amazonaws.com/SimpleNotificationService-abc.pem\n", False),
+    ("https://user@sns.us-east-1.amazonaws.com/SimpleNotificationService-abc.pem", False),
 ])
 def test_the_certificate_url_rule(url: Any, allowed: bool) -> None:
     assert sns_url_allowed(url, pem=True) is allowed
@@ -554,10 +567,12 @@ def test_the_cache_expires_and_is_bounded(signer: SNSSigner) -> None:
         assert len(fetched) == 2
         fetched.clear()
         bounded = SNSCertificates(client, max_entries=2)
-        urls = [f"https://sns.{SNS_REGION}.amazonaws.com/{n}.pem" for n in range(3)]
+        urls = [f"https://sns.{SNS_REGION}.amazonaws.com/SimpleNotificationService-{n}.pem"
+                for n in range(3)]
         for url in [*urls, urls[2], urls[1], urls[0]]:
             bounded.get(url)
-        assert fetched == ["/0.pem", "/1.pem", "/2.pem", "/0.pem"]
+        assert [path.removeprefix("/SimpleNotificationService-") for path in fetched] == [
+            "0.pem", "1.pem", "2.pem", "0.pem"]
 
 
 def test_a_trusted_certificate_is_never_fetched_and_wins(signer: SNSSigner) -> None:

@@ -43,6 +43,12 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "OUTBOX_MAX_THROTTLE_DEFERRALS": ("int", "times a row's attempt is given back on a "
                                              "throttling reply; past it, throttling counts as a "
                                              "transient failure"),
+    "OUTBOX_AMBIGUOUS_RETRIES": ("int", "retries of an attempt that may have been delivered "
+                                        "(a drop after the final dot, a provider's timeout "
+                                        "after the request went out, a 2xx it could not read); "
+                                        "past it the row ends `failed`, its last error saying "
+                                        "it may have been sent. Not used for a provider that "
+                                        "honours an idempotency key (Resend)"),
     "OUTBOX_LEASE_SECONDS": ("float (s)", "how long a claim holds a row; renewed every third "
                                           "of it while sending"),
     "OUTBOX_BATCH_SIZE": ("int", "rows per claim"),

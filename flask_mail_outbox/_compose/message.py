@@ -123,6 +123,8 @@ class Message:
     True: the outbox makes the one-click URL itself, ``OUTBOX_UNSUBSCRIBE_URL``
     plus a token signed with ``SECRET_KEY`` naming the recipient (exactly one
     is required), and its route suppresses that address for bulk mail.
+
+    ``subject`` is at most :data:`MAX_SUBJECT_CHARS` (10,000) characters.
     """
 
     def __init__(
@@ -364,10 +366,10 @@ def prepare_message(
     alternatives = text_alternatives(msg.body, msg.html, msg.alts, codec)
     date = _date(msg, now)
     extra = extra_headers(msg.extra_headers)
+    message_id = resolve_message_id(msg, extra, message_id_domain, sender)
     unsubscribe = unsubscribe_lines(msg.list_unsubscribe, extra, allow_local_addresses,
                                     recipients=_envelope(to, cc, bcc),
-                                    links=unsubscribe_links)
-    message_id = resolve_message_id(msg, extra, message_id_domain, sender)
+                                    links=unsubscribe_links, message_id=message_id)
     attachments = check_attachments(msg.attachments, ascii_attachments, max_message_bytes)
 
     body_headers, body = _content(
@@ -403,9 +405,20 @@ def _check_max_message_bytes(max_message_bytes: object) -> None:
         )
 
 
+#: The longest subject ``send()`` takes (characters). Encoded, 10,000 characters of any
+#: text (4-byte ones in base64 encoded words: 70 KB) stay under Postfix's
+#: ``header_size_limit`` (102,400 bytes), past which a relay cuts the header; real subjects
+#: are under 200. A longer one is a mistake (a body passed as the subject) or an attack.
+MAX_SUBJECT_CHARS = 10_000
+
+
 def _checked_subject(subject: object) -> str:
     if not isinstance(subject, str):
         raise InvalidMessage("subject", f"expected str, got {type(subject).__name__}")
+    if len(subject) > MAX_SUBJECT_CHARS:
+        raise InvalidMessage(
+            "subject", f"is {len(subject):,} characters long; at most {MAX_SUBJECT_CHARS:,} "
+            "are accepted (encoded, a longer one passes no relay whole)")
     check_header_text("subject", subject)
     return subject
 

@@ -35,13 +35,15 @@ _UNSUBSCRIBE_HEADERS = frozenset({"list-unsubscribe", "list-unsubscribe-post"})
 def unsubscribe_lines(
     value: object, extra: ExtraHeaders | None, allow_local: bool, *,
     recipients: Sequence[str] = (), links: UnsubscribeLinks | None = None,
+    message_id: str | None = None,
 ) -> list[tuple[str, str]]:
     """``list_unsubscribe`` checked, as (lower-case name, header line) pairs for ``top_headers``.
 
     ``value`` is a str or a list or tuple of them; None or an empty list
     writes nothing. True makes the one-click URL with ``links`` for the one
-    address in ``recipients``. Giving these headers in ``extra_headers`` as
-    well is refused rather than guessed at.
+    address in ``recipients``, naming the email by ``message_id`` (so the
+    unsubscribe is recorded with it). Giving these headers in ``extra_headers``
+    as well is refused rather than guessed at.
     """
     if value is None or value is False:
         return []
@@ -55,7 +57,7 @@ def unsubscribe_lines(
                 "list_unsubscribe", f"True needs exactly one recipient (To, Cc and Bcc "
                 f"together), this message has {len(recipients)}: the link names whom it "
                 "unsubscribes; send one message per recipient (send_many)")
-        value = links.url_for(recipients[0])
+        value = links.url_for(recipients[0], message_id)
     if isinstance(value, str):
         uris = [("list_unsubscribe", value)]
     elif isinstance(value, (list, tuple)):

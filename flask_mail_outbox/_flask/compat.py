@@ -24,12 +24,12 @@ from flask import Flask
 
 from .._compose.message import Message
 from .._errors import InvalidMessage
-from ..core import QueuedRow, check_message, prepare_row
+from ..core._internal import QueuedRow, check_message, prepare_row
 from .queueing import queue_rows
 from .state import EXTENSION_KEY, app_state
 
 if TYPE_CHECKING:
-    from ..core import DeliveredMessage
+    from ..core._internal import DeliveredMessage
 
 
 class Mail(Protocol):

@@ -22,7 +22,7 @@ from .._bounces import NotMail, read_bounce
 from .._compose.message import Message
 from .._errors import ConfigError, InvalidMessage
 from .._events import DeliveryEvent, capped_payload, naive_utc
-from ..core import (
+from ..core._internal import (
     CONFIG_DEFAULTS,
     DeliveredMessage,
     Mode,
@@ -35,7 +35,6 @@ from ..core import (
     check_message,
     due_at_of,
     email_dialect,
-    ensure_wal,
     expires_at_of,
     insert_email,
     load_config,
@@ -44,6 +43,7 @@ from ..core import (
     prepare_row,
     priority_rank,
     run_sweep,
+    sqlite_on_connect,
     transport_name,
     warn_plaintext_logins,
 )
@@ -88,18 +88,18 @@ def _refuse_memory_sqlite(uri: Any) -> None:
             "e.g. 'sqlite:///app.db' (tests: a file under tmp_path)")
 
 
-def _prepare_sqlite(app: Flask, db: SQLAlchemy) -> None:
-    """Put the app's SQLite database in WAL mode at start, before any writer."""
+def _prepare_engine(app: Flask, db: SQLAlchemy) -> None:
+    """Set what each connection of the app's engine needs on its ``connect`` event.
+
+    Flask-SQLAlchemy makes the engine in its ``init_app`` and connects on first
+    use; so does this: an app is created with its database down. On SQLite the
+    first connection, before any write, puts the file in WAL mode.
+    """
     with app.app_context():
-        engine = db.engine
-        if engine.dialect.name != "sqlite":
-            return
-        with engine.connect() as conn:
-            cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-            try:
-                ensure_wal(cursor)
-            finally:
-                cursor.close()
+        engine = db.engine  # made by db.init_app; no connection yet
+    if engine.dialect.name == "sqlite" and \
+            not sa.event.contains(engine, "connect", sqlite_on_connect):
+        sa.event.listen(engine, "connect", sqlite_on_connect)
 
 
 class OutboxExtension:
@@ -143,7 +143,7 @@ class OutboxExtension:
         if config.dkim is not None:
             config.dkim.check()  # signs a probe: a key that cannot sign fails here
         state = AppState(self, app, db, config)
-        _prepare_sqlite(app, db)
+        _prepare_engine(app, db)
         app.extensions[EXTENSION_KEY] = state
         app_states.all_states.add(state)
         staging.install(db.session)
@@ -384,8 +384,9 @@ class OutboxExtension:
                      mta_response: str = "", payload: Any = None) -> DeliveryEvent | None:
         """Store a delivery event from a custom transport or an app's own webhook.
 
-        The email is ``email_id``, or found by ``provider_message_id`` or
-        ``message_id`` (the Message-ID); an event that names none is kept
+        The email is ``email_id``, or found by ``provider_message_id`` among
+        the emails ``transport`` sent (so pass the sending transport's name
+        with it), or by ``message_id`` (the Message-ID); an event that names none is kept
         with ``email_id`` None. A permanent bounce, a complaint and an
         unsubscribe put ``recipient`` on the suppression list, as a
         provider's webhook does. Returns the stored event, or None when
@@ -433,7 +434,7 @@ class OutboxExtension:
         try:
             report = read_bounce(bytes(raw), email_id_of=verp.email_id_of if verp else None)
         except NotMail as exc:
-            raise InvalidMessage("raw", f"not a mail message: {exc}") from None
+            raise InvalidMessage("raw", str(exc)) from None
         events = [event for event in report.events
                   if verp is None or report.kind == "arf" or event.email_id is not None]
         if len(events) < len(report.events):

@@ -8,7 +8,7 @@ and Flask-Mail's ``mail.connect()`` all go through it.
 
 from __future__ import annotations
 
-from ..core import QueuedRow, email_dialect, insert_emails
+from ..core._internal import QueuedRow, email_dialect, insert_emails
 from . import staging
 from .state import AppState
 

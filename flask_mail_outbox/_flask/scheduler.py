@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from .. import _degrade
-from ..core import Mode, Outbox, OutboxConfig, SweepReport, run_sweep, utcnow
+from ..core._internal import Mode, Outbox, OutboxConfig, SweepReport, run_sweep, utcnow
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.background import BackgroundScheduler

@@ -26,7 +26,7 @@ from .. import _degrade
 from .._compose.ambient import ComposeOptions, set_provider
 from .._errors import TransportError
 from .._events import DeliveryEvent
-from ..core import (
+from ..core._internal import (
     Callbacks,
     ClaimedEmail,
     DeliveredMessage,

@@ -10,13 +10,16 @@ confirmation. A refusal writes nothing.
 
 ``OUTBOX_UNSUBSCRIBE_URL``'s path takes the RFC 8058 one-click POST
 (``List-Unsubscribe=One-Click``) to ``<path>/<token>``: the address the
-signed token names is suppressed for bulk mail, and ``email_unsubscribed``
-is sent. A GET shows a page with a button and changes nothing, because link
-scanners follow GETs.
+signed token names is suppressed for bulk mail, an ``unsubscribed`` event is
+stored with the email the token names (under that email's transport), and
+``email_unsubscribed`` is sent. A link POSTed again stores nothing and sends
+nothing (the event's id is the link's). A GET or a HEAD shows a page with a
+button and changes nothing, because link scanners follow them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
 import logging
 import time
@@ -30,6 +33,7 @@ from flask import Flask, Response, jsonify, request
 from .. import _degrade
 from .._errors import InvalidMessage
 from .._events import DeliveryEvent
+from .._providers import webhook_auth
 from .._webhooks import (
     MAX_BODY_BYTES,
     Receiver,
@@ -37,7 +41,7 @@ from .._webhooks import (
     WebhookRequest,
     receiver_class,
 )
-from ..core import Replayed
+from ..core._internal import Replayed
 from .signals import email_unsubscribed
 
 if TYPE_CHECKING:
@@ -135,7 +139,8 @@ def _receive(state: AppState, receivers: dict[str, Receiver], name: str) -> Resp
     except WebhookRefused as refused:
         logger.warning("Refused a %s webhook request for transport %r from %s: %s",
                        receiver.kind, name, request.remote_addr, refused.reason)
-        return _refusal(refused.status, refused.reason, basic=receiver.kind == "postmark")
+        return _refusal(refused.status, refused.reason,
+                        basic=webhook_auth(receiver.kind) == "basic")
     except InvalidMessage as exc:  # a verified body with a field no event can hold
         logger.warning("Refused a %s webhook request for transport %r: %s", receiver.kind,
                        name, exc)
@@ -178,7 +183,7 @@ def _after(state: AppState, events: tuple[DeliveryEvent, ...], confirm_url: str 
         try:
             response = httpx.get(confirm_url, timeout=10.0, follow_redirects=False)
             response.raise_for_status()
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             _degrade.report(
                 f"Could not confirm the SNS subscription of transport {name!r}",
                 consequence="SNS does not send this endpoint SES events until the "
@@ -214,13 +219,16 @@ def _page(title: str, body: str, status: int = 200) -> Response:
 
 def _unsubscribe(state: AppState, token: str) -> Response:
     links = state.config.unsubscribe_links
-    address = links.address_of(token) if links is not None else None
-    if address is None:
+    named = links.named_by(token) if links is not None else None
+    if named is None:
         return _page("This unsubscribe link is not valid",
                      "<p>It may have been cut or changed. Use the link from the email "
                      "itself.</p>", status=400)
+    address, message_id = named
     shown = html.escape(address)
-    if request.method == "GET":
+    # Only a POST unsubscribes (RFC 8058). A GET, and a HEAD (a link checker's, even
+    # with the one-click body), shows the page and changes nothing.
+    if request.method != "POST":
         return _page("Unsubscribe", (
             f"<p>Stop sending mailing-list email to <strong>{shown}</strong>?</p>"
             '<form method="post"><input type="hidden" name="List-Unsubscribe" '
@@ -228,10 +236,19 @@ def _unsubscribe(state: AppState, token: str) -> Response:
     if request.form.get("List-Unsubscribe") != "One-Click":
         return _page("Not unsubscribed", "<p>The request did not say "
                      "<code>List-Unsubscribe=One-Click</code> (RFC 8058).</p>", status=400)
-    event = DeliveryEvent("unsubscribed", recipient=address, transport=UNSUBSCRIBE_SOURCE,
-                          description="the one-click unsubscribe link (RFC 8058)")
     try:
-        recorded = state.outbox().events.record([event], source=UNSUBSCRIBE_SOURCE)
+        outbox = state.outbox()
+        email = (outbox.events.email_sent_to(address, message_id)
+                 if message_id is not None else None)
+        # With the email it came from, under the transport that sent it; one event per
+        # link: its id is the link's, so a repeated POST stores nothing and tells no one.
+        event = DeliveryEvent(
+            "unsubscribed", recipient=address,
+            transport=email[1] if email is not None else UNSUBSCRIBE_SOURCE,
+            email_id=email[0] if email is not None else None,
+            provider_event_id=_link_event_id(address, message_id),
+            description="the one-click unsubscribe link (RFC 8058)")
+        recorded = outbox.events.record([event], source=UNSUBSCRIBE_SOURCE)
     except Exception as exc:  # noqa: BLE001 - reported; answered 503 so the sender retries
         _degrade.report(
             f"Could not suppress {address} after a one-click unsubscribe",
@@ -244,6 +261,8 @@ def _unsubscribe(state: AppState, token: str) -> Response:
                      status=503)
     response = _page("Unsubscribed", f"<p><strong>{shown}</strong> will get no more "
                      "mailing-list email from us.</p>")
+    if not recorded.new:  # this link was used before: recorded and told then
+        return response
     app = state.app
 
     def tell() -> None:
@@ -257,3 +276,9 @@ def _unsubscribe(state: AppState, token: str) -> Response:
 
     response.call_on_close(tell)
     return response
+
+
+def _link_event_id(address: str, message_id: str | None) -> str:
+    """The event id of one link's unsubscribe: the same for every POST of that link."""
+    named = f"{address}\x1f{message_id or ''}".encode("utf-8", "surrogatepass")
+    return f"{UNSUBSCRIBE_SOURCE}:{hashlib.sha256(named).hexdigest()}"

@@ -15,12 +15,20 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import click
 from flask import current_app
 from flask.cli import AppGroup
-from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from .._bounces import MAX_BYTES
 from .._compose.message import Message
 from .._errors import InvalidMessage
 from .._flask.state import AppState, app_state
-from ..core import DURABLE_SETTING, MAX_CONCURRENCY, utcnow
+from ..core._internal import (
+    DURABLE_SETTING,
+    EXACT,
+    MAX_CONCURRENCY,
+    recount_tally,
+    utcnow,
+)
 
 if TYPE_CHECKING:
     from .._flask.extension import OutboxExtension
@@ -275,14 +283,13 @@ def status(as_json: bool, recount: bool) -> None:
 
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ..core import _queries
 
     mail = _extension()
     corrected: dict[str, int] | None = None
     try:
         if recount:
             with _state().outbox().store.write() as conn:
-                corrected = _queries.recount_tally(conn)
+                corrected = recount_tally(conn)
         stats = mail.stats()
     except SQLAlchemyError as exc:
         # The type only: a driver's message may name hosts and users.
@@ -305,7 +312,7 @@ def status(as_json: bool, recount: bool) -> None:
     for name, count in stats["counts"].items():
         click.echo(f"  {name:<10} {count:>10}")
     tallied = [name for name in stats["counts"]
-               if name not in {exact.value for exact in _queries.EXACT}]
+               if name not in {exact.value for exact in EXACT}]
     click.echo(f"  ({', '.join(tallied)}: running totals kept by the database; "
                "--recount rebuilds them)")
     age = stats["oldest_queued_age_seconds"]
@@ -544,8 +551,9 @@ def cancel(ids: tuple[int, ...], key: str | None) -> None:
         sys.exit(1)
 
 
-#: The largest bounce ``flask outbox bounce`` reads (bytes); a larger one is dropped.
-MAX_BOUNCE_BYTES = 10 * 1024 * 1024
+#: What ``flask outbox bounce`` reads of a message (bytes): its start, where a bounce says
+#: what it reports. The rest of a longer one (a returned attachment) is read and discarded.
+MAX_BOUNCE_BYTES = MAX_BYTES
 #: sysexits.h EX_TEMPFAIL: the MTA keeps the message and delivers it again later.
 EX_TEMPFAIL = 75
 
@@ -556,20 +564,24 @@ def bounce() -> None:
     """Read one bounce message on standard input (an MTA's pipe or alias delivery).
 
     Exit status 0 when it was processed, and also when it is not a bounce,
-    names no email of ours, is over 10 MiB or is not mail at all (logged; any
-    other status would bounce the bounce back into the mail loop); 75
-    (EX_TEMPFAIL) when the database cannot be reached, so the MTA keeps the
-    message and tries again. Never 1.
+    names no email of ours, is not mail at all or cannot be read (logged; any
+    other status would bounce the bounce back into the mail loop, or have the
+    MTA deliver a poison message again for days); 75 (EX_TEMPFAIL) only when
+    the database cannot be reached (or the app does not load), so the MTA keeps
+    the message and tries again. Never 1. Of a message over 1 MiB, the first
+    1 MiB is read.
     """
     log = logging.getLogger(__name__)
     if logging.getLogger("flask_mail_outbox").getEffectiveLevel() > logging.DEBUG:
         # flufl.bounce says "Running detector" at INFO, 17 times a message.
         logging.getLogger("flufl.bounce").setLevel(logging.WARNING)
-    raw = sys.stdin.buffer.read(MAX_BOUNCE_BYTES + 1)
-    if len(raw) > MAX_BOUNCE_BYTES:
-        log.warning("flask outbox bounce: dropped a message over %d bytes (not read as a "
-                    "bounce)", MAX_BOUNCE_BYTES)
-        return
+    raw = sys.stdin.buffer.read(MAX_BOUNCE_BYTES)
+    rest = 0
+    while chunk := sys.stdin.buffer.read(1024 * 1024):  # the MTA sees its whole message taken
+        rest += len(chunk)
+    if rest:
+        log.info("flask outbox bounce: a message of %d bytes: its first %d read",
+                 len(raw) + rest, MAX_BOUNCE_BYTES)
     try:
         mail = _extension()
     except Exception:  # exit 75: the MTA retries once the app loads again
@@ -579,6 +591,7 @@ def bounce() -> None:
     try:
         events = mail.process_bounce(raw)
     except InvalidMessage as exc:
+        # Not mail, or a message the reader failed on (logged at ERROR where it failed).
         log.info("flask outbox bounce: dropped: %s", exc.problem)
         return
     except (DataError, IntegrityError) as exc:
@@ -587,14 +600,16 @@ def bounce() -> None:
                   "dropped (exit 0), since the MTA's retries would fail the same way",
                   type(exc).__name__)
         return
-    except SQLAlchemyError as exc:
+    except (DBAPIError, PoolTimeoutError) as exc:
         log.error("flask outbox bounce: the database cannot be reached (%s); exit 75, so the "
                   "MTA keeps the message and delivers it again later", type(exc).__name__)
         sys.exit(EX_TEMPFAIL)
-    except Exception:  # exit 75: kept by the MTA, read again once fixed
-        log.exception("flask outbox bounce: could not process the message; exit 75, so the "
-                      "MTA keeps it and delivers it again later")
-        sys.exit(EX_TEMPFAIL)
+    except Exception:  # a poison message (or a bug): never exit 75
+        log.exception("flask outbox bounce: could not process the message, and not for the "
+                      "database's state; dropped (exit 0), since the MTA's retries would "
+                      "fail the same way for days; report it to flask-mail-outbox with the "
+                      "message")
+        return
     finally:
         mail.stop()
     for event in events:

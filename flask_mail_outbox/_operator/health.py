@@ -40,7 +40,7 @@ from typing import Any
 from flask import Response, jsonify
 
 from .._flask.state import AppState
-from ..core import utcnow
+from ..core._internal import utcnow
 
 #: How far back ``dead_letters_growing`` looks for a lower dead-letter count.
 DEAD_LETTER_WINDOW_SECONDS = 900.0

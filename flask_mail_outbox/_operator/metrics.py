@@ -43,7 +43,7 @@ except ImportError as exc:  # the optional extra: say which one
 
 from .._flask.signals import email_failed, email_queued, email_sent
 from .._flask.state import AppState
-from ..core import Status, utcnow
+from ..core._internal import Status, utcnow
 
 if TYPE_CHECKING:
     from flask import Flask

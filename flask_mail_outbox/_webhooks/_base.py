@@ -18,13 +18,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import itertools
 import json
+import math
+import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, naive_utc
+from .._providers import PROVIDERS
 
 #: A signed timestamp further than this from now is a replay (seconds).
 TOLERANCE_SECONDS = 300.0
@@ -32,14 +36,13 @@ TOLERANCE_SECONDS = 300.0
 #: The largest body a webhook route reads (bytes); more is refused with 413.
 MAX_BODY_BYTES = 1024 * 1024
 
-#: kind -> "module:Class" of its receiver, imported when first used.
-RECEIVERS = {
-    "postmark": "flask_mail_outbox._webhooks.postmark:PostmarkReceiver",
-    "sendgrid": "flask_mail_outbox._webhooks.sendgrid:SendGridReceiver",
-    "mailgun": "flask_mail_outbox._webhooks.mailgun:MailgunReceiver",
-    "resend": "flask_mail_outbox._webhooks.resend:ResendReceiver",
-    "ses": "flask_mail_outbox._webhooks.ses:SESReceiver",
-}
+#: The deepest JSON nesting a receiver parses; deeper is refused with 400. Providers
+#: nest a few levels (SES's events about six); Python's parser would recurse to its
+#: limit and raise RecursionError.
+MAX_JSON_DEPTH = 64
+
+#: kind -> "module:Class" of its receiver, imported when first used (``_providers.PROVIDERS``).
+RECEIVERS = {kind: p.receiver for kind, p in PROVIDERS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,18 +131,36 @@ def bounded_id(event_id: str) -> str:
     """``event_id``, or its SHA-256 when longer than the column (255): still stable."""
     if len(event_id) <= 255:
         return event_id
-    return hashlib.sha256(event_id.encode("utf-8")).hexdigest()
+    return hashlib.sha256(event_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def iso_time(value: Any) -> datetime | None:
-    """An ISO 8601 time (naive ones taken as UTC) as naive UTC, or None."""
-    if not isinstance(value, str):
+    """An ISO 8601 time (naive ones taken as UTC) as naive UTC, or None.
+
+    None too for a time that has no UTC equivalent (``9999-12-31T23:59:59-23:59``
+    is past the year 9999 in UTC).
+    """
+    if not isinstance(value, str) or len(value) > 64:
         return None
     try:
         moment = datetime.fromisoformat(value)
-    except ValueError:
+        return naive_utc(moment if moment.tzinfo else moment.replace(tzinfo=UTC))
+    except (ValueError, OverflowError):
         return None
-    return naive_utc(moment if moment.tzinfo else moment.replace(tzinfo=UTC))
+
+
+def outside_recipient(value: str | None) -> str | None:
+    """A recipient a provider named, bounded for :class:`DeliveryEvent`.
+
+    The event makes it safe (:func:`~flask_mail_outbox._outside.clean_address`:
+    what is not an address is dropped, and shown in the description); text over
+    an address's 320 characters is cut here (and marked, with a space no address
+    holds), so it is dropped the same way rather than refused with the rest of
+    the request.
+    """
+    if value is None or len(value) <= 320:
+        return value
+    return value[:300] + " …"
 
 
 def json_object(value: Any) -> dict[str, Any]:
@@ -154,18 +175,59 @@ def joined(separator: str, *parts: Any) -> str:
 
 def json_body(request: WebhookRequest) -> Any:
     """The body parsed as JSON, or a 400 refusal."""
+    return bounded_json(request.body, "the body")
+
+
+# A JSON string (its escapes included), or an unterminated one up to the end: no
+# backtracking (possessive), so a body of many quotes or backslashes stays linear.
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+# What is neither a bracket nor a quote.
+_NOT_BRACKET = re.compile(r'[^\[\]{}"]+')
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1, '"': 0}
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def bounded_json(data: bytes | str, what: str) -> Any:
+    """``data`` parsed as JSON, in time linear in its size, or a 400 refusal naming ``what``.
+
+    Refused: text that is not JSON (or not UTF-8), nesting deeper than
+    :data:`MAX_JSON_DEPTH` (measured before parsing, without recursion),
+    ``NaN`` and ``Infinity`` (not JSON), an integer over Python's 4,300 digits.
+    """
     try:
-        return json.loads(request.body)
-    except (ValueError, UnicodeDecodeError):
-        raise WebhookRefused(400, "the body is not JSON") from None
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError:
+        raise WebhookRefused(400, f"{what} is not JSON (not UTF-8)") from None
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise WebhookRefused(400, f"{what} nests deeper than {MAX_JSON_DEPTH} levels: not "
+                             "a provider's event")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        raise WebhookRefused(400, f"{what} is not JSON") from None
+
+
+def json_depth(text: str) -> int:
+    """How deep the brackets of JSON ``text`` nest (its strings skipped), in linear time."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(itertools.accumulate(_DEPTH_STEP[char] for char in brackets), default=0)
 
 
 def check_timestamp(timestamp: Any, now: float) -> float:
-    """A signed timestamp (seconds since the epoch) inside the window, or a 403 refusal."""
+    """A signed timestamp (seconds since the epoch) inside the window, or a 403 refusal.
+
+    ``nan`` and ``inf`` are refused: every comparison with ``nan`` is false, so
+    it would pass any window.
+    """
     try:
         value = float(timestamp)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise WebhookRefused(403, "the signed timestamp is not a number") from None
+    if not math.isfinite(value):
+        raise WebhookRefused(403, "the signed timestamp is not a finite number")
     if abs(now - value) > TOLERANCE_SECONDS:
         raise WebhookRefused(403, f"the signed timestamp is {now - value:+.0f} s from now, "
                              f"outside the {TOLERANCE_SECONDS:g} s window (a replay, or a "

@@ -61,6 +61,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from email.utils import getaddresses
@@ -75,6 +76,7 @@ from ._base import (
     WebhookRequest,
     check_timestamp,
     json_body,
+    outside_recipient,
 )
 
 #: Mailgun ``event`` -> event type (``failed`` is decided by its severity and reason).
@@ -89,6 +91,17 @@ EVENT_TYPES = {
 
 #: Longest token kept as a nonce (the column's size); Mailgun's are 50 characters.
 MAX_TOKEN = 255
+
+#: A signed timestamp: Unix seconds, digits only. The HMAC covers timestamp and token
+#: run together, so a timestamp read with ``float()`` would let a signature be reused
+#: with the split moved: ``("1700000000e0", token[2:])`` for a token starting "e0".
+SIGNED_TIMESTAMP = re.compile(r"[0-9]{1,12}")
+#: A signature token: Mailgun's are 50 hexadecimal characters; letters, digits, - and _.
+TOKEN = re.compile(rf"[A-Za-z0-9_-]{{16,{MAX_TOKEN}}}")
+#: A signature: HMAC-SHA256 in lower-case hexadecimal, as Mailgun writes it.
+SIGNATURE = re.compile(r"[0-9a-f]{64}")
+#: The longest ``To`` header read for a rejected event's recipients.
+MAX_TO_HEADER = 4000
 
 
 class MailgunReceiver(Receiver):
@@ -138,14 +151,19 @@ class MailgunReceiver(Receiver):
                 or not all(isinstance(signature, str) for signature in signatures):
             raise WebhookRefused(400, "the signature block's token, timestamp and signature "
                                  "must be strings")
+        if SIGNED_TIMESTAMP.fullmatch(timestamp) is None:
+            raise WebhookRefused(403, "the signed timestamp is not Unix seconds (digits only)")
+        if TOKEN.fullmatch(token) is None:
+            raise WebhookRefused(400, f"the signature token is not Mailgun's (16 to {MAX_TOKEN} "
+                                 "letters, digits, - and _)")
+        signatures = [signature for signature in signatures
+                      if SIGNATURE.fullmatch(signature) is not None]
         expected = hmac.new(self._key, (timestamp + token).encode("utf-8"),
                             hashlib.sha256).hexdigest().encode("ascii")
-        matches = [hmac.compare_digest(expected, signature.encode("utf-8"))
+        matches = [hmac.compare_digest(expected, signature.encode("ascii"))
                    for signature in signatures]
         if not any(matches):
             raise WebhookRefused(403, "the signature does not match the webhook signing key")
-        if len(token) > MAX_TOKEN:
-            raise WebhookRefused(400, f"the token is longer than {MAX_TOKEN} characters")
         return token, timestamp
 
     def _events_of(self, data: dict[str, Any]) -> tuple[DeliveryEvent, ...]:
@@ -164,11 +182,10 @@ class MailgunReceiver(Receiver):
         recipient = _text(data, "recipient")
         recipients: list[str | None] = [recipient]
         if recipient is None and name == "rejected":  # its recipients: the To header's
-            recipients = [address for _, address in getaddresses([_text(headers, "to") or ""])
-                          if address] or [None]
+            recipients = [*_addresses(_text(headers, "to") or "")] or [None]
         per_address = recipients != [recipient]
         return tuple(DeliveryEvent(
-            event_type=event_type, bounce_kind=bounce_kind, recipient=address,
+            event_type=event_type, bounce_kind=bounce_kind, recipient=outside_recipient(address),
             occurred_at=None if timestamp is None else _utc(timestamp), transport=self.name,
             provider_event_id=_bounded(f"{event_id}:{address}") if per_address else event_id,
             description=description, mta_response=mta_response,
@@ -205,6 +222,20 @@ def _classify(name: str, data: dict[str, Any]) -> tuple[str, str | None, str]:
     return "unknown", None, ": ".join(filter(None, (name, reason)))
 
 
+def _addresses(header: str) -> list[str]:
+    """The addresses of a ``To`` header; none when it is too long or cannot be read.
+
+    (The standard library's parser recurses on nested comments, and is not
+    linear on long headers: the header is bounded first.)
+    """
+    if len(header) > MAX_TO_HEADER:
+        return []
+    try:
+        return list(dict.fromkeys(address for _, address in getaddresses([header]) if address))
+    except (RecursionError, ValueError, IndexError):
+        return []
+
+
 def _headers(data: dict[str, Any]) -> Mapping[str, Any]:
     message = data.get("message")
     headers = message.get("headers") if isinstance(message, dict) else None
@@ -234,7 +265,7 @@ def _event_id(data: dict[str, Any], timestamp: float | None) -> str:
     event_id = _text(data, "id")
     if event_id is None:
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
-        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+        return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
     return _bounded(event_id if timestamp is None else f"{event_id}:{timestamp:.6f}")
 
 
@@ -242,7 +273,7 @@ def _bounded(event_id: str) -> str:
     """``event_id``, or its SHA-256 when longer than the column (255)."""
     if len(event_id) <= 255:
         return event_id
-    return hashlib.sha256(event_id.encode("utf-8")).hexdigest()
+    return hashlib.sha256(event_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _text(mapping: Mapping[str, Any], key: str) -> str | None:

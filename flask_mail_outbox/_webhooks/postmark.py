@@ -93,7 +93,14 @@ from typing import Any, ClassVar
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, capped_payload, naive_utc
-from ._base import Received, Receiver, WebhookRefused, WebhookRequest, json_body
+from ._base import (
+    Received,
+    Receiver,
+    WebhookRefused,
+    WebhookRequest,
+    json_body,
+    outside_recipient,
+)
 
 #: Bounce ``Type`` -> (``TypeCode``, event type, bounce kind).
 BOUNCE_TYPES: dict[str, tuple[int, str, str | None]] = {
@@ -198,7 +205,7 @@ class PostmarkReceiver(Receiver):
         event_id = str(bounce_id) if bounce_id not in (None, "") else _derived_id(
             record_type, message_id, recipient, time_text)
         return DeliveryEvent(
-            event_type=event_type, bounce_kind=bounce_kind, recipient=recipient,
+            event_type=event_type, bounce_kind=bounce_kind, recipient=outside_recipient(recipient),
             occurred_at=_time(time_field, time_text), transport=self.name,
             provider_event_id=event_id, description=description,
             mta_response=_text(record, "Details") or "",
@@ -250,7 +257,7 @@ def _derived_id(record_type: str, message_id: str | None, recipient: str | None,
                 time_text: str | None) -> str:
     """A stable id for a record Postmark gives none: the same record gives the same id."""
     parts = (record_type, message_id or "", recipient or "", time_text or "")
-    return hashlib.sha256("\x1f".join(parts).encode("utf-8")).hexdigest()
+    return hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _time(field: str | None, text: str | None) -> datetime | None:
@@ -258,8 +265,9 @@ def _time(field: str | None, text: str | None) -> datetime | None:
         return None
     try:
         return naive_utc(datetime.fromisoformat(text))
-    except ValueError:
-        raise WebhookRefused(400, f"{field} is not an ISO 8601 time") from None
+    except (ValueError, OverflowError):  # not a time; a time past 9999 in UTC
+        raise WebhookRefused(400, f"{field} is not an ISO 8601 time between the years 1 "
+                             "and 9999") from None
 
 
 def _text(record: Mapping[str, Any], key: str) -> str | None:

@@ -83,11 +83,16 @@ from ._base import (
     joined,
     json_body,
     json_object,
+    outside_recipient,
 )
 
 __all__ = ["ResendReceiver"]
 
 SECRET_PREFIX = "whsec_"
+
+#: The longest ``to`` entry read as an address (a display name and an address);
+#: longer ones are skipped, since the address parser is not linear.
+MAX_ADDRESS_TEXT = 1000
 
 #: Resend type -> normalized type; anything else is ``unknown``.
 EVENT_TYPES = {
@@ -186,7 +191,7 @@ class ResendReceiver(Receiver):
             recipients = [None]
         payload = capped_payload(body)
         return [DeliveryEvent(
-            event_type=event_type, recipient=recipient, occurred_at=occurred_at,
+            event_type=event_type, recipient=outside_recipient(recipient), occurred_at=occurred_at,
             transport=self.name,
             provider_event_id=bounded_id(svix_id if len(recipients) <= 1
                                          else f"{svix_id}:{recipient}"),
@@ -214,10 +219,15 @@ def _recipients(value: Any) -> list[str]:
     """The addresses of ``data.to`` (a list, or one string), without display names."""
     values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
     found: list[str] = []
+    seen: set[str] = set()
     for item in values:
-        if isinstance(item, str):
-            address = parseaddr(item)[1] or item.strip()
-            if address and address not in found:
+        if isinstance(item, str) and len(item) <= MAX_ADDRESS_TEXT:
+            try:
+                address = parseaddr(item)[1] or item.strip()
+            except (RecursionError, ValueError, IndexError):  # the parser recurses on "(((("
+                address = item.strip()
+            if address and address not in seen:
+                seen.add(address)
                 found.append(address)
     return found
 

@@ -71,6 +71,7 @@ from ._base import (
     WebhookRequest,
     check_timestamp,
     json_body,
+    outside_recipient,
 )
 
 SIGNATURE_HEADER = "x-twilio-email-event-webhook-signature"
@@ -141,7 +142,7 @@ class SendGridReceiver(Receiver):
         message_id = _text(event, "sg_message_id", index)
         return DeliveryEvent(
             event_type=event_type, bounce_kind=bounce_kind,
-            recipient=_text(event, "email", index), occurred_at=_time(event, index),
+            recipient=outside_recipient(_text(event, "email", index)), occurred_at=_time(event, index),
             transport=self.name, provider_event_id=_event_id(event, index),
             description=description, mta_response=response or "",
             provider_message_id=message_id.partition(".")[0] if message_id else None,
@@ -199,9 +200,9 @@ def _event_id(event: dict[str, Any], index: int) -> str:
     if event_id is not None and len(event_id) <= 255:
         return event_id
     if event_id is not None:
-        return hashlib.sha256(event_id.encode("utf-8")).hexdigest()
+        return hashlib.sha256(event_id.encode("utf-8", "surrogatepass")).hexdigest()
     canonical = json.dumps(event, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _time(event: dict[str, Any], index: int) -> datetime | None:

@@ -21,16 +21,23 @@ https://docs.aws.amazon.com/sns/latest/dg/sns-verify-signature-of-message.html):
 1. ``TopicArn`` must be one of the topics in ``webhook_secret`` (403). Anyone
    can create an SNS topic that posts to this URL with genuine AWS
    signatures: the topic is what makes a notification ours.
-2. ``SigningCertURL`` must be ``https://sns.<region>.amazonaws.com[.cn]/...pem``
-   (403, checked before anything is fetched); the certificate is fetched from
-   there over verified TLS (:class:`SNSCertificates`, cached) and must be
-   inside its validity dates. A fetch that fails is refused with 503, so
-   SNS retries: an outage is not a forgery.
+2. ``SigningCertURL`` must be exactly
+   ``https://sns.<region>.amazonaws.com[.cn]/SimpleNotificationService-<id>.pem``
+   (403, checked before anything is fetched; the region as AWS writes one, so
+   no other amazonaws.com host, such as an S3 bucket's, passes); the
+   certificate is fetched from there over verified TLS (:class:`SNSCertificates`:
+   cached, a failure remembered for a minute, one fetch at a time and a few a
+   minute, since the request is not verified yet) and must be inside its
+   validity dates. A fetch that fails is refused with 503, so SNS retries: an
+   outage is not a forgery.
 3. ``SignatureVersion`` 1 is SHA1withRSA, 2 SHA256withRSA, over the canonical
    string: ``name\\nvalue\\n`` for Message, MessageId, Subject (when present),
    Timestamp, TopicArn, Type of a Notification, and Message, MessageId,
    SubscribeURL, Timestamp, Token, TopicArn, Type of a confirmation. Any
    other version, or a signature that does not verify, is refused with 403.
+   ``webhook_secret`` may be ``{"topics": [...], "signature_versions": ["2"]}``
+   to refuse version 1 (set the topic's ``SignatureVersion`` attribute to 2
+   first).
 4. ``Timestamp`` must be within :data:`~._base.TOLERANCE_SECONDS` (403). SNS
    keeps a message's Timestamp on its retries: its default policy (three
    retries 20 s apart) stays inside the window, a custom delivery policy
@@ -80,7 +87,6 @@ import base64
 import binascii
 import collections
 import hmac
-import json
 import re
 import threading
 import time
@@ -103,11 +109,13 @@ from ._base import (
     WebhookRefused,
     WebhookRequest,
     bounded_id,
+    bounded_json,
     check_timestamp,
     iso_time,
     joined,
     json_body,
     json_object,
+    outside_recipient,
 )
 
 __all__ = [
@@ -120,8 +128,14 @@ __all__ = [
 
 #: A topic ARN as SNS writes it (standard, China and GovCloud partitions).
 TOPIC_ARN = re.compile(r"arn:aws(-cn|-us-gov)?:sns:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,256}")
-#: The hosts SNS signs from and confirms on: ``sns.<region>.amazonaws.com[.cn]``.
-SNS_HOST = re.compile(r"sns\.[a-z0-9-]+\.amazonaws\.com(\.cn)?")
+#: The hosts SNS signs from and confirms on: ``sns.<region>.amazonaws.com[.cn]``, the
+#: region as AWS names them (``us-east-1``, ``us-gov-west-1``, ``cn-north-1``), so that
+#: another service's host under amazonaws.com (``sns.s3.amazonaws.com``, an S3 bucket
+#: anyone can create) is not taken.
+SNS_HOST = re.compile(r"sns\.[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-[0-9]{1,2}\.amazonaws\.com(\.cn)?")
+#: A signing certificate's URL, whole: https, an SNS host, SNS's certificate path.
+SIGNING_CERT_URL = re.compile(r"https://(?P<host>[A-Za-z0-9.-]{1,100})(:443)?"
+                              r"/SimpleNotificationService-[A-Za-z0-9]{1,64}\.pem")
 
 #: The fields each SNS message type signs, in the order they are signed.
 SIGNED_FIELDS = {
@@ -133,6 +147,9 @@ SIGNED_FIELDS = {
 }
 #: SignatureVersion -> the hash of its RSA PKCS#1 v1.5 signature.
 SIGNATURE_HASHES: dict[str, type[hashes.HashAlgorithm]] = {"1": hashes.SHA1, "2": hashes.SHA256}
+#: The versions accepted unless ``webhook_secret`` says otherwise (a topic signs with
+#: version 1, SHA-1, until its ``SignatureVersion`` attribute is set to 2).
+DEFAULT_SIGNATURE_VERSIONS = ("1", "2")
 
 #: What SES publishes first to a topic it was given, not an event.
 SETUP_MESSAGE = "Successfully validated SNS topic for Amazon SES event publishing."
@@ -148,7 +165,9 @@ class SNSCertificates:
     ``client`` is the ``httpx.Client`` fetches go through (made on first use
     when not given: TLS verified, ``timeout`` seconds, no redirects). A fetched
     certificate is kept ``ttl`` seconds, at most ``max_entries`` of them; an
-    answer over ``max_bytes`` is not read further. :meth:`trust` pre-seeds one
+    answer over ``max_bytes`` is not read further. A fetch that failed is
+    remembered ``failure_ttl`` seconds, and at most ``fetches_per_minute``
+    fetches start in a minute (see :meth:`get`). :meth:`trust` pre-seeds one
     that never expires from the cache and is never fetched (tests, and
     deployments that cannot reach AWS). The URL is assumed already checked
     with :func:`sns_url_allowed`. Safe to share between threads.
@@ -156,16 +175,23 @@ class SNSCertificates:
 
     def __init__(self, client: httpx.Client | None = None, *, ttl: float = 24 * 3600.0,
                  max_entries: int = 32, max_bytes: int = 64 * 1024,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, failure_ttl: float = 60.0,
+                 fetches_per_minute: int = 6) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.timeout = timeout
+        self.failure_ttl = failure_ttl
+        self.fetches_per_minute = fetches_per_minute
         self._client = client
         self._own_client = client is None
         self._lock = threading.Lock()
+        # One fetch at a time: requests naming many URLs wait their turn, not a thread each.
+        self._fetching = threading.Lock()
         self._cached: collections.OrderedDict[str, tuple[float, x509.Certificate]] = \
             collections.OrderedDict()
+        self._failed: collections.OrderedDict[str, tuple[float, str]] = collections.OrderedDict()
+        self._fetched_at: collections.deque[float] = collections.deque()
         self._trusted: dict[str, x509.Certificate] = {}
 
     def trust(self, url: str, pem: bytes | str) -> None:
@@ -176,24 +202,61 @@ class SNSCertificates:
             self._trusted[url] = certificate
 
     def get(self, url: str) -> x509.Certificate:
-        """The certificate at ``url``; raises :class:`CertificateUnavailable`."""
+        """The certificate at ``url``; raises :class:`CertificateUnavailable`.
+
+        A request that is not signed yet (anyone knowing the topic ARN can send
+        one) costs at most one fetch: a failed fetch is remembered for
+        ``failure_ttl`` seconds, fetches run one at a time, and at most
+        ``fetches_per_minute`` of them start in a minute (more are refused
+        without a fetch, and SNS retries).
+        """
+        found = self._known(url)
+        if found is not None:
+            return found
+        with self._fetching:
+            found = self._known(url)  # fetched by the request this one waited for
+            if found is not None:
+                return found
+            now = time.monotonic()
+            with self._lock:
+                while self._fetched_at and self._fetched_at[0] <= now - 60.0:
+                    self._fetched_at.popleft()
+                if len(self._fetched_at) >= self.fetches_per_minute:
+                    raise CertificateUnavailable(f"more than {self.fetches_per_minute} "
+                                                 "certificate fetches in a minute")
+                self._fetched_at.append(now)
+            try:
+                certificate = self._fetch(url)
+            except CertificateUnavailable as exc:
+                with self._lock:
+                    self._failed[url] = (time.monotonic() + self.failure_ttl, str(exc))
+                    while len(self._failed) > self.max_entries:
+                        self._failed.popitem(last=False)
+                raise
+            with self._lock:
+                self._failed.pop(url, None)
+                self._cached[url] = (time.monotonic() + self.ttl, certificate)
+                self._cached.move_to_end(url)
+                while len(self._cached) > self.max_entries:
+                    self._cached.popitem(last=False)
+            return certificate
+
+    def _known(self, url: str) -> x509.Certificate | None:
+        """The certificate of ``url`` trusted or cached; a failure remembered raises."""
         with self._lock:
             trusted = self._trusted.get(url)
             if trusted is not None:
                 return trusted
+            now = time.monotonic()
             cached = self._cached.get(url)
-            if cached is not None and cached[0] > time.monotonic():
+            if cached is not None and cached[0] > now:
                 self._cached.move_to_end(url)
                 return cached[1]
-        # Fetched outside the lock: a slow fetch holds up no other URL. Two threads
-        # missing the same URL at once both fetch it, and store the same certificate.
-        certificate = self._fetch(url)
-        with self._lock:
-            self._cached[url] = (time.monotonic() + self.ttl, certificate)
-            self._cached.move_to_end(url)
-            while len(self._cached) > self.max_entries:
-                self._cached.popitem(last=False)
-        return certificate
+            failed = self._failed.get(url)
+            if failed is not None and failed[0] > now:
+                raise CertificateUnavailable(f"{failed[1]} (a fetch that failed "
+                                             f"less than {self.failure_ttl:g} s ago)")
+        return None
 
     def close(self) -> None:
         """Close the client this instance made (a given one is the caller's)."""
@@ -222,7 +285,7 @@ class SNSCertificates:
                     if len(data) > self.max_bytes:
                         raise CertificateUnavailable(f"the answer is over {self.max_bytes:,} "
                                                      "bytes")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise CertificateUnavailable(f"{type(exc).__name__}: {exc}") from exc
         try:
             return x509.load_pem_x509_certificate(data)
@@ -235,17 +298,25 @@ DEFAULT_CERTIFICATES = SNSCertificates()
 
 
 def sns_url_allowed(url: Any, *, pem: bool = False) -> bool:
-    """True for ``https://sns.<region>.amazonaws.com[.cn]/...`` (a ``.pem`` path when ``pem``)."""
-    if not isinstance(url, str):
+    """True for ``https://sns.<region>.amazonaws.com[.cn]/...``.
+
+    With ``pem``: exactly ``https://sns.<region>.amazonaws.com[.cn]/SimpleNotificationService-<id>.pem``,
+    the only path SNS signs from. Printable ASCII only (``urlsplit`` drops a TAB
+    or a line break silently; the HTTP client would refuse them).
+    """
+    if not isinstance(url, str) or len(url) > 2048 or not url.isascii() \
+            or not url.isprintable() or " " in url:
         return False
+    if pem:
+        whole = SIGNING_CERT_URL.fullmatch(url)
+        return whole is not None and SNS_HOST.fullmatch(whole["host"].lower()) is not None
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError:
         return False
     return (parts.scheme == "https" and parts.username is None and parts.password is None
-            and port in (None, 443) and SNS_HOST.fullmatch(parts.hostname or "") is not None
-            and (not pem or parts.path.endswith(".pem")))
+            and port in (None, 443) and SNS_HOST.fullmatch(parts.hostname or "") is not None)
 
 
 class SESReceiver(Receiver):
@@ -263,13 +334,15 @@ class SESReceiver(Receiver):
                  certificates: SNSCertificates | None = None) -> None:
         super().__init__(name, secret, options)
         self.topics = tuple(_topics(secret, "webhook_secret"))
+        self.signature_versions = _signature_versions(secret, "webhook_secret")
         self.certificates: SNSCertificates = (certificates or self.options.get("certificates")
                                               or DEFAULT_CERTIFICATES)
 
     @classmethod
     def check_secret(cls, secret: Any, key: str) -> None:
-        """One topic ARN, or a non-empty list of them."""
+        """One topic ARN, a non-empty list of them, or ``{"topics": ..., "signature_versions": ...}``."""
         _topics(secret, key)
+        _signature_versions(secret, key)
 
     def receive(self, request: WebhookRequest) -> Received:
         """Verify the SNS message; a Notification's SES event becomes events."""
@@ -297,12 +370,15 @@ class SESReceiver(Receiver):
                                  "message delivery must be off)")
         topic = message.get("TopicArn")
         if not isinstance(topic, str) or not any(
-                hmac.compare_digest(topic.encode(), ours.encode()) for ours in self.topics):
+                hmac.compare_digest(topic.encode("utf-8", "surrogatepass"), ours.encode()) for ours in self.topics):
             raise WebhookRefused(403, "the notification comes from a topic that is not this "
                                  "transport's (webhook_secret lists the subscribed topic ARNs)")
-        algorithm = SIGNATURE_HASHES.get(str(message["SignatureVersion"]))
-        if algorithm is None:
-            raise WebhookRefused(403, "SignatureVersion must be 1 or 2")
+        version = message["SignatureVersion"]
+        algorithm = SIGNATURE_HASHES.get(version) if isinstance(version, str) else None
+        if algorithm is None or version not in self.signature_versions:
+            raise WebhookRefused(403, f"SignatureVersion must be "
+                                 f"{' or '.join(self.signature_versions)} (webhook_secret's "
+                                 "signature_versions)")
         url = message["SigningCertURL"]
         if not sns_url_allowed(url, pem=True):
             raise WebhookRefused(403, "SigningCertURL is not an https://sns.<region>."
@@ -340,13 +416,10 @@ class SESReceiver(Receiver):
 
     def _events(self, message: dict[str, Any]) -> list[DeliveryEvent]:
         text = message["Message"]
-        try:
-            event = json.loads(text)
-        except ValueError:
-            if text.strip() == SETUP_MESSAGE:
-                return []
-            raise WebhookRefused(400, "the notification's Message is not JSON (an SNS topic "
-                                 "that SES does not publish to?)") from None
+        if text.strip() == SETUP_MESSAGE:
+            return []
+        event = bounded_json(text, "the notification's Message (an SNS topic that SES does "
+                                   "not publish to?)")
         if not isinstance(event, dict):
             raise WebhookRefused(400, "the notification's Message is not an SES event object")
         kind = event.get("eventType", event.get("notificationType"))
@@ -430,7 +503,7 @@ class _SESEvent:
         """The event for ``recipient``, at ``detail``'s timestamp."""
         address = recipient if isinstance(recipient, str) and recipient else None
         return DeliveryEvent(
-            event_type=event_type, recipient=address,
+            event_type=event_type, recipient=outside_recipient(address),
             occurred_at=iso_time(detail.get("timestamp")) or self.fallback,
             transport=self.transport,
             provider_event_id=bounded_id(f"{self.sns_id}:{address}" if address
@@ -444,8 +517,32 @@ class _SESEvent:
         return [self.one(event_type, recipient, detail, **fields) for recipient in targets]
 
 
+def _signature_versions(secret: Any, key: str) -> tuple[str, ...]:
+    """The SignatureVersions ``webhook_secret`` accepts (both unless it says), or a ``ConfigError``."""
+    if not isinstance(secret, Mapping) or "signature_versions" not in secret:
+        return DEFAULT_SIGNATURE_VERSIONS
+    versions = secret["signature_versions"]
+    if isinstance(versions, str) or not isinstance(versions, (list, tuple)) or not versions \
+            or any(v not in SIGNATURE_HASHES for v in versions):
+        raise ConfigError(f'{key}["signature_versions"]', 'expected a non-empty list of "1" '
+                          '(SHA1withRSA) and "2" (SHA256withRSA); ["2"] refuses SHA-1, once the '
+                          "topic's SignatureVersion attribute is 2")
+    return tuple(dict.fromkeys(versions))
+
+
 def _topics(secret: Any, key: str) -> list[str]:
     """The topic ARNs of ``webhook_secret``, or a ``ConfigError``."""
+    if isinstance(secret, Mapping):
+        unknown = sorted(set(secret) - {"topics", "signature_versions"}, key=str)
+        if unknown:
+            raise ConfigError(key, f"unknown setting {unknown[0]!r}; an SES webhook_secret is a "
+                              'topic ARN, a list of them, or a dict with "topics" and '
+                              '"signature_versions"')
+        if "topics" not in secret:
+            raise ConfigError(f'{key}["topics"]', "expected the SNS topic ARN (or a list of "
+                              "them) the endpoint is subscribed to")
+        secret = secret["topics"]
+        key = f'{key}["topics"]'
     topics = [secret] if isinstance(secret, str) else secret
     if not isinstance(topics, (list, tuple)) or not topics:
         raise ConfigError(key, "expected the SNS topic ARN the endpoint is subscribed to "
@@ -468,7 +565,7 @@ def _canonical(message: dict[str, Any]) -> bytes:
         if not isinstance(value, str):
             raise WebhookRefused(400, f"the SNS message has no {field} string")
         lines += [field, value]
-    return ("\n".join(lines) + "\n").encode()
+    return ("\n".join(lines) + "\n").encode("utf-8", "surrogatepass")
 
 
 def _list(value: Any) -> list[Any]:

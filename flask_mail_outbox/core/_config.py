@@ -10,13 +10,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-import os
 import re
-import sys
 import urllib.parse
-import warnings
 from collections.abc import Mapping
-from types import FrameType
 from typing import Any
 
 from .._compose.addresses import AddressError, parse_address
@@ -24,13 +20,12 @@ from .._compose.dkim import DKIMSigner, signed_header_names, signer_from
 from .._compose.links import UnsubscribeLinks
 from .._compose.verp import VerpAddresses
 from .._errors import ConfigError
+from .._providers import PROVIDERS
 from .._webhooks import receiver_class
 from ..transports import (
     SMTPSettings,
-    Transport,
     TransportSettings,
     is_builtin,
-    takes_legacy_config,
     transport_class,
 )
 from ._settings import DEFAULT_TRANSPORT, OutboxConfig, Rate, TransportSpec
@@ -53,8 +48,9 @@ _PERIODS = {"s": 1.0, "sec": 1.0, "second": 1.0, "min": 60.0, "minute": 60.0,
             "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*([a-z]+)\s*$")
 
-# Flask-Mail's keys keep Flask-Mail's defaults; the outbox's own keys follow
-# DESIGN.md. ``None`` for OUTBOX_SWEEP_INTERVAL_SECONDS means "by mode".
+# Flask-Mail's keys keep Flask-Mail's defaults; the outbox's own keys are described in
+# docs/_ext/config_descriptions.py, rendered on docs/configuration.md (tests/test_docs.py
+# checks both ways). ``None`` for OUTBOX_SWEEP_INTERVAL_SECONDS means "by mode".
 _DEFAULTS: dict[str, Any] = {
     "MAIL_SERVER": "127.0.0.1",
     "MAIL_PORT": 25,
@@ -76,6 +72,9 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_RETRY_BASE_SECONDS": 60.0,
     "OUTBOX_RETRY_MAX_SECONDS": 3600.0,
     "OUTBOX_MAX_THROTTLE_DEFERRALS": 10,
+    # Retries of an attempt that may have been delivered (a drop after the final
+    # dot, a provider's timeout after the request went): each may be a copy.
+    "OUTBOX_AMBIGUOUS_RETRIES": 1,
     "OUTBOX_LEASE_SECONDS": 30.0,
     "OUTBOX_BATCH_SIZE": 100,
     "OUTBOX_CONCURRENCY": 4,
@@ -121,7 +120,7 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_UNSUBSCRIBE_URL": None,
     # VERP: SMTP envelope senders bounces+<signed token>@domain (None: the sender).
     "OUTBOX_BOUNCE_ADDRESS": None,
-    # Not in Flask-Mail nor DESIGN.md's table: lets a process that imports the
+    # Not a Flask-Mail key: lets a process that imports the
     # app without serving it (a script, a test) skip the sweep jobs.
     "OUTBOX_RUN_SCHEDULER": True,
 }
@@ -232,6 +231,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         retry_max_seconds=retry_max,
         max_throttle_deferrals=keys.number("OUTBOX_MAX_THROTTLE_DEFERRALS", minimum=0,
                                            integer=True),
+        ambiguous_retries=keys.number("OUTBOX_AMBIGUOUS_RETRIES", minimum=0, integer=True),
         lease_seconds=keys.number("OUTBOX_LEASE_SECONDS", minimum=1),
         batch_size=keys.number("OUTBOX_BATCH_SIZE", minimum=1, integer=True),
         concurrency=_concurrency(keys),
@@ -296,7 +296,7 @@ def _transport_specs(keys: _Keys, smtp: SMTPSettings,
     password): what it leaves out takes Flask-Mail's defaults.
     """
     kind = keys.get("OUTBOX_TRANSPORT")
-    cls = _transport_class(kind, "OUTBOX_TRANSPORT")
+    cls = transport_class(kind, "OUTBOX_TRANSPORT")
     if cls.entry_keys() is not None:
         raise ConfigError("OUTBOX_TRANSPORT", f"a {kind} transport needs settings of its own: "
                           f"configure it as OUTBOX_TRANSPORTS = {{'default': {{'transport': "
@@ -332,7 +332,7 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
     if not isinstance(entry, Mapping):
         raise ConfigError(prefix, f"expected a dict of settings, got {entry!r}")
     kind = entry.get("transport", "smtp")
-    cls = _transport_class(kind, f'{prefix}["transport"]')
+    cls = transport_class(kind, f'{prefix}["transport"]')
     own = cls.entry_keys()
     allowed = ENTRY_KEYS if own is None else (*GENERAL_KEYS, *own)
     unknown = sorted(set(entry) - set(allowed), key=str)
@@ -357,8 +357,8 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
         receiver = receiver_class(kind)
         if receiver is None:
             raise ConfigError(f'{prefix}["webhook_secret"]',
-                              f"a {kind} transport has no provider webhooks (postmark, sendgrid, "
-                              "mailgun, resend and ses do); feed its events to "
+                              f"a {kind} transport has no provider webhooks ("
+                              f"{', '.join(PROVIDERS)} have); feed its events to "
                               "mail.record_event() from a route of your own")
         receiver.check_secret(secret, f'{prefix}["webhook_secret"]')
     return TransportSpec(
@@ -374,30 +374,6 @@ def _entry(name: str, entry: Any, keys: _Keys, file_path: str) -> TransportSpec:
         failover=tuple(check_name(f'{prefix}["failover"]', n) for n in failover),
         webhook_secret=secret,
     )
-
-
-def _transport_class(kind: Any, key: str) -> type[Transport]:
-    """The class ``kind`` names; a deprecation warning for one built from the app config."""
-    cls = transport_class(kind, key)
-    if takes_legacy_config(cls):
-        warnings.warn(
-            f"{key}: {cls.__module__}.{cls.__qualname__}.__init__(config) takes the whole app "
-            "config, which is deprecated and stops working in the next release: give it an "
-            "__init__ without that argument, and a classmethod from_settings(cls, settings) "
-            "when it needs its OUTBOX_TRANSPORTS entry (flask_mail_outbox.transports."
-            "TransportSettings: .smtp, .file_path, .concurrency, .options)",
-            DeprecationWarning, stacklevel=_caller_outside_package())
-    return cls
-
-
-def _caller_outside_package() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside this package."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _smtp_settings(get: Any, prefix: str = "") -> SMTPSettings:

@@ -29,9 +29,12 @@ from email.policy import default as default_policy
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import exc as sa_exc
+
 from .. import _degrade
 from .._errors import PermanentError, TransientError, TransportError
 from .._events import DeliveryEvent
+from .._outside import TEXT_LIMIT, clean_line, clean_text
 from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Transport
 from ._clock import utcnow
 from ._events import EventLog
@@ -54,6 +57,60 @@ _HOST = socket.gethostname()
 
 #: Why a row claimed past its last attempt is dead-lettered unsent.
 SPENT_LEASE = "lease expired: the process sending it stopped, and its attempts are spent"
+
+
+def about_the_data(exc: BaseException) -> bool:
+    """Whether the database refused ``exc``'s write for what it said, not for being away.
+
+    A text it cannot store (a NUL on PostgreSQL, a lone surrogate), a value
+    too long for its column, an encoding error: retrying the same write
+    fails the same way. An outage (``OperationalError``, ``InterfaceError``)
+    is never one of these.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+            return False
+        if isinstance(current, (sa_exc.DataError, UnicodeError)):
+            return True
+        sqlstate = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(sqlstate, str) and sqlstate.startswith("22"):  # data exception
+            return True
+        if type(current).__name__ == "DataError":  # a driver's own (psycopg, sqlite3)
+            return True
+        current = getattr(current, "orig", None) or current.__cause__ or current.__context__
+    return False
+
+
+def _safe_text(text: str | None, limit: int = TEXT_LIMIT) -> str | None:
+    return None if text is None else clean_text(text, limit)
+
+
+def made_safe(outcome: Outcome) -> Outcome:
+    """``outcome`` with every text from outside made safe to store (see :mod:`.._outside`)."""
+    provider_id = outcome.provider_message_id
+    return dataclasses.replace(
+        outcome, error_message=_safe_text(outcome.error_message),
+        provider_message_id=(clean_line(provider_id) or None) if provider_id else None,
+        unknown_recipients=tuple((clean_line(address, 320), clean_text(reply, 1000))
+                                 for address, reply in outcome.unknown_recipients),
+        failovers=tuple(dataclasses.replace(step, error=TransientError(
+            clean_text(step.error.message), code=step.error.code))
+            for step in outcome.failovers))
+
+
+def bare(outcome: Outcome, why: str) -> Outcome:
+    """``outcome`` with nothing from outside: its status, and why its reply is missing."""
+    said = ("the server's reply could not be stored (the database refused it: "
+            f"{why})")
+    message = None
+    if outcome.error_message is not None:
+        message = (f"some recipients refused; {said}" if outcome.status is Status.SENT
+                   else said)
+    return dataclasses.replace(outcome, error_message=message, provider_message_id=None,
+                               unknown_recipients=(), failovers=())
 
 
 def new_owner() -> str:
@@ -225,19 +282,28 @@ class Callbacks:
     events: Callable[[Sequence[DeliveryEvent]], None] | None = None
 
 
+#: OUTBOX_AMBIGUOUS_RETRIES's default.
+AMBIGUOUS_RETRIES = 1
+
+
 def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy, *,
-                retry_now: bool = False) -> Outcome:
+                retry_now: bool = False,
+                ambiguous_retries: int = AMBIGUOUS_RETRIES) -> Outcome:
     """What to record for ``email`` after ``result`` (None: claimed past its last attempt).
 
     The retry policy decides every failure in both modes: a transient one sets
     the row's next due time, or dead-letters it on its last allowed attempt; a
     throttled one gives the attempt back a bounded number of times.
     ``retry_now``: the caller retries it in process, so it is due again at once
-    (a throttle deferral still waits its few seconds).
+    (a throttle deferral still waits its few seconds). A failure after which
+    the message may have been accepted (``maybe_sent``) is retried at most
+    ``ambiguous_retries`` times in the row's life, then ends ``failed`` with
+    a last error that says it may have been sent.
     """
     if result is None:
         return Outcome(email, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
-    outcome = _outcome_of(email, result, policy, retry_now=retry_now)
+    outcome = _outcome_of(email, result, policy, retry_now=retry_now,
+                          ambiguous_retries=ambiguous_retries)
     if result.failovers:
         outcome = dataclasses.replace(outcome, failovers=result.failovers)
     unknown = unknown_recipients(result)
@@ -247,7 +313,7 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
 
 
 def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
-                retry_now: bool) -> Outcome:
+                retry_now: bool, ambiguous_retries: int) -> Outcome:
     if isinstance(result, Suppressed):
         why = ", ".join(f"{address} ({reason})" for address, reason in email.suppressed)
         return Outcome(email, Status.SUPPRESSED, give_back_attempt=True,
@@ -270,9 +336,15 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
     if isinstance(error, NotAttempted):
         return Outcome(email, Status.QUEUED, give_back_attempt=True)
+    maybe_sent = isinstance(error, TransientError) and error.maybe_sent
+    if maybe_sent and email.ambiguous_attempts >= ambiguous_retries:
+        return Outcome(email, Status.FAILED, error_code=error.code, maybe_sent=True,
+                       error_message=may_have_been_sent(email.ambiguous_attempts + 1,
+                                                        ambiguous_retries, error.message))
     decision = policy.decide(email.attempt, error, deferrals=email.throttle_deferrals)
     if decision.dead:
-        return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
+        return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message,
+                       maybe_sent=maybe_sent)
     due_in = None if retry_now and decision.charge else decision.delay
     asked = getattr(error, "retry_after", None)
     if asked is not None:
@@ -286,7 +358,19 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                                      f"before its next attempt; last error: {error.message}")
     return Outcome(email, Status.QUEUED, error_code=error.code, error_message=error.message,
                    due_in=due_in, give_back_attempt=not decision.charge,
-                   deferred=decision.deferral)
+                   deferred=decision.deferral, maybe_sent=maybe_sent)
+
+
+#: How the last error of a row ended by OUTBOX_AMBIGUOUS_RETRIES starts.
+MAY_HAVE_BEEN_SENT = "may have been sent"
+
+
+def may_have_been_sent(unclear: int, retries: int, message: str) -> str:
+    """The last error of a row whose ``unclear`` attempts may each have delivered it."""
+    return (f"{MAY_HAVE_BEEN_SENT}: {unclear} attempt(s) ended without knowing whether the "
+            f"server accepted it, and it is not retried again (OUTBOX_AMBIGUOUS_RETRIES="
+            f"{retries}) so as not to deliver another copy; check with the recipient or the "
+            f"provider before retrying it. Last: {message}")
 
 
 class Heartbeat:
@@ -459,7 +543,8 @@ class Delivery:
         report = BatchReport()
         if not done:
             return report
-        outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now)
+        outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now,
+                                ambiguous_retries=self.config.ambiguous_retries)
                     for email, result in done]
         stored: list[DeliveryEvent] = []
         try:
@@ -501,17 +586,23 @@ class Delivery:
         elif outcome.status is Status.FAILED:
             report.failed.append(email.id)
             why = ("failed permanently" if isinstance(error, PermanentError) else
+                   "may have been sent (it is not retried again)"
+                   if (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT) else
                    "had an expired lease (the process sending it stopped) and no attempt "
                    f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
                    "not have accepted its last one" if outcome.error_message == SPENT_LEASE else
                    f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
                    f"{policy.max_attempts})")
+            maybe = (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT)
             _degrade.report(
                 f"Email {email.id} ({email.message_id}) {why} on attempt {email.attempt}: "
                 f"{error}",
-                consequence="it is dead-lettered (status failed) and will not be sent",
-                fix=f"correct the cause, then put it back with mail.retry({email.id}) or "
-                    f"`flask outbox dlq retry {email.id}`")
+                consequence="it is dead-lettered (status failed) and will not be sent"
+                            + (" again" if maybe else ""),
+                fix=(f"check whether it arrived (the provider's log, the recipient) before "
+                     f"putting it back with mail.retry({email.id})" if maybe else
+                     f"correct the cause, then put it back with mail.retry({email.id}) or "
+                     f"`flask outbox dlq retry {email.id}`"))
             self._tell(self.callbacks.failed, email, error)
         elif outcome.status in (Status.SUPPRESSED, Status.EXPIRED):
             (report.suppressed if outcome.status is Status.SUPPRESSED
@@ -582,6 +673,11 @@ class Delivery:
             try:
                 result = record() if kept is None else kept.run(record)
             except Exception as exc:
+                if about_the_data(exc):
+                    # Not an outage: the database refuses what the outcomes say.
+                    # Retrying would only sleep and, the rows left sending, send
+                    # them again: record them without what it refuses.
+                    return self._record_made_safe(outcomes, kept, stored, exc)
                 if delay is None:
                     sent = sum(o.status is Status.SENT for o in outcomes)
                     _degrade.report(
@@ -604,6 +700,52 @@ class Delivery:
                 self.faults.recovered("record")
                 return result
         raise RuntimeError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _record_made_safe(self, outcomes: list[Outcome], kept: KeptConnection | None,
+                          stored: list[DeliveryEvent] | None, refused: Exception) -> Recorded:
+        """Record ``outcomes`` the database refused for their data, without the poisoned part.
+
+        First with every text from outside made safe (:func:`made_safe`); if
+        the database still refuses, with none of it (:func:`bare`): each
+        email keeps its status (a sent one stays sent) and says why its
+        server's reply is missing. Each try is one write, never a sleep: the
+        rows are never left ``sending`` to be claimed and sent again.
+        """
+        why = f"{type(refused).__name__}: {clean_line(refused, 300)}"
+        last: Exception = refused
+        for step, shaped in (("made safe", [made_safe(o) for o in outcomes]),
+                             ("left out", [bare(o, why) for o in outcomes])):
+            def write_events(tx: Connection, recorded: list[Outcome]) -> None:
+                written = self._write_events(tx, recorded)
+                if stored is not None:
+                    stored[:] = written
+
+            def record(conn: Connection | None = None,
+                       shaped: list[Outcome] = shaped) -> Recorded:
+                return self.store.record(shaped, scrub_sent=self.config.scrub_sent,
+                                         conn=conn, then=write_events)
+
+            try:
+                result = record() if kept is None else kept.run(record)
+            except Exception as exc:
+                if not about_the_data(exc):
+                    raise
+                last = exc
+                continue
+            _degrade.report(
+                f"The database refused the outcome of {len(outcomes)} email(s) "
+                f"{[o.email.id for o in outcomes][:20]} as the server's reply gave it ({why})",
+                consequence=f"they are recorded with the server's text {step} (their status "
+                            "is as delivery found it: nothing is sent again)",
+                fix="nothing for these emails; report the server's reply if it recurs")
+            return result
+        _degrade.report(
+            f"Could not record the outcome of {len(outcomes)} email(s) even without the "
+            "server's reply",
+            consequence="they stay sending until their lease expires, then are delivered "
+                        "again: the accepted ones arrive twice, with the same Message-ID",
+            fix="report this with the traceback below", exc=last)
+        raise last
 
     def _write_events(self, tx: Connection, recorded: list[Outcome]) -> list[DeliveryEvent]:
         """The events recorded outcomes come with, written on ``tx``.

@@ -3,7 +3,7 @@
 :meth:`EventLog.record` writes a batch of :class:`~flask_mail_outbox.DeliveryEvent`
 values in ONE transaction: signature nonces first (a token seen before
 refuses the whole batch), then each event's email found by the provider's
-message id or the Message-ID, then the events themselves (a provider's resend
+message id (among the emails of the event's transport) or the Message-ID, then the events themselves (a provider's resend
 of one already stored is ignored, by the unique ``(transport,
 provider_event_id)``), then the suppressions the new ones call for (a
 permanent bounce, a complaint, an unsubscribe).
@@ -20,7 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .._events import DeliveryEvent
-from ._models import email_table, event_table, nonce_table
+from ._models import (
+    SEARCH_RECIPIENT_LENGTH,
+    email_table,
+    event_table,
+    nonce_table,
+    search_key,
+)
 from ._suppression import Suppressions, loose_key
 
 if TYPE_CHECKING:
@@ -117,11 +123,16 @@ class EventLog:
             raise Replayed(f"a signature token for {transport!r} was used before")
 
     def _match(self, conn: Connection, events: Sequence[DeliveryEvent]) -> list[DeliveryEvent]:
-        """``events`` with ``email_id`` filled where their provider id or Message-ID is known."""
+        """``events`` with ``email_id`` filled where their provider id or Message-ID is known.
+
+        A provider's message id is matched only among the emails its event's
+        transport sent (the row's transport, or one it failed over to): ids are
+        the provider's own, and two providers (or two accounts) may use the
+        same one; a webhook of one must not reach the emails of another.
+        """
         t = email_table
-        by_provider = self._ids(conn, t.c.provider_message_id,
-                                {e.provider_message_id for e in events
-                                 if e.email_id is None and e.provider_message_id})
+        by_provider = self._by_provider(conn, {e.provider_message_id for e in events
+                                               if e.email_id is None and e.provider_message_id})
         by_message = self._ids(conn, t.c.message_id,
                                {_bracketed(e.message_id) for e in events
                                 if e.email_id is None and e.provider_message_id is None
@@ -129,12 +140,28 @@ class EventLog:
         matched = []
         for event in events:
             if event.email_id is None:
-                found = (by_provider.get(event.provider_message_id or "")
+                found = (by_provider.get((event.transport, event.provider_message_id or ""))
                          or by_message.get(_bracketed(event.message_id or "")))
                 if found is not None:
                     event = dataclasses.replace(event, email_id=found)
             matched.append(event)
         return matched
+
+    @staticmethod
+    def _by_provider(conn: Connection, values: Iterable[str]) -> dict[tuple[str, str], int]:
+        """(transport that sent it, provider message id) -> email id, for ``values``."""
+        t = email_table
+        wanted = sorted(values)
+        found: dict[tuple[str, str], int] = {}
+        for start in range(0, len(wanted), _CHUNK):
+            rows = conn.execute(
+                sa.select(t.c.provider_message_id, t.c.id, t.c.transport, t.c.error_history)
+                .where(t.c.provider_message_id.in_(wanted[start:start + _CHUNK]))
+                .order_by(t.c.id)).all()
+            for value, email_id, transport, history in rows:
+                for sender in (transport, *_failed_over_to(history)):
+                    found.setdefault((sender, value), email_id)
+        return found
 
     @staticmethod
     def _sole_recipients(conn: Connection, events: list[DeliveryEvent]
@@ -207,6 +234,19 @@ class EventLog:
                 position += 1
         return new, len(events) - len(new)
 
+    def email_sent_to(self, address: str, message_id: str) -> tuple[int, str] | None:
+        """(id, transport) of the newest email with ``message_id`` whose first recipient is
+        ``address``, or None. (By the indexed first-recipient column: a one-click link's
+        email has one recipient.)"""
+        t = email_table
+        with self.store.read() as conn:
+            row = conn.execute(
+                sa.select(t.c.id, t.c.transport)
+                .where(t.c.search_recipient == search_key(address, SEARCH_RECIPIENT_LENGTH),
+                       t.c.message_id == message_id)
+                .order_by(t.c.id.desc()).limit(1)).first()
+        return (int(row.id), str(row.transport)) if row is not None else None
+
     def for_email(self, email_id: int) -> list[DeliveryEvent]:
         """Every event of one email, oldest first."""
         t = event_table
@@ -214,6 +254,18 @@ class EventLog:
             rows = conn.execute(sa.select(t).where(t.c.email_id == email_id)
                                 .order_by(t.c.occurred_at, t.c.id)).all()
         return [event_of(row._mapping) for row in rows]
+
+
+def _failed_over_to(history: str | None) -> list[str]:
+    """The transports an email's ``error_history`` says it failed over to."""
+    if not history or "failed_over_to" not in history:
+        return []
+    try:
+        entries = json.loads(history)
+    except ValueError:
+        return []
+    return [entry["failed_over_to"] for entry in entries if isinstance(entry, dict)
+            and isinstance(entry.get("failed_over_to"), str)] if isinstance(entries, list) else []
 
 
 def _bracketed(message_id: str) -> str:

@@ -2,7 +2,8 @@
 
 Nothing here opens a connection or commits: the row is written in the
 caller's transaction, and goes out only if that transaction commits (the
-after-commit hand-over is :mod:`._staging`'s). Everything delivery does after
+after-commit hand-over is the Flask integration's,
+``flask_mail_outbox._flask.staging``). Everything delivery does after
 that is :class:`._store.Store`'s, on its own engine.
 """
 

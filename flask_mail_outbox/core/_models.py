@@ -415,7 +415,7 @@ def _sqlite_trigger(event: str, when: str, body: str) -> str:
 
 
 #: The tally's triggers, per dialect, in the order they are created. The migration
-#: that added them (outbox_0008) holds the same text: a test compares the catalogs.
+#: that creates them (outbox_0001) holds the same text: a test compares the catalogs.
 TALLY_DDL: dict[str, tuple[str, ...]] = {
     "postgresql": (
         _PG_FUNCTION,
@@ -479,7 +479,7 @@ def _create_tally_triggers(target: sa.MetaData, connection: sa.Connection,
         return
     if connection.dialect.name == "sqlite":
         # The write lock first: the driver begins no transaction before DDL, so a
-        # change could fall between the triggers and the count (see outbox_0008).
+        # change could fall between the triggers and the count (see outbox_0001).
         connection.exec_driver_sql("DELETE FROM outbox_tally")
     # exec_driver_sql: the SQL as written, no bind-parameter parsing of its text.
     for statement in TALLY_DDL.get(connection.dialect.name, ()):

@@ -30,7 +30,6 @@ from ..transports import (
     FailoverTransport,
     MemoryTransport,
     Transport,
-    TransportSettings,
     build,
 )
 from ._delivery import Callbacks, Delivery
@@ -66,27 +65,11 @@ def build_transports(config: OutboxConfig, *, concurrency: int) -> dict[str, Tra
     for spec in config.transport_specs:
         settings = dataclasses.replace(spec.settings,
                                        concurrency=spec.concurrency or concurrency)
-        own[spec.name] = build(spec.cls, settings, legacy_config=_EntryConfig(config, settings))
+        own[spec.name] = build(spec.cls, settings)
     return {spec.name: FailoverTransport([(name, own[name]) for name in
                                           (spec.name, *spec.failover)])
             if spec.failover else own[spec.name]
             for spec in config.transport_specs}
-
-
-class _EntryConfig:
-    """The settings as a custom transport written against ``Transport(config)`` reads them.
-
-    The app's settings, with the SMTP settings and file path of the transport's
-    own entry. Deprecated with ``Transport(config)``; goes with it.
-    """
-
-    def __init__(self, config: OutboxConfig, settings: TransportSettings) -> None:
-        self._config = config
-        self.smtp = settings.smtp
-        self.file_path = settings.file_path
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
 
 
 def create_engine(url: str | sa.URL) -> sa.Engine:
@@ -104,6 +87,19 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     try:
         # The busy timeout makes writers queue for the lock instead of failing.
         cursor.execute("PRAGMA busy_timeout=30000")
+        ensure_wal(cursor)
+    finally:
+        cursor.close()
+
+
+def sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    """The ``connect`` event for the app's own SQLite engine: WAL before its first write.
+
+    The app's engine keeps its own busy timeout; only the journal mode, which
+    is the file's and which the delivery thread needs, is set here.
+    """
+    cursor = dbapi_conn.cursor()
+    try:
         ensure_wal(cursor)
     finally:
         cursor.close()
@@ -348,4 +344,4 @@ class Outbox:
 
 
 __all__ = ["DEFAULT_TRANSPORT", "DURABLE_SETTING", "Mode", "Outbox", "build_transports",
-           "create_engine", "ensure_wal"]
+           "create_engine", "ensure_wal", "sqlite_on_connect"]

@@ -99,6 +99,8 @@ class OutboxConfig:
     scrub_sent: bool
     health_max_queued_age_seconds: float
     run_scheduler: bool = True
+    #: OUTBOX_AMBIGUOUS_RETRIES: retries of an attempt that may have been delivered.
+    ambiguous_retries: int = 1
     html_to_text: bool = True
     allow_smtputf8: bool = False
     #: None when DKIM signing is off.

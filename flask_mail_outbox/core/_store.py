@@ -83,6 +83,11 @@ class ClaimedEmail:
         """Throttled attempts given back so far (the retry policy bounds them)."""
         return sum(1 for entry in self.error_history if entry.get("deferred"))
 
+    @property
+    def ambiguous_attempts(self) -> int:
+        """Attempts so far that may have delivered it (a drop after the final dot...)."""
+        return sum(1 for entry in self.error_history if entry.get("maybe_sent"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Reaped:
@@ -121,6 +126,8 @@ class Outcome:
     provider_message_id: str | None = None
     #: Recipients the server refused as nonexistent: (address, its reply).
     unknown_recipients: tuple[tuple[str, str], ...] = ()
+    #: The attempt may have delivered it (see :attr:`ClaimedEmail.ambiguous_attempts`).
+    maybe_sent: bool = False
 
 
 class Recorded(NamedTuple):
@@ -555,6 +562,8 @@ class Store:
                 "at": at, "attempt": outcome.email.attempt}
             if outcome.deferred:
                 entry["deferred"] = True
+            if outcome.maybe_sent:
+                entry["maybe_sent"] = True
             entries.append(entry)
         if entries:
             values["error_history"] = json.dumps([*outcome.email.error_history, *entries])

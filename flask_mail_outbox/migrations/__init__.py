@@ -26,15 +26,13 @@ module itself needs neither Flask-Migrate nor Alembic) uses them in three steps.
    If you already have an ``include_object`` hook, pass
    ``combine_include_object(your_hook)`` instead.
 
-3. Create the tables: ``flask db upgrade heads`` (or just the branch:
-   ``flask db upgrade outbox@head``).
+3. Create the tables: ``flask db upgrade heads``.
 
-Your history and the ``outbox`` branch are two heads from then on, so ``flask db
-upgrade`` (which means ``head``) and ``flask db migrate`` ask which one you mean. Either
-say it (``flask db upgrade heads``; ``flask db migrate --head <your-revision>@head``), or
-join the two once with ``flask db merge -m "join the outbox branch" heads`` and repeat the
-merge when an upgrade of flask-mail-outbox brings a new outbox revision (``flask db
-heads`` then lists two heads again).
+Your history and the ``outbox`` branch stay two heads, never merged: a revision of yours
+that needs the outbox tables declares ``depends_on = "outbox_0001"``. When an upgrade of
+flask-mail-outbox brings a new outbox revision, ``flask db upgrade heads`` applies it and
+you write nothing. ``flask db migrate`` needs to be told which head to build on:
+``flask db migrate --head <your-branch-label>@head``. docs/migrations.md has the recipes.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
-from ..core._models import TABLE_NAMES
+from ..core._internal import TABLE_NAMES
 
 __all__ = ["BRANCH_LABEL", "VERSIONS_DIR", "combine_include_object", "include_object"]
 

@@ -29,7 +29,6 @@ from ._registry import (
     BUILTIN,
     build,
     is_builtin,
-    takes_legacy_config,
     transport_class,
 )
 from ._settings import SMTPSettings, TransportSettings
@@ -58,6 +57,5 @@ __all__ = [
     "TransportSettings",
     "build",
     "is_builtin",
-    "takes_legacy_config",
     "transport_class",
 ]

@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
@@ -284,31 +283,6 @@ class Transport:
     :meth:`send` from the stream's sender thread, one message at a time per
     stream: a transport used by several streams at once must be thread-safe.
     """
-
-    def __init__(self, config: Any = None) -> None:
-        if config is not None:  # written as Transport(config): warned about at init_app
-            self._legacy_config = config
-
-    @property
-    def config(self) -> Any:
-        """Deprecated: the app's settings, for transports written against ``Transport(config)``.
-
-        Transports are built from their own :class:`TransportSettings`
-        (:meth:`from_settings`); this stays for one release.
-        """
-        legacy = getattr(self, "_legacy_config", None)
-        if legacy is None:
-            raise AttributeError(f"{type(self).__name__} has no app config: transports are "
-                                 "built from their own settings (Transport.from_settings)")
-        if getattr(self, "_legacy_config_unasked", False):
-            self._legacy_config_unasked = False
-            warnings.warn(
-                f"{type(self).__module__}.{type(self).__qualname__} reads self.config, the "
-                "whole app config, which is deprecated and goes in the next release: read "
-                "its own settings in a classmethod from_settings(cls, settings) instead "
-                "(flask_mail_outbox.transports.TransportSettings)", DeprecationWarning,
-                stacklevel=2)
-        return legacy
 
     #: Whether it passes on a message's ESMTP parameters (``mail_options``,
     #: ``rcpt_options``): an API has no place for them, so ``send()`` refuses them.

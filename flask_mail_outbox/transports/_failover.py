@@ -7,7 +7,10 @@ connection, TLS or login failure, timeout, 421) is put into the next
 transport's stream, in the same attempt; the steps travel on the final result
 (:attr:`Delivered.failovers`) and are written to the row's error history. A
 permanent failure, a per-recipient refusal, greylisting and throttling never
-fail over: the next server would refuse it too, or send a second copy.
+fail over: the next server would refuse it too, or send a second copy. Nor
+does a failure after which the message may have been accepted
+(``maybe_sent``: a drop after the final dot, a timeout after the request
+went): it is retried within ``OUTBOX_AMBIGUOUS_RETRIES`` instead.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ logger = logging.getLogger(__name__)
 def fails_over(result: Result) -> bool:
     """Whether ``result`` says the transport, not the message, failed."""
     return (isinstance(result, Failed) and isinstance(result.error, TransientError)
-            and result.error.transport_fault)
+            and result.error.transport_fault and not result.error.maybe_sent)
 
 
 class FailoverTransport(Transport):

@@ -12,20 +12,37 @@ A subclass says how a message becomes a request (:meth:`HTTPTransport.request_fo
 and what a successful answer means for each message (:meth:`HTTPTransport.results_for`).
 Everything else is classified here, the same way for every provider:
 
-* a timeout, a refused or dropped connection, a 5xx: transient, and the
-  transport's fault (the attempt moves to its ``failover`` list);
+* a refused connection, a timeout while connecting, a 5xx: transient, and the
+  transport's fault (the attempt moves to its ``failover`` list); a timeout or
+  a dropped connection after the request went out: transient, and ambiguous
+  (below);
 * 429: throttled (``Retry-After`` honoured; the shared rate is halved and no
   attempt is charged, as for a throttling SMTP reply);
 * 401 and 403: transient, with one ERROR naming the transport, so a rotated
   key never dead-letters the queue;
 * any other 4xx: permanent for that message, with the provider's code and text;
 * a 2xx body that is not what the provider documents: transient, with what came back.
+
+Whether the provider may have accepted a message that failed so: a 2xx it
+could not read, a timeout or a dropped connection after the request went
+out. Such an error is ``maybe_sent`` (retried only ``OUTBOX_AMBIGUOUS_RETRIES``
+times), unless the provider honours an idempotency key
+(:attr:`HTTPTransport.idempotent`), which makes a retry safe; either way it
+is no transport fault, so it never fails over to another transport (which
+would send a copy of its own). A timeout or a refusal before the request
+went out (connecting) is a transport fault as before.
+
+Every text of an answer (its body, its message, a provider's id) is made
+safe to store where it enters (:meth:`HTTPTransport.outside`): control
+characters replaced, the length capped, the entry's own secrets (its API
+key) replaced by ``[redacted]``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import email.utils
 import json
 import logging
@@ -38,6 +55,7 @@ import httpx
 
 from .. import _degrade
 from .._errors import ConfigError, PermanentError, TransientError, TransportError
+from .._outside import clean_line, clean_text, redact
 from ._base import Envelope, Failed, NotAttempted, Report, Result, Sending, Transport
 from ._settings import TransportSettings
 
@@ -78,6 +96,16 @@ class HTTPTransport(Transport):
     #: The most messages one request carries (1: the provider has no batch endpoint).
     max_batch: ClassVar[int] = 1
     takes_esmtp_options: ClassVar[bool] = False
+    #: The provider honours an idempotency key the transport sends with each
+    #: request (the same on every attempt of an email): an ambiguous failure is
+    #: then retried like any other, since a retry cannot send a second copy.
+    #: It still never fails over: another transport knows nothing of the key.
+    idempotent: ClassVar[bool] = False
+
+    #: httpx errors raised before the request reached the provider: never ambiguous.
+    _NOT_SENT: ClassVar[tuple[type[Exception], ...]] = (
+        httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol,
+        httpx.InvalidURL, httpx.LocalProtocolError, httpx.ProxyError)
 
     def __init__(self, options: Mapping[str, Any], *, name: str = "default",
                  concurrency: int = 4) -> None:
@@ -154,12 +182,25 @@ class HTTPTransport(Transport):
         """
         return None
 
+    def outside(self, text: object, limit: int = MAX_DETAIL) -> str:
+        """``text`` from the provider made safe to store and log, at most ``limit`` characters.
+
+        Control characters and lone surrogates become U+FFFD (see
+        :func:`~flask_mail_outbox._outside.clean_text`), and this entry's
+        secrets (:attr:`secret_keys`: an API key a reply echoes) ``[redacted]``.
+        """
+        secrets = [str(self.options.get(key) or "") for key in self.secret_keys]
+        return redact(clean_text(text, limit), secrets)
+
     def error_detail(self, response: httpx.Response) -> str:
-        """The provider's error code and text from an error answer (its JSON, or its text)."""
+        """The provider's error code and text from an error answer (its JSON, or its text).
+
+        Made safe with :meth:`outside`.
+        """
         try:
             body = response.json()
         except ValueError:
-            return _clip(response.text)
+            return self.outside(_clip(response.text))
         if isinstance(body, Mapping):
             parts = [f"{key} {body[key]}" for key in ("ErrorCode", "code", "name", "statusCode")
                      if key in body]
@@ -168,8 +209,8 @@ class HTTPTransport(Transport):
                     parts.append(str(body[key]))
                     break
             if parts:
-                return _clip("; ".join(parts))
-        return _clip(json.dumps(body))
+                return self.outside(_clip("; ".join(parts)))
+        return self.outside(_clip(json.dumps(body)))
 
     # -- the transport --------------------------------------------------------------------
 
@@ -220,22 +261,53 @@ class HTTPTransport(Transport):
         return self._client
 
     async def _send_batch(self, envelopes: Sequence[Envelope]) -> list[Result]:
-        """One request for ``envelopes``; their results, every failure classified."""
+        """One request for ``envelopes``; their results, every failure classified.
+
+        Every text the provider chose is made safe (:meth:`outside`) here.
+        """
+        return [self._made_safe(result) for result in await self._attempt(envelopes)]
+
+    async def _attempt(self, envelopes: Sequence[Envelope]) -> list[Result]:
         client = self._http_client()
         try:
             request = self.request_for(client, envelopes)
             response = await client.send(request)
         except httpx.TimeoutException as exc:
+            # A timeout after the request went out: the provider may have taken it.
+            # Then it is no transport fault: a failover would send another copy.
+            sent = not isinstance(exc, self._NOT_SENT)
             return self._all(envelopes, TransientError(
                 f"{self.kind} API did not answer within {self.timeout:g} s "
-                f"({type(exc).__name__})", transport_fault=True))
+                f"({type(exc).__name__})" + (_MAYBE if sent else ""), transport_fault=not sent,
+                maybe_sent=sent and not self.idempotent))
         except httpx.TransportError as exc:
+            sent = not isinstance(exc, self._NOT_SENT)
             return self._all(envelopes, TransientError(
-                f"{self.kind} API connection failed: {type(exc).__name__}: {exc}",
-                transport_fault=True))
+                f"{self.kind} API connection failed: {type(exc).__name__}: {exc}"
+                + (_MAYBE if sent else ""), transport_fault=not sent,
+                maybe_sent=sent and not self.idempotent))
         except TransportError as exc:  # the provider's own refusal to build the request
             return self._all(envelopes, exc)
         return self._classify(envelopes, response)
+
+    def _made_safe(self, result: Result) -> Result:
+        """``result`` with every text of the provider's made safe (see :meth:`outside`)."""
+        if isinstance(result, Failed):
+            error = result.error
+            error.message = self.outside(error.message, 2 * MAX_DETAIL)
+            error.args = (f"{error.code} {error.message}" if error.code else error.message,)
+            error.refused = {address: (code, self.outside(text))
+                             for address, (code, text) in error.refused.items()}
+            return result
+        if not result.refused and result.provider_message_id is None:
+            return result
+        provider_id = result.provider_message_id
+        return dataclasses.replace(
+            result, refused={address: (code, self.outside(text))
+                             for address, (code, text) in result.refused.items()},
+            provider_message_id=(clean_line(redact(provider_id, [
+                str(self.options.get(key) or "") for key in self.secret_keys])) or None)
+            if provider_id is not None else None)
 
     def _classify(self, envelopes: Sequence[Envelope], response: httpx.Response) -> list[Result]:
         status = response.status_code
@@ -243,10 +315,13 @@ class HTTPTransport(Transport):
             try:
                 results = self.results_for(envelopes, response)
             except (BadResponse, ValueError, KeyError, TypeError) as exc:
+                # The provider answered success: it most likely took the message.
+                sent = not self.idempotent
                 return self._all(envelopes, TransientError(
                     f"{self.kind} API answered {status} with a body that is not what it "
-                    f"documents ({type(exc).__name__}: {exc}): {_clip(response.text)}",
-                    code=status))
+                    f"documents ({type(exc).__name__}: {self.outside(exc)}): "
+                    f"{self.outside(_clip(response.text))}" + (_MAYBE if sent else ""),
+                    code=status, maybe_sent=sent))
             self._auth_recovered()
             return results
         own = self.classify_error(envelopes, response)
@@ -305,6 +380,10 @@ def retry_after(response: httpx.Response) -> float | None:
             return None
         seconds = when.timestamp() - time.time()
     return min(MAX_RETRY_AFTER, max(0.0, seconds))
+
+
+#: Said of an error after which the provider may have sent the message.
+_MAYBE = "; the provider may have accepted it"
 
 
 def _clip(text: str) -> str:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import aiosmtplib
 from aiosmtplib import SMTPResponse
 
+from .._outside import clean_text, redact
+
 _LINE_ENDINGS = re.compile(rb"\r\n|\n|\r(?!\n)")
 _LEADING_DOT = re.compile(rb"(?m)^\.")
 _PROHIBITED_IN_ADDRESS = re.compile(rb"[\x00-\x1f\x7f\s]")
@@ -38,8 +40,11 @@ _MAX_REPLY = 65536
 class Pipe(asyncio.Protocol):
     """Reads SMTP replies into a queue; every reply is kept, however they arrive."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 secrets: Sequence[str | None] = ()) -> None:
         self._loop = loop
+        #: Credentials of ours a reply must never carry on (a server that echoes them).
+        self._secrets = tuple(secrets)
         self._buffer = bytearray()
         self._lines: list[bytes] = []
         self._replies: collections.deque[SMTPResponse] = collections.deque()
@@ -51,12 +56,15 @@ class Pipe(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     @classmethod
-    def take_over(cls, client: aiosmtplib.SMTP) -> Pipe:
-        """Move ``client``'s open session (after EHLO and AUTH) onto a Pipe."""
+    def take_over(cls, client: aiosmtplib.SMTP, secrets: Sequence[str | None] = ()) -> Pipe:
+        """Move ``client``'s open session (after EHLO and AUTH) onto a Pipe.
+
+        ``secrets`` (the password) are replaced by ``[redacted]`` in every reply.
+        """
         transport = client.transport
         if transport is None or transport.is_closing():
             raise aiosmtplib.SMTPServerDisconnected("Connection lost")
-        pipe = cls(asyncio.get_running_loop())
+        pipe = cls(asyncio.get_running_loop(), secrets)
         pipe.transport = transport  # type: ignore[assignment]
         transport.set_protocol(pipe)
         # aiosmtplib must not touch the transport any more (it would close it).
@@ -93,10 +101,16 @@ class Pipe(asyncio.Protocol):
                     self._lines.append(text)
                     text = b"\n".join(self._lines)
                     self._lines = []
-                self._replies.append(SMTPResponse(code, text.decode("utf-8", "surrogateescape")))
+                self._replies.append(SMTPResponse(code, self._safe(text)))
         if len(buffer) > _MAX_LINE:
             self._fail(aiosmtplib.SMTPResponseException(-1, "Response too long"))
         self._wake()
+
+    def _safe(self, text: bytes) -> str:
+        # The one place a reply of the send phase enters: made safe to store and
+        # log (a NUL, a control character, a huge text), our credentials removed.
+        safe = clean_text(text)
+        return redact(safe, self._secrets) if self._secrets else safe
 
     def eof_received(self) -> bool:
         self._fail(aiosmtplib.SMTPServerDisconnected("Unexpected EOF received"))

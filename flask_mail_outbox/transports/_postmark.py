@@ -274,6 +274,7 @@ class PostmarkTransport(HTTPTransport):
             if self._account_failing:
                 return
             self._account_failing = True
+        problem, detail = self.outside(problem), self.outside(detail)
         _degrade.report(
             f"The postmark transport OUTBOX_TRANSPORTS[{self.name!r}] cannot send: {problem} "
             f"({detail})",

@@ -13,6 +13,7 @@ import inspect
 from typing import Any
 
 from .._errors import ConfigError
+from .._providers import PROVIDERS
 from ._base import Transport
 from ._settings import TransportSettings
 from ._simple import ConsoleTransport, FileTransport, MemoryTransport, NullTransport
@@ -28,16 +29,11 @@ BUILTIN: dict[str, type[Transport]] = {
 }
 
 
-#: The provider API transports by name, imported on first use (``ses`` needs an extra).
-API_KINDS: dict[str, str] = {
-    "postmark": "flask_mail_outbox.transports._postmark:PostmarkTransport",
-    "sendgrid": "flask_mail_outbox.transports._sendgrid:SendGridTransport",
-    "mailgun": "flask_mail_outbox.transports._mailgun:MailgunTransport",
-    "resend": "flask_mail_outbox.transports._resend:ResendTransport",
-    "ses": "flask_mail_outbox.transports._ses:SESTransport",
-}
+#: The provider API transports by name, imported on first use (``ses`` needs an extra):
+#: ``_providers.PROVIDERS``, the one table of providers.
+API_KINDS: dict[str, str] = {kind: p.transport for kind, p in PROVIDERS.items()}
 #: What a kind needs installed beyond the package's own dependencies.
-_EXTRAS = {"ses": "ses"}
+_EXTRAS = {kind: p.extra for kind, p in PROVIDERS.items() if p.extra is not None}
 
 
 def is_builtin(name: object) -> bool:
@@ -73,35 +69,26 @@ def transport_class(name: Any, key: str) -> type[Transport]:
     if not isinstance(found, type) or not issubclass(found, Transport):
         raise ConfigError(key, f"{name!r} must be a subclass of "
                                "flask_mail_outbox.transports.Transport")
+    if _needs_arguments(found):
+        raise ConfigError(key, f"{name!r} cannot be built: its __init__ takes arguments and it "
+                               "has no classmethod from_settings(cls, settings) to pass them "
+                               "(flask_mail_outbox.transports.TransportSettings: .options, "
+                               ".smtp, .file_path, .concurrency)")
     return found
 
 
-def build(cls: type[Transport], settings: TransportSettings, *,
-          legacy_config: object = None) -> Transport:
-    """An instance of ``cls`` for ``settings``.
-
-    A custom class written against the old ``Transport(config)`` signature
-    (see :func:`takes_legacy_config`; deprecated, warned about at ``init_app``)
-    still gets ``legacy_config``, the app's settings object.
-    """
-    if takes_legacy_config(cls):
-        return cls(legacy_config)
-    transport = cls.from_settings(settings)
-    if legacy_config is not None and not _builds_itself(cls):
-        # A custom class without settings of its own may read self.config, the
-        # deprecated app config: it gets it, with a warning on first use.
-        transport._legacy_config = legacy_config
-        transport._legacy_config_unasked = True
-    return transport
+def build(cls: type[Transport], settings: TransportSettings) -> Transport:
+    """An instance of ``cls`` for ``settings`` (:meth:`Transport.from_settings`)."""
+    return cls.from_settings(settings)
 
 
-def takes_legacy_config(cls: type[Transport]) -> bool:
-    """Whether ``cls`` is written as ``__init__(self, config)``, without ``from_settings``."""
+def _needs_arguments(cls: type[Transport]) -> bool:
+    """Whether ``cls()`` cannot work: ``__init__`` requires arguments, no ``from_settings``."""
     if _builds_itself(cls) or cls.__init__ is Transport.__init__:
         return False
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-               for p in parameters)
+    return any(p.default is p.empty and p.kind is not p.VAR_POSITIONAL
+               and p.kind is not p.VAR_KEYWORD for p in parameters)
 
 
 def _builds_itself(cls: type[Transport]) -> bool:

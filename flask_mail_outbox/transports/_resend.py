@@ -125,6 +125,8 @@ class ResendTransport(HTTPTransport):
     required_keys = ("api_key",)
     secret_keys = ("api_key",)
     max_batch = MAX_BATCH
+    #: Every request carries the email's Idempotency-Key: a retry is safe.
+    idempotent = True
 
     def __init__(self, options: Mapping[str, Any], *, name: str = "default",
                  concurrency: int = 4) -> None:
@@ -273,6 +275,7 @@ class ResendTransport(HTTPTransport):
         with self._account_lock:
             first, self._account_failing = not self._account_failing, True
         if first:
+            problem = self.outside(problem)
             _degrade.report(
                 f"The resend transport OUTBOX_TRANSPORTS[{self.name!r}] cannot send: "
                 f"{problem}",

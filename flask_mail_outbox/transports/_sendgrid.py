@@ -133,7 +133,7 @@ class SendGridTransport(HTTPTransport):
             field = error.get("field")
             text = str(error.get("message") or "").strip()
             found.append(f"{field}: {text}" if field and field != "null" else text)
-        return "; ".join(found)[:500] or super().error_detail(response)
+        return self.outside("; ".join(found)) or super().error_detail(response)
 
     def classify_error(self, envelopes: Sequence[Envelope],
                        response: httpx.Response) -> TransientError | None:

@@ -256,7 +256,7 @@ class SESTransport(HTTPTransport):
             return super().error_detail(response)
         detail = ": ".join(part for part in (error_type, message) if part)
         request_id = response.headers.get("x-amzn-RequestId")
-        return f"{detail} (request id {request_id})" if request_id else detail
+        return self.outside(f"{detail} (request id {request_id})" if request_id else detail)
 
     def classify_error(self, envelopes: Sequence[Envelope],
                        response: httpx.Response) -> TransportError | None:
@@ -302,6 +302,7 @@ class SESTransport(HTTPTransport):
         if self._failing == failing:
             return
         self._failing = failing
+        what = self.outside(what)
         _degrade.report(
             f"The ses transport OUTBOX_TRANSPORTS[{self.name!r}] cannot send: {what}",
             consequence="its emails stay queued (or go to its failover transports) and are "

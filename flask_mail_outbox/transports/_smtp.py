@@ -178,14 +178,14 @@ class SMTPTransport(Transport):
                     if not client.is_connected:
                         raise
                     await client.helo()
-            session = Session(Pipe.take_over(client),
+            session = Session(Pipe.take_over(client, secrets=(s.password,)),
                               pipelining=client.supports_extension("pipelining"),
                               size=client.supports_extension("size"),
                               smtputf8=client.supports_extension("smtputf8"),
                               eightbitmime=client.supports_extension("8bitmime"))
         except Exception as exc:
             client.close()
-            raise _ConnectFailed(map_smtp_error(exc)) from exc
+            raise _ConnectFailed(map_smtp_error(exc, secrets=(s.password,))) from exc
         return session
 
 

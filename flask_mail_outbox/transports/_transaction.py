@@ -17,12 +17,13 @@ failures, which are configuration problems that a fix resolves) and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import aiosmtplib
 
 from .._compose.addresses import needs_smtputf8
 from .._errors import PermanentError, TransientError, TransportError
+from .._outside import clean_text, redact
 from ._base import Delivered, Envelope, Failed, Result
 from ._pipeline import Session, dot_stuffed, envelope_commands
 from ._replies import ReplyClass, classify_reply, queue_id
@@ -35,41 +36,52 @@ def _is_throttle(code: int, text: str) -> bool:
     return classify_reply(code, text) is ReplyClass.THROTTLED
 
 
-def map_smtp_error(exc: BaseException) -> TransportError:
-    """Translate an aiosmtplib (or socket) error into the outbox's error tree."""
+def map_smtp_error(exc: BaseException, secrets: Sequence[str | None] = ()) -> TransportError:
+    """Translate an aiosmtplib (or socket) error into the outbox's error tree.
+
+    Every text a server chose (its replies, as aiosmtplib read them while
+    opening a session) is made safe to store here, where it enters, and
+    ``secrets`` (the password) are replaced by ``[redacted]``.
+    """
+    def safe(text: object) -> str:
+        cleaned = clean_text(text)
+        return redact(cleaned, secrets) if secrets else cleaned
+
     if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
         # A bad password is fixed by configuration, not by giving up on the email.
-        return TransientError(f"authentication failed: {exc.message}", code=exc.code,
+        return TransientError(f"authentication failed: {safe(exc.message)}", code=exc.code,
                               transport_fault=True)
     if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
         codes = [err.code for err in exc.recipients]
-        text = "; ".join(f"{err.recipient}: {err.code} {err.message}" for err in exc.recipients)
-        refused = {err.recipient: (err.code, err.message) for err in exc.recipients}
+        replies = [(err.recipient, err.code, safe(err.message)) for err in exc.recipients]
+        text = "; ".join(f"{address}: {code} {message}" for address, code, message in replies)
+        refused = {address: (code, message) for address, code, message in replies}
         if all(code >= 500 for code in codes):
             return PermanentError(f"every recipient refused: {text}", code=max(codes),
                                   refused=refused)
         # Throttled only when every temporary refusal says so (Gmail's 450 4.2.1
         # "receiving mail at a rate" comes at RCPT): one greylisting recipient
         # means the attempt counts.
-        temporary = [err for err in exc.recipients if err.code < 500]
+        temporary = [(code, message) for _, code, message in replies if code < 500]
         return TransientError(f"every recipient refused: {text}", code=min(codes),
-                              throttled=all(_is_throttle(err.code, err.message)
-                                            for err in temporary), refused=refused)
+                              throttled=all(_is_throttle(code, message)
+                                            for code, message in temporary), refused=refused)
     if isinstance(exc, aiosmtplib.SMTPResponseException):
+        message = safe(exc.message)
         if isinstance(exc, aiosmtplib.SMTPConnectResponseError) or exc.code < 500:
-            throttled = _is_throttle(exc.code, exc.message)
+            throttled = _is_throttle(exc.code, message)
             # 421: the service is closing the channel; a throttle paces instead.
             fault = not throttled and (exc.code == 421 or isinstance(
                 exc, aiosmtplib.SMTPConnectResponseError))
-            return TransientError(exc.message, code=exc.code, throttled=throttled,
+            return TransientError(message, code=exc.code, throttled=throttled,
                                   transport_fault=fault)
-        return PermanentError(exc.message, code=exc.code)
+        return PermanentError(message, code=exc.code)
     if isinstance(exc, (aiosmtplib.SMTPTimeoutError, TimeoutError)):
-        return TransientError(f"timed out: {exc}", transport_fault=True)
+        return TransientError(f"timed out: {safe(exc)}", transport_fault=True)
     if isinstance(exc, (aiosmtplib.SMTPException, OSError)):
         # Refused or dropped connections, TLS handshakes: the server, not the message.
-        return TransientError(f"{type(exc).__name__}: {exc}", transport_fault=True)
-    return TransientError(f"unexpected {type(exc).__name__}: {exc}")
+        return TransientError(f"{type(exc).__name__}: {safe(exc)}", transport_fault=True)
+    return TransientError(f"unexpected {type(exc).__name__}: {safe(exc)}")
 
 
 def utf8_addresses(envelope: Envelope) -> list[str]:
@@ -119,6 +131,7 @@ class _Progress:
     """How far one transaction got, for the reply to a failure."""
 
     opened: bool = False  # the server answered MAIL FROM: a transaction may be open
+    content_sent: bool = False  # the whole content and its final dot went out
     finished: bool = False  # the content's reply came: none is open any more
     follow_written: bool = False
 
@@ -251,6 +264,7 @@ async def _send_content(session: Session, envelope: Envelope, content: bytes,
         except ValueError:
             group = b""  # it fails on its own turn, not inside this one
     pipe.write(content + group)
+    progress.content_sent = True
     progress.follow_written = bool(group)
     done = await pipe.read(timeout)
     progress.finished = True
@@ -274,4 +288,11 @@ async def _failed(session: Session, exc: Exception, progress: _Progress,
             keep = reset.code == 250
         except Exception:  # noqa: BLE001 - a failed RSET means a new connection
             keep = False
-    return Failed(map_smtp_error(exc)), keep, progress.follow_written
+    error = map_smtp_error(exc)
+    if progress.content_sent and not progress.finished and isinstance(error, TransientError) \
+            and not isinstance(exc, aiosmtplib.SMTPResponseException):
+        # Dropped (or silent) after the final dot: the server may have queued it.
+        error = TransientError(f"{error.message}, after the whole message was sent: the "
+                               "server may have accepted it", code=error.code,
+                               transport_fault=error.transport_fault, maybe_sent=True)
+    return Failed(error), keep, progress.follow_written

@@ -2,11 +2,14 @@
 
 Revision ID: example_0001
 Revises:
-Create Date: 2025-11-30
+Create Date: 2026-12-07
 
-The root of example_app's own history. It needs nothing from the outbox branch (no
-foreign key to an outbox table), so it does not depend on it; example_0002 joins the
-two histories.
+The root of example_app's own history, labelled ``example``: a branch of its own
+beside the library's ``outbox`` branch, never merged with it. It depends on
+``outbox_0001`` (the outbox's initial schema) because the app cannot run without
+the outbox tables: ``flask db upgrade example@head`` creates them first. Later
+outbox revisions need nothing from this history: ``flask --app example_app db
+upgrade heads`` applies them, and no revision is added here for them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from alembic import op
 revision = "example_0001"
 down_revision: str | None = None
 branch_labels = ("example",)
-depends_on: str | None = None
+depends_on = "outbox_0001"
 
 
 def upgrade() -> None:

@@ -13,7 +13,9 @@ Security is not left to the host app:
   response or a string is a mistake, not a yes; it is logged at ERROR once).
   There is no default: without a callable the blueprint is refused.
 * Every action is a POST carrying a per-session CSRF token (kept in Flask's signed
-  session, so registering on an app without ``SECRET_KEY`` fails at once).
+  session, so registering on an app without ``SECRET_KEY`` fails at once). The
+  blueprint is exempted from Flask-WTF's ``CSRFProtect`` when the app has it: that
+  one looks for a token of its own, which the dashboard's forms do not carry.
 * Jinja autoescapes every page; an email's html is shown only inside an
   ``<iframe sandbox srcdoc=...>`` (no scripts, an opaque origin).
 * Every response carries a Content-Security-Policy that loads nothing but the
@@ -37,6 +39,8 @@ from ..._errors import ConfigError
 from ._views import Dashboard
 
 if TYPE_CHECKING:
+    from flask.sansio.app import App
+
     from ..._flask.extension import OutboxExtension
 
 __all__ = ["CONTENT_SECURITY_POLICY", "make_blueprint"]
@@ -78,6 +82,7 @@ def make_blueprint(mail: OutboxExtension, authorize: Callable[[], Any], *,
                    static_url_path="/static")
     bp.record_once(_require_secret_key)
     bp.record(_require_safe_mount)
+    bp.record(_exempt_from_flask_wtf)
 
     misused = False
 
@@ -146,6 +151,37 @@ def _require_safe_mount(state: BlueprintSetupState) -> None:
             "the outbox dashboard needs Jinja autoescaping for .html templates (Flask's "
             "default), which this app's select_jinja_autoescape() turns off: subjects and "
             "error texts from emails would be rendered as markup")
+
+
+def _exempt_from_flask_wtf(state: BlueprintSetupState) -> None:
+    """At ``register_blueprint``: keep Flask-WTF's ``CSRFProtect`` off the dashboard.
+
+    The dashboard checks a token of its own on every POST; ``CSRFProtect``
+    would refuse each one (400 "The CSRF session token is missing"), since
+    its token is not in the form. It may be set up before the blueprint is
+    registered or after (an app factory's order): exempt the blueprint now,
+    or on the first request, before ``CSRFProtect``'s own check runs.
+    """
+    app, blueprint = state.app, state.blueprint
+    if _exempt(app, blueprint):
+        return
+    done: list[bool] = []
+
+    def exempt_once() -> None:
+        # (Not removed from the hook list: Flask is iterating over it.)
+        if not done and _exempt(app, blueprint):
+            done.append(True)
+
+    app.before_request(exempt_once)
+
+
+def _exempt(app: App, blueprint: object) -> bool:
+    """Exempt ``blueprint`` from the app's Flask-WTF ``CSRFProtect``, if any; whether it did."""
+    csrf = app.extensions.get("csrf")
+    if csrf is None or not hasattr(csrf, "exempt"):
+        return False
+    csrf.exempt(blueprint)
+    return True
 
 
 def _require_secret_key(state: BlueprintSetupState) -> None:

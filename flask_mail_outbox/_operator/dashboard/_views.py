@@ -22,13 +22,14 @@ from flask.typing import ResponseReturnValue
 from ..._errors import InvalidMessage
 from ..._events import EVENT_TYPES
 from ..._flask.state import app_state
-from ...core import (
+from ...core._internal import (
+    EVENT_SCAN_BUDGET,
+    EXACT,
     REASONS,
     SEARCH_FIELDS,
     HourCount,
     Reader,
     Status,
-    _queries,
     suppression_key,
     utcnow,
 )
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 _STATUSES = tuple(status.value for status in Status)
 #: The statuses whose counts are running totals (the others are counted row by row).
-_TALLIED = tuple(status.value for status in Status if status not in _queries.EXACT)
+_TALLIED = tuple(status.value for status in Status if status not in EXACT)
 # What an action tells the page it redirects to: fixed texts, so a link cannot
 # make the dashboard say anything else.
 NOTICES = {
@@ -146,7 +147,7 @@ class Dashboard:
         return render_template("outbox_dashboard/emails.html", page=page, status=status,
                                field=field, q=prefix, event=event, statuses=_STATUSES,
                                event_types=EVENT_TYPES, first_page=_is_first_page(),
-                               scan_budget=_queries.EVENT_SCAN_BUDGET)
+                               scan_budget=EVENT_SCAN_BUDGET)
 
     def email(self, email_id: int) -> ResponseReturnValue:
         if not 1 <= email_id <= _MAX_ID:
