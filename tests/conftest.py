@@ -61,6 +61,104 @@ def pytest_report_header() -> str:
     return f"aiosmtplib {aiosmtplib.__version__}"
 
 
+# --- the fast inner loop and the parallel run --------------------------------------------
+# `pytest -m "not slow"` is the contributors' quick subset (docs/contributing.md): every
+# test whose node id starts with an entry of tests/slow.txt is marked `slow` here, so no
+# test file carries the mark. tests/test_fast_subset.py keeps the list honest.
+#
+# The full suite runs on one pytest-xdist worker per core (scripts/run-tests: `-n N`).
+# Each worker is its own pytest session, so `pg_database` gives each its own PostgreSQL
+# database (and with it its own LISTEN/NOTIFY channels and advisory locks: PostgreSQL
+# scopes both to a database); servers bind port 0 or free_port(); files go under
+# tmp_path, Postfix and the outage cluster under their own mkdtemp() directories. The
+# modules below send all their tests to one worker, in file order (the scheduler below):
+# each sets up something costly once per module, which every worker given one of its
+# tests would otherwise set up again, or has a test that needs the ones before it.
+
+SLOW_LIST = Path(__file__).with_name("slow.txt")
+
+#: Test modules (file names) whose tests all run on one xdist worker, and why.
+ONE_WORKER_MODULES: dict[str, str] = {
+    "test_postfix.py": "one private Postfix instance for the module",
+    "test_bounces_postfix.py": "one private Postfix instance for the module",
+    "test_db_outage.py": "the module's own PostgreSQL cluster, stopped and restarted",
+    "test_packaging.py": "the wheel, built once for the module",
+    "test_webhook_routes.py": "its last test counts what the tests before it refused",
+}
+
+
+def read_slow_list(path: Path = SLOW_LIST) -> list[str]:
+    """tests/slow.txt's entries: node-id prefixes, one a line; '#' starts a comment."""
+    entries = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        entry = line.split("#", 1)[0].strip()
+        if entry:
+            entries.append(entry)
+    return entries
+
+
+def slow_entry_matches(entry: str, nodeid: str) -> bool:
+    """Whether ``entry`` (a file, a test, or one parametrization) names ``nodeid``."""
+    return nodeid == entry or nodeid.startswith((entry + "::", entry + "["))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests that tests/slow.txt names `slow`."""
+    entries = read_slow_list()
+    exact = set(entries)
+    prefixes = tuple(entry + tail for entry in entries for tail in ("::", "["))
+    for item in items:
+        nodeid = item.nodeid
+        if nodeid in exact or nodeid.startswith(prefixes):  # as slow_entry_matches()
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on the controlling process
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` (xdist's `--dist load`): each test to the next free worker, except the
+    ONE_WORKER_MODULES, each sent whole to one worker.
+
+    (Not `--dist loadgroup` with xdist_group marks: xdist 3.8 tags the grouped tests by
+    rewriting their node ids, which pytest 9.2 no longer lets it do, so the marks are
+    silently ignored. `_split_scope` is the method xdist's own loadgroup and loadfile
+    schedulers override to say what goes to one worker.)
+    """
+    if config.getoption("dist") != "load":
+        return None  # the caller chose another mode
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.rsplit("/", 1)[-1] in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
+
+
+def _escape_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape, ``\\udcff``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker sends the report
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Captured output with a lone surrogate (a hostile server's reply, logged) cannot be
+    sent from an xdist worker, which would die of it (execnet encodes strictly to UTF-8):
+    such characters are shown escaped, as a run in one process shows them replaced."""
+    report.sections = [(title, _escape_surrogates(content))
+                       for title, content in report.sections]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With OUTBOX_COLLECTION_REPORT=<file>: one line per test, "slow|fast <node id>"
+    (tests/test_fast_subset.py reads it)."""
+    report = os.environ.get("OUTBOX_COLLECTION_REPORT")
+    if report:
+        Path(report).write_text("".join(
+            f"{'slow' if item.get_closest_marker('slow') else 'fast'} {item.nodeid}\n"
+            for item in session.items), encoding="utf-8")
+
+
 def require_postgres() -> str:
     """The PostgreSQL URL, or skip (locally) / fail (CI) when there is none."""
     if PG_URL:
