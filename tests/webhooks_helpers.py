@@ -25,7 +25,8 @@ from cryptography.hazmat.primitives.asymmetric import padding
 from flask import Flask
 
 from flask_mail_outbox._webhooks.ses import DEFAULT_CERTIFICATES
-from flask_mail_outbox.core import event_table, nonce_table, suppression_table
+from flask_mail_outbox.core import event_table, suppression_table
+from flask_mail_outbox.core._models import nonce_table
 
 NOWHERE = "http://127.0.0.1:9"  # never asked: these apps only hear webhooks
 SENDGRID_KEY, SENDGRID_PUBLIC = provider_sendgrid.webhook_key()
