@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
+from ._outside import clean_text
+
 logger = logging.getLogger(__name__)
 
 #: The fault every "cannot reach the database" failure is reported under.
@@ -49,8 +51,13 @@ _TABLES_FIX = ("create them: `flask db upgrade outbox@head` with Flask-Migrate (
 
 def report(what: str, *, consequence: str, fix: str,
            exc: BaseException | None = None) -> None:
-    """Log one degradation at ERROR with its consequence and fix."""
-    logger.error("%s. Consequence: %s. Fix: %s.", what, consequence, fix,
+    """Log one degradation at ERROR with its consequence and fix.
+
+    ``what`` may quote a server's or a custom transport's text: it is made safe
+    to write (no NUL, no control characters, no lone surrogates), uncapped.
+    """
+    logger.error("%s. Consequence: %s. Fix: %s.", clean_text(what, limit=len(what)),
+                 consequence, fix,
                  exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
 
 

@@ -8,6 +8,7 @@ valid UTF-8) and within its length, their time is linear in their input, and
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import Any
@@ -153,3 +154,17 @@ def test_linear_time_on_adversarial_shapes(function: Any, shape: str) -> None:
     large_time = min(_seconds(function, large) for _ in range(3))
     assert large_time < max(10 * small_time, 0.05), (small_time, large_time)
     assert large_time < 0.5
+
+
+def test_a_degradation_quoting_outside_text_is_logged_safe(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A custom transport's own error text reaches the ERROR line uncleaned by any boundary:
+    ``_degrade.report`` makes it safe to write (a lone surrogate breaks a UTF-8 handler)."""
+    from flask_mail_outbox import _degrade
+
+    with caplog.at_level(logging.ERROR, logger="flask_mail_outbox"):
+        _degrade.report("Email 7 dead-lettered: 554 rejected\x00 for policy \udcff",
+                        consequence="it is not sent", fix="look")
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "554 rejected\ufffd for policy \ufffd" in line
+    line.encode("utf-8")  # no lone surrogate left
