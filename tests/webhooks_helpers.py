@@ -32,7 +32,6 @@ NOWHERE = "http://127.0.0.1:9"  # never asked: these apps only hear webhooks
 SENDGRID_KEY, SENDGRID_PUBLIC = provider_sendgrid.webhook_key()
 RESEND_SECRET = provider_resend.webhook_secret()
 SNS_SIGNER = provider_ses.sns_signer()
-DEFAULT_CERTIFICATES.trust(SNS_SIGNER.url, SNS_SIGNER.pem)  # the local trust: never fetched
 
 #: OUTBOX_TRANSPORTS with a webhook for each provider, named by its kind.
 TRANSPORTS: dict[str, dict[str, Any]] = {
@@ -101,6 +100,9 @@ def sign_ses(message_text: str, now: float | None = None,
              **fields: Any) -> tuple[dict[str, str], bytes]:
     """A signed SNS Notification whose ``Message`` is the text given (any characters, a lone
     surrogate included: signed over its UTF-8 with surrogates passed through)."""
+    # The local trust, never fetched: set again for each request, since other modules'
+    # tests trust their own signer's certificate under the same URL in the same process.
+    DEFAULT_CERTIFICATES.trust(SNS_SIGNER.url, SNS_SIGNER.pem)
     message = provider_ses.notification(message_text, now or time.time())
     message.update(fields)
     canonical = "".join(f"{name}\n{message[name]}\n" for name in
