@@ -181,9 +181,11 @@ def test_a_batch_retried_after_a_lost_reply_is_not_sent_twice(
     _send(app, *[_plain(f"batch {i}", to=f"r{i}@example.com") for i in range(4)])
     app.extensions["mail_outbox"].outbox().dispatch()
     current = wait_rows(app, lambda rs: len(rs) == 4 and _status("sent")(rs), timeout=15)
-    first, second = fake.sending()
-    assert first.path == second.path == "/emails/batch"
-    assert first.header("Idempotency-Key") == second.header("Idempotency-Key")
+    # The lost reply's retry, and any retry of that on a loaded machine (its answer can
+    # be late too): each the same batch under the same key, so the 4 are accepted once.
+    first, *retries = fake.sending()
+    assert retries and all(r.path == first.path == "/emails/batch" for r in retries)
+    assert {r.header("Idempotency-Key") for r in retries} == {first.header("Idempotency-Key")}
     assert len(fake.accepted) == 4
     assert {r["provider_message_id"] for r in current} == {a.id for a in fake.accepted}
 
