@@ -25,7 +25,6 @@ from flask import Flask
 from .._compose.message import Message
 from .._errors import InvalidMessage
 from ..core._internal import QueuedRow, check_message, prepare_row
-from .queueing import queue_rows
 from .state import EXTENSION_KEY, app_state
 
 if TYPE_CHECKING:
@@ -165,10 +164,10 @@ class Connection:
                  tb: TracebackType | None) -> None:
         rows, self._rows = self._rows, []
         if exc is None:
-            self.ids = queue_rows(app_state(), rows, key=None)
+            self.ids = app_state().queue(rows)
             return
         try:
-            self.ids = queue_rows(app_state(), rows, key=None)
+            self.ids = app_state().queue(rows)
         except Exception:
             # The block's own exception goes on; the session is likely unusable.
             logger.exception(

@@ -30,13 +30,10 @@ from ..core._internal import (
     Status,
     Suppression,
     SweepReport,
-    cancel_emails,
     check_key,
     check_message,
     due_at_of,
-    email_dialect,
     expires_at_of,
-    insert_email,
     load_config,
     load_last_report,
     metadata,
@@ -50,7 +47,6 @@ from ..core._internal import (
 from . import compat, staging, webhooks
 from . import state as app_states
 from .compat import Connection, FlaskMailState
-from .queueing import notifies, queue_rows
 from .signals import email_sent
 from .state import EXTENSION_KEY, AppState, app_state
 
@@ -192,17 +188,7 @@ class OutboxExtension:
                           idempotency_key=idempotency_key, priority=priority_rank(priority),
                           transport=transport_name(transport, state.config),
                           expires_at=expires_at_of(expires_after, due_at))
-        session = state.db.session()
-        dialect = email_dialect(session)
-        notify = notifies(state, dialect)
-        email_id, created, waits = insert_email(session, row.values, row.attachments,
-                                                notify=notify, dialect=dialect,
-                                                recipients=row.recipients)
-        if created:
-            staging.stage(session, staging.StagedEmail(
-                email_id=email_id, due_now=row.due_now, publisher=state, notified=notify,
-                waits_on_key=key if waits else None, urgent=row.urgent))
-        return email_id
+        return state.queue([row])[0]
 
     def send_many(self, messages: Iterable[Message], *, key: str | None = None,
                   send_after: datetime | timedelta | None = None,
@@ -230,7 +216,7 @@ class OutboxExtension:
                                         priority=rank, transport=name, expires_at=expires_at))
             except InvalidMessage as exc:
                 raise InvalidMessage(f"messages[{index}].{exc.field}", exc.problem) from exc
-        return queue_rows(state, rows, key=key)
+        return state.queue(rows)
 
     def cancel(self, email_id: int | Iterable[int] | None = None, *, key: str | None = None,
                idempotency_key: str | None = None) -> int:
@@ -258,19 +244,12 @@ class OutboxExtension:
                 return 0
         check_key("key", key)
         check_key("idempotency_key", idempotency_key)
-        state = self._state()
-        session = state.db.session()
-        cancelled, in_flight = cancel_emails(session, email_ids=ids, key=key,
-                                             idempotency_key=idempotency_key)
+        cancelled, in_flight = self._state().cancel(email_ids=ids, key=key,
+                                                    idempotency_key=idempotency_key)
         if in_flight:
             logger.info("cancel(): %d email(s) are being sent already and were not cancelled",
                         in_flight)
-        if cancelled:
-            staging.stage_many(session, [
-                staging.StagedEmail(email_id=row_id, due_now=False, publisher=state,
-                                    notified=True, cancelled_key=row_key, cancelled=True)
-                for row_id, row_key in cancelled])
-        return len(cancelled)
+        return cancelled
 
     def send_message(self, *args: Any, **kwargs: Any) -> int:
         """``send(Message(*args, **kwargs))`` (Flask-Mail's shortcut)."""
@@ -353,7 +332,7 @@ class OutboxExtension:
         if not state.outbox().store.retry_failed(email_id):
             raise LookupError(f"email {email_id} is not a dead letter (no failed row with "
                               "that id)")
-        state.deliver_soon([email_id])
+        state.deliver_committed([email_id])
 
     def retry_all(self) -> int:
         """Put every dead letter back at once (commits); how many went back.
@@ -365,7 +344,7 @@ class OutboxExtension:
         """
         state = self._state()
         ids = state.outbox().store.retry_all_failed()
-        state.deliver_soon(ids)
+        state.deliver_committed(ids)
         return len(ids)
 
     # -- after the hand-off: events and the suppression list ----------------------------

@@ -1,14 +1,17 @@
-"""Publishing staged emails when, and only when, the outermost transaction commits.
+"""Keeping the tickets of ``send()`` on the session until its outermost transaction ends.
 
-``send()`` stages each new row on the session transaction it was inserted in
-(the innermost one: a savepoint when ``begin_nested()`` is active). SQLAlchemy
-2 fires ``after_commit`` and ``after_rollback`` for savepoints too, so:
+The commit protocol is the core's (:class:`~flask_mail_outbox.core._producer.Producer`);
+this module only carries its tickets on the session and calls the protocol's
+steps at the right SQLAlchemy events. ``send()`` keeps each new row's ticket
+on the session transaction it was inserted in (the innermost one: a savepoint
+when ``begin_nested()`` is active). SQLAlchemy 2 fires ``after_commit`` and
+``after_rollback`` for savepoints too, so:
 
-* a released savepoint hands its rows to its parent (not a publication);
-* a rolled-back savepoint discards its rows; the outer transaction goes on;
-* the outermost commit publishes what it holds;
-* an outermost rollback discards (INFO);
-* a session that ends with neither (``close()`` with staged rows: only
+* a released savepoint hands its tickets to its parent (not a publication);
+* a rolled-back savepoint forgets its tickets; the outer transaction goes on;
+* the outermost commit runs ``before_commit`` inside it and ``after_commit`` after it;
+* an outermost rollback forgets every ticket (``after_rollback``: INFO);
+* a session that ends with neither (``close()`` with tickets kept: only
   ``after_transaction_end`` fires) is a forgotten ``commit()``: ERROR, naming
   the emails and the fix, unless the request was failing anyway.
 
@@ -18,9 +21,8 @@ which would publish a savepoint's rows before the outer commit.)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from flask import g, has_app_context
@@ -28,6 +30,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .. import _degrade
+from ..core._internal import Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -36,50 +39,36 @@ _REQUEST_FAILED = "_mail_outbox_request_failed"
 
 
 class Publisher(Protocol):
-    """What receives committed rows (the per-app state)."""
+    """What the tickets are handed to at the transaction's end (the per-app state)."""
 
-    def prepare_commit(self, session: Session, entries: list[StagedEmail]) -> None:
-        """Last statements inside the outermost transaction that holds ``entries``."""
+    def before_commit(self, session: Session, tickets: list[Ticket]) -> None:
+        """Last statements inside the outermost transaction that holds ``tickets``."""
 
-    def publish(self, entries: list[StagedEmail]) -> None:
-        """The outermost transaction committed these rows."""
+    def after_commit(self, tickets: list[Ticket]) -> None:
+        """The outermost transaction committed these tickets."""
 
-    def cancel_ended(self, entries: list[StagedEmail]) -> None:
-        """A transaction that cancelled ``entries`` ended without committing."""
+    def after_rollback(self, tickets: list[Ticket]) -> None:
+        """A transaction (or savepoint) holding ``tickets`` rolled back."""
 
-
-@dataclasses.dataclass(frozen=True)
-class StagedEmail:
-    """A row inserted by ``send()`` whose transaction has not ended yet."""
-
-    email_id: int
-    due_now: bool
-    publisher: Publisher
-    # Its insert ran pg_notify already: the commit needs no NOTIFY for it.
-    notified: bool = False
-    # PostgreSQL: the key of an email that found an earlier one of its key open;
-    # the commit hands the key on if that one finished meanwhile (see _ordering).
-    waits_on_key: str | None = None
-    # priority="high": handed to an inline worker before what already waits.
-    urgent: bool = False
-    # Not a new row but a cancel (mail.cancel()): nothing to deliver; after the
-    # commit, the key of a cancelled row is handed on (``cancelled_key``).
-    cancelled: bool = False
-    cancelled_key: str | None = None
+    def forget(self, tickets: list[Ticket]) -> tuple[list[int], list[int]]:
+        """A transaction holding ``tickets`` ended without either; the ids of its
+        sends and of its cancels."""
 
 
-def stage(session: Session, entry: StagedEmail) -> None:
-    """Remember ``entry`` on the session's innermost active transaction."""
-    stage_many(session, [entry])
+#: The tickets of one transaction, with whom they go to.
+Kept = list[tuple[Publisher, Ticket]]
 
 
-def stage_many(session: Session, entries: list[StagedEmail]) -> None:
-    """Remember ``entries`` (``send_many()``'s, in order) as :func:`stage` each would."""
+def keep(session: Session, publisher: Publisher, tickets: Sequence[Ticket]) -> None:
+    """Keep ``tickets`` (in order) on the session's innermost active transaction."""
+    tickets = [t for t in tickets if t.created]
+    if not tickets:
+        return
     trans = session.get_nested_transaction() or session.get_transaction()
     if trans is None:  # send() flushed, so there is always one; be explicit anyway
         raise RuntimeError("mail.send() needs an active session transaction")
-    staged: dict[SessionTransaction, list[StagedEmail]] = session.info.setdefault(_KEY, {})
-    staged.setdefault(trans, []).extend(entries)
+    staged: dict[SessionTransaction, Kept] = session.info.setdefault(_KEY, {})
+    staged.setdefault(trans, []).extend((publisher, t) for t in tickets)
 
 
 def mark_request_failed() -> None:
@@ -94,32 +83,25 @@ def _ending(session: Session) -> SessionTransaction | None:
     return session.get_nested_transaction() or session.get_transaction()
 
 
-def _publish(entries: list[StagedEmail]) -> None:
-    by_publisher: dict[int, tuple[Publisher, list[StagedEmail]]] = {}
-    for entry in entries:
-        by_publisher.setdefault(id(entry.publisher), (entry.publisher, []))[1].append(entry)
-    for publisher, group in by_publisher.values():
-        publisher.publish(group)
+def _by_publisher(kept: Kept) -> list[tuple[Publisher, list[Ticket]]]:
+    groups: dict[int, tuple[Publisher, list[Ticket]]] = {}
+    for publisher, ticket in kept:
+        groups.setdefault(id(publisher), (publisher, []))[1].append(ticket)
+    return list(groups.values())
 
 
 def _before_commit(session: Session) -> None:
-    staged: dict[SessionTransaction, list[StagedEmail]] | None = session.info.get(_KEY)
+    staged: dict[SessionTransaction, Kept] | None = session.info.get(_KEY)
     if not staged or session.get_nested_transaction() is not None:
         return  # a savepoint is being released: not the commit that publishes
-    publishers: dict[int, tuple[Publisher, list[StagedEmail]]] = {}
-    for entries in staged.values():
-        for entry in entries:
-            if not entry.notified or entry.waits_on_key is not None:
-                publishers.setdefault(id(entry.publisher), (entry.publisher, []))[1].append(entry)
-    for publisher, group in publishers.values():
-        publisher.prepare_commit(session, group)
+    for publisher, tickets in _by_publisher([k for kept in staged.values() for k in kept]):
+        publisher.before_commit(session, tickets)
 
 
 def _take_ending(session: Session) -> tuple[
-        dict[SessionTransaction, list[StagedEmail]], SessionTransaction,
-        list[StagedEmail]] | None:
-    """The staged rows of the transaction that is ending now (removed from the map)."""
-    staged: dict[SessionTransaction, list[StagedEmail]] | None = session.info.get(_KEY)
+        dict[SessionTransaction, Kept], SessionTransaction, Kept] | None:
+    """The tickets of the transaction that is ending now (removed from the map)."""
+    staged: dict[SessionTransaction, Kept] | None = session.info.get(_KEY)
     if not staged:
         return None
     trans = _ending(session)
@@ -132,59 +114,49 @@ def _after_commit(session: Session) -> None:
     ending = _take_ending(session)
     if ending is None or not ending[2]:
         return
-    staged, trans, entries = ending
+    staged, trans, kept = ending
     if trans.parent is not None:
-        staged.setdefault(trans.parent, []).extend(entries)
+        staged.setdefault(trans.parent, []).extend(kept)
         return
-    _publish(entries)
+    for publisher, tickets in _by_publisher(kept):
+        publisher.after_commit(tickets)
 
 
 def _after_rollback(session: Session) -> None:
     ending = _take_ending(session)
     if ending is None:
         return
-    staged, trans, entries = ending
-    if entries:
-        _log_discarded(entries)
+    staged, trans, kept = ending
     if trans.parent is None:
         # A rollback of the outermost transaction undoes every savepoint too.
-        for leftover in staged.values():
-            if leftover:
-                _log_discarded(leftover)
+        kept = [*kept, *(k for leftover in staged.values() for k in leftover)]
         staged.clear()
-
-
-def _log_discarded(entries: list[StagedEmail]) -> None:
-    sends = [e.email_id for e in entries if not e.cancelled]
-    cancels = [e.email_id for e in entries if e.cancelled]
-    _cancel_ended([e for e in entries if e.cancelled])
-    if sends:
-        logger.info("Rollback discarded %d staged email(s) %s; nothing was sent.",
-                    len(sends), sends)
-    if cancels:
-        logger.info("Rollback undid the cancel of %d email(s) %s; they stay queued.",
-                    len(cancels), cancels)
+    for publisher, tickets in _by_publisher(kept):
+        publisher.after_rollback(tickets)
 
 
 def _after_transaction_end(session: Session, trans: SessionTransaction) -> None:
-    staged: dict[SessionTransaction, list[StagedEmail]] | None = session.info.get(_KEY)
+    staged: dict[SessionTransaction, Kept] | None = session.info.get(_KEY)
     if not staged:
         return
-    entries = staged.pop(trans, None)
-    if not entries:
+    kept = staged.pop(trans, None)
+    if not kept:
         return
     if trans.parent is not None:
         # Closed without commit or rollback of its own: the parent decides.
-        staged.setdefault(trans.parent, []).extend(entries)
+        staged.setdefault(trans.parent, []).extend(kept)
         return
-    cancels = [e.email_id for e in entries if e.cancelled]
-    ids = [e.email_id for e in entries if not e.cancelled]
+    ids: list[int] = []
+    cancels: list[int] = []
+    for publisher, tickets in _by_publisher(kept):
+        sends, undone = publisher.forget(tickets)
+        ids += sends
+        cancels += undone
     if has_app_context() and g.get(_REQUEST_FAILED):
         logger.info("The request failed before committing; %d staged email(s) %s and %d "
                     "cancel(s) %s were discarded with its transaction.", len(ids), ids,
                     len(cancels), cancels)
         return
-    _cancel_ended([e for e in entries if e.cancelled])
     if cancels:
         _degrade.report(
             f"The session ended without commit() or rollback() while the cancel of "
@@ -200,15 +172,6 @@ def _after_transaction_end(session: Session, trans: SessionTransaction) -> None:
         consequence="those emails were never stored and will not be sent",
         fix="call db.session.commit() after mail.send() (or db.session.rollback() when the "
             "emails must not go out)")
-
-
-def _cancel_ended(entries: list[StagedEmail]) -> None:
-    """Tell each publisher of the cancels a transaction dropped (their keys go on)."""
-    by_publisher: dict[int, tuple[Publisher, list[StagedEmail]]] = {}
-    for entry in entries:
-        by_publisher.setdefault(id(entry.publisher), (entry.publisher, []))[1].append(entry)
-    for publisher, group in by_publisher.values():
-        publisher.cancel_ended(group)
 
 
 _installed: set[int] = set()

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -33,10 +33,9 @@ from ..core._internal import (
     Mode,
     Outbox,
     OutboxConfig,
-    advance,
-    email_connection,
-    email_dialect,
-    notify_statement,
+    Producer,
+    QueuedRow,
+    Ticket,
 )
 from . import staging
 from .scheduler import SweepScheduler
@@ -122,90 +121,63 @@ class AppState:
         """Whether durable delivery is in force (see :meth:`Outbox.mode`)."""
         return self.outbox().mode() is Mode.DURABLE
 
-    # -- the commit's hooks (see staging) -----------------------------------------------
+    # -- the producer's protocol (the core's; staging keeps the tickets) ---------------------
 
-    def prepare_commit(self, session: Any, entries: list[staging.StagedEmail]) -> None:
-        """Inside the outermost transaction that queued email, just before its commit.
+    def producer(self) -> Producer:
+        """The commit protocol of this process's core."""
+        return Producer(self.outbox())
 
-        Hands on the keys whose new emails found an earlier one open, and sends
-        one NOTIFY (durable mode, PostgreSQL) unless the inserts did:
-        PostgreSQL delivers it only if the transaction commits, so listeners in
-        other processes never wake for a rollback.
+    def queue(self, rows: Sequence[QueuedRow]) -> list[int]:
+        """Insert prepared rows in the current ``db.session`` transaction; their ids.
+
+        ``send()``, ``send_many()`` and ``mail.connect()`` all come here: the
+        tickets stay on the session until its outermost transaction ends.
         """
-        keys = {e.waits_on_key for e in entries if e.waits_on_key is not None}
-        if keys:
-            advance(email_connection(session), keys)
-        if any(not e.notified for e in entries) and self.config.listen \
-                and email_dialect(session) == "postgresql" and self.durable():
-            session.execute(notify_statement())
+        if not rows:
+            return []
+        session = self.db.session()
+        tickets = self.producer().enqueue(session, rows)
+        staging.keep(session, self, tickets)
+        return [t.email_id for t in tickets]
 
-    def publish(self, entries: list[staging.StagedEmail]) -> None:
-        """Called after the outermost commit with the rows it made durable (or cancelled)."""
-        cancelled = [e for e in entries if e.cancelled]
-        if cancelled:
-            self._after_cancel(cancelled)
-            entries = [e for e in entries if not e.cancelled]
-            if not entries:
-                return
-        if email_queued.receivers:
-            for entry in entries:
+    def cancel(self, *, email_ids: Sequence[int], key: str | None,
+               idempotency_key: str | None) -> tuple[int, int]:
+        """Cancel in the current transaction; ``(cancelled, in_flight)`` (see ``mail.cancel``)."""
+        session = self.db.session()
+        tickets, in_flight = self.producer().cancel(session, email_ids=email_ids, key=key,
+                                                    idempotency_key=idempotency_key)
+        staging.keep(session, self, tickets)
+        return len(tickets), in_flight
+
+    def before_commit(self, session: Any, tickets: list[Ticket]) -> None:
+        """Inside the outermost transaction that queued email, just before its commit."""
+        self.producer().before_commit(session, tickets)
+
+    def after_commit(self, tickets: list[Ticket]) -> None:
+        """After the outermost commit: ``email_queued``, the jobs, then delivery."""
+        new = [t for t in tickets if t.created and not t.cancelled]
+        if new and email_queued.receivers:
+            for ticket in new:
                 try:
-                    email_queued.send(self.app, email_id=entry.email_id)
+                    email_queued.send(self.app, email_id=ticket.email_id)
                 except Exception:
                     logger.exception("A receiver of the email_queued signal raised (email "
-                                     "%s); delivery goes on", entry.email_id)
-        self.ensure_started()
-        self.deliver_soon([e.email_id for e in entries if e.due_now],
-                          urgent={e.email_id for e in entries if e.urgent},
-                          scheduled=[e.email_id for e in entries if not e.due_now])
+                                     "%s); delivery goes on", ticket.email_id)
+        if new:
+            self.ensure_started()
+        self.producer().after_commit(tickets)
 
-    def cancel_ended(self, entries: list[staging.StagedEmail]) -> None:
-        """A cancel was rolled back (or never committed): a record may have left its key.
+    def after_rollback(self, tickets: list[Ticket]) -> None:
+        """A transaction (or savepoint) that held ``tickets`` rolled back."""
+        self.producer().after_rollback(tickets)
 
-        A record that found the key's next email locked by this transaction
-        left the key to it (see ``Store._advance_recorded``): hand it on now.
-        """
-        self._after_cancel(entries)
+    def forget(self, tickets: list[Ticket]) -> tuple[list[int], list[int]]:
+        """A transaction that held ``tickets`` ended uncommitted (see ``Producer.forget``)."""
+        return self.producer().forget(tickets)
 
-    def _after_cancel(self, cancelled: list[staging.StagedEmail]) -> None:
-        """A cancel committed (or ended): hand each cancelled row's key to its next email."""
-        keys = {e.cancelled_key for e in cancelled if e.cancelled_key is not None}
-        if not keys:
-            return
-        try:
-            holders = self.outbox().store.advance_keys(keys)
-        except Exception as exc:  # noqa: BLE001 - the cancel committed; the sweep heals keys
-            _degrade.report(
-                f"Could not hand on the keys {sorted(keys)[:20]} of {len(cancelled)} "
-                "cancelled email(s)",
-                consequence="the next email of each such key waits until a sweep's key "
-                            "repair hands its key on (inline mode: every tenth periodic "
-                            "sweep; durable mode: the next start-up sweep)",
-                fix="check the database connection; `flask outbox sweep` repairs keys now",
-                exc=exc)
-            return
-        if holders:
-            self.deliver_soon(holders)
-
-    def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = (),
-                     scheduled: Sequence[int] = ()) -> None:
-        """Start delivering committed rows (see :meth:`Outbox.deliver_soon`); never raises.
-
-        The commit succeeded and the rows are safe in the database: a failure
-        here is reported, and the sweep takes them.
-        """
-        try:
-            self.outbox().deliver_soon(ids, urgent=urgent, scheduled=scheduled)
-        except Exception as exc:  # noqa: BLE001 - the commit succeeded; never fail it now
-            every = [*ids, *scheduled]
-            _degrade.report(
-                f"Could not hand {len(every)} committed email(s) {every[:20]} to delivery",
-                consequence="they stay queued in the database; the periodic sweep takes them "
-                            "after OUTBOX_SWEEP_MIN_AGE_SECONDS (those sent with send_after: "
-                            "when due)",
-                fix="check the database connection and the transport configuration; "
-                    "`flask outbox sweep` delivers them once fixed",
-                exc=exc)
+    def deliver_committed(self, ids: Sequence[int]) -> None:
+        """Start delivering rows committed outside ``send()`` (a retry); never raises."""
+        self.producer().after_commit([Ticket(email_id=email_id) for email_id in ids])
 
     # -- the core's callbacks: the app's signals --------------------------------------
 

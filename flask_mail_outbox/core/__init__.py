@@ -7,14 +7,23 @@ the retry policy, shared rate limits, the worker and its lanes, recording
 outcomes, LISTEN, the sweep. It imports no Flask and no Flask-SQLAlchemy.
 :class:`Outbox` is built from plain values (a database URL,
 :class:`OutboxConfig`, transports, :class:`Callbacks`); the Flask integration
-owns one per process and app, and anything else may too::
+owns one per process and app, and anything else may too. A row goes out
+only if the transaction that wrote it commits: a :class:`Producer` is that
+protocol (enqueue in the caller's session, ``before_commit`` inside it,
+``after_commit`` or ``after_rollback`` after it); the Flask integration calls
+it from the session's events, a plain SQLAlchemy program by hand::
 
     outbox = Outbox("postgresql+psycopg://...", config, callbacks=Callbacks(sent=...))
     metadata.create_all(outbox.engine)
-    row = prepare_row(Message(...), config, key=None, due_at=None)
-    with Session(outbox.engine) as session, session.begin():
-        ids = [i for i, _ in insert_emails(session, [(row.values, row.attachments)], ...)]
-    outbox.worker.deliver(ids, timeout=30)
+    producer = Producer(outbox)
+    row = prepare_row(Message(...), config, key="order-7", due_at=None)
+    with Session(outbox.engine) as session:
+        with session.begin():
+            tickets = producer.enqueue(session, [row])   # with the app's own writes
+            producer.before_commit(session, tickets)     # per-key hand-on, NOTIFY
+        producer.after_commit(tickets)                   # delivery starts
+
+(The complete program, tested, is on the architecture page of the docs.)
 
 Reads go through :attr:`Outbox.reader` (a :class:`Reader`), which never
 builds a worker.
@@ -29,7 +38,6 @@ from __future__ import annotations
 
 from ._config import load_config
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
-from ._insert import insert_emails
 from ._models import (
     Status,
     attachment_table,
@@ -39,6 +47,7 @@ from ._models import (
     suppression_table,
 )
 from ._outbox import Mode, Outbox
+from ._producer import Producer, Ticket
 from ._queries import HourCount, Reader
 from ._rows import QueuedRow, prepare_row
 from ._settings import OutboxConfig, Rate, TransportSpec
@@ -56,18 +65,19 @@ __all__ = [
     "Mode",
     "Outbox",
     "OutboxConfig",
+    "Producer",
     "QueuedRow",
     "Rate",
     "Reader",
     "Status",
     "Suppression",
     "SweepReport",
+    "Ticket",
     "TransportSpec",
     "Worker",
     "attachment_table",
     "email_table",
     "event_table",
-    "insert_emails",
     "load_config",
     "metadata",
     "prepare_row",

@@ -18,18 +18,19 @@ from . import (
     Mode,
     Outbox,
     OutboxConfig,
+    Producer,
     QueuedRow,
     Rate,
     Reader,
     Status,
     Suppression,
     SweepReport,
+    Ticket,
     TransportSpec,
     Worker,
     attachment_table,
     email_table,
     event_table,
-    insert_emails,
     load_config,
     metadata,
     prepare_row,
@@ -40,10 +41,7 @@ from ._clock import utcnow
 from ._config import _DEFAULTS as CONFIG_DEFAULTS
 from ._config import MAX_CONCURRENCY, warn_plaintext_logins
 from ._events import Replayed
-from ._insert import cancel_emails, email_connection, email_dialect, insert_email
-from ._listen import notify_statement
 from ._models import TABLE_NAMES
-from ._ordering import advance
 from ._outbox import DURABLE_SETTING, sqlite_on_connect
 from ._queries import EVENT_SCAN_BUDGET, EXACT, SEARCH_FIELDS, recount_tally
 from ._rows import (
@@ -74,6 +72,7 @@ __all__ = [
     "Mode",
     "Outbox",
     "OutboxConfig",
+    "Producer",
     "QueuedRow",
     "Rate",
     "Reader",
@@ -81,25 +80,19 @@ __all__ = [
     "Status",
     "Suppression",
     "SweepReport",
+    "Ticket",
     "TransportSpec",
     "Worker",
-    "advance",
     "attachment_table",
-    "cancel_emails",
     "check_key",
     "check_message",
     "due_at_of",
-    "email_connection",
-    "email_dialect",
     "email_table",
     "event_table",
     "expires_at_of",
-    "insert_email",
-    "insert_emails",
     "load_config",
     "load_last_report",
     "metadata",
-    "notify_statement",
     "prepare_row",
     "priority_rank",
     "recount_tally",
