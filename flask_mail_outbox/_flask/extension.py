@@ -350,7 +350,7 @@ class OutboxExtension:
         if not 1 <= email_id < 2**63:  # ids are BIGINT: larger ones overflow the driver
             raise LookupError(f"email {email_id} is not a dead letter (no such id)")
         state = self._state()
-        if not state.outbox().store.retry_failed(email_id):
+        if not state.outbox().store.admin.retry_failed(email_id):
             raise LookupError(f"email {email_id} is not a dead letter (no failed row with "
                               "that id)")
         state.deliver_soon([email_id])
@@ -364,7 +364,7 @@ class OutboxExtension:
         sweep delivers the rest.
         """
         state = self._state()
-        ids = state.outbox().store.retry_all_failed()
+        ids = state.outbox().store.admin.retry_all_failed()
         state.deliver_soon(ids)
         return len(ids)
 
