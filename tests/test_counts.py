@@ -327,7 +327,7 @@ def test_worker_processes_recording_at_once_keep_the_totals_exact(
         held = total // 10 - total // 20  # the delayed ones not cancelled
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # purges in small batches, as the workers record
-            store_of(producer).delete_sent(
+            store_of(producer).admin.delete_sent(
                 older_than=datetime.now(UTC).replace(tzinfo=None) + timedelta(hours=1),
                 batch=7)
             per_status, _ = truth(engine)
