@@ -16,7 +16,7 @@ outcomes, the reap, ``retry()`` and ``retry_all()``, a producer's commit, and th
 sweep's :func:`heal` (a safety net: nothing in the library leaves a key
 without a holder).
 
-PostgreSQL: producers of a key hold its lock (:func:`producer_lock`) for their
+PostgreSQL: producers of a key hold its lock (:meth:`._dialect.Postgres.producer_lock`) for their
 whole transaction, so id order is commit order. Delivery never waits for a
 request: whoever advances a key takes its *line lock* instead (a second lock
 space, held only by short transactions), and so does a producer, just before

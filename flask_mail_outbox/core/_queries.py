@@ -2,13 +2,13 @@
 the dead-letter list.
 
 Each function takes a :class:`~sqlalchemy.engine.Connection` the caller opened,
-normally with :meth:`Store.read` (on the store's own engine, never the host
+normally with :meth:`._database.Database.read` (on the store's own engine, never the host
 app's session; autocommit on PostgreSQL, so a read costs no BEGIN/ROLLBACK
 trips), and returns plain values. None writes, commits or opens a connection of
 its own (but :func:`recount_tally`), so a caller that needs several reads runs
 them on one connection. A
 function that compares with "now" takes ``clock``, the store's
-(:attr:`Store.clock`): on PostgreSQL "now" is the database clock whatever
+(:attr:`._database.Database.clock`): on PostgreSQL "now" is the database clock whatever
 ``clock`` says, on SQLite it is ``clock()`` (see :meth:`._dialect.Dialect.now`).
 
 Every query is shaped to use an index whatever the table holds, so it costs
@@ -41,9 +41,9 @@ One function writes: :func:`recount_tally`, the repair of those totals.
 
 Not here: the reads that are part of a write (the idempotency lookup of
 :func:`._insert.insert_email`, the claim's pick, the keys of
-:meth:`Store.retry_all_failed`), and the sweep's selection
-(:meth:`Store.sweep_candidates`, :meth:`Store.age_gated`), which is the
-claim's predicate (:func:`._claim.claimable`) and goes with the store.
+:meth:`._admin.Admin.retry_all_failed`), and the sweep's selection
+(:meth:`._sweeping.Sweeping.sweep_candidates`, :meth:`._sweeping.Sweeping.age_gated`),
+which is the claim's predicate (:func:`._claim.claimable`) and goes with the store.
 """
 
 from __future__ import annotations

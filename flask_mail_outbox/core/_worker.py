@@ -7,7 +7,7 @@ work from two sources:
   emails a recorded outcome made their key's holder, (inline mode) its
   own in-process retries once their pause is over, and the rows a commit
   queued with a ``send_after`` once they are due (:meth:`Worker.schedule`);
-* due rows it claims itself (:meth:`~._store.Store.claim_due`) when it is a
+* due rows it claims itself (:meth:`~._leases.Leases.claim_due`) when it is a
   *dispatcher* (durable mode, ``flask outbox worker``): at its poll, or at
   once when a commit or a NOTIFY wakes it.
 
