@@ -19,9 +19,9 @@ import sqlalchemy as sa
 
 from flask_mail_outbox import ConfigError
 from flask_mail_outbox.core import Status, email_table, metadata
-from flask_mail_outbox.core._models import setting_table
 from flask_mail_outbox.core._dialect import Postgres, SQLite, dialect_named
 from flask_mail_outbox.core._leases import Outcome
+from flask_mail_outbox.core._models import setting_table
 from flask_mail_outbox.core._store import Store
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flask_mail_outbox"

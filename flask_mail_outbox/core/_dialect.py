@@ -234,9 +234,6 @@ class Dialect(abc.ABC):
         return {"status": Status.SENDING.value, "attempts": t.c.attempts + 1,
                 "lease_owner": owner, "lease_expires_at": self.later(clock, lease_seconds)}
 
-    #: Whether :meth:`record_sent` also writes each row's provider message id.
-    records_provider_ids: ClassVar[bool] = True
-
     @abc.abstractmethod
     def record_sent(self, conn: Connection, sent: Sequence[tuple[int, str, str | None]], *,
                     scrub: bool, clock: Clock) -> set[int]:

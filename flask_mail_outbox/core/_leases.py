@@ -326,44 +326,47 @@ class Leases:
         email gives its key to the next one, see :mod:`._ordering`), and
         ``then(tx, recorded)`` writes what goes with them (delivery events).
         """
-        recorded: list[Outcome] = []
-        lost: list[Outcome] = []
-        plain_sent: list[Outcome] = []
-        others: list[Outcome] = []
-        for outcome in outcomes:
-            if outcome.status is Status.SENT and not outcome.error_message \
-                    and not outcome.failovers and (outcome.provider_message_id is None
-                                                   or self.db.dialect.records_provider_ids):
-                plain_sent.append(outcome)
-            else:
-                others.append(outcome)
         with self.db.write(conn) as tx:
             keys = _ordering.lock_lines(tx, {o.email.key for o in outcomes
                                              if o.email.key is not None})
-            if plain_sent:
-                done = self.db.dialect.record_sent(
-                    tx, [(o.email.id, o.email.owner, o.provider_message_id) for o in plain_sent],
-                    scrub=scrub_sent, clock=self.db.clock)
-                for outcome in plain_sent:
-                    (recorded if outcome.email.id in done else lost).append(outcome)
-            # Built only when needed: a function construct costs a few percent of
-            # a batch that is all sent.
-            now = self.db.now_expr() if others else None
-            t = email_table
-            for outcome in others:
-                hit = tx.execute(
-                    t.update()
-                    .where(t.c.id == outcome.email.id, t.c.status == Status.SENDING.value,
-                           t.c.lease_owner == outcome.email.owner)
-                    .values(**self._outcome_values(outcome, now, scrub_sent))
-                    .returning(t.c.id)
-                ).first()
-                (recorded if hit is not None else lost).append(outcome)
+            recorded, lost = self._write_outcomes(tx, outcomes, scrub_sent)
             if then is not None:
                 then(tx, recorded)
             # Last: on PostgreSQL it sets a lock timeout for the rest of the transaction.
             holders = self._advance_recorded(tx, keys)
         return Recorded(recorded, lost, holders)
+
+    def _write_outcomes(self, tx: Connection, outcomes: Sequence[Outcome],
+                        scrub_sent: bool) -> tuple[list[Outcome], list[Outcome]]:
+        """The guarded updates of :meth:`_record`: ``(recorded, lost)``.
+
+        The plain ``sent`` ones in one statement (the database's
+        :meth:`._dialect.Dialect.record_sent`), then one update each.
+        """
+        recorded: list[Outcome] = []
+        lost: list[Outcome] = []
+        plain_sent = [outcome for outcome in outcomes if _plain_sent(outcome)]
+        others = [outcome for outcome in outcomes if not _plain_sent(outcome)]
+        if plain_sent:
+            done = self.db.dialect.record_sent(
+                tx, [(o.email.id, o.email.owner, o.provider_message_id) for o in plain_sent],
+                scrub=scrub_sent, clock=self.db.clock)
+            for outcome in plain_sent:
+                (recorded if outcome.email.id in done else lost).append(outcome)
+        # Built only when needed: a function construct costs a few percent of
+        # a batch that is all sent.
+        now = self.db.now_expr() if others else None
+        t = email_table
+        for outcome in others:
+            hit = tx.execute(
+                t.update()
+                .where(t.c.id == outcome.email.id, t.c.status == Status.SENDING.value,
+                       t.c.lease_owner == outcome.email.owner)
+                .values(**self._outcome_values(outcome, now, scrub_sent))
+                .returning(t.c.id)
+            ).first()
+            (recorded if hit is not None else lost).append(outcome)
+        return recorded, lost
 
     def _advance_recorded(self, tx: Connection, keys: Sequence[str]) -> list[int]:
         """Hand the recorded outcomes' keys on, never waiting on a request (PostgreSQL).
@@ -416,6 +419,12 @@ class Leases:
         if entries:
             values["error_history"] = json.dumps([*outcome.email.error_history, *entries])
         return values
+
+
+def _plain_sent(outcome: Outcome) -> bool:
+    """Sent, with nothing to add to its error history: one statement records all such."""
+    return outcome.status is Status.SENT and not outcome.error_message \
+        and not outcome.failovers
 
 
 def _reaped(rows: Sequence[Any]) -> Reaped:
