@@ -30,7 +30,6 @@ from __future__ import annotations
 import abc
 import functools
 import json
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
@@ -58,8 +57,6 @@ from ._models import (
     metadata,
     tally_table,
 )
-
-logger = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
 
