@@ -160,13 +160,13 @@ def test_every_path_that_changes_a_status_keeps_the_totals_exact(
                     " (SELECT id FROM outbox_email WHERE status = 'sent' ORDER BY id LIMIT 3)",
             then=datetime.now(UTC).replace(tzinfo=None) - timedelta(days=40))
     assert_exact(engine, "sent_at moved to another hour")
-    assert store.delete_sent(older_than=datetime.now(UTC).replace(tzinfo=None)
+    assert store.admin.delete_sent(older_than=datetime.now(UTC).replace(tzinfo=None)
                              - timedelta(days=30), batch=2) == 2
     assert_exact(engine, "a purge batch")
     smtp_server.refuse_recipient("refused2@example.com", 550)
     queue(durable, "refused2@example.com")
     worker.tick()
-    assert store.delete_failed(older_than=None) == 1
+    assert store.admin.delete_failed(older_than=None) == 1
     assert_exact(engine, "dead letters deleted")
 
     # Manual SQL: several rows and statuses in one statement, both ways, and inserts
@@ -327,7 +327,7 @@ def test_worker_processes_recording_at_once_keep_the_totals_exact(
         held = total // 10 - total // 20  # the delayed ones not cancelled
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # purges in small batches, as the workers record
-            store_of(producer).delete_sent(
+            store_of(producer).admin.delete_sent(
                 older_than=datetime.now(UTC).replace(tzinfo=None) + timedelta(hours=1),
                 batch=7)
             per_status, _ = truth(engine)

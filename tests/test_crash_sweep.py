@@ -38,7 +38,8 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message
 from flask_mail_outbox.core import email_table
-from flask_mail_outbox.core._clock import now_expr
+from flask_mail_outbox.core._clock import utcnow
+from flask_mail_outbox.core._dialect import dialect_of
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -218,7 +219,7 @@ def wait_leases_expired(app: Flask, timeout: float = WAIT) -> None:
         with engine.connect() as conn:
             return int(conn.execute(sa.select(sa.func.count()).where(
                 t.c.status == "sending",
-                t.c.lease_expires_at >= now_expr(engine.dialect.name))).scalar_one())
+                t.c.lease_expires_at >= dialect_of(engine).now(utcnow))).scalar_one())
 
     still = poll(live, lambda n: n == 0, timeout=timeout, interval=0.1)
     assert still == 0, f"{still} lease(s) still live after {timeout:g} s"

@@ -44,8 +44,8 @@ from flask_mail_outbox._operator.dashboard import (
     make_blueprint,
 )
 from flask_mail_outbox.core import Status, attachment_table, email_table
+from flask_mail_outbox.core._dialect import Postgres
 from flask_mail_outbox.core._insert import search_values
-from flask_mail_outbox.core._ordering import producer_lock
 from flask_mail_outbox.core._queries import get_setting, list_emails, prefix_bounds
 from flask_mail_outbox.core._store import Outcome, Store
 
@@ -712,7 +712,7 @@ def test_purge_spares_a_dead_letter_retried_while_it_runs(
     def retry_now(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         if statement.startswith(trigger) and not fired:
             fired.append(statement)  # before: the retry's own statements pass through here
-            interleaved.append(store.retry_failed(retried))  # its own connection, commits
+            interleaved.append(store.admin.retry_failed(retried))  # its own connection, commits
 
     sa.event.listen(store.engine, "before_cursor_execute", retry_now)
     try:
@@ -829,7 +829,7 @@ def test_retry_all_waits_for_a_key_whose_lock_a_producer_holds(
                 retried.append(mail.retry_all())
 
         with engine.connect() as producer:
-            producer.execute(sa.select(producer_lock("busy-key")))  # a request mid-send()
+            producer.execute(sa.select(Postgres.producer_lock("busy-key")))  # a request mid-send()
             worker = threading.Thread(target=retry_all)
             worker.start()
             wait_rows(app, lambda rs: status_of(app, loose) != "failed", timeout=20)
@@ -894,8 +894,8 @@ def test_recording_sent_with_scrub_drops_the_mime_and_the_page_says_scrubbed(
         store = mail._state().outbox().store
         with store.write() as conn:
             conn.execute(email_table.update().values(due_at=store.now_expr()))
-        claimed = store.claim_ids(ids, owner="t", lease_seconds=30)
-        recorded, lost, _ = store.record(
+        claimed = store.leases.claim_ids(ids, owner="t", lease_seconds=30)
+        recorded, lost, _ = store.leases.record(
             [Outcome(claimed[0], Status.SENT),
              Outcome(claimed[1], Status.SENT, error_code=550, error_message="one refused"),
              Outcome(claimed[2], Status.FAILED, error_code=550, error_message="refused")],
@@ -919,12 +919,12 @@ def test_a_reaped_row_whose_attempts_are_spent_gets_its_failed_at(
         store = runtime.store
         with store.write() as conn:
             conn.execute(email_table.update().values(due_at=store.now_expr()))
-        assert store.claim_ids([email_id], owner="gone", lease_seconds=30)
+        assert store.leases.claim_ids([email_id], owner="gone", lease_seconds=30)
         with store.write() as conn:  # its last attempt; the process holding it died long ago
             conn.execute(email_table.update().values(
                 attempts=max_attempts,
                 lease_expires_at=sa.literal(datetime(2000, 1, 1), sa.DateTime())))
-        assert store.reap_expired().requeued == (email_id,)
+        assert store.leases.reap_expired().requeued == (email_id,)
         # The next claim finds no attempt left: dead-lettered, not sent.
         report = runtime.worker.deliver([email_id], timeout=30)
     assert report.failed == [email_id]

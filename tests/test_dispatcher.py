@@ -338,7 +338,7 @@ class _Drain:
         Returns the list each claim appends to: whether it was asked to reap.
         """
         store = self.dispatcher.store
-        real_claim_due = store.claim_due
+        real_claim_due = store.leases.claim_due
         reaps: list[bool] = []
 
         def claim_due(*args: Any, **kwargs: Any) -> Any:
@@ -348,7 +348,7 @@ class _Drain:
                 raise sa.exc.OperationalError("claim", {}, Exception("the database is down"))
             return real_claim_due(*args, **kwargs)
 
-        store.claim_due = claim_due  # type: ignore[method-assign]
+        store.leases.claim_due = claim_due  # type: ignore[method-assign]
         return reaps
 
 

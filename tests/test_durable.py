@@ -260,20 +260,20 @@ def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
             db.session.execute(email_table.update().values(due_at=email_table.c.created_at))
             db.session.commit()
         store = app.extensions["mail_outbox"].outbox().store
-        [first] = store.claim_ids([email_id], owner="A", lease_seconds=1)
+        [first] = store.leases.claim_ids([email_id], owner="A", lease_seconds=1)
         with app.app_context():  # A's lease runs out while A is still sending
             db.session.execute(email_table.update().values(
                 lease_expires_at=email_table.c.created_at))
             db.session.commit()
-        assert len(store.reap_expired()) == 1
-        [second] = store.claim_ids([email_id], owner="B", lease_seconds=60)
-        recorded, lost, _ = store.record([Outcome(first, Status.FAILED, error_code=550,
+        assert len(store.leases.reap_expired()) == 1
+        [second] = store.leases.claim_ids([email_id], owner="B", lease_seconds=60)
+        recorded, lost, _ = store.leases.record([Outcome(first, Status.FAILED, error_code=550,
                                                error_message="late news from A")])
         assert recorded == [] and len(lost) == 1
         [row] = rows(app)
         assert row["status"] == "sending" and row["lease_owner"] == "B"
         assert row["attempts"] == 2 and row["last_error"] is None
-        recorded, lost, _ = store.record([Outcome(second, Status.SENT)])
+        recorded, lost, _ = store.leases.record([Outcome(second, Status.SENT)])
         assert len(recorded) == 1 and rows(app)[0]["status"] == "sent"
     finally:
         close_app(app)
@@ -298,14 +298,14 @@ def test_one_record_of_several_claims_pairs_each_row_with_its_own_claim(db_url: 
             db.session.execute(email_table.update().values(due_at=email_table.c.created_at))
             db.session.commit()
         store = app.extensions["mail_outbox"].outbox().store
-        [x_by_a] = store.claim_ids([x], owner="A", lease_seconds=1)
+        [x_by_a] = store.leases.claim_ids([x], owner="A", lease_seconds=1)
         with app.app_context():  # A's lease on x runs out while A is still sending
             db.session.execute(email_table.update().where(email_table.c.id == x).values(
                 lease_expires_at=email_table.c.created_at))
             db.session.commit()
-        assert len(store.reap_expired()) == 1
-        by_b = {e.id: e for e in store.claim_ids([x, y], owner="B", lease_seconds=60)}
-        [z_by_c] = store.claim_ids([z], owner="C", lease_seconds=60)
+        assert len(store.leases.reap_expired()) == 1
+        by_b = {e.id: e for e in store.leases.claim_ids([x, y], owner="B", lease_seconds=60)}
+        [z_by_c] = store.leases.claim_ids([z], owner="C", lease_seconds=60)
         updates: list[str] = []
         engine = store.engine
 
@@ -315,7 +315,7 @@ def test_one_record_of_several_claims_pairs_each_row_with_its_own_claim(db_url: 
 
         sa_event.listen(engine, "before_cursor_execute", listener)
         try:
-            recorded, lost, _ = store.record([
+            recorded, lost, _ = store.leases.record([
                 Outcome(x_by_a, Status.SENT), Outcome(by_b[y], Status.SENT),
                 Outcome(z_by_c, Status.SENT)])
         finally:
@@ -408,7 +408,7 @@ def test_sqlite_write_transactions_wait_for_the_lock(tmp_path: Any) -> None:
         committer = threading.Thread(target=commit_later)
         committer.start()
         store = app.extensions["mail_outbox"].outbox().store
-        assert store.retry_failed(email_id) is True  # waited for the lock, no SQLITE_BUSY
+        assert store.admin.retry_failed(email_id) is True  # waited for the lock, no SQLITE_BUSY
         committer.join()
         other.close()
         assert rows(app)[0]["status"] == "queued"

@@ -171,12 +171,12 @@ def test_a_forgotten_commit_of_a_cancel_is_an_error(durable: Flask,
 def test_a_row_being_sent_is_not_cancelled(durable: Flask) -> None:
     [email_id] = queue(durable, hello())
     store = durable.extensions["mail_outbox"].outbox().store
-    [claimed] = store.claim_ids([email_id], owner="test-owner", lease_seconds=60)
+    [claimed] = store.leases.claim_ids([email_id], owner="test-owner", lease_seconds=60)
     with durable.app_context():
         assert mail_of(durable).cancel(email_id) == 0
         db.session.commit()
     assert status_of(durable) == {email_id: "sending"}
-    store.record([Outcome(claimed, Status.SENT)])
+    store.leases.record([Outcome(claimed, Status.SENT)])
     assert status_of(durable) == {email_id: "sent"}
 
 
@@ -256,7 +256,7 @@ def test_a_racing_claim_and_cancel_never_both_win(durable: Flask) -> None:
 
         def claim() -> None:
             barrier.wait()
-            got["claimed"] = store.claim_ids([email_id], owner=f"w{round_number}",
+            got["claimed"] = store.leases.claim_ids([email_id], owner=f"w{round_number}",
                                              lease_seconds=60)
 
         def take_back() -> None:
@@ -271,7 +271,7 @@ def test_a_racing_claim_and_cancel_never_both_win(durable: Flask) -> None:
         for thread in threads:
             thread.join(30)
         if got["claimed"]:
-            store.record([Outcome(got["claimed"][0], Status.SENT)])
+            store.leases.record([Outcome(got["claimed"][0], Status.SENT)])
         with durable.app_context(), db.engine.connect() as conn:
             status = conn.execute(sa.select(email_table.c.status)
                                   .where(email_table.c.id == email_id)).scalar_one()
@@ -340,7 +340,7 @@ def test_a_row_paced_by_a_rate_limit_past_its_expiry_ends_unsent(
         worker = hand_ticked_worker(app)
         [email_id] = queue(app, hello(subject="late"), expires_after=timedelta(hours=1))
         store = app.extensions["mail_outbox"].outbox().store
-        [claimed] = store.claim_ids([email_id], owner="paced-test", lease_seconds=60)
+        [claimed] = store.leases.claim_ids([email_id], owner="paced-test", lease_seconds=60)
         # Held for its slot while its expiry passes (as a long rate wait would).
         claimed = dataclasses.replace(
             claimed, expires_at=datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=1))

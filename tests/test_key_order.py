@@ -167,7 +167,7 @@ def test_a_failed_ordering_after_a_reap_keeps_the_batch(
     keys comes after it committed, and its failure loses nothing."""
     orphan = _send(app, "orphan")
     store = _dispatcher(app).store
-    assert [e.id for e in store.claim_due(1, owner="dead", lease_seconds=0)[0]] == [orphan]
+    assert [e.id for e in store.leases.claim_due(1, owner="dead", lease_seconds=0)[0]] == [orphan]
     for subject in ("m1", "m2"):
         _send(app, subject, key=None)
     # A real statement error from the database in that follow-up.
@@ -208,7 +208,7 @@ def test_retry_all_takes_a_bounded_number_of_key_locks_per_transaction(
     store = _dispatcher(app).store
     sa.event.listen(store.engine, "before_cursor_execute", count_locks)
     try:
-        assert len(store.retry_all_failed(keys_per_transaction=2)) == 5
+        assert len(store.admin.retry_all_failed(keys_per_transaction=2)) == 5
     finally:
         sa.event.remove(store.engine, "before_cursor_execute", count_locks)
     watch.dispose()
@@ -272,17 +272,17 @@ def test_a_dead_letter_put_back_below_a_sending_head_goes_next(
     _step(app)  # "first" is dead-lettered and hands the key to "second"
     store = _dispatcher(app).store
     # "second" is being sent (a lease of 0 s when the reap is to take it back).
-    [second] = store.claim_due(10, owner="test-owner",
+    [second] = store.leases.claim_due(10, owner="test-owner",
                                lease_seconds=0 if then == "reaped" else 60)[0]
     with app.app_context():
         mail.retry(first)
     # It waits for the head being sent: never two of one key at once.
     assert [(r["status"], bool(r["key_head"])) for r in rows(app)][0] == ("queued", False)
-    assert store.heal_key_heads() == 0  # the sweep's repair agrees: the key is occupied
+    assert store.sweep.heal_key_heads() == 0  # the sweep's repair agrees: the key is occupied
     if then == "sent":
-        store.record([Outcome(second, Status.SENT)])
+        store.leases.record([Outcome(second, Status.SENT)])
     elif then == "queued again":
-        store.record([Outcome(second, Status.QUEUED, error_code=421, error_message="busy")])
+        store.leases.record([Outcome(second, Status.QUEUED, error_code=421, error_message="busy")])
     if then != "reaped":
         # Id order: the one put back goes next, not "third".
         assert [(r["subject"], r["status"], bool(r["key_head"])) for r in rows(app)][0::2] == [

@@ -151,12 +151,14 @@ def test_learning_and_a_cut_on_the_database_s_clock(make_apps: Any) -> None:
     one = SharedRate(app.extensions["mail_outbox"].outbox().store, "default", None)
     two = SharedRate(second.extensions["mail_outbox"].outbox().store, "default", None)
     _queue(app, 30)
-    _mark_sent(app, 9, None if one.store.is_postgres else datetime.now(UTC).replace(tzinfo=None))
+    _mark_sent(app, 9, None if one.store.dialect.database_clock
+               else datetime.now(UTC).replace(tzinfo=None))
     assert one.learn(sending_for=10.0) == pytest.approx(9 * LEARNED_CUT, rel=0.05)
     assert two.exists() and two.current == pytest.approx(9.0)
     assert two.take(3).spacing == pytest.approx(1 / (9 * LEARNED_CUT), rel=0.05)
     assert two.throttled(time.time() - 60) is None  # sent before the rate was learned
-    _mark_sent(app, 6, None if one.store.is_postgres else datetime.now(UTC).replace(tzinfo=None))
+    _mark_sent(app, 6, None if one.store.dialect.database_clock
+               else datetime.now(UTC).replace(tzinfo=None))
     # A message sent after the learning (a second later than now: beyond any clock
     # difference between this process and the database).
     cut = two.throttled(time.time() + 1.0)

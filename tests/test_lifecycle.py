@@ -258,7 +258,7 @@ def test_a_mark_the_database_refuses_at_stop_is_an_error_and_loses_nothing(
     with app.app_context():
         ids = _queue(mail, 3)
         assert smtp_server.wait_held(1)
-        monkeypatch.setattr(store, "mark_given_back", refuse)
+        monkeypatch.setattr(store.sweep, "mark_given_back", refuse)
         mail.stop(timeout=1)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
               and "given back at stop" in r.getMessage()]

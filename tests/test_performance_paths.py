@@ -167,7 +167,7 @@ def test_a_request_holding_a_keys_lock_does_not_hold_up_its_delivery(
     whole request (see _ordering): both committed emails go while one is held."""
     import sqlalchemy as sa
 
-    from flask_mail_outbox.core._ordering import producer_lock
+    from flask_mail_outbox.core._dialect import Postgres
 
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                    OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_POLL_INTERVAL=POLL)
@@ -179,7 +179,7 @@ def test_a_request_holding_a_keys_lock_does_not_hold_up_its_delivery(
                 mail.send(Message(name, recipients=["a@example.com"], body="x"), key="k")
             db.session.commit()
         with engine.connect() as producer:
-            producer.execute(sa.select(producer_lock("k")))  # a request mid-send() of key "k"
+            producer.execute(sa.select(Postgres.producer_lock("k")))  # a request mid-send() of key "k"
             _step(app)  # "head" is sent and hands the key to "next"
             assert [(r["status"], r["key_head"]) for r in rows(app)] == [
                 ("sent", True), ("queued", True)]
@@ -352,8 +352,8 @@ def test_the_record_fetches_its_batch_by_primary_key_on_a_queue_with_stale_stati
 
     sa_event.listen(engine, "before_cursor_execute", capture)
     try:
-        claimed, _ = store.claim_due(100, owner="o", lease_seconds=60, reap=True)
-        store.record([Outcome(email, Status.SENT) for email in claimed])
+        claimed, _ = store.leases.claim_due(100, owner="o", lease_seconds=60, reap=True)
+        store.leases.record([Outcome(email, Status.SENT) for email in claimed])
     finally:
         sa_event.remove(engine, "before_cursor_execute", capture)
     assert len(claimed) == 20

@@ -43,8 +43,8 @@ def test_the_claim_takes_high_then_normal_then_low_each_in_send_order(
     assert {r["subject"]: r["priority"] for r in rows(app)} == {
         "low 1": 2, "normal 1": 1, "low 2": 2, "high 1": 0, "normal 2": 1, "high 2": 0}
     store = app.extensions["mail_outbox"].outbox().store
-    first, _ = store.claim_due(3, owner="a", lease_seconds=60)
-    second, _ = store.claim_due(3, owner="b", lease_seconds=60)
+    first, _ = store.leases.claim_due(3, owner="a", lease_seconds=60)
+    second, _ = store.leases.claim_due(3, owner="b", lease_seconds=60)
     # Each claim takes the rows first in (priority, due_at, id) order, and
     # returns them in that order: the order they are sent in.
     assert _subjects(first, app) == ["high 1", "high 2", "normal 1"]
@@ -137,18 +137,18 @@ def test_a_high_email_goes_first_only_once_it_is_due_on_a_fake_clock(tmp_path: A
         store = app.extensions["mail_outbox"].outbox().store
         now = start + timedelta(minutes=1)
         store.clock = lambda: now
-        first, _ = store.claim_due(1, owner="a", lease_seconds=3600)
+        first, _ = store.leases.claim_due(1, owner="a", lease_seconds=3600)
         assert _subjects(first, app) == ["low 1"]  # the high one is not due yet
         now = start + timedelta(minutes=6)
-        second, _ = store.claim_due(1, owner="b", lease_seconds=3600)
+        second, _ = store.leases.claim_due(1, owner="b", lease_seconds=3600)
         assert _subjects(second, app) == ["normal later"]  # due now, and above low 2
         now = start + timedelta(minutes=11)
-        third, _ = store.claim_due(2, owner="c", lease_seconds=3600)
+        third, _ = store.leases.claim_due(2, owner="c", lease_seconds=3600)
         assert sorted(_subjects(third, app)) == ["high later", "low 2"]
-        assert store.claim_due(1, owner="d", lease_seconds=3600)[0] == []
+        assert store.leases.claim_due(1, owner="d", lease_seconds=3600)[0] == []
         # Given back, both due: a claim of one row takes the high one over the older low.
-        store.release(third)
-        [again], _ = store.claim_due(1, owner="e", lease_seconds=3600)
+        store.leases.release(third)
+        [again], _ = store.leases.claim_due(1, owner="e", lease_seconds=3600)
         assert _subjects([again], app) == ["high later"]
     finally:
         close_app(app, timeout=5)

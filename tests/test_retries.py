@@ -273,7 +273,7 @@ def test_fake_clock_lease_lost_path_spends_an_attempt_per_lease(
             # A process claims it and dies mid-send; a lease later the next claim
             # reaps it and claims it again, until a claim finds its attempts
             # spent: that delivery dead-letters it without a send.
-            claimed, _ = store.claim_due(1, owner=f"dead-{claims}", lease_seconds=lease,
+            claimed, _ = store.leases.claim_due(1, owner=f"dead-{claims}", lease_seconds=lease,
                                          reap=True)
             if claimed and claimed[0].attempt > max_attempts:
                 with app.app_context():
@@ -313,7 +313,7 @@ def test_fake_clock_worst_case_walk_stays_within_the_bound(
         _send(app)
         clock.now = start = rows(app)[0]["due_at"]
         clock.now += timedelta(seconds=pickup)
-        claimed, _ = dispatcher.store.claim_due(1, owner="dies", lease_seconds=lease)
+        claimed, _ = dispatcher.store.leases.claim_due(1, owner="dies", lease_seconds=lease)
         assert len(claimed) == 1
         clock.now += timedelta(seconds=lease + 0.001 + pickup)
         for _ in range(100):

@@ -120,8 +120,8 @@ def test_sweep_takes_expired_leases_and_skips_live_ones(
         alive = mail.send(Message("alive", recipients=["a@example.com"], body="x"))
         db.session.commit()
     store = app.extensions["mail_outbox"].outbox().store
-    store.claim_ids([dead], owner="dead-process", lease_seconds=60)
-    store.claim_ids([alive], owner="live-process", lease_seconds=600)
+    store.leases.claim_ids([dead], owner="dead-process", lease_seconds=60)
+    store.leases.claim_ids([alive], owner="live-process", lease_seconds=600)
     with app.app_context():
         db.session.execute(email_table.update().where(email_table.c.id == dead).values(
             lease_expires_at=email_table.c.created_at))
@@ -145,7 +145,7 @@ def test_durable_sweeps_requeue_without_delivering_and_twice_is_harmless(
                for i in range(3)]
         db.session.commit()
     store = app.extensions["mail_outbox"].outbox().store
-    store.claim_ids(ids[:1], owner="dead-process", lease_seconds=60)
+    store.leases.claim_ids(ids[:1], owner="dead-process", lease_seconds=60)
     with app.app_context():
         db.session.execute(email_table.update().where(email_table.c.id == ids[0]).values(
             lease_expires_at=email_table.c.created_at))

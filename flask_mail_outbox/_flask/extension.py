@@ -32,6 +32,7 @@ from ..core._internal import (
     SweepReport,
     check_key,
     check_message,
+    dialect_of,
     due_at_of,
     expires_at_of,
     load_config,
@@ -40,7 +41,6 @@ from ..core._internal import (
     prepare_row,
     priority_rank,
     run_sweep,
-    sqlite_on_connect,
     transport_name,
     warn_plaintext_logins,
 )
@@ -68,20 +68,12 @@ def _check_unknown_keys(config: Any) -> None:
             raise ConfigError(key, f"is not a flask-mail-outbox setting{hint}")
 
 
-def _refuse_memory_sqlite(uri: Any) -> None:
+def _check_database_uri(uri: Any) -> None:
+    """The app's database: one the outbox runs on and can share (``ConfigError`` otherwise)."""
     if not isinstance(uri, (str, sa.URL)):
         return
     url = sa.make_url(uri)
-    if url.get_backend_name() != "sqlite":
-        return
-    database = url.database or ""
-    if database in ("", ":memory:") or url.query.get("mode") == "memory" or \
-            database.startswith("file::memory:"):
-        raise ConfigError(
-            "SQLALCHEMY_DATABASE_URI",
-            f"{url.render_as_string()!r} is an in-memory SQLite database; the request and "
-            "the delivery thread would share one connection and one transaction. Use a file, "
-            "e.g. 'sqlite:///app.db' (tests: a file under tmp_path)")
+    dialect_of(url).check_app_url(url)
 
 
 def _prepare_engine(app: Flask, db: SQLAlchemy) -> None:
@@ -93,9 +85,7 @@ def _prepare_engine(app: Flask, db: SQLAlchemy) -> None:
     """
     with app.app_context():
         engine = db.engine  # made by db.init_app; no connection yet
-    if engine.dialect.name == "sqlite" and \
-            not sa.event.contains(engine, "connect", sqlite_on_connect):
-        sa.event.listen(engine, "connect", sqlite_on_connect)
+    dialect_of(engine).prepare_app_engine(engine)
 
 
 class OutboxExtension:
@@ -131,7 +121,7 @@ class OutboxExtension:
             raise RuntimeError(
                 "flask-mail-outbox needs Flask-SQLAlchemy: create SQLAlchemy(app) (or call "
                 "db.init_app(app)) before OutboxMail(app), or pass OutboxMail(app, db=db).")
-        _refuse_memory_sqlite(app.config.get("SQLALCHEMY_DATABASE_URI"))
+        _check_database_uri(app.config.get("SQLALCHEMY_DATABASE_URI"))
         _check_unknown_keys(app.config)
         config = load_config(app.config, instance_path=app.instance_path,
                              testing=bool(app.config.get("TESTING")))
@@ -329,7 +319,7 @@ class OutboxExtension:
         if not 1 <= email_id < 2**63:  # ids are BIGINT: larger ones overflow the driver
             raise LookupError(f"email {email_id} is not a dead letter (no such id)")
         state = self._state()
-        if not state.outbox().store.retry_failed(email_id):
+        if not state.outbox().store.admin.retry_failed(email_id):
             raise LookupError(f"email {email_id} is not a dead letter (no failed row with "
                               "that id)")
         state.deliver_committed([email_id])
@@ -343,7 +333,7 @@ class OutboxExtension:
         sweep delivers the rest.
         """
         state = self._state()
-        ids = state.outbox().store.retry_all_failed()
+        ids = state.outbox().store.admin.retry_all_failed()
         state.deliver_committed(ids)
         return len(ids)
 

@@ -101,7 +101,7 @@ class SweepScheduler:
             return True
         digest = hashlib.sha1(deployment.encode()).hexdigest()
         try:
-            first = self.outbox().store.claim_startup_sweep(digest)
+            first = self.outbox().store.sweep.claim_startup_sweep(digest)
         except Exception as exc:  # noqa: BLE001 - durability: ok the sweep runs, and reports its own failure
             logger.info("Could not claim the deployment's startup sweep (%s); this process "
                         "runs one", type(exc).__name__)
@@ -205,7 +205,7 @@ class SweepScheduler:
         try:
             total = 0
             while True:
-                deleted = store.delete_sent(older_than=cutoff, batch=1000)
+                deleted = store.admin.delete_sent(older_than=cutoff, batch=1000)
                 total += deleted
                 if deleted < 1000:
                     break

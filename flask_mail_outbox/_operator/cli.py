@@ -229,7 +229,7 @@ def durable(action: str) -> None:
     else:
         # Only the setting: mail.set_durable() would also start this process's
         # dispatcher, and a command that writes a setting delivers nothing.
-        state.outbox().store.set_setting(DURABLE_SETTING, action == "on")
+        state.outbox().store.admin.set_setting(DURABLE_SETTING, action == "on")
         click.echo(f"delivery mode is now {'durable' if action == 'on' else 'inline'} "
                    "for every process (each sees it within OUTBOX_SETTINGS_TTL_SECONDS)")
     state.stop(5)
@@ -396,7 +396,7 @@ def dlq_purge(days: float | None, yes: bool) -> None:
         click.confirm("Delete dead letters" + (f" older than {days:g} days" if days else "")
                       + " for good?", abort=True)
     cutoff = None if days is None else utcnow() - timedelta(days=days)
-    deleted = state.outbox().store.delete_failed(older_than=cutoff)
+    deleted = state.outbox().store.admin.delete_failed(older_than=cutoff)
     state.stop(5)
     click.echo(f"deleted {deleted} dead letter(s)")
 
@@ -424,7 +424,7 @@ def purge(days: float, yes: bool, dry_run: bool, batch: int) -> None:
     deleted = 0
     with click.progressbar(length=total, label="deleting", file=sys.stderr) as bar:
         while True:
-            count = store.delete_sent(older_than=cutoff, batch=batch)
+            count = store.admin.delete_sent(older_than=cutoff, batch=batch)
             deleted += count
             bar.update(count)
             if count < batch:

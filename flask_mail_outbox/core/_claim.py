@@ -1,10 +1,12 @@
-"""The claim's statements: which rows may go now, and the SQL that takes them.
+"""The claim's SQL: which rows may go now, and the statements that take them.
 
-Built here, run by :class:`._store.Store` in its transactions: the predicate
-of a claimable row (the sweep's selection uses it too), SQLite's pick pinned
-to its index, PostgreSQL's one-statement claim (and reap), and the reap. Each
-takes ``now``, the store's "now" as SQL (:meth:`._store.Store.now_expr`), so
-the store's clock decides what is due.
+Read top to bottom: the predicate of a claimable row (the sweep's selection
+uses it too), the order a claim takes rows in, PostgreSQL's claim (one
+statement, with the reap), SQLite's pick, and the reap. Run by the store
+(:class:`._store.Leases`) through its database's strategy
+(:meth:`._dialect.Dialect.claim_due`), which also writes the claim's lease on
+SQLite. "Now" is the store's (:meth:`._dialect.Dialect.now`): the database
+clock on PostgreSQL, the store's clock on SQLite.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ Now = Callable[[], sa.ColumnElement[datetime]]
 #: claim, like every record, overwrites it.
 SCHEDULED = "scheduled"
 
-#: What a claim returns of each row (see :meth:`._store.Store._claimed`).
+#: What a claim returns of each row (see :meth:`._store.Leases.claim_due`).
 CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sender,
                    email_table.c.recipients, email_table.c.mime, email_table.c.message_id,
                    # created_at before key: the PostgreSQL claim's UNION with the
@@ -58,79 +60,105 @@ def send_order(row: Any) -> tuple[Any, ...]:
     return (row.priority, row.id)
 
 
-def claimable(now: Now, *, sqlite: bool) -> sa.ColumnElement[bool]:
+#: Keyless, or the head of its key.
+FREE: sa.ColumnElement[bool] = sa.or_(email_table.c.key.is_(None), email_table.c.key_head)
+#: :data:`FREE` as ``ix_outbox_email_due`` writes it: SQLite uses a partial index
+#: only when the query repeats its terms literally (``key_head = 1`` does not count).
+FREE_AS_INDEXED: Any = sa.text('(outbox_email."key" IS NULL OR outbox_email.key_head)')
+
+
+def claimable(now: Now, *, free: Any = FREE) -> sa.ColumnElement[bool]:
     """Queued, due, and free to go: keyless, or the head of its key.
 
-    Written as ``ix_outbox_email_due`` writes its WHERE: SQLite uses a
-    partial index only when the query repeats those terms literally (a
-    bound ``'queued'``, or ``key_head = 1``, does not count); otherwise
-    each claim reads and sorts every queued row.
+    Written as ``ix_outbox_email_due`` writes its WHERE (a literal
+    ``'queued'``; a bound one does not count for a partial index).
     """
     t = email_table
     queued = t.c.status == sa.literal_column(f"'{Status.QUEUED.value}'")
-    free: Any = sa.or_(t.c.key.is_(None), t.c.key_head)
-    if sqlite:
-        free = sa.text('(outbox_email."key" IS NULL OR outbox_email.key_head)')
     return sa.and_(queued, t.c.due_at <= now(), free)
 
 
-def sqlite_pick(now: datetime, limit: int, transport: str) -> Any:
-    """The claim's choice of rows on SQLite, pinned to ``ix_outbox_email_due``.
+# PostgreSQL's claim: ONE statement, run in autocommit, bound per tick.
+#
+# ``due`` picks the ids from ix_outbox_email_due (its WHERE written literally)
+# FOR UPDATE SKIP LOCKED, so concurrent dispatchers never wait for each other
+# nor take one row twice; MATERIALIZED fences it, so the planner cannot update
+# more rows than the limit. ``claimed`` takes them: ``id = ANY(ARRAY(...))`` and
+# nothing else, because a queue's statistics are always stale (the table was
+# nearly empty at the last ANALYZE): a join with ``due`` is planned as a nested
+# loop over every queued row, and a ``status = 'queued'`` recheck here matches
+# the partial index of queued rows and scans all of them. The recheck is not
+# needed: ``due`` locked each row FOR UPDATE after re-evaluating its conditions
+# on the newest version, and the lock is held until this statement commits.
+#
+# Every row comes back with an ``outcome`` first: ``sending`` for a claimed
+# row, and (PG_CLAIM_AND_REAP) ``queued`` for a reaped one, then
+# CLAIM_RETURNING's columns (NULL for a reaped row but its id and key).
+_PG_PICK_AND_CLAIM = """\
+WITH due AS MATERIALIZED (
+    SELECT id FROM outbox_email
+    WHERE status = 'queued' AND due_at <= timezone('UTC', now())
+      AND (key IS NULL OR key_head) AND transport = :claim_transport
+    ORDER BY priority, due_at, id
+    LIMIT :claim_limit
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE outbox_email
+    SET status = 'sending', attempts = attempts + 1, lease_owner = :claim_owner,
+        lease_expires_at = timezone('UTC', now()) + :claim_lease
+    WHERE id = ANY (ARRAY(SELECT due.id FROM due))
+    RETURNING id, attempts, sender, recipients, mime, message_id, created_at,
+              smtp_options, transport, expires_at, priority, due_at, key, error_history
+)"""
 
-    SQLite's planner, on a table it has no statistics for (nobody runs
-    ANALYZE on an outbox), prefers the dashboard's ``(status, id)`` index for
-    ``status = 'queued'``: every claim would then read and sort every queued
-    row, keyed rows waiting behind their head included. ``INDEXED BY``
-    makes it read only the rows that may go now, in order.
-    """
-    return sa.text(
-        "SELECT id FROM outbox_email INDEXED BY ix_outbox_email_due "
-        "WHERE status = 'queued' AND (\"key\" IS NULL OR key_head) AND due_at <= :now "
-        "AND transport = :transport ORDER BY priority, due_at, id LIMIT :limit"
-    ).bindparams(sa.bindparam("now", now, type_=sa.DateTime()),
-                 sa.bindparam("limit", limit),
-                 sa.bindparam("transport", transport)).columns(email_table.c.id)
+# The reap rides along in the same statement (as reap_statement below); the
+# rows it frees are claimable from the next tick (one snapshot per statement).
+_PG_REAP = """\
+, reaped AS (
+    UPDATE outbox_email
+    SET status = 'queued', due_at = timezone('UTC', now()),
+        lease_owner = NULL, lease_expires_at = NULL
+    WHERE status = 'sending' AND lease_expires_at < timezone('UTC', now())
+    RETURNING id, status, key
+)"""
+
+_PG_CLAIMED = "\nSELECT 'sending' AS outcome, claimed.* FROM claimed"
+
+_PG_REAPED = """
+UNION ALL
+SELECT reaped.status, reaped.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL, reaped.key, NULL
+FROM reaped"""
 
 
-def pg_claim(now: Now, *, reap: bool) -> Any:
-    """PostgreSQL's claim (and with ``reap`` the reap): one statement, bound per tick.
+def _pg_statement(sql: str) -> sa.TextualSelect:
+    return sa.text(sql).bindparams(
+        sa.bindparam("claim_transport", type_=sa.String()),
+        sa.bindparam("claim_limit", type_=sa.Integer()),
+        sa.bindparam("claim_owner", type_=sa.String()),
+        sa.bindparam("claim_lease", type_=sa.Interval()),
+    ).columns(sa.column("outcome", sa.String()), *CLAIM_RETURNING)
 
-    It binds ``claim_transport``, ``claim_limit``, ``claim_owner`` and
-    ``claim_lease``, and returns
-    :data:`CLAIM_RETURNING` with an ``outcome`` column first: ``sending`` for
-    a claimed row, ``queued`` for a reaped one.
-    """
-    t = email_table
-    pick = (sa.select(t.c.id).where(claimable(now, sqlite=False),
-                                    t.c.transport == sa.bindparam("claim_transport",
-                                                                  type_=sa.String()))
-            .order_by(*CLAIM_ORDER).limit(sa.bindparam("claim_limit", type_=sa.Integer)))
-    due = pick.with_for_update(skip_locked=True).cte("due").prefix_with("MATERIALIZED")
-    # ``id = ANY(ARRAY(...))`` and nothing else: a queue's statistics are always
-    # stale (the table was nearly empty at the last ANALYZE), so a join with
-    # ``due`` is planned as a nested loop over every queued row, and a
-    # ``status = 'queued'`` recheck here matches the partial index of queued
-    # rows and scans all of them. The recheck is not needed: ``due``
-    # locked each row FOR UPDATE after re-evaluating its conditions on the
-    # newest version, and the lock is held until this statement commits.
-    picked = sa.func.array(sa.select(due.c.id).scalar_subquery())
-    lease = sa.bindparam("claim_lease", type_=sa.Interval())
-    claimed = (t.update().where(t.c.id == sa.any_(picked))
-               .values(status=Status.SENDING.value, attempts=t.c.attempts + 1,
-                       lease_owner=sa.bindparam("claim_owner", type_=sa.String()),
-                       lease_expires_at=now() + lease)
-               .returning(*CLAIM_RETURNING).cte("claimed"))
-    stmt: Any = sa.select(sa.literal(Status.SENDING.value).label("outcome"), *claimed.c)
-    if reap:
-        # The reap rides along in the same statement; the rows it frees are
-        # claimable from the next tick (one snapshot per statement).
-        reaped = reap_statement(now, None).cte("reaped")
-        stmt = sa.union_all(stmt, sa.select(
-            reaped.c.status.label("outcome"), reaped.c.id,
-            *[sa.null().cast(col.type).label(col.name) for col in claimed.c
-              if col.name not in ("id", "key", "error_history")],
-            reaped.c.key, sa.null().cast(sa.Text()).label("error_history")))
-    return stmt
+
+PG_CLAIM = _pg_statement(_PG_PICK_AND_CLAIM + _PG_CLAIMED)
+PG_CLAIM_AND_REAP = _pg_statement(_PG_PICK_AND_CLAIM + _PG_REAP + _PG_CLAIMED + _PG_REAPED)
+
+#: SQLite's choice of rows to claim, pinned to ``ix_outbox_email_due``; the
+#: claim is then ``UPDATE ... WHERE id IN (this) RETURNING`` in the same
+#: ``BEGIN IMMEDIATE`` transaction as the reap.
+#:
+#: SQLite's planner, on a table it has no statistics for (nobody runs ANALYZE
+#: on an outbox), prefers the dashboard's ``(status, id)`` index for ``status =
+#: 'queued'``: every claim would then read and sort every queued row, keyed
+#: rows waiting behind their head included. ``INDEXED BY`` makes it read only
+#: the rows that may go now, in order.
+SQLITE_PICK = sa.text(
+    "SELECT id FROM outbox_email INDEXED BY ix_outbox_email_due "
+    "WHERE status = 'queued' AND (\"key\" IS NULL OR key_head) AND due_at <= :now "
+    "AND transport = :transport ORDER BY priority, due_at, id LIMIT :limit"
+).bindparams(sa.bindparam("now", type_=sa.DateTime()),
+             sa.bindparam("limit", type_=sa.Integer()),
+             sa.bindparam("transport", type_=sa.String())).columns(email_table.c.id)
 
 
 def reap_statement(now: Now, ids: Sequence[int] | None) -> Any:

@@ -149,10 +149,10 @@ def _number(key: str, value: Any, *, minimum: float, integer: bool = False,
             raise ConfigError(key, f"expected a number, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(key, f"expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(key, f"expected a finite number, got {value!r}")
     if integer and value != int(value):
         raise ConfigError(key, f"expected a whole number, got {value!r}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ConfigError(key, f"expected a finite number, got {value!r}")
     if value < minimum or (strict_minimum and value == minimum):
         relation = "greater than" if strict_minimum else "at least"
         raise ConfigError(key, f"must be {relation} {minimum:g}, got {value!r}")

@@ -413,7 +413,7 @@ class Heartbeat:
                 tracked = [(owner, sorted(ids)) for owner, ids in self._tracked.items()]
             for owner, ids in tracked:
                 try:
-                    self.store.renew_leases(owner, ids, self.lease_seconds)
+                    self.store.leases.renew_leases(owner, ids, self.lease_seconds)
                     self.faults.recovered("heartbeat")
                 except Exception as exc:  # noqa: BLE001 - reported; the next beat retries
                     self.faults.failing(
@@ -467,7 +467,7 @@ class Delivery:
         A failure is reported here: the rows are queued either way, only later.
         """
         try:
-            return self.store.mark_given_back(ids)
+            return self.store.sweep.mark_given_back(ids)
         except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
             _degrade.report(
                 f"Could not mark {len(ids)} email(s) {ids[:20]} given back {when}",
@@ -498,7 +498,7 @@ class Delivery:
         if not claimed:
             return 0
         try:
-            released = self.store.release(claimed)
+            released = self.store.leases.release(claimed)
             if self.stopping:
                 self.note_given_back(released)
             return len(released)
@@ -666,7 +666,7 @@ class Delivery:
                 stored[:] = written
 
         def record(conn: Connection | None = None) -> Recorded:
-            return self.store.record(outcomes, scrub_sent=self.config.scrub_sent, conn=conn,
+            return self.store.leases.record(outcomes, scrub_sent=self.config.scrub_sent, conn=conn,
                                      then=write_events)
 
         for delay in (*self.record_retry_delays, None):
@@ -722,7 +722,7 @@ class Delivery:
 
             def record(conn: Connection | None = None,
                        shaped: list[Outcome] = shaped) -> Recorded:
-                return self.store.record(shaped, scrub_sent=self.config.scrub_sent,
+                return self.store.leases.record(shaped, scrub_sent=self.config.scrub_sent,
                                          conn=conn, then=write_events)
 
             try:

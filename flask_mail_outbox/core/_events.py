@@ -17,7 +17,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 
 from .._events import DeliveryEvent
 from ._models import (
@@ -112,11 +111,10 @@ class EventLog:
 
     def _take_nonces(self, conn: Connection, transport: str, nonces: Sequence[str]) -> None:
         t = nonce_table
-        dialect: Any = postgresql if self.store.is_postgres else sqlite
         now = self.store.clock()
         conn.execute(t.delete().where(t.c.seen_at < self.store.later_expr(-NONCE_KEEP_SECONDS)))
         taken = conn.execute(
-            dialect.insert(t).on_conflict_do_nothing().returning(t.c.nonce),
+            self.store.dialect.insert(t).on_conflict_do_nothing().returning(t.c.nonce),
             [{"transport": transport, "nonce": nonce[:255], "seen_at": now}
              for nonce in dict.fromkeys(nonces)]).all()
         if len(taken) < len(set(nonces)):
@@ -220,9 +218,8 @@ class EventLog:
                 "occurred_at": event.occurred_at, "received_at": received,
                 "description": event.description, "mta_response": event.mta_response,
                 "payload": event.payload})
-        dialect: Any = postgresql if self.store.is_postgres else sqlite
         inserted = conn.execute(
-            dialect.insert(t).on_conflict_do_nothing()
+            self.store.dialect.insert(t).on_conflict_do_nothing()
             .returning(t.c.id, t.c.transport, t.c.provider_event_id, t.c.occurred_at,
                        sort_by_parameter_order=True),
             rows).all() if rows else []

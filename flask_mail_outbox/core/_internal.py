@@ -40,9 +40,10 @@ from . import (
 from ._clock import utcnow
 from ._config import _DEFAULTS as CONFIG_DEFAULTS
 from ._config import MAX_CONCURRENCY, warn_plaintext_logins
+from ._dialect import dialect_of
 from ._events import Replayed
 from ._models import TABLE_NAMES
-from ._outbox import DURABLE_SETTING, sqlite_on_connect
+from ._outbox import DURABLE_SETTING
 from ._queries import EVENT_SCAN_BUDGET, EXACT, SEARCH_FIELDS, recount_tally
 from ._rows import (
     check_key,
@@ -86,6 +87,7 @@ __all__ = [
     "attachment_table",
     "check_key",
     "check_message",
+    "dialect_of",
     "due_at_of",
     "email_table",
     "event_table",
@@ -97,7 +99,6 @@ __all__ = [
     "priority_rank",
     "recount_tally",
     "run_sweep",
-    "sqlite_on_connect",
     "suppression_key",
     "suppression_table",
     "transport_name",

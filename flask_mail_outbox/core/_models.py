@@ -304,7 +304,7 @@ class OutboxTally(Base):
     On PostgreSQL the triggers only append rows (a change never waits for,
     nor locks, a row another transaction wrote) and every 64th one folds the
     rows of each key into one; on SQLite, whose writers are serialized, they
-    update one row per key in place. See :data:`TALLY_DDL`.
+    update one row per key in place. See :data:`PG_TALLY_DDL`.
     """
 
     __tablename__ = "outbox_tally"
@@ -414,27 +414,39 @@ def _sqlite_trigger(event: str, when: str, body: str) -> str:
             f" ON outbox_email\nWHEN {when}\nBEGIN\n{body}END")
 
 
-#: The tally's triggers, per dialect, in the order they are created. The migration
-#: that creates them (outbox_0001) holds the same text: a test compares the catalogs.
-TALLY_DDL: dict[str, tuple[str, ...]] = {
-    "postgresql": (
-        _PG_FUNCTION,
-        _pg_trigger("INSERT", "NEW TABLE AS new_rows"),
-        _pg_trigger("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows"),
-        _pg_trigger("DELETE", "OLD TABLE AS old_rows"),
-        "CREATE TRIGGER outbox_tally_truncate AFTER TRUNCATE ON outbox_email"
-        " FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()",
-    ),
-    "sqlite": (
-        _sqlite_trigger("INSERT", _sqlite_tallied("NEW.status"), _sqlite_add("NEW", "+")),
-        _sqlite_trigger(
-            "UPDATE OF status, sent_at",
-            f"({_sqlite_tallied('OLD.status')} OR {_sqlite_tallied('NEW.status')})"
-            " AND (OLD.status IS NOT NEW.status OR OLD.sent_at IS NOT NEW.sent_at)",
-            _sqlite_add("OLD", "-") + _sqlite_add("NEW", "+")),
-        _sqlite_trigger("DELETE", _sqlite_tallied("OLD.status"), _sqlite_add("OLD", "-")),
-    ),
-}
+#: The tally's triggers on PostgreSQL, in the order they are created (run by
+#: :meth:`._dialect.Dialect.create_tally`). The migration that creates them
+#: (outbox_0001) holds the same text: a test compares the catalogs.
+PG_TALLY_DDL = (
+    _PG_FUNCTION,
+    _pg_trigger("INSERT", "NEW TABLE AS new_rows"),
+    _pg_trigger("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows"),
+    _pg_trigger("DELETE", "OLD TABLE AS old_rows"),
+    ("CREATE TRIGGER outbox_tally_truncate AFTER TRUNCATE ON outbox_email"
+    " FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()"),
+)
+
+#: The tally's triggers on SQLite (see :data:`PG_TALLY_DDL`).
+SQLITE_TALLY_DDL = (
+    _sqlite_trigger("INSERT", _sqlite_tallied("NEW.status"), _sqlite_add("NEW", "+")),
+    _sqlite_trigger(
+        "UPDATE OF status, sent_at",
+        f"({_sqlite_tallied('OLD.status')} OR {_sqlite_tallied('NEW.status')})"
+        " AND (OLD.status IS NOT NEW.status OR OLD.sent_at IS NOT NEW.sent_at)",
+        _sqlite_add("OLD", "-") + _sqlite_add("NEW", "+")),
+    _sqlite_trigger("DELETE", _sqlite_tallied("OLD.status"), _sqlite_add("OLD", "-")),
+)
+
+#: Counts the rows already in ``outbox_email`` into a new ``outbox_tally`` (as the
+#: triggers would), on PostgreSQL...
+PG_TALLY_BACKFILL = (
+    f"INSERT INTO outbox_tally (status, sent_hour, n) SELECT status, {_PG_HOUR},"
+    f" count(*) FROM outbox_email WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2")
+#: ...and on SQLite.
+SQLITE_TALLY_BACKFILL = (
+    "INSERT INTO outbox_tally (status, sent_hour, n) SELECT status, CASE WHEN"
+    " status = 'sent' THEN CAST(strftime('%s', sent_at) AS INTEGER) / 3600 END,"
+    f" count(*) FROM outbox_email WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2")
 
 
 def search_key(text: str, length: int) -> str:
@@ -455,41 +467,3 @@ suppression_table: sa.Table = OutboxSuppression.__table__  # type: ignore[assign
 nonce_table: sa.Table = OutboxWebhookNonce.__table__  # type: ignore[assignment]
 
 TABLE_NAMES = frozenset(metadata.tables)
-
-
-#: Counts the rows already in ``outbox_email`` into a new ``outbox_tally`` (as the triggers would).
-TALLY_BACKFILL = {
-    "postgresql": f"INSERT INTO outbox_tally (status, sent_hour, n) SELECT status, {_PG_HOUR},"
-                  f" count(*) FROM outbox_email WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2",
-    "sqlite": "INSERT INTO outbox_tally (status, sent_hour, n) SELECT status, CASE WHEN"
-              " status = 'sent' THEN CAST(strftime('%s', sent_at) AS INTEGER) / 3600 END,"
-              f" count(*) FROM outbox_email WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2",
-}
-
-
-@sa.event.listens_for(metadata, "after_create")
-def _create_tally_triggers(target: sa.MetaData, connection: sa.Connection,
-                           tables: list[sa.Table] | None = None, **_: Any) -> None:
-    """With ``outbox_tally`` new (``create_all``): its triggers, and the rows already there.
-
-    Keyed to the tally, not to ``outbox_email``: a database made by an older
-    ``create_all`` gets the tally, its triggers and its backfill together.
-    """
-    if tally_table not in (tables or ()):
-        return
-    if connection.dialect.name == "sqlite":
-        # The write lock first: the driver begins no transaction before DDL, so a
-        # change could fall between the triggers and the count (see outbox_0001).
-        connection.exec_driver_sql("DELETE FROM outbox_tally")
-    # exec_driver_sql: the SQL as written, no bind-parameter parsing of its text.
-    for statement in TALLY_DDL.get(connection.dialect.name, ()):
-        connection.exec_driver_sql(statement)
-    if connection.dialect.name in TALLY_BACKFILL:
-        connection.exec_driver_sql(TALLY_BACKFILL[connection.dialect.name])
-
-
-@sa.event.listens_for(metadata, "after_drop")
-def _drop_tally_function(target: sa.MetaData, connection: sa.Connection, **_: Any) -> None:
-    # The triggers went with outbox_email; PostgreSQL keeps their function.
-    if connection.dialect.name == "postgresql":
-        connection.exec_driver_sql("DROP FUNCTION IF EXISTS outbox_tally_rows()")

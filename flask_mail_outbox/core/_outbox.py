@@ -20,10 +20,8 @@ import os
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import event
 
 from .. import _degrade
 from ..transports import (
@@ -33,6 +31,7 @@ from ..transports import (
     build,
 )
 from ._delivery import Callbacks, Delivery
+from ._dialect import create_engine
 from ._events import EventLog
 from ._listen import Listener, libpq_url
 from ._queries import Reader
@@ -70,58 +69,6 @@ def build_transports(config: OutboxConfig, *, concurrency: int) -> dict[str, Tra
                                           (spec.name, *spec.failover)])
             if spec.failover else own[spec.name]
             for spec in config.transport_specs}
-
-
-def create_engine(url: str | sa.URL) -> sa.Engine:
-    """The outbox's own engine on the app's database (its own pool, its own transactions)."""
-    url = sa.make_url(url)
-    if url.get_backend_name() == "sqlite":
-        engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-        event.listen(engine, "connect", _sqlite_pragmas)
-        return engine
-    return sa.create_engine(url, pool_size=4, max_overflow=8, pool_pre_ping=True)
-
-
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    cursor = dbapi_conn.cursor()
-    try:
-        # The busy timeout makes writers queue for the lock instead of failing.
-        cursor.execute("PRAGMA busy_timeout=30000")
-        ensure_wal(cursor)
-    finally:
-        cursor.close()
-
-
-def sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
-    """The ``connect`` event for the app's own SQLite engine: WAL before its first write.
-
-    The app's engine keeps its own busy timeout; only the journal mode, which
-    is the file's and which the delivery thread needs, is set here.
-    """
-    cursor = dbapi_conn.cursor()
-    try:
-        ensure_wal(cursor)
-    finally:
-        cursor.close()
-
-
-def ensure_wal(cursor: Any) -> None:
-    """Switch a SQLite database to WAL (persistent, per file) unless it already is.
-
-    WAL lets request threads read and commit while the delivery thread
-    writes; in the default rollback-journal mode readers block the writer.
-    """
-    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
-        return
-    try:
-        cursor.execute("PRAGMA journal_mode=WAL")
-    except Exception as exc:  # noqa: BLE001 - reported; SQLite still works, only slower
-        _degrade.report(
-            "Could not switch the SQLite database to WAL journal mode",
-            consequence="request threads and the delivery thread block each other more, "
-                        "and concurrent commits may wait up to the busy timeout",
-            fix="run `PRAGMA journal_mode=WAL` on the database once while nothing else uses it",
-            exc=exc)
 
 
 class Outbox:
@@ -223,7 +170,7 @@ class Outbox:
 
     def set_mode(self, mode: Mode) -> None:
         """Store ``mode`` for every process sharing the database (commits its own work)."""
-        self.store.set_setting(DURABLE_SETTING, mode is Mode.DURABLE)
+        self.store.admin.set_setting(DURABLE_SETTING, mode is Mode.DURABLE)
         self._mode_cache = (mode, time.monotonic() + self.config.settings_ttl_seconds)
         if mode is Mode.DURABLE and self.config.run_worker:
             self.dispatch()
@@ -263,7 +210,7 @@ class Outbox:
             worker = self.worker
             if hand_ticked:
                 worker.hand_ticked = True
-            if not worker.dispatching and self.config.listen and self.store.is_postgres:
+            if not worker.dispatching and self.config.listen and self.store.dialect.listens:
                 def on_state(up: bool) -> None:
                     worker.listening = up
 
@@ -343,5 +290,4 @@ class Outbox:
             pid, marked, ids[:20], f" within {interval:g} s" if interval else "", still)
 
 
-__all__ = ["DEFAULT_TRANSPORT", "DURABLE_SETTING", "Mode", "Outbox", "build_transports",
-           "create_engine", "ensure_wal", "sqlite_on_connect"]
+__all__ = ["DEFAULT_TRANSPORT", "DURABLE_SETTING", "Mode", "Outbox", "build_transports"]

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session
 
 from .. import _degrade
+from ._dialect import dialect_named
 from ._insert import (
     cancel_emails,
     email_connection,
@@ -166,7 +167,7 @@ class Producer:
 
     def _notifies(self, dialect: str) -> bool:
         """Whether a commit of new rows sends the NOTIFY (durable mode, PostgreSQL, LISTEN)."""
-        return (self.outbox.config.listen and dialect == "postgresql"
+        return (self.outbox.config.listen and dialect_named(dialect).listens
                 and self.outbox.mode() is Mode.DURABLE)
 
     def _deliver_soon(self, ids: list[int], *, urgent: set[int], scheduled: list[int]) -> None:

@@ -2,14 +2,14 @@
 the dead-letter list.
 
 Each function takes a :class:`~sqlalchemy.engine.Connection` the caller opened,
-normally with :meth:`Store.read` (on the store's own engine, never the host
+normally with :meth:`._database.Database.read` (on the store's own engine, never the host
 app's session; autocommit on PostgreSQL, so a read costs no BEGIN/ROLLBACK
 trips), and returns plain values. None writes, commits or opens a connection of
 its own (but :func:`recount_tally`), so a caller that needs several reads runs
 them on one connection. A
 function that compares with "now" takes ``clock``, the store's
-(:attr:`Store.clock`): on PostgreSQL "now" is the database clock whatever
-``clock`` says, on SQLite it is ``clock()`` (see :func:`._store.now_expr`).
+(:attr:`._database.Database.clock`): on PostgreSQL "now" is the database clock whatever
+``clock`` says, on SQLite it is ``clock()`` (see :meth:`._dialect.Dialect.now`).
 
 Every query is shaped to use an index whatever the table holds, so it costs
 the same with a million retained ``sent`` rows as with none:
@@ -41,9 +41,9 @@ One function writes: :func:`recount_tally`, the repair of those totals.
 
 Not here: the reads that are part of a write (the idempotency lookup of
 :func:`._insert.insert_email`, the claim's pick, the keys of
-:meth:`Store.retry_all_failed`), and the sweep's selection
-(:meth:`Store.sweep_candidates`, :meth:`Store.age_gated`), which is the
-claim's predicate (:func:`._claim.claimable`) and goes with the store.
+:meth:`._admin.Admin.retry_all_failed`), and the sweep's selection
+(:meth:`._sweeping.Sweeping.sweep_candidates`, :meth:`._sweeping.Sweeping.age_gated`),
+which is the claim's predicate (:func:`._claim.claimable`) and goes with the store.
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .._events import EVENT_TYPES, DeliveryEvent
-from ._clock import now_expr, utcnow
+from ._clock import utcnow
+from ._dialect import dialect_of
 from ._models import (
     PRIORITIES,
     SEARCH_RECIPIENT_LENGTH,
     SEARCH_SUBJECT_LENGTH,
     TALLIED,
-    TALLY_LOCK,
     Status,
     attachment_table,
     email_table,
@@ -96,7 +96,7 @@ _EVENT_COLUMNS = (
 
 
 def _now(conn: Connection, clock: Clock) -> sa.ColumnElement[datetime]:
-    return now_expr(conn.dialect.name, clock)
+    return dialect_of(conn).now(clock)
 
 
 # -- status and stats ---------------------------------------------------------------
@@ -137,7 +137,6 @@ def recount_tally(conn: Connection) -> dict[str, int]:
     see the same snapshot: a change committed after it is counted by its own
     trigger's row, and not twice. Writers are not stopped.
     """
-    tally = tally_table
     t = email_table
     hour = sa.case((t.c.status == Status.SENT.value, _hour_number(conn, t.c.sent_at)))
     counted = (sa.select(t.c.status, hour.label("sent_hour"), sa.func.count().label("n"))
@@ -145,44 +144,16 @@ def recount_tally(conn: Connection) -> dict[str, int]:
                .group_by(t.c.status, hour))
     kept = {status.value: 0 for status in TALLIED}
     recounted = dict(kept)
-    if conn.dialect.name == "postgresql":
-        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(*TALLY_LOCK)))
-        # What was kept, and what is counted, from one snapshot: a change
-        # committed meanwhile is in neither (its trigger's row stays).
-        cleared = tally.delete().returning(tally.c.status, tally.c.n).cte("cleared")
-        added = (tally.insert().from_select(["status", "sent_hour", "n"], counted)
-                 .returning(tally.c.status, tally.c.n).cte("added"))
-        both = sa.union_all(
-            sa.select(cleared.c.status, cleared.c.n.label("kept"),
-                      sa.literal(0, sa.BigInteger()).label("counted")),
-            sa.select(added.c.status, sa.literal(0, sa.BigInteger()), added.c.n)).subquery()
-        rows = conn.execute(sa.select(both.c.status, sa.func.sum(both.c.kept),
-                                      sa.func.sum(both.c.counted)).group_by(both.c.status))
-        for status, was, now in rows:
-            kept[status], recounted[status] = int(was), int(now)
-    else:
-        # The DELETE takes SQLite's write lock: nobody writes until the caller commits.
-        for status, n in conn.execute(tally.delete().returning(tally.c.status, tally.c.n)):
-            kept[status] += int(n)
-        conn.execute(tally.insert().from_select(["status", "sent_hour", "n"], counted))
-        recounted.update(_tallied_totals(conn))
+    was, now = dialect_of(conn).recount_tally(conn, counted)
+    kept.update(was)
+    recounted.update(now)
     return {status: recounted[status] - kept[status] for status in recounted
             if recounted[status] != kept[status]}
 
 
-def _tallied_totals(conn: Connection) -> dict[str, int]:
-    tally = tally_table
-    totals = {status.value: 0 for status in TALLIED}
-    totals.update({status: int(n) for status, n in conn.execute(
-        sa.select(tally.c.status, sa.func.sum(tally.c.n)).group_by(tally.c.status)).all()})
-    return totals
-
-
 def _hour_number(conn: Connection, column: Any) -> Any:
     """``column`` as whole hours since the epoch, in SQL (as the triggers compute it)."""
-    if conn.dialect.name == "postgresql":
-        return sa.cast(sa.func.floor(sa.extract("epoch", column) / 3600), sa.BigInteger())
-    return sa.cast(sa.func.strftime("%s", column), sa.Integer()) // 3600  # integer division
+    return dialect_of(conn).hour_number(column)
 
 
 def oldest_queued_age(conn: Connection, *, clock: Clock = utcnow) -> float | None:
@@ -482,9 +453,7 @@ def _by_latest_event(conn: Connection, event: str, *, status: str | None,
     its next page goes on from there (``Page.partial``). So no page costs more
     than that many steps, however rare the match.
     """
-    t = email_table
     budget = EVENT_SCAN_BUDGET
-    postgres = conn.dialect.name == "postgresql"
 
     def next_below(bound: Any | None, name: str) -> sa.ScalarSelect[Any]:
         candidate = event_table.alias(name)
@@ -500,14 +469,7 @@ def _by_latest_event(conn: Connection, event: str, *, status: str | None,
     walk = walk.union_all(
         sa.select(next_below(walk.c.email_id, "walk_step"), walk.c.step + 1)
         .where(walk.c.email_id.is_not(None), walk.c.step < budget))
-    if postgres:
-        found = (sa.select(*_LIST_COLUMNS).where(t.c.id == walk.c.email_id).limit(1)
-                 .lateral("e"))
-        source = walk.outerjoin(found, sa.true())
-        columns = [found.c[column.name] for column in _LIST_COLUMNS]
-    else:
-        source = walk.outerjoin(t, t.c.id == walk.c.email_id)
-        columns = list(_LIST_COLUMNS)
+    source, columns = dialect_of(conn).email_at_each_step(walk, _LIST_COLUMNS)
     email_id, email_status = columns[0], columns[1]
     matched = sa.and_(email_id.is_not(None),
                       _latest_event(walk.c.email_id, "event_type") == event,
@@ -630,9 +592,7 @@ def hourly_counts(conn: Connection, *, hours: int = 24,
 
 def _hour(conn: Connection, column: Any) -> Any:
     """``column`` truncated to the hour, in SQL."""
-    if conn.dialect.name == "postgresql":
-        return sa.func.date_trunc("hour", column)
-    return sa.func.strftime("%Y-%m-%d %H:00:00", column)
+    return dialect_of(conn).hour_start(column)
 
 
 def _as_hour(value: datetime | str) -> datetime:

@@ -36,11 +36,9 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 
 from ._models import Status, email_table, rate_table
 
@@ -214,8 +212,7 @@ class SharedRate:
             accepted = self._accepted(conn)
             window = min(LEARN_WINDOW_SECONDS, max(LEARN_SHORTEST_SECONDS, sending_for))
             initial = max(1.0, accepted / window)
-            insert: Any = (postgresql.insert(rate_table) if self.store.is_postgres
-                           else sqlite.insert(rate_table))
+            insert = self.store.dialect.insert(rate_table)
             now = self._now()
             # Like a cut to the rate accepted: the refusals that taught it are its event.
             held_since = now
@@ -227,8 +224,8 @@ class SharedRate:
                              where=rate_table.c.cut_rate.is_(None)))
             conn.execute(statement, self._params())
             row = conn.execute(sa.select(rate_table.c.cut_rate, rate_table.c.cut_at,
-                                         (now.label("now") if self.store.is_postgres
-                                          else sa.literal(0.0).label("now")))
+                                         (now if self.store.dialect.database_clock
+                                          else sa.literal(0.0)).label("now"))
                                .where(rate_table.c.name == self.name),
                                self._params()).one()
         now_value = self._db_now(row)
@@ -244,13 +241,13 @@ class SharedRate:
     def _params(self, **params: Any) -> dict[str, Any]:
         if self.rate is not None:
             params["max_rate"] = self.rate.per_second
-        if not self.store.is_postgres:
+        if not self.store.dialect.database_clock:
             params["now"] = self.wall()
         return params
 
     def _db_now(self, row: Any) -> float:
         """The statement's "now" on the schedule's clock (PostgreSQL's, else ``wall``)."""
-        if not self.store.is_postgres:
+        if not self.store.dialect.database_clock:
             self._offset = 0.0
             return self.wall()
         now = float(row.now)
@@ -260,23 +257,19 @@ class SharedRate:
     def _ensure(self) -> None:
         if self._ensured:
             return
-        insert: Any = (postgresql.insert(rate_table) if self.store.is_postgres
-                       else sqlite.insert(rate_table))
+        insert = self.store.dialect.insert(rate_table)
         with self.store.write() as conn:
             conn.execute(insert.values(name=self.name, tat=0.0, cut_at=0.0)
                          .on_conflict_do_nothing(index_elements=["name"]))
         self._ensured = True
 
     def _now(self) -> Any:
-        if self.store.is_postgres:
-            return sa.cast(sa.extract("epoch", sa.func.now()), sa.Float())
-        return sa.bindparam("now", type_=sa.Float())
+        return self.store.dialect.epoch_now()
 
     def _effective(self, now: Any) -> Any:
         """The rate in force (see :func:`effective_rate`)."""
         t = rate_table
-        least = sa.func.least if self.store.is_postgres else sa.func.min
-        greatest = sa.func.greatest if self.store.is_postgres else sa.func.max
+        least, greatest = self.store.dialect.least, self.store.dialect.greatest
         if self.rate is None:
             x = now - t.c.cut_at - LEARNED_PLATEAU_SECONDS
             curve = least(sa.literal(LEARNED_CAP, sa.Float()), 1.0 + _CUBIC * x * x * x)
@@ -292,7 +285,7 @@ class SharedRate:
         if self._take is None:
             t = rate_table
             now = self._now()
-            greatest = sa.func.greatest if self.store.is_postgres else sa.func.max
+            greatest = self.store.dialect.greatest
             n = sa.bindparam("n", type_=sa.Float())
             rate = self._effective(now)
             values: dict[str, Any] = {"tat": greatest(t.c.tat, now) + n / rate}
@@ -307,7 +300,7 @@ class SharedRate:
             # RETURNING holds no parameters (SQLite would bind them out of order):
             # the caller computes the rate in force from the columns.
             returned = [t.c.tat, t.c.cut_rate, t.c.cut_at]
-            if self.store.is_postgres:
+            if self.store.dialect.database_clock:
                 returned.append(now.label("now"))
             self._take = (t.update().where(t.c.name == sa.bindparam("rate_name"))
                           .values(**values).returning(*returned))
@@ -317,8 +310,7 @@ class SharedRate:
         if self._cut is None:
             t = rate_table
             now = self._now()
-            greatest = sa.func.greatest if self.store.is_postgres else sa.func.max
-            least = sa.func.least if self.store.is_postgres else sa.func.min
+            least, greatest = self.store.dialect.least, self.store.dialect.greatest
             if self.rate is None:
                 # The rate to hold: what the server accepted, if less than what was in force.
                 cut = greatest(LEARNED_FLOOR, least(self._effective(now), sa.bindparam(
@@ -342,12 +334,7 @@ class SharedRate:
     def _accepted_statement(self) -> Any:
         """How many rows of transport ``name`` were recorded sent in the last window."""
         e = email_table
-        if self.store.is_postgres:
-            since: Any = (sa.func.timezone("UTC", sa.func.now())
-                          - sa.literal_column(f"interval '{LEARN_WINDOW_SECONDS:g} second'"))
-        else:
-            since = sa.literal(self.store.clock() - timedelta(seconds=LEARN_WINDOW_SECONDS),
-                               sa.DateTime())
+        since = self.store.dialect.ago(self.store.clock, LEARN_WINDOW_SECONDS)
         return (sa.select(sa.func.count()).select_from(e)
                 .where(e.c.status == Status.SENT.value, e.c.transport == sa.bindparam("name"),
                        e.c.sent_at >= since))

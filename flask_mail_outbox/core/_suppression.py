@@ -18,7 +18,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 
 from .._compose.addresses import AddressError, parse_address
 from .._errors import InvalidMessage
@@ -158,13 +157,12 @@ class Suppressions:
         if not entries:
             return
         t = suppression_table
-        dialect: Any = postgresql if self.store.is_postgres else sqlite
         now = self.store.clock()
         # One entry per address, in address order (concurrent upserts never deadlock).
         rows = [{"address": key, "reason": reason, "source": source[:255],
                  "created_at": now, "expires_at": expires_at}
                 for key, reason, source in sorted({e[0]: e for e in entries}.values())]
-        insert = dialect.insert(t)
+        insert = self.store.dialect.insert(t)
         where = None
         if not replace:
             # An entry that lapses (expires_at) is replaced: a permanent one wins.

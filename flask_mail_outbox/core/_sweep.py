@@ -96,11 +96,11 @@ def run_sweep(outbox: Outbox, *, min_age: float | None = None, limit: int | None
     store = outbox.store
     mode = outbox.mode().value
     if heal and not dry_run:
-        healed = store.heal_key_heads()
+        healed = store.sweep.heal_key_heads()
         if healed:
             logger.info("The sweep gave %d ordering key(s) without a holder their oldest "
                         "open email", healed)
-    candidates = store.sweep_candidates(min_age_seconds=min_age, limit=limit + 1)
+    candidates = store.sweep.sweep_candidates(min_age_seconds=min_age, limit=limit + 1)
     truncated = len(candidates) > limit
     candidates = candidates[:limit]
     ids = [email_id for email_id, _ in candidates]
@@ -142,7 +142,7 @@ def _take(outbox: Outbox, ids: list[int], expired: list[int], fields: dict[str, 
     """Take the candidates: reap the expired leases, then deliver (inline) or wake a dispatcher."""
     # A lost lease keeps its attempt charged: no row is retried without bound
     # (one whose attempts are spent is dead-lettered at its next claim).
-    reaped = outbox.store.reap_expired(ids=expired) if expired else None
+    reaped = outbox.store.leases.reap_expired(ids=expired) if expired else None
     if reaped is not None:
         outbox.delivery.report_reaped(reaped)
     if durable:
@@ -166,7 +166,7 @@ def _elapsed(started: float) -> float:
 
 def _age_gated(outbox: Outbox, min_age: float) -> dict[str, Any]:
     """The report's ``age_gated`` fields: what the age gate kept from this sweep."""
-    count, oldest, now = outbox.store.age_gated(min_age_seconds=min_age)
+    count, oldest, now = outbox.store.sweep.age_gated(min_age_seconds=min_age)
     if not count or oldest is None:
         return {"age_gated": 0, "age_gated_until": None}
     eligible = max(oldest + timedelta(seconds=min_age), now)
@@ -181,7 +181,7 @@ def _store_report(outbox: Outbox, report: SweepReport, *, quiet: bool = False) -
         return
     outbox.quiet_sweep_stored = quiet
     try:
-        outbox.store.set_setting(LAST_SWEEP_SETTING, report.as_dict())
+        outbox.store.admin.set_setting(LAST_SWEEP_SETTING, report.as_dict())
     except Exception as exc:  # noqa: BLE001 - reported; the report is for status output only
         # Through the tracker: in an outage this is one more part of the one outage.
         outbox.faults.failing(

@@ -7,7 +7,7 @@ work from two sources:
   emails a recorded outcome made their key's holder, (inline mode) its
   own in-process retries once their pause is over, and the rows a commit
   queued with a ``send_after`` once they are due (:meth:`Worker.schedule`);
-* due rows it claims itself (:meth:`~._store.Store.claim_due`) when it is a
+* due rows it claims itself (:meth:`~._leases.Leases.claim_due`) when it is a
   *dispatcher* (durable mode, ``flask outbox worker``): at its poll, or at
   once when a commit or a NOTIFY wakes it.
 
@@ -191,7 +191,7 @@ class Worker:
         else:
             self.delivery.faults.recovered("scheduled-overflow")
         try:
-            due_in = self.store.due_in(ids)
+            due_in = self.store.leases.due_in(ids)
         except Exception as exc:  # noqa: BLE001 - reported; the rows are marked for the sweep
             self.delivery.faults.failing(
                 "scheduled", "Could not read the due times of emails sent with send_after",
@@ -501,7 +501,7 @@ class Worker:
         if not ids:
             return 0
         try:
-            claimed = self._writes.run(lambda conn: self.store.claim_ids(
+            claimed = self._writes.run(lambda conn: self.store.leases.claim_ids(
                 ids, owner=new_owner(), lease_seconds=self.config.lease_seconds, conn=conn))
         except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
             self._forget(ids)
@@ -580,7 +580,7 @@ class Worker:
     def _claim_on_kept_connection(self, limit: int, *, reap: bool,
                                   transport: str) -> tuple[list[ClaimedEmail], Reaped]:
         """The claim on the dispatcher's kept connection (a new owner for each try)."""
-        return self._claims.run(lambda conn: self.store.claim_due(
+        return self._claims.run(lambda conn: self.store.leases.claim_due(
             limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
             reap=reap, transport=transport, conn=conn))
 

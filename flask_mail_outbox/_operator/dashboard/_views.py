@@ -229,7 +229,7 @@ class Dashboard:
                 abort(400, description="older_than_days must be a number of days "
                                        "from 0 to 36500, or empty for all.")
             older_than = utcnow() - timedelta(days=number)
-        purged = app_state().outbox().store.delete_failed(older_than=older_than)
+        purged = app_state().outbox().store.admin.delete_failed(older_than=older_than)
         return _back(".dead_letters", "purged", n=purged)
 
     def set_mode(self) -> ResponseReturnValue:
