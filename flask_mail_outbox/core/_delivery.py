@@ -39,6 +39,7 @@ from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Tran
 from ._clock import utcnow
 from ._events import EventLog
 from ._models import Status
+from ._releases import Releases
 from ._retry import RetryPolicy
 from ._store import ClaimedEmail, KeptConnection, Outcome, Reaped, Recorded, Store
 from ._suppression import UNKNOWN_RECIPIENT
@@ -396,7 +397,7 @@ class Heartbeat:
                 self._thread.start()
 
     def done(self, claimed: Sequence[ClaimedEmail]) -> None:
-        """Stop renewing the leases of ``claimed`` (recorded, or given back)."""
+        """Stop renewing the leases of ``claimed`` (recorded, or released)."""
         with self._lock:
             for email in claimed:
                 ids = self._tracked.get(email.owner)
@@ -431,7 +432,8 @@ class Delivery:
 
     def __init__(self, *, config: OutboxConfig, store: Store,
                  transports: dict[str, Transport], faults: _degrade.FaultTracker,
-                 callbacks: Callbacks | None = None, events: EventLog) -> None:
+                 callbacks: Callbacks | None = None, events: EventLog,
+                 releases: Releases | None = None) -> None:
         self.callbacks = callbacks or Callbacks()
         self.config = config
         self.store = store
@@ -443,64 +445,16 @@ class Delivery:
         self.faults = faults
         self.heartbeat = Heartbeat(store, config.lease_seconds, faults)
         self.policy = config.retry_policy()
-        #: Set by the runtime's stop(): from then on, ids given back are kept in
-        #: :attr:`given_back` so stop() can mark them for the next sweep.
-        self.stopping = False
-        self.given_back: list[int] = []
-        #: Set once stop() marked what it knew of: rows that finish in the
-        #: background afterwards are marked as they are given back.
-        self.mark_at_once = False
-        self._given_lock = threading.Lock()
+        #: What this process releases while it stops (the owner's, shared with its worker).
+        self.releases = releases or Releases(store, config)
 
-    # -- given back at stop ---------------------------------------------------------
-
-    def take_given_back(self) -> list[int]:
-        """The ids given back so far at stop; later ones are marked as they come."""
-        with self._given_lock:
-            self.mark_at_once = True
-            ids, self.given_back = sorted(set(self.given_back)), []
-            return ids
-
-    def mark_given_back(self, ids: list[int], *, when: str) -> int | None:
-        """Mark ``ids`` given back for any process's next sweep; how many, None if it failed.
-
-        A failure is reported here: the rows are queued either way, only later.
-        """
-        try:
-            return self.store.mark_given_back(ids)
-        except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
-            _degrade.report(
-                f"Could not mark {len(ids)} email(s) {ids[:20]} given back {when}",
-                consequence="they stay queued and wait for the age gate: a sweep takes them "
-                            "OUTBOX_SWEEP_MIN_AGE_SECONDS "
-                            f"({self.config.sweep_min_age_seconds:g} s) after they were created",
-                fix="check the database connection; once every process that could hold them "
-                    "has stopped or restarted, `flask outbox sweep --min-age 0` sends them now",
-                exc=exc)
-            return None
-
-    def note_given_back(self, ids: list[int]) -> None:
-        """Keep ids given back at stop for stop()'s mark, or mark them now if it is past."""
-        if not ids:
-            return
-        with self._given_lock:
-            if not self.mark_at_once:
-                self.given_back.extend(ids)
-                return
-        marked = self.mark_given_back(ids, when="after stop")
-        if marked is None:
-            return
-        logger.info("Outbox delivery gave back %d more unsent email(s) %s after stop, "
-                    "marked for the next sweep of any process", marked, ids[:20])
-
-    def give_back(self, claimed: Sequence[ClaimedEmail]) -> int:
+    def release(self, claimed: Sequence[ClaimedEmail]) -> int:
         """Release claimed rows unsent (queued, attempt returned); stop renewing their leases."""
         if not claimed:
             return 0
         try:
             released = self.store.release(claimed)
-            if self.stopping:
-                self.note_given_back(released)
+            self.releases.note(released)
             return len(released)
         finally:
             self.heartbeat.done(claimed)
@@ -510,15 +464,15 @@ class Delivery:
     def screen(self, claimed: Sequence[ClaimedEmail]) -> list[ClaimedEmail] | None:
         """``claimed`` with their suppressed recipients noted; None if the list could not be read.
 
-        The caller gives the rows back then: sending to an address on the
+        The caller releases the rows then: sending to an address on the
         list would cost the sender's reputation what the list exists to save.
         """
         try:
             screened = self.events.suppressions.screen(claimed)
-        except Exception as exc:  # noqa: BLE001 - reported; the caller gives the rows back
+        except Exception as exc:  # noqa: BLE001 - reported; the caller releases the rows
             self.faults.failing(
                 "suppression", "Could not read the suppression list for claimed emails",
-                consequence=f"{len(claimed)} email(s) are given back unsent (queued, their "
+                consequence=f"{len(claimed)} email(s) are released unsent (queued, their "
                             "attempt returned) and tried again at the next claim",
                 fix="check the database connection and that outbox_suppression exists "
                     "(`flask db upgrade outbox@head`)",
@@ -611,8 +565,7 @@ class Delivery:
                         outcome.error_message)
         elif isinstance(error, NotAttempted):
             report.released.append(email.id)
-            if self.stopping:
-                self.note_given_back([email.id])
+            self.releases.note([email.id])
         else:
             report.transient.append(
                 (email.id, email.attempt,

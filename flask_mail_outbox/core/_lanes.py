@@ -140,7 +140,7 @@ class Lane:
         return self.paced[len(self.paced) - self.rate.block // 4 - 1][0]
 
     def take_back(self) -> list[ClaimedEmail]:
-        """Every paced row, unsent (the worker stops): the caller gives them back."""
+        """Every paced row, unsent (the worker stops): the caller releases them."""
         rows = [email for _, email in self.paced]
         self.paced.clear()
         for email in rows:
@@ -201,9 +201,9 @@ class Lanes:
                 lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in emails], report)
             else:
                 lane.pace(emails, slots)
-        self.release_due(report)
+        self.send_due(report)
 
-    def release_due(self, report: Report,
+    def send_due(self, report: Report,
                     too_late: Callable[[ClaimedEmail], None] | None = None) -> None:
         """Send the paced rows whose slot has come; ``too_late`` takes those past their expiry.
 
@@ -314,7 +314,7 @@ class Lanes:
         self.faults.recovered(f"rate-{lane.name}")
         lane.rate = lane.learnable
         # What the unpaced stream holds and has not handed to the server yet would
-        # be refused too: it is given back (not attempted) and comes back paced.
+        # be refused too: it is released (not attempted) and comes back paced.
         never, _ = lane.cancel()
         _degrade.report(
             f"The server of transport {lane.name!r} is throttling this process ({refused} "
@@ -333,11 +333,11 @@ class Lanes:
                 "rate your provider allows")
 
     def take_back(self) -> list[ClaimedEmail]:
-        """Every lane's paced rows, unsent (the worker stops): the caller gives them back."""
+        """Every lane's paced rows, unsent (the worker stops): the caller releases them."""
         return [email for lane in self for email in lane.take_back()]
 
     def report_unknown(self, emails: Sequence[ClaimedEmail]) -> None:
-        """Rows naming a transport this app does not configure (given back): at ERROR."""
+        """Rows naming a transport this app does not configure (released): at ERROR."""
         names = sorted({email.transport for email in emails})
         self.faults.failing(
             "unknown-transport",
@@ -361,7 +361,7 @@ class Lanes:
         if never or pending or paced:
             # Said whenever something was in flight, so the operator (and a test
             # holding the server's replies) sees the stop reach the stream.
-            logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) in "
+            logger.info("Outbox delivery is stopping (pid %d): released %d email(s) in "
                         "flight not yet handed to the server; %d being sent may still "
                         "finish", os.getpid(), len(never) + len(paced),
                         max(0, pending - len(never)))
