@@ -266,6 +266,27 @@ class Waiter:
         return not self.ids
 
 
+class Waiters:
+    """Everyone waiting for the outcomes of ids handed over; guarded by its worker's lock."""
+
+    def __init__(self) -> None:
+        self._waiters: list[Waiter] = []
+
+    def add(self, waiter: Waiter) -> None:
+        self._waiters.append(waiter)
+
+    def discard(self, waiter: Waiter) -> None:
+        """Stop telling ``waiter`` (it gave up, or has every outcome already)."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+
+    def tell(self, report: BatchReport) -> None:
+        """Give each waiter its ids' outcomes in ``report``; those who have them all are done."""
+        for waiter in list(self._waiters):
+            if waiter.take(report):
+                self._waiters.remove(waiter)
+
+
 @dataclasses.dataclass(frozen=True)
 class Callbacks:
     """What the core's owner hears of outcomes, each called once the outcome is recorded.

@@ -46,6 +46,7 @@ from ._delivery import (
     Expired,
     Suppressed,
     Waiter,
+    Waiters,
     expired,
     new_owner,
 )
@@ -62,11 +63,52 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Seconds the results that came back wait for more before they are recorded
-#: (see :meth:`Worker._record_in`): a record per result would cost a transaction each.
+#: (see :meth:`Unrecorded.record_in`): a record per result would cost a transaction each.
 RECORD_WINDOW = 0.003
-#: Seconds a dispatcher waits at most before it looks again: a signal handler
-#: (the worker's SIGTERM) stops it without being able to notify.
+#: Seconds the loop waits at most before it looks again while a dispatcher (a
+#: signal handler, the worker's SIGTERM, stops it without being able to
+#: notify) or while ids wait for room.
 POLL_SLICE = 0.5
+
+
+class Unrecorded:
+    """Results that came back and wait for their record, coalesced over :data:`RECORD_WINDOW`.
+
+    Guarded by its worker's lock.
+    """
+
+    def __init__(self) -> None:
+        self._results: list[tuple[ClaimedEmail, Attempt | None]] = []
+        self._since = 0.0  # when the first of them came back
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    def add(self, email: ClaimedEmail, result: Attempt | None, now: float) -> bool:
+        """Keep ``email``'s result, come back at ``now``; whether it is the first waiting."""
+        first = not self._results
+        if first:
+            self._since = now
+        self._results.append((email, result))
+        return first
+
+    def take(self) -> list[tuple[ClaimedEmail, Attempt | None]]:
+        """Every result waiting, to record now."""
+        done, self._results = self._results, []
+        return done
+
+    def record_in(self, now: float, *, at_once: bool) -> float | None:
+        """Seconds from ``now`` until they are recorded; None when none came back.
+
+        They wait up to :data:`RECORD_WINDOW` for more (one record, one
+        statement, for all that were sent), unless ``at_once``.
+        """
+        if not self._results:
+            return None
+        if at_once:
+            return 0.0
+        return self._since + RECORD_WINDOW - now
+
 
 class Worker:
     """The delivery loop of one app in one process (see the module docstring)."""
@@ -104,10 +146,10 @@ class Worker:
         self.intake = Intake(now, delivery.faults)
         #: The stopping flag, and what this process releases when it stops.
         self.releases = delivery.releases
-        self._waiters: list[Waiter] = []
+        self._waiters = Waiters()
         self._in_flight: dict[int, ClaimedEmail] = {}
-        self._results: list[tuple[ClaimedEmail, Attempt | None]] = []
-        self._results_since = 0.0  # when the first of them came back
+        #: Results that came back, waiting for their record.
+        self._results = Unrecorded()
         self._woken = False
         self._busy = False  # in a round (between taking work and putting or recording it)
         #: Never starts a thread: a test or ``flask outbox worker --once`` calls
@@ -207,15 +249,14 @@ class Worker:
         if not waiter.ids:
             return waiter.report
         with self._cond:
-            self._waiters.append(waiter)
+            self._waiters.add(waiter)
         self.hand(ids)
         if self.hand_ticked and not self.running:
             with self._drain_lock:
                 self.drain(timeout)
         waiter.done.wait(timeout)
         with self._cond:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            self._waiters.discard(waiter)
         return waiter.report
 
     # -- ticked by hand (tests, `flask outbox worker --once`, the memory transport) ------
@@ -324,7 +365,7 @@ class Worker:
             # marked so in the database: any sweep takes them when due.
             released = self.intake.clear()
             self.releases.note(released)
-            self._forget(released)
+            self._settle(BatchReport(not_claimed=released))
             self._cond.notify_all()
             thread = self._thread
         self.cancel_unstarted()
@@ -382,7 +423,7 @@ class Worker:
             if self.releases.stopping:  # rows waiting for a rate slot are released at once
                 self._release(self.lanes.take_back())
                 return
-            self.lanes.send_due(self._on_result, self._expire)
+            self._send_paced()
             room = self._room(self.in_flight())
             if room > 0:
                 room -= self._claim_handed(room)
@@ -412,37 +453,24 @@ class Worker:
         whose slot came and, with room on the wire, an id of the intake or
         (a dispatcher) a claim that is due, or a wake.
         """
-        due = self._next_due()
+        due = _soonest(self.intake.next_deadline(),
+                       self._next_claim if self.dispatching else None)
         now = self.clock()  # read after the deadlines: a handed id's is "now"
         # What came back is recorded first, so only what is on the wire counts.
         room = self._room(len(self._in_flight)) > 0
-        waits = [self._record_in(now), _until(self.lanes.next_slot(), now)]
+        waits = [self._results.record_in(now, at_once=self._record_at_once()),
+                 _until(self.lanes.next_slot(), now)]
         if room:
             waits.append(0.0 if self.dispatching and self._woken else _until(due, now))
         if self.dispatching or (due is not None and not room):
-            waits.append(POLL_SLICE)
-        return min((wait for wait in waits if wait is not None), default=None)
+            waits.append(POLL_SLICE)  # a look now and then (see POLL_SLICE)
+        return _soonest(*waits)
 
-    def _next_due(self) -> float | None:
-        """When the intake's next id is due or, for a dispatcher, its next claim."""
-        due = self.intake.next_deadline()
-        if not self.dispatching:
-            return due
-        return self._next_claim if due is None else min(due, self._next_claim)
-
-    def _record_in(self, now: float) -> float | None:
-        """Seconds until the results that came back are recorded; None if none did.
-
-        Results are coalesced for up to :data:`RECORD_WINDOW` seconds into one
-        record (one statement for all that were sent), unless nothing else is
-        in flight, the loop stops, or half a batch is waiting.
-        """
-        if not self._results:
-            return None
-        if self.releases.stopping or not self._in_flight or \
-                len(self._results) >= self.capacity // 2:
-            return 0.0
-        return self._results_since + RECORD_WINDOW - now
+    def _record_at_once(self) -> bool:
+        """Whether what came back is recorded without waiting for more: the loop
+        stops, nothing else is in flight, or half a batch came back."""
+        return self.releases.stopping or not self._in_flight or \
+            len(self._results) >= self.capacity // 2
 
     def _room(self, in_flight: int) -> int:
         """How many rows a claim may take with ``in_flight`` unrecorded (0 above the refill point)."""
@@ -459,7 +487,7 @@ class Worker:
             claimed = self._writes.run(lambda conn: self.store.claim_ids(
                 ids, owner=new_owner(), lease_seconds=self.config.lease_seconds, conn=conn))
         except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
-            self._forget(ids)
+            self._settle(BatchReport(not_claimed=ids))
             self.delivery.faults.failing(
                 "inline-drain", "Delivery could not claim emails handed over after commit",
                 consequence=(f"{len(ids)} committed email(s) were not delivered by this "
@@ -542,39 +570,38 @@ class Worker:
     # -- sending and recording ------------------------------------------------------------
 
     def _put(self, claimed: Sequence[ClaimedEmail]) -> None:
-        """Claimed rows onto their lanes' streams, but for those that end or go back here."""
-        if not self._track(claimed):
-            return
-        sendable = self._sendable(claimed)
-        screened = self.delivery.screen(sendable) if sendable else []
-        if screened is None:
-            self._release(sendable)
-            return
-        with self._cond:  # results are recorded with the suppressed recipients noted
-            for email in screened:
-                if email.suppressed and email.id in self._in_flight:
-                    self._in_flight[email.id] = email
-        for email in screened:
-            if not email.deliverable:  # every recipient suppressed: ends without a send
-                self._on_result_of(email, Suppressed())
-        self.lanes.send([email for email in screened if email.deliverable], self._on_result)
-
-    def _track(self, claimed: Sequence[ClaimedEmail]) -> bool:
-        """Count ``claimed`` in flight and keep their leases; False if there is nothing to send.
+        """Claimed rows onto their lanes' streams, but for those that end or go back here.
 
         Rows claimed by a round that began before the stop are released unsent.
         """
         if not claimed:
-            return False
+            return
         with self._cond:
             stopping = self.releases.stopping
             if not stopping:
                 self._in_flight.update((email.id, email) for email in claimed)
         if stopping:
             self.delivery.release(claimed)
-            return False
+            return
         self.delivery.heartbeat.track(claimed)
-        return True
+        screened = self._screened(self._sendable(claimed))
+        for email in screened:
+            if not email.deliverable:  # every recipient suppressed: ends without a send
+                self._on_result_of(email, Suppressed())
+        self.lanes.send([email for email in screened if email.deliverable], self._on_result)
+
+    def _screened(self, sendable: list[ClaimedEmail]) -> list[ClaimedEmail]:
+        """``sendable`` with their suppressed recipients noted; all released if the list
+        cannot be read."""
+        screened = self.delivery.screen(sendable) if sendable else []
+        if screened is None:
+            self._release(sendable)
+            return []
+        with self._cond:  # results are recorded with the suppressed recipients noted
+            for email in screened:
+                if email.suppressed and email.id in self._in_flight:
+                    self._in_flight[email.id] = email
+        return screened
 
     def _sendable(self, claimed: Sequence[ClaimedEmail]) -> list[ClaimedEmail]:
         """Those of ``claimed`` to screen and send; the others end or are released here.
@@ -599,7 +626,8 @@ class Worker:
 
     def _send_paced(self) -> float | None:
         """Send the paced rows whose slot came; when the next slot comes (None: none waits)."""
-        self.lanes.send_due(self._on_result, self._expire)
+        # A paced row whose expiry passed while it waited for its slot ends unsent.
+        self.lanes.send_due(self._on_result, lambda email: self._on_result_of(email, Expired()))
         return self.lanes.next_slot()
 
     def _release(self, emails: list[ClaimedEmail]) -> None:
@@ -612,10 +640,6 @@ class Worker:
         self.delivery.release(emails)
         self._settle(BatchReport(released=[email.id for email in emails]))
 
-    def _expire(self, email: ClaimedEmail) -> None:
-        """A paced row whose expiry passed while it waited for its slot: ends unsent."""
-        self._on_result_of(email, Expired())
-
     def _on_result(self, envelope: Envelope, result: Result) -> None:
         """The transport's report (a transport thread): record it at the next round."""
         with self._cond:  # an RLock: _on_result_of takes it again without a wait
@@ -626,19 +650,16 @@ class Worker:
     def _on_result_of(self, email: ClaimedEmail, result: Attempt | None) -> None:
         with self._cond:
             self._in_flight.pop(email.id, None)
-            first = not self._results
             now = self.clock()
-            if first:
-                self._results_since = now
-            self._results.append((email, result))
+            first = self._results.add(email, result, now)
             # A woken loop records what came back, window or not: wake it for the
             # first result (it then waits out the window) and what ends it early.
-            if first or self._record_in(now) == 0.0:
+            if first or self._results.record_in(now, at_once=self._record_at_once()) == 0.0:
                 self._cond.notify_all()
 
     def _record(self) -> None:
         with self._cond:
-            done, self._results = self._results, []
+            done = self._results.take()
         if not done:
             return
         retry_now = {email.id for email, _ in done
@@ -648,7 +669,7 @@ class Worker:
             report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now,
                                           kept=self._writes)
         except Exception:  # noqa: BLE001 - durability: ok Delivery._record reported it at ERROR, with what happens to the rows
-            self._forget([email.id for email, _ in done])
+            self._settle(BatchReport(not_claimed=[email.id for email, _ in done]))
             return
         self.finished += report.count
         self.lanes.after_record(done, report, dispatching=self.dispatching)
@@ -658,7 +679,7 @@ class Worker:
     def _settle(self, report: BatchReport, retry_now: Collection[int] = ()) -> None:
         """After a record: schedule in-process retries, tell waiters, forget the rest."""
         with self._cond:
-            self._tell_waiters(report)
+            self._waiters.tell(report)
             for email_id, attempt, error in report.transient:
                 self._settle_transient(email_id, attempt, error, due_now=email_id in retry_now)
             self.intake.settled(itertools.chain(report.sent, report.failed, report.suppressed,
@@ -686,17 +707,6 @@ class Worker:
         if not self.dispatching:  # a dispatcher takes it again when due
             self.delivery.report_left_queued(email_id, attempt, error, due_now=due_now)
 
-    def _forget(self, ids: Sequence[int]) -> None:
-        """Ids this worker will not deliver after all: their waiters stop waiting."""
-        with self._cond:
-            self.intake.settled(ids)
-            self._tell_waiters(BatchReport(not_claimed=list(ids)))
-
-    def _tell_waiters(self, report: BatchReport) -> None:
-        for waiter in list(self._waiters):
-            if waiter.take(report):
-                self._waiters.remove(waiter)
-
     def _close(self) -> None:
         self.lanes.close()
         self._claims.close()
@@ -710,3 +720,8 @@ class Worker:
 def _until(deadline: float | None, now: float) -> float | None:
     """Seconds from ``now`` to ``deadline`` (None: no deadline)."""
     return None if deadline is None else deadline - now
+
+
+def _soonest(*times: float | None) -> float | None:
+    """The least of ``times`` that are not None; None if all are."""
+    return min((t for t in times if t is not None), default=None)
