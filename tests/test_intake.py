@@ -210,3 +210,24 @@ def test_releases_with_nothing_released_says_so_at_info_only_where_it_ran(
                   if r.getMessage().startswith("Outbox delivery stopped")]
         assert (line.levelno, line.getMessage().split(": ", 1)[1]) == (
             level, "nothing released, nothing in flight")
+
+
+def test_rows_released_while_stopping_are_marked_and_those_before_are_not(
+        quiet_app: Flask) -> None:
+    """Delivery.release tells the process's Releases: claimed rows it lets go once the
+    process stops are marked for the next sweep; before the stop, a running process
+    takes them again itself, so they are not."""
+    mail: OutboxMail = quiet_app.extensions["test_mail"]
+    with quiet_app.app_context():
+        ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+               for i in range(2)]
+        db.session.commit()
+    outbox = quiet_app.extensions["mail_outbox"].outbox()
+    claimed = outbox.store.claim_ids(ids, owner="test-owner", lease_seconds=60)
+    assert [email.id for email in claimed] == ids
+    assert outbox.delivery.release(claimed[:1]) == 1
+    outbox.releases.stop()
+    assert outbox.delivery.release(claimed[1:]) == 1
+    outbox.releases.mark(in_flight=0, ran=True)
+    assert [(r["status"], r["attempts"], r["lease_owner"]) for r in rows(quiet_app)] == [
+        ("queued", 0, None), ("queued", 0, GIVEN_BACK)]
