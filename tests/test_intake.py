@@ -165,14 +165,19 @@ def quiet_app(db_url: str) -> Iterator[Flask]:
     close_app(app, timeout=5)
 
 
+def _queue(app: Flask, count: int) -> list[int]:
+    mail: OutboxMail = app.extensions["test_mail"]
+    with app.app_context():
+        ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+               for i in range(count)]
+        db.session.commit()
+    return ids
+
+
 def test_releases_marks_what_was_released_at_stop_and_after_it(
         quiet_app: Flask, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="flask_mail_outbox")
-    mail: OutboxMail = quiet_app.extensions["test_mail"]
-    with quiet_app.app_context():
-        ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
-               for i in range(4)]
-        db.session.commit()
+    ids = _queue(quiet_app, 4)
     outbox = quiet_app.extensions["mail_outbox"].outbox()
     releases = Releases(outbox.store, outbox.config)
 
@@ -217,11 +222,7 @@ def test_rows_released_while_stopping_are_marked_and_those_before_are_not(
     """Delivery.release tells the process's Releases: claimed rows it lets go once the
     process stops are marked for the next sweep; before the stop, a running process
     takes them again itself, so they are not."""
-    mail: OutboxMail = quiet_app.extensions["test_mail"]
-    with quiet_app.app_context():
-        ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
-               for i in range(2)]
-        db.session.commit()
+    ids = _queue(quiet_app, 2)
     outbox = quiet_app.extensions["mail_outbox"].outbox()
     claimed = outbox.store.claim_ids(ids, owner="test-owner", lease_seconds=60)
     assert [email.id for email in claimed] == ids
