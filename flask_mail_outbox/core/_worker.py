@@ -424,7 +424,9 @@ class Worker:
                 self._release(self.lanes.take_back())
                 return
             self._send_paced()
-            room = self._room(self.in_flight())
+            # Room for a claim up to the capacity, once no more than the refill point is out.
+            in_flight = self.in_flight()
+            room = self.capacity - in_flight if in_flight <= self.refill_at else 0
             if room > 0:
                 room -= self._claim_handed(room)
             if room > 0 and self.dispatching:
@@ -456,8 +458,9 @@ class Worker:
         due = _soonest(self.intake.next_deadline(),
                        self._next_claim if self.dispatching else None)
         now = self.clock()  # read after the deadlines: a handed id's is "now"
-        # What came back is recorded first, so only what is on the wire counts.
-        room = self._room(len(self._in_flight)) > 0
+        # Room for a claim (see step()); what came back is recorded first, so only
+        # what is on the wire counts.
+        room = len(self._in_flight) <= self.refill_at
         waits = [self._results.record_in(now, at_once=self._record_at_once()),
                  _until(self.lanes.next_slot(), now)]
         if room:
@@ -471,10 +474,6 @@ class Worker:
         stops, nothing else is in flight, or half a batch came back."""
         return self.releases.stopping or not self._in_flight or \
             len(self._results) >= self.capacity // 2
-
-    def _room(self, in_flight: int) -> int:
-        """How many rows a claim may take with ``in_flight`` unrecorded (0 above the refill point)."""
-        return self.capacity - in_flight if in_flight <= self.refill_at else 0
 
     # -- claiming -----------------------------------------------------------------------
 
