@@ -40,7 +40,7 @@ from ._clock import utcnow
 from ._events import EventLog
 from ._models import Status
 from ._releases import Releases
-from ._retry import RetryPolicy
+from ._retry import Decision, RetryPolicy
 from ._store import ClaimedEmail, KeptConnection, Outcome, Reaped, Recorded, Store
 from ._suppression import UNKNOWN_RECIPIENT
 
@@ -336,24 +336,40 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
 
 def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                 retry_now: bool, ambiguous_retries: int) -> Outcome:
+    if isinstance(result, (Suppressed, Expired)):
+        return _not_sent(email, result)
+    if isinstance(result, Delivered):
+        return _delivered(email, result)
+    return _failed(email, result.error, policy, retry_now=retry_now,
+                   ambiguous_retries=ambiguous_retries)
+
+
+def _not_sent(email: ClaimedEmail, result: Suppressed | Expired) -> Outcome:
+    """An email that ends without a send: every recipient suppressed, or past its expiry."""
     if isinstance(result, Suppressed):
         why = ", ".join(f"{address} ({reason})" for address, reason in email.suppressed)
         return Outcome(email, Status.SUPPRESSED, give_back_attempt=True,
                        error_message=f"every recipient is on the suppression list: {why}")
-    if isinstance(result, Expired):
-        return Outcome(email, Status.EXPIRED, give_back_attempt=True,
-                       error_message=f"expired at {email.expires_at:%Y-%m-%d %H:%M:%S} UTC "
-                                     "before it was sent")
-    if isinstance(result, Delivered):
-        if not result.refused:
-            # Nearly every result: nothing to write down but the provider's id.
-            return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id)
-        refused = "; ".join(f"{addr}: {code} {text}"
-                            for addr, (code, text) in result.refused.items())
-        return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id,
-                       error_code=max((c for c, _ in result.refused.values()), default=0),
-                       error_message=f"some recipients refused: {refused}" if refused else None)
-    error = result.error
+    return Outcome(email, Status.EXPIRED, give_back_attempt=True,
+                   error_message=f"expired at {email.expires_at:%Y-%m-%d %H:%M:%S} UTC "
+                                 "before it was sent")
+
+
+def _delivered(email: ClaimedEmail, result: Delivered) -> Outcome:
+    """A delivered email, with the recipients the server refused, if any."""
+    if not result.refused:
+        # Nearly every result: nothing to write down but the provider's id.
+        return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id)
+    refused = "; ".join(f"{addr}: {code} {text}"
+                        for addr, (code, text) in result.refused.items())
+    return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id,
+                   error_code=max((c for c, _ in result.refused.values()), default=0),
+                   error_message=f"some recipients refused: {refused}" if refused else None)
+
+
+def _failed(email: ClaimedEmail, error: TransportError, policy: RetryPolicy, *,
+            retry_now: bool, ambiguous_retries: int) -> Outcome:
+    """A failed attempt: dead-lettered, released (not attempted), or due again later."""
     if isinstance(error, PermanentError):
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
     if isinstance(error, NotAttempted):
@@ -367,11 +383,7 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
     if decision.dead:
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message,
                        maybe_sent=maybe_sent)
-    due_in = None if retry_now and decision.charge else decision.delay
-    asked = getattr(error, "retry_after", None)
-    if asked is not None:
-        # The server said when to come back (an HTTP Retry-After): not sooner.
-        due_in = max(due_in or 0.0, asked)
+    due_in = _due_in(error, decision, retry_now=retry_now)
     if email.expires_at is not None and \
             utcnow() + timedelta(seconds=due_in or 0.0) >= email.expires_at:
         # Its next attempt would come too late: it ends now, with why.
@@ -381,6 +393,16 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
     return Outcome(email, Status.QUEUED, error_code=error.code, error_message=error.message,
                    due_in=due_in, give_back_attempt=not decision.charge,
                    deferred=decision.deferral, maybe_sent=maybe_sent)
+
+
+def _due_in(error: TransportError, decision: Decision, *, retry_now: bool) -> float | None:
+    """Seconds until a row queued again is due (None: at once)."""
+    due_in = None if retry_now and decision.charge else decision.delay
+    asked = getattr(error, "retry_after", None)
+    if asked is not None:
+        # The server said when to come back (an HTTP Retry-After): not sooner.
+        due_in = max(due_in or 0.0, asked)
+    return due_in
 
 
 #: How the last error of a row ended by OUTBOX_AMBIGUOUS_RETRIES starts.

@@ -139,6 +139,18 @@ class Lane:
             return None
         return self.paced[len(self.paced) - self.rate.block // 4 - 1][0]
 
+    def recorded(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]],
+                 report: BatchReport) -> tuple[int, float]:
+        """Forget when this lane's emails of a record were sent; how many of them were
+        throttled, and when the last of those was sent (0.0 if unknown)."""
+        mine = {email.id for email, result in done if email.transport == self.name
+                and not isinstance(result, Suppressed)}  # not sent, so not paced
+        sent_at = {email_id: self.sent_at.pop(email_id) for email_id in mine
+                   if email_id in self.sent_at}
+        throttled = [email_id for email_id, _, error in report.transient
+                     if email_id in mine and error.throttled]
+        return len(throttled), max((sent_at.get(i, 0.0) for i in throttled), default=0.0)
+
     def take_back(self) -> list[ClaimedEmail]:
         """Every paced row, unsent (the worker stops): the caller releases them."""
         rows = [email for _, email in self.paced]
@@ -266,30 +278,26 @@ class Lanes:
         process sends what its own requests queued, unpaced.
         """
         for lane in self:
-            mine = {email.id for email, result in done if email.transport == lane.name
-                    and not isinstance(result, Suppressed)}  # not sent, so not paced
-            if not mine:
-                continue
-            sent_at = {email_id: lane.sent_at.pop(email_id) for email_id in mine
-                       if email_id in lane.sent_at}
-            throttled = [email_id for email_id, _, error in report.transient
-                         if email_id in mine and error.throttled]
+            throttled, sent_at = lane.recorded(done, report)
             if not throttled:
                 continue
-            if lane.rate is None:
-                if not dispatching or lane.learnable is None:
-                    continue
-                self._learn(lane, len(throttled))
-                continue  # what was refused was sent before the rate it learned
-            try:
-                cut = lane.rate.throttled(max(sent_at.get(i, 0.0) for i in throttled))
-            except Exception:
-                logger.exception("Could not cut transport %r's shared rate after a "
-                                 "throttled reply", lane.name)
-                continue
-            if cut is not None and lane.rate.learned:
-                logger.info("Transport %r was throttled again: its learned shared rate is "
-                            "now %.3g msg/s", lane.name, cut)
+            if lane.rate is not None:
+                self._cut(lane, lane.rate, sent_at)
+            elif dispatching:  # what was refused was sent before the rate it learns
+                self._learn(lane, throttled)
+
+    def _cut(self, lane: Lane, rate: SharedRate, sent_at: float) -> None:
+        """Cut ``lane``'s rate after a refusal of what it sent at ``sent_at`` (a new
+        congestion event only if the rate was not cut since)."""
+        try:
+            cut = rate.throttled(sent_at)
+        except Exception:
+            logger.exception("Could not cut transport %r's shared rate after a "
+                             "throttled reply", lane.name)
+            return
+        if cut is not None and rate.learned:
+            logger.info("Transport %r was throttled again: its learned shared rate is "
+                        "now %.3g msg/s", lane.name, cut)
 
     def _learn(self, lane: Lane, refused: int) -> None:
         """The first throttled reply of an unconfigured lane: learn its rate, pace by it."""
