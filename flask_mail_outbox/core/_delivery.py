@@ -582,25 +582,7 @@ class Delivery:
             self._tell(self.callbacks.sent, email, outcome.provider_message_id)
         elif outcome.status is Status.FAILED:
             report.failed.append(email.id)
-            why = ("failed permanently" if isinstance(error, PermanentError) else
-                   "may have been sent (it is not retried again)"
-                   if (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT) else
-                   "had an expired lease (the process sending it stopped) and no attempt "
-                   f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
-                   "not have accepted its last one" if outcome.error_message == SPENT_LEASE else
-                   f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
-                   f"{policy.max_attempts})")
-            maybe = (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT)
-            _degrade.report(
-                f"Email {email.id} ({email.message_id}) {why} on attempt {email.attempt}: "
-                f"{error}",
-                consequence="it is dead-lettered (status failed) and will not be sent"
-                            + (" again" if maybe else ""),
-                fix=(f"check whether it arrived (the provider's log, the recipient) before "
-                     f"putting it back with mail.retry({email.id})" if maybe else
-                     f"correct the cause, then put it back with mail.retry({email.id}) or "
-                     f"`flask outbox dlq retry {email.id}`"))
-            self._tell(self.callbacks.failed, email, error)
+            self._dead_lettered(outcome, error, policy)
         elif outcome.status in (Status.SUPPRESSED, Status.EXPIRED):
             (report.suppressed if outcome.status is Status.SUPPRESSED
              else report.expired).append(email.id)
@@ -613,6 +595,29 @@ class Delivery:
             report.transient.append(
                 (email.id, email.attempt,
                  error if isinstance(error, TransientError) else TransientError(str(error))))
+
+    def _dead_lettered(self, outcome: Outcome, error: TransportError | None,
+                       policy: RetryPolicy) -> None:
+        """Report a dead-lettered email at ERROR (why, and how to put it back); signal it."""
+        email = outcome.email
+        maybe = (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT)
+        why = ("failed permanently" if isinstance(error, PermanentError) else
+               "may have been sent (it is not retried again)" if maybe else
+               "had an expired lease (the process sending it stopped) and no attempt "
+               f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
+               "not have accepted its last one" if outcome.error_message == SPENT_LEASE else
+               f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
+               f"{policy.max_attempts})")
+        _degrade.report(
+            f"Email {email.id} ({email.message_id}) {why} on attempt {email.attempt}: "
+            f"{error}",
+            consequence="it is dead-lettered (status failed) and will not be sent"
+                        + (" again" if maybe else ""),
+            fix=(f"check whether it arrived (the provider's log, the recipient) before "
+                 f"putting it back with mail.retry({email.id})" if maybe else
+                 f"correct the cause, then put it back with mail.retry({email.id}) or "
+                 f"`flask outbox dlq retry {email.id}`"))
+        self._tell(self.callbacks.failed, email, error)
 
     def report_left_queued(self, email_id: int, attempt: int, error: Exception, *,
                            due_now: bool) -> None:
