@@ -76,7 +76,7 @@ CRITICAL_CALLEES: dict[str, str] = {
     "set_durable": "the delivery-mode toggle; decides what takes due rows in every process",
     "requeue": "puts rows back to queued (dead-letter retry, durable sweep)",
     "retry": "mail.retry(): puts a dead letter back; swallowing it leaves it failed",
-    "mark_given_back": "frees rows given back at stop from the age gate; a failure makes "
+    "mark_released": "frees rows given back at stop from the age gate; a failure makes "
                        "them wait OUTBOX_SWEEP_MIN_AGE_SECONDS",
 }
 

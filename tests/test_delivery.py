@@ -402,7 +402,7 @@ def test_stop_releases_claimed_rows_not_yet_handed_to_the_server(
     assert smtp_server.wait_held(4)  # four connections, each holding one message
     mail.stop(timeout=1)
     # The six never handed to the server are queued again with their attempt
-    # given back, at once; the four in flight keep their lease.
+    # released, at once; the four in flight keep their lease.
     assert sorted((r["status"], r["attempts"]) for r in rows(app)) == (
         [("queued", 0)] * 6 + [("sending", 1)] * 4)
     smtp_server.release()

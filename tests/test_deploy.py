@@ -7,7 +7,7 @@ default (the 300 s age gate included):
 
 * inline mode: signups, SIGTERM to the master mid-batch, a restart. Every
   email arrives within 10 s of the restart, none twice (counted by
-  Message-ID); each stopping worker logged what it gave back, and that is what
+  Message-ID); each stopping worker logged what it released, and that is what
   the database holds; one startup sweep ran for the restarted deployment.
 * durable mode with ``--preload``: delivery runs in the workers only.
 
@@ -36,7 +36,7 @@ import pytest
 from conftest import close_app, free_port, make_app, poll, rows
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox.core._store import GIVEN_BACK
+from flask_mail_outbox.core._store import RELEASED
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -249,7 +249,7 @@ def test_a_graceful_restart_mid_batch_delivers_everything_within_ten_seconds(
         assert smtp_server.wait_for(4, timeout=30)
         _assert_master_runs_nothing(first, owners)
         # Mid-batch, whatever the pace: the server withholds its DATA replies from
-        # the SIGTERM until a stopping worker gave back what it had not started.
+        # the SIGTERM until a stopping worker released what it had not started.
         smtp_server.hold()
         first.terminate()
         assert poll(lambda: "not yet handed to the server" in first.log(), timeout=30), \
@@ -262,15 +262,15 @@ def test_a_graceful_restart_mid_batch_delivers_everything_within_ten_seconds(
         delivered_before = len(set(smtp_server.message_ids()))
         assert queued, "the stop came after the batch: nothing to prove"
         assert {r["status"] for r in after_stop} <= {"sent", "queued"}
-        # What the stopping workers gave back is marked for the next sweep, and
+        # What the stopping workers released is marked for the next sweep, and
         # each said so: together they account for every queued row.
-        assert {r["lease_owner"] for r in queued} == {GIVEN_BACK}
+        assert {r["lease_owner"] for r in queued} == {RELEASED}
         stopped = [(pid, message) for pid, _, message in first.lines()
                    if message.startswith("Outbox delivery stopped")]
         assert sorted(pid for pid, _ in stopped) == sorted(
             {pid for pid, _, m in first.lines() if m.startswith("Outbox sweep jobs started")})
         given = sum(int(m) for _, message in stopped
-                    for m in re.findall(r"gave back (\d+) unsent", message))
+                    for m in re.findall(r"released (\d+) unsent", message))
         assert given == len(queued), stopped
 
         second = Gunicorn(tmp_path, "second", db_url=db_url, smtp_port=smtp_server.port,
@@ -301,13 +301,13 @@ def test_a_graceful_restart_mid_batch_delivers_everything_within_ten_seconds(
         assert owners.unknown == 0, (owners.unknown_seen, first.log()[-4000:])
         second_stop = second.stop()
         quiet = [m for _, level, m in second.lines() if m.startswith("Outbox delivery stopped")]
-        assert len(quiet) == 2 and all("nothing given back, nothing in flight" in m
+        assert len(quiet) == 2 and all("nothing released, nothing in flight" in m
                                        for m in quiet), quiet
     finally:
         close_app(helper)
     with capsys.disabled():
         print(f"\n[deploy] preload={preload} {db_url.split(':')[0]} signups={SIGNUPS} "
-              f"delivered before the stop={delivered_before} given back={given} "
+              f"delivered before the stop={delivered_before} released={given} "
               f"first stop {stop_seconds:.1f} s; all delivered {all_delivered:.1f} s after "
               f"the restart; copies per Message-ID max {max(counts.values())}; "
               f"SMTP connections per pid {dict(owners.by_pid)}; idle stop {second_stop:.1f} s")

@@ -19,6 +19,7 @@ from flask_mail_outbox import (
 )
 from flask_mail_outbox.core import Worker
 from flask_mail_outbox.core._pacing import IdleBackoff
+from flask_mail_outbox.core._releases import Releases
 from flask_mail_outbox.core._retry import (
     RetryPolicy,
     human_seconds,
@@ -113,10 +114,11 @@ class ScriptedWorker(Worker):
     (an outage), or a callable returning the claim's result.
     """
 
-    def __init__(self, clock: FakeClock, script: list[Any]) -> None:
+    def __init__(self, clock: Callable[[], float], script: list[Any]) -> None:
         config = make_config()
         delivery = type("Delivery", (), {
             "store": None, "faults": _Faults(), "transports": {"default": None},
+            "releases": Releases(None, config),  # type: ignore[arg-type]
             "report_reaped": lambda self, reaped: None})()
         super().__init__(delivery, config, clock=clock)  # type: ignore[arg-type]
         self.capacity = config.batch_size
@@ -240,8 +242,7 @@ def test_wakes_during_a_claim_collapse_into_one_follow_up() -> None:
 
 
 def test_real_wait_returns_at_once_on_wake() -> None:
-    worker = ScriptedWorker(FakeClock(), [])
-    worker.clock = __import__("time").monotonic
+    worker = ScriptedWorker(__import__("time").monotonic, [])
     worker.step()  # the first claim: the next is half a second away
     done = threading.Event()
 

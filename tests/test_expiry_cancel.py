@@ -347,7 +347,7 @@ def test_a_row_paced_by_a_rate_limit_past_its_expiry_ends_unsent(
         lane = worker.lanes.lanes["default"]
         worker._in_flight[email_id] = claimed
         lane.paced.append((time.monotonic(), claimed))
-        worker._release_paced()
+        worker._send_paced()
         worker._record()
         assert status_of(app) == {email_id: "expired"}
         assert smtp_server.messages == []

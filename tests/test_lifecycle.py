@@ -1,4 +1,4 @@
-"""Issue 15 in one process: what stop() gives back, the lazy start, the start-up dispatcher,
+"""Issue 15 in one process: what stop() releases, the lazy start, the start-up dispatcher,
 the stored empty sweep, the CLI's logging and start line, rounded figures.
 
 The gunicorn deployments themselves are in tests/test_deploy.py.
@@ -21,7 +21,7 @@ from flask_sqlalchemy import SQLAlchemy
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox.core._store import GIVEN_BACK
+from flask_mail_outbox.core._store import RELEASED
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -34,11 +34,11 @@ def _queue(mail: OutboxMail, count: int, subject: str = "m") -> list[int]:
     return ids
 
 
-def test_stop_gives_back_what_it_held_and_the_next_sweep_takes_it_at_once(
+def test_stop_releases_what_it_held_and_the_next_sweep_takes_it_at_once(
         make_apps: MakeApps, smtp_server: FaultSMTPServer,
         caplog: pytest.LogCaptureFixture) -> None:
     """Rows handed over after commit and never claimed are marked at stop(); the
-    next sweep, with the 300 s age gate, sends them; a row no process gave back
+    next sweep, with the 300 s age gate, sends them; a row no process released
     stays under the gate, and the sweep's line says how many and until when."""
     caplog.set_level(logging.INFO, logger="flask_mail_outbox")
     smtp_server.hold()
@@ -49,19 +49,19 @@ def test_stop_gives_back_what_it_held_and_the_next_sweep_takes_it_at_once(
         assert smtp_server.wait_held(1)  # the first is in DATA; two wait in memory
         mail.stop(timeout=1)
     # With batches of one, the worker claims one at a time: the second and third
-    # waited in memory, and stop() gave them back.
+    # waited in memory, and stop() released them.
     [stop_line] = [r for r in caplog.records
                    if r.getMessage().startswith("Outbox delivery stopped")]
     assert stop_line.levelno == logging.INFO
-    assert f"gave back 2 unsent email(s) {ids[1:]}" in stop_line.getMessage()
+    assert f"released 2 unsent email(s) {ids[1:]}" in stop_line.getMessage()
     assert "1 email(s) still being sent" in stop_line.getMessage()
     smtp_server.release()
     assert smtp_server.wait_for(1)
     current = poll(lambda: rows(app), lambda rs: rs[0]["status"] == "sent", timeout=10)
     assert [(r["status"], r["lease_owner"]) for r in current] == [
-        ("sent", None), ("queued", GIVEN_BACK), ("queued", GIVEN_BACK)]
+        ("sent", None), ("queued", RELEASED), ("queued", RELEASED)]
 
-    # A row nobody gave back (its process died, or it still holds it in memory).
+    # A row nobody released (its process died, or it still holds it in memory).
     other, other_mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     with other.app_context():
         db.session.execute(sa.text(
@@ -89,7 +89,7 @@ def test_stop_with_nothing_held_says_so_at_info(
         assert smtp_server.wait_for(2) and mail.wait_idle(10)
     mail.stop()
     lines = [r for r in caplog.records if r.getMessage().startswith("Outbox delivery stopped")]
-    assert [(r.levelno, "nothing given back, nothing in flight" in r.getMessage())
+    assert [(r.levelno, "nothing released, nothing in flight" in r.getMessage())
             for r in lines] == [(logging.INFO, True)]
 
 
@@ -258,10 +258,10 @@ def test_a_mark_the_database_refuses_at_stop_is_an_error_and_loses_nothing(
     with app.app_context():
         ids = _queue(mail, 3)
         assert smtp_server.wait_held(1)
-        monkeypatch.setattr(store.sweep, "mark_given_back", refuse)
+        monkeypatch.setattr(store.sweep, "mark_released", refuse)
         mail.stop(timeout=1)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
-              and "given back at stop" in r.getMessage()]
+              and "released at stop" in r.getMessage()]
     assert len(errors) == 1 and str(ids[1:]) in errors[0]
     assert "wait for the age gate" in errors[0]  # the consequence
     assert "`flask outbox sweep --min-age 0`" in errors[0]  # the fix

@@ -45,6 +45,7 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.core import email_table
+from flask_mail_outbox.core._store import RELEASED
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -579,9 +580,11 @@ def test_two_workers_sharing_a_rate_limit_stay_under_it_together(
           f"two seconds {most}, per worker {per_worker}")
 
 
-def test_sigterm_gives_back_the_emails_waiting_for_a_rate_slot_at_once(
+def test_sigterm_releases_the_emails_waiting_for_a_rate_slot_at_once(
         producer: Flask, spawn: Callable[..., Worker], smtp_server: FaultSMTPServer) -> None:
-    """Claimed and paced (2/s) but not yet sent: queued again, attempt returned, no lease left."""
+    """Claimed and paced (2/s) but not yet sent: queued again, attempt returned, no lease
+    left, and marked for the next sweep of any process, as every stopping process marks
+    what it released (the worker's stop line names them)."""
     worker = spawn("slow", concurrency=2, WORKER_RATE_LIMIT="2", **FAST)
     worker.wait_ready()
     mail: OutboxMail = producer.extensions["test_mail"]
@@ -597,6 +600,13 @@ def test_sigterm_gives_back_the_emails_waiting_for_a_rate_slot_at_once(
     sent = [r for r in current if r["status"] == "sent"]
     waiting = [r for r in current if r["status"] != "sent"]
     assert 1 <= len(sent) < 8 and waiting, [(r["status"], r["attempts"]) for r in current]
-    assert {(r["status"], r["attempts"], r["lease_owner"]) for r in waiting} == {
-        ("queued", 0, None)}
+    # The row waiting for its slot at the SIGTERM, if one was (rows of a 2/s lane are
+    # claimed one at a time): the stop line names it.
+    stopped = re.findall(r"Outbox delivery stopped \(pid \d+\): released \d+ unsent "
+                         r"email\(s\) \[([\d, ]+)\]", worker.log())
+    released = {int(i) for line in stopped for i in line.split(", ")}
+    assert released <= {r["id"] for r in waiting}
+    # Released ones are marked; any the worker never claimed are as the commit left them.
+    assert {(r["status"], r["attempts"], r["lease_owner"] == RELEASED, r["id"] in released)
+            for r in waiting} <= {("queued", 0, True, True), ("queued", 0, False, False)}
     assert len(smtp_server.messages) == len(sent)

@@ -274,14 +274,14 @@ class OutboxExtension:
     def stop(self, timeout: float = 10) -> None:
         """Stop this process's delivery threads for every app; idempotent.
 
-        Messages claimed but not yet handed to the server are given back at
+        Messages claimed but not yet handed to the server are released at
         once; the ones the server is receiving get ``timeout`` seconds to
         finish and have their outcomes recorded. What this
-        process gives back, or had been handed after a commit and never
+        process releases, or had been handed after a commit and never
         claimed, is ``queued`` and marked so the next sweep of any process
         takes it whatever its age; rows still being sent past the timeout
         stay ``sending`` until their lease expires and a sweep takes them.
-        Logs at INFO what it gave back and what takes it.
+        Logs at INFO what it released and what takes it.
         """
         for state in list(app_states.all_states):
             if state.ext is self:

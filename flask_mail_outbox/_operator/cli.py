@@ -201,7 +201,7 @@ def worker(concurrency: int | None, once: bool, shutdown_timeout: float) -> None
         log.info("Received %s: finishing sends in flight, then exiting",
                  signal.Signals(signum).name)
         worker.request_stop()
-        # Past the timeout, messages not yet handed to the server are given back.
+        # Past the timeout, messages not yet handed to the server are released.
         timer = threading.Timer(shutdown_timeout, worker.cancel_unstarted)
         timer.daemon = True
         timer.start()

@@ -39,7 +39,8 @@ from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Tran
 from ._clock import utcnow
 from ._events import EventLog
 from ._models import Status
-from ._retry import RetryPolicy
+from ._releases import Releases
+from ._retry import Decision, RetryPolicy
 from ._store import ClaimedEmail, KeptConnection, Outcome, Reaped, Recorded, Store
 from ._suppression import UNKNOWN_RECIPIENT
 
@@ -265,6 +266,27 @@ class Waiter:
         return not self.ids
 
 
+class Waiters:
+    """Everyone waiting for the outcomes of ids handed over; guarded by its worker's lock."""
+
+    def __init__(self) -> None:
+        self._waiters: list[Waiter] = []
+
+    def add(self, waiter: Waiter) -> None:
+        self._waiters.append(waiter)
+
+    def discard(self, waiter: Waiter) -> None:
+        """Stop telling ``waiter`` (it gave up, or has every outcome already)."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+
+    def tell(self, report: BatchReport) -> None:
+        """Give each waiter its ids' outcomes in ``report``; those who have them all are done."""
+        for waiter in list(self._waiters):
+            if waiter.take(report):
+                self._waiters.remove(waiter)
+
+
 @dataclasses.dataclass(frozen=True)
 class Callbacks:
     """What the core's owner hears of outcomes, each called once the outcome is recorded.
@@ -314,24 +336,40 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
 
 def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                 retry_now: bool, ambiguous_retries: int) -> Outcome:
+    if isinstance(result, (Suppressed, Expired)):
+        return _not_sent(email, result)
+    if isinstance(result, Delivered):
+        return _delivered(email, result)
+    return _failed(email, result.error, policy, retry_now=retry_now,
+                   ambiguous_retries=ambiguous_retries)
+
+
+def _not_sent(email: ClaimedEmail, result: Suppressed | Expired) -> Outcome:
+    """An email that ends without a send: every recipient suppressed, or past its expiry."""
     if isinstance(result, Suppressed):
         why = ", ".join(f"{address} ({reason})" for address, reason in email.suppressed)
         return Outcome(email, Status.SUPPRESSED, give_back_attempt=True,
                        error_message=f"every recipient is on the suppression list: {why}")
-    if isinstance(result, Expired):
-        return Outcome(email, Status.EXPIRED, give_back_attempt=True,
-                       error_message=f"expired at {email.expires_at:%Y-%m-%d %H:%M:%S} UTC "
-                                     "before it was sent")
-    if isinstance(result, Delivered):
-        if not result.refused:
-            # Nearly every result: nothing to write down but the provider's id.
-            return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id)
-        refused = "; ".join(f"{addr}: {code} {text}"
-                            for addr, (code, text) in result.refused.items())
-        return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id,
-                       error_code=max((c for c, _ in result.refused.values()), default=0),
-                       error_message=f"some recipients refused: {refused}" if refused else None)
-    error = result.error
+    return Outcome(email, Status.EXPIRED, give_back_attempt=True,
+                   error_message=f"expired at {email.expires_at:%Y-%m-%d %H:%M:%S} UTC "
+                                 "before it was sent")
+
+
+def _delivered(email: ClaimedEmail, result: Delivered) -> Outcome:
+    """A delivered email, with the recipients the server refused, if any."""
+    if not result.refused:
+        # Nearly every result: nothing to write down but the provider's id.
+        return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id)
+    refused = "; ".join(f"{addr}: {code} {text}"
+                        for addr, (code, text) in result.refused.items())
+    return Outcome(email, Status.SENT, provider_message_id=result.provider_message_id,
+                   error_code=max((c for c, _ in result.refused.values()), default=0),
+                   error_message=f"some recipients refused: {refused}" if refused else None)
+
+
+def _failed(email: ClaimedEmail, error: TransportError, policy: RetryPolicy, *,
+            retry_now: bool, ambiguous_retries: int) -> Outcome:
+    """A failed attempt: dead-lettered, released (not attempted), or due again later."""
     if isinstance(error, PermanentError):
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
     if isinstance(error, NotAttempted):
@@ -345,11 +383,7 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
     if decision.dead:
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message,
                        maybe_sent=maybe_sent)
-    due_in = None if retry_now and decision.charge else decision.delay
-    asked = getattr(error, "retry_after", None)
-    if asked is not None:
-        # The server said when to come back (an HTTP Retry-After): not sooner.
-        due_in = max(due_in or 0.0, asked)
+    due_in = _due_in(error, decision, retry_now=retry_now)
     if email.expires_at is not None and \
             utcnow() + timedelta(seconds=due_in or 0.0) >= email.expires_at:
         # Its next attempt would come too late: it ends now, with why.
@@ -359,6 +393,16 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
     return Outcome(email, Status.QUEUED, error_code=error.code, error_message=error.message,
                    due_in=due_in, give_back_attempt=not decision.charge,
                    deferred=decision.deferral, maybe_sent=maybe_sent)
+
+
+def _due_in(error: TransportError, decision: Decision, *, retry_now: bool) -> float | None:
+    """Seconds until a row queued again is due (None: at once)."""
+    due_in = None if retry_now and decision.charge else decision.delay
+    asked = getattr(error, "retry_after", None)
+    if asked is not None:
+        # The server said when to come back (an HTTP Retry-After): not sooner.
+        due_in = max(due_in or 0.0, asked)
+    return due_in
 
 
 #: How the last error of a row ended by OUTBOX_AMBIGUOUS_RETRIES starts.
@@ -396,7 +440,7 @@ class Heartbeat:
                 self._thread.start()
 
     def done(self, claimed: Sequence[ClaimedEmail]) -> None:
-        """Stop renewing the leases of ``claimed`` (recorded, or given back)."""
+        """Stop renewing the leases of ``claimed`` (recorded, or released)."""
         with self._lock:
             for email in claimed:
                 ids = self._tracked.get(email.owner)
@@ -431,7 +475,8 @@ class Delivery:
 
     def __init__(self, *, config: OutboxConfig, store: Store,
                  transports: dict[str, Transport], faults: _degrade.FaultTracker,
-                 callbacks: Callbacks | None = None, events: EventLog) -> None:
+                 callbacks: Callbacks | None = None, events: EventLog,
+                 releases: Releases | None = None) -> None:
         self.callbacks = callbacks or Callbacks()
         self.config = config
         self.store = store
@@ -443,64 +488,16 @@ class Delivery:
         self.faults = faults
         self.heartbeat = Heartbeat(store, config.lease_seconds, faults)
         self.policy = config.retry_policy()
-        #: Set by the runtime's stop(): from then on, ids given back are kept in
-        #: :attr:`given_back` so stop() can mark them for the next sweep.
-        self.stopping = False
-        self.given_back: list[int] = []
-        #: Set once stop() marked what it knew of: rows that finish in the
-        #: background afterwards are marked as they are given back.
-        self.mark_at_once = False
-        self._given_lock = threading.Lock()
+        #: What this process releases while it stops (the owner's, shared with its worker).
+        self.releases = releases or Releases(store, config)
 
-    # -- given back at stop ---------------------------------------------------------
-
-    def take_given_back(self) -> list[int]:
-        """The ids given back so far at stop; later ones are marked as they come."""
-        with self._given_lock:
-            self.mark_at_once = True
-            ids, self.given_back = sorted(set(self.given_back)), []
-            return ids
-
-    def mark_given_back(self, ids: list[int], *, when: str) -> int | None:
-        """Mark ``ids`` given back for any process's next sweep; how many, None if it failed.
-
-        A failure is reported here: the rows are queued either way, only later.
-        """
-        try:
-            return self.store.sweep.mark_given_back(ids)
-        except Exception as exc:  # noqa: BLE001 - reported; the age gate still frees them
-            _degrade.report(
-                f"Could not mark {len(ids)} email(s) {ids[:20]} given back {when}",
-                consequence="they stay queued and wait for the age gate: a sweep takes them "
-                            "OUTBOX_SWEEP_MIN_AGE_SECONDS "
-                            f"({self.config.sweep_min_age_seconds:g} s) after they were created",
-                fix="check the database connection; once every process that could hold them "
-                    "has stopped or restarted, `flask outbox sweep --min-age 0` sends them now",
-                exc=exc)
-            return None
-
-    def note_given_back(self, ids: list[int]) -> None:
-        """Keep ids given back at stop for stop()'s mark, or mark them now if it is past."""
-        if not ids:
-            return
-        with self._given_lock:
-            if not self.mark_at_once:
-                self.given_back.extend(ids)
-                return
-        marked = self.mark_given_back(ids, when="after stop")
-        if marked is None:
-            return
-        logger.info("Outbox delivery gave back %d more unsent email(s) %s after stop, "
-                    "marked for the next sweep of any process", marked, ids[:20])
-
-    def give_back(self, claimed: Sequence[ClaimedEmail]) -> int:
+    def release(self, claimed: Sequence[ClaimedEmail]) -> int:
         """Release claimed rows unsent (queued, attempt returned); stop renewing their leases."""
         if not claimed:
             return 0
         try:
             released = self.store.leases.release(claimed)
-            if self.stopping:
-                self.note_given_back(released)
+            self.releases.note(released)
             return len(released)
         finally:
             self.heartbeat.done(claimed)
@@ -510,15 +507,15 @@ class Delivery:
     def screen(self, claimed: Sequence[ClaimedEmail]) -> list[ClaimedEmail] | None:
         """``claimed`` with their suppressed recipients noted; None if the list could not be read.
 
-        The caller gives the rows back then: sending to an address on the
+        The caller releases the rows then: sending to an address on the
         list would cost the sender's reputation what the list exists to save.
         """
         try:
             screened = self.events.suppressions.screen(claimed)
-        except Exception as exc:  # noqa: BLE001 - reported; the caller gives the rows back
+        except Exception as exc:  # noqa: BLE001 - reported; the caller releases the rows
             self.faults.failing(
                 "suppression", "Could not read the suppression list for claimed emails",
-                consequence=f"{len(claimed)} email(s) are given back unsent (queued, their "
+                consequence=f"{len(claimed)} email(s) are released unsent (queued, their "
                             "attempt returned) and tried again at the next claim",
                 fix="check the database connection and that outbox_suppression exists "
                     "(`flask db upgrade outbox@head`)",
@@ -585,25 +582,7 @@ class Delivery:
             self._tell(self.callbacks.sent, email, outcome.provider_message_id)
         elif outcome.status is Status.FAILED:
             report.failed.append(email.id)
-            why = ("failed permanently" if isinstance(error, PermanentError) else
-                   "may have been sent (it is not retried again)"
-                   if (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT) else
-                   "had an expired lease (the process sending it stopped) and no attempt "
-                   f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
-                   "not have accepted its last one" if outcome.error_message == SPENT_LEASE else
-                   f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
-                   f"{policy.max_attempts})")
-            maybe = (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT)
-            _degrade.report(
-                f"Email {email.id} ({email.message_id}) {why} on attempt {email.attempt}: "
-                f"{error}",
-                consequence="it is dead-lettered (status failed) and will not be sent"
-                            + (" again" if maybe else ""),
-                fix=(f"check whether it arrived (the provider's log, the recipient) before "
-                     f"putting it back with mail.retry({email.id})" if maybe else
-                     f"correct the cause, then put it back with mail.retry({email.id}) or "
-                     f"`flask outbox dlq retry {email.id}`"))
-            self._tell(self.callbacks.failed, email, error)
+            self._dead_lettered(outcome, error, policy)
         elif outcome.status in (Status.SUPPRESSED, Status.EXPIRED):
             (report.suppressed if outcome.status is Status.SUPPRESSED
              else report.expired).append(email.id)
@@ -611,12 +590,34 @@ class Delivery:
                         outcome.error_message)
         elif isinstance(error, NotAttempted):
             report.released.append(email.id)
-            if self.stopping:
-                self.note_given_back([email.id])
+            self.releases.note([email.id])
         else:
             report.transient.append(
                 (email.id, email.attempt,
                  error if isinstance(error, TransientError) else TransientError(str(error))))
+
+    def _dead_lettered(self, outcome: Outcome, error: TransportError | None,
+                       policy: RetryPolicy) -> None:
+        """Report a dead-lettered email at ERROR (why, and how to put it back); signal it."""
+        email = outcome.email
+        maybe = (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT)
+        why = ("failed permanently" if isinstance(error, PermanentError) else
+               "may have been sent (it is not retried again)" if maybe else
+               "had an expired lease (the process sending it stopped) and no attempt "
+               f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
+               "not have accepted its last one" if outcome.error_message == SPENT_LEASE else
+               f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
+               f"{policy.max_attempts})")
+        _degrade.report(
+            f"Email {email.id} ({email.message_id}) {why} on attempt {email.attempt}: "
+            f"{error}",
+            consequence="it is dead-lettered (status failed) and will not be sent"
+                        + (" again" if maybe else ""),
+            fix=(f"check whether it arrived (the provider's log, the recipient) before "
+                 f"putting it back with mail.retry({email.id})" if maybe else
+                 f"correct the cause, then put it back with mail.retry({email.id}) or "
+                 f"`flask outbox dlq retry {email.id}`"))
+        self._tell(self.callbacks.failed, email, error)
 
     def report_left_queued(self, email_id: int, attempt: int, error: Exception, *,
                            due_now: bool) -> None:

@@ -139,8 +139,20 @@ class Lane:
             return None
         return self.paced[len(self.paced) - self.rate.block // 4 - 1][0]
 
+    def recorded(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]],
+                 report: BatchReport) -> tuple[int, float]:
+        """Forget when this lane's emails of a record were sent; how many of them were
+        throttled, and when the last of those was sent (0.0 if unknown)."""
+        mine = {email.id for email, result in done if email.transport == self.name
+                and not isinstance(result, Suppressed)}  # not sent, so not paced
+        sent_at = {email_id: self.sent_at.pop(email_id) for email_id in mine
+                   if email_id in self.sent_at}
+        throttled = [email_id for email_id, _, error in report.transient
+                     if email_id in mine and error.throttled]
+        return len(throttled), max((sent_at.get(i, 0.0) for i in throttled), default=0.0)
+
     def take_back(self) -> list[ClaimedEmail]:
-        """Every paced row, unsent (the worker stops): the caller gives them back."""
+        """Every paced row, unsent (the worker stops): the caller releases them."""
         rows = [email for _, email in self.paced]
         self.paced.clear()
         for email in rows:
@@ -201,9 +213,9 @@ class Lanes:
                 lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in emails], report)
             else:
                 lane.pace(emails, slots)
-        self.release_due(report)
+        self.send_due(report)
 
-    def release_due(self, report: Report,
+    def send_due(self, report: Report,
                     too_late: Callable[[ClaimedEmail], None] | None = None) -> None:
         """Send the paced rows whose slot has come; ``too_late`` takes those past their expiry.
 
@@ -266,30 +278,26 @@ class Lanes:
         process sends what its own requests queued, unpaced.
         """
         for lane in self:
-            mine = {email.id for email, result in done if email.transport == lane.name
-                    and not isinstance(result, Suppressed)}  # not sent, so not paced
-            if not mine:
-                continue
-            sent_at = {email_id: lane.sent_at.pop(email_id) for email_id in mine
-                       if email_id in lane.sent_at}
-            throttled = [email_id for email_id, _, error in report.transient
-                         if email_id in mine and error.throttled]
+            throttled, sent_at = lane.recorded(done, report)
             if not throttled:
                 continue
-            if lane.rate is None:
-                if not dispatching or lane.learnable is None:
-                    continue
-                self._learn(lane, len(throttled))
-                continue  # what was refused was sent before the rate it learned
-            try:
-                cut = lane.rate.throttled(max(sent_at.get(i, 0.0) for i in throttled))
-            except Exception:
-                logger.exception("Could not cut transport %r's shared rate after a "
-                                 "throttled reply", lane.name)
-                continue
-            if cut is not None and lane.rate.learned:
-                logger.info("Transport %r was throttled again: its learned shared rate is "
-                            "now %.3g msg/s", lane.name, cut)
+            if lane.rate is not None:
+                self._cut(lane, lane.rate, sent_at)
+            elif dispatching:  # what was refused was sent before the rate it learns
+                self._learn(lane, throttled)
+
+    def _cut(self, lane: Lane, rate: SharedRate, sent_at: float) -> None:
+        """Cut ``lane``'s rate after a refusal of what it sent at ``sent_at`` (a new
+        congestion event only if the rate was not cut since)."""
+        try:
+            cut = rate.throttled(sent_at)
+        except Exception:
+            logger.exception("Could not cut transport %r's shared rate after a "
+                             "throttled reply", lane.name)
+            return
+        if cut is not None and rate.learned:
+            logger.info("Transport %r was throttled again: its learned shared rate is "
+                        "now %.3g msg/s", lane.name, cut)
 
     def _learn(self, lane: Lane, refused: int) -> None:
         """The first throttled reply of an unconfigured lane: learn its rate, pace by it."""
@@ -314,7 +322,7 @@ class Lanes:
         self.faults.recovered(f"rate-{lane.name}")
         lane.rate = lane.learnable
         # What the unpaced stream holds and has not handed to the server yet would
-        # be refused too: it is given back (not attempted) and comes back paced.
+        # be refused too: it is released (not attempted) and comes back paced.
         never, _ = lane.cancel()
         _degrade.report(
             f"The server of transport {lane.name!r} is throttling this process ({refused} "
@@ -333,11 +341,11 @@ class Lanes:
                 "rate your provider allows")
 
     def take_back(self) -> list[ClaimedEmail]:
-        """Every lane's paced rows, unsent (the worker stops): the caller gives them back."""
+        """Every lane's paced rows, unsent (the worker stops): the caller releases them."""
         return [email for lane in self for email in lane.take_back()]
 
     def report_unknown(self, emails: Sequence[ClaimedEmail]) -> None:
-        """Rows naming a transport this app does not configure (given back): at ERROR."""
+        """Rows naming a transport this app does not configure (released): at ERROR."""
         names = sorted({email.transport for email in emails})
         self.faults.failing(
             "unknown-transport",
@@ -361,7 +369,7 @@ class Lanes:
         if never or pending or paced:
             # Said whenever something was in flight, so the operator (and a test
             # holding the server's replies) sees the stop reach the stream.
-            logger.info("Outbox delivery is stopping (pid %d): gave back %d email(s) in "
+            logger.info("Outbox delivery is stopping (pid %d): released %d email(s) in "
                         "flight not yet handed to the server; %d being sent may still "
                         "finish", os.getpid(), len(never) + len(paced),
                         max(0, pending - len(never)))

@@ -9,7 +9,7 @@ Each transaction is short and never spans a network call to the mail server:
 * :meth:`Leases.record` writes outcomes, guarded: it only changes a row that
   is still ``sending`` under the claim's owner token, so a sender that lost
   its lease can never overwrite what a later claim recorded;
-* :meth:`Leases.release` gives back rows claimed and never sent, and
+* :meth:`Leases.release` releases rows claimed and never sent, and
   :meth:`Leases.reap_expired` queues rows whose lease ran out.
 
 Every write here that can change a key's line applies :mod:`._ordering`'s

@@ -35,6 +35,7 @@ from ._dialect import create_engine
 from ._events import EventLog
 from ._listen import Listener, libpq_url
 from ._queries import Reader
+from ._releases import Releases
 from ._settings import DEFAULT_TRANSPORT, OutboxConfig
 from ._store import Store
 from ._suppression import Suppressions
@@ -96,6 +97,8 @@ class Outbox:
         #: The suppression list, and the delivery events (which add to it).
         self.suppressions = Suppressions(self.store)
         self.events = EventLog(self.store, self.suppressions)
+        #: What this process releases when it stops (see :meth:`stop`).
+        self.releases = Releases(self.store, self.config)
         self._transports = dict(transports) if transports is not None else None
         self._delivery: Delivery | None = None
         self._worker: Worker | None = None
@@ -128,7 +131,8 @@ class Outbox:
             if self._delivery is None:
                 self._delivery = Delivery(config=self.config, store=self.store,
                                           transports=self.transports, faults=self.faults,
-                                          callbacks=self.callbacks, events=self.events)
+                                          callbacks=self.callbacks, events=self.events,
+                                          releases=self.releases)
             return self._delivery
 
     @property
@@ -230,13 +234,11 @@ class Outbox:
     def stop(self, timeout: float, *, serving: bool = False) -> None:
         """Stop delivering: no new claims; sends in flight get ``timeout`` seconds.
 
-        What this process gives back is marked for the next sweep of any
-        process, and logged at INFO (``serving``: also when nothing was given
-        back, a line worth having where the app is served).
+        What this process releases is marked for the next sweep of any
+        process, and logged at INFO (``serving``: also when nothing was
+        released, a line worth having where the app is served).
         """
-        delivery = self._delivery
-        if delivery is not None:
-            delivery.stopping = True
+        self.releases.stop()
         if self.listener is not None:
             self.listener.stop()
         worker = self._worker
@@ -244,8 +246,8 @@ class Outbox:
         if worker is not None:
             worker.stop(timeout)
             in_flight = worker.in_flight() if worker.running else 0
-        self._mark_given_back(delivery, in_flight=in_flight,
-                              ran=serving or (worker is not None and worker.started))
+        self.releases.mark(in_flight=in_flight,
+                           ran=serving or (worker is not None and worker.started))
         if in_flight:
             # Messages are still being sent past the timeout: let them finish and
             # record their outcomes in the worker's daemon thread; closing the
@@ -258,36 +260,6 @@ class Outbox:
     def forget_parent(self) -> None:
         """In a forked child: drop the parent's pooled connections without closing them."""
         self.engine.dispose(close=False)
-
-    def _mark_given_back(self, delivery: Delivery | None, *, in_flight: int,
-                         ran: bool) -> None:
-        """Mark what this process gave back for the next sweep, and say what happens next.
-
-        Those rows are queued and provably in flight nowhere (this process
-        held them and lets go), so any process's next sweep takes them at once
-        instead of after ``sweep_min_age_seconds``.
-        """
-        config = self.config
-        ids = delivery.take_given_back() if delivery is not None else []
-        pid = os.getpid()
-        still = (f"; {in_flight} email(s) still being sent finish in the background, or, if "
-                 f"this process exits first, stay sending until their lease expires "
-                 f"(OUTBOX_LEASE_SECONDS, {config.lease_seconds:g} s) and a sweep takes them"
-                 if in_flight else "")
-        if delivery is None or not ids:
-            logger.log(logging.INFO if ran or in_flight else logging.DEBUG,
-                       "Outbox delivery stopped (pid %d): nothing given back%s", pid,
-                       still or ", nothing in flight")
-            return
-        marked = delivery.mark_given_back(ids, when="at stop")
-        if marked is None:
-            return
-        interval = config.sweep_interval_for(False)
-        logger.info(
-            "Outbox delivery stopped (pid %d): gave back %d unsent email(s) %s, queued and "
-            "marked so the next sweep of any process takes them whatever their age (the "
-            "startup sweep of the next start, or a running process's periodic sweep%s)%s",
-            pid, marked, ids[:20], f" within {interval:g} s" if interval else "", still)
 
 
 __all__ = ["DEFAULT_TRANSPORT", "DURABLE_SETTING", "Mode", "Outbox", "build_transports"]

@@ -1,16 +1,30 @@
 """How fast a worker goes: pure rules, each testable on a fake clock.
 
 * :class:`IdleBackoff`: the gap before a dispatcher's next claim of due rows;
-* :func:`inline_backoff`: the pause before an in-process retry (inline mode);
+* :func:`inline_pause`: the pause before an in-process retry (inline mode);
 * :class:`ReapSchedule`: which of a dispatcher's claims also reap.
 """
 
 from __future__ import annotations
 
+from . import _retry
+
 
 def inline_backoff(retry: int) -> float:
     """Seconds before in-process retry number ``retry`` (1-based), capped near 2 s."""
     return float(min(2.0, 0.25 * 2 ** (retry - 1)))
+
+
+def inline_pause(retry: int, *, throttled: bool, retry_after: float | None) -> float:
+    """Seconds before in-process retry number ``retry`` of a transient failure.
+
+    A throttling server asked for a pause: the row waits until it is due
+    again (:data:`~._retry.THROTTLE_DELAY_SECONDS`), not a quarter of a
+    second; a server that said when to come back (``retry_after``) is not
+    tried sooner.
+    """
+    pause = _retry.THROTTLE_DELAY_SECONDS if throttled else inline_backoff(retry)
+    return max(pause, retry_after or 0.0)
 
 
 #: Seconds between reaps while every claim finds work (see :class:`ReapSchedule`).

@@ -28,9 +28,9 @@ from ._admin import RETRY_ALL_KEYS_PER_TRANSACTION, Admin
 from ._clock import utcnow
 from ._database import Database, KeptConnection
 from ._leases import ClaimedEmail, Leases, Outcome, Reaped, Recorded
-from ._sweeping import GIVEN_BACK, Sweeping
+from ._sweeping import RELEASED, Sweeping
 
-__all__ = ["GIVEN_BACK", "RETRY_ALL_KEYS_PER_TRANSACTION", "ClaimedEmail", "KeptConnection",
+__all__ = ["RELEASED", "RETRY_ALL_KEYS_PER_TRANSACTION", "ClaimedEmail", "KeptConnection",
            "Outcome", "Reaped", "Recorded", "Store"]
 
 

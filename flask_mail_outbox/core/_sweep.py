@@ -3,7 +3,7 @@
 It takes due ``queued`` rows older than ``OUTBOX_SWEEP_MIN_AGE_SECONDS`` (age,
 not "older than this boot": a younger row may be in flight in some process,
 and only age means the same on every instance), younger ones that are in
-flight nowhere (given back by a stopping process, or sent with ``send_after``:
+flight nowhere (released by a stopping process, or sent with ``send_after``:
 not due at their commit, so no commit handed them over), and ``sending`` rows
 whose lease expired, oldest first, at most ``OUTBOX_SWEEP_BATCH`` of them,
 reading one more to know for certain whether it stopped short.
@@ -49,7 +49,7 @@ class SweepReport:
     taken but owned by another delivery; ``truncated``: more rows were waiting
     beyond the batch; ``kind``: ``startup``, ``periodic`` or ``manual``;
     ``age_gated``: due queued rows left alone because they are younger than the
-    age gate (they may be in flight in another process; rows given back or sent
+    age gate (they may be in flight in another process; rows released or sent
     with ``send_after`` are in flight nowhere, and never counted here), and
     ``age_gated_until``: when the oldest of them becomes eligible.
     """

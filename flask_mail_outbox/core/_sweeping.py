@@ -1,7 +1,7 @@
 """What the sweep reads and repairs, on the store's engine (the sweep itself is :mod:`._sweep`).
 
 The rows a sweep takes (:meth:`Sweeping.sweep_candidates`) and those its age
-gate holds back, rows a stopping process released (:meth:`Sweeping.mark_given_back`),
+gate holds back, rows a stopping process released (:meth:`Sweeping.mark_released`),
 the per-key repair, and the claim of a deployment's startup sweep.
 """
 
@@ -18,15 +18,15 @@ from . import _claim, _ordering
 from ._database import Database
 from ._models import Status, email_table, setting_table
 
-#: ``lease_owner`` of a ``queued`` row that a stopping process gave back, or
+#: ``lease_owner`` of a ``queued`` row that a stopping process released, or
 #: had been handed after a commit and never claimed: provably in flight
 #: nowhere, so the sweep takes it whatever its age. No claim owner looks like
 #: it (those are ``host:pid:n:hex``), and a claim overwrites it.
-GIVEN_BACK = "given-back"
+RELEASED = "released"
 
 #: The ``lease_owner`` marks of queued rows in flight nowhere, which the sweep's
-#: age gate does not hold back: given back at a stop, or scheduled by ``send_after``.
-_UNGATED = (GIVEN_BACK, _claim.SCHEDULED)
+#: age gate does not hold back: released at a stop, or scheduled by ``send_after``.
+_UNGATED = (RELEASED, _claim.SCHEDULED)
 
 class Sweeping:
     """The sweep's selection and repairs (see the module docstring), on ``db``."""
@@ -39,7 +39,7 @@ class Sweeping:
         """Rows a sweep takes, oldest first (``created_at, id``): at most ``limit``.
 
         Due ``queued`` rows older than the age gate (keyless or key heads, so
-        key order holds), younger ones in flight nowhere (given back, or not
+        key order holds), younger ones in flight nowhere (released, or not
         due when queued: see :data:`_UNGATED`), and ``sending`` rows whose
         lease expired. One statement: a UNION ALL of three index scans, each
         on its partial index. Returns ``(id, status)`` pairs.
@@ -73,7 +73,7 @@ class Sweeping:
     def age_gated(self, *, min_age_seconds: float) -> tuple[int, datetime | None, datetime]:
         """Due queued rows the age gate keeps from a sweep: (count, oldest created_at, now).
 
-        Rows in flight nowhere (:data:`_UNGATED`: given back, or scheduled by
+        Rows in flight nowhere (:data:`_UNGATED`: released, or scheduled by
         ``send_after``) are not gated. Reads the sweep's partial index.
         """
         t = email_table
@@ -91,8 +91,8 @@ class Sweeping:
         """The age gate: rows created at or before this are old enough for a sweep."""
         return self.db.dialect.ago(self.db.clock, min_age_seconds)
 
-    def mark_given_back(self, ids: Sequence[int]) -> int:
-        """Mark ``queued`` rows of ``ids`` as given back (see :data:`GIVEN_BACK`); how many.
+    def mark_released(self, ids: Sequence[int]) -> int:
+        """Mark ``queued`` rows of ``ids`` as released (see :data:`RELEASED`); how many.
 
         Only unleased queued rows change: one another process claimed meanwhile
         is its business.
@@ -106,7 +106,7 @@ class Sweeping:
                 marked += conn.execute(
                     t.update().where(t.c.id.in_(chunk), t.c.status == Status.QUEUED.value,
                                      t.c.lease_owner.is_(None))
-                    .values(lease_owner=GIVEN_BACK)).rowcount
+                    .values(lease_owner=RELEASED)).rowcount
         return marked
 
     def heal_key_heads(self) -> int:

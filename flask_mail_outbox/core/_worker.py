@@ -6,8 +6,9 @@ work from two sources:
 * ids handed to it (:meth:`Worker.hand`): the rows a commit queued, the
   emails a recorded outcome made their key's holder, (inline mode) its
   own in-process retries once their pause is over, and the rows a commit
-  queued with a ``send_after`` once they are due (:meth:`Worker.schedule`);
-* due rows it claims itself (:meth:`~._leases.Leases.claim_due`) when it is a
+  queued with a ``send_after`` once they are due (:meth:`Worker.schedule`),
+  all waiting in its :class:`~._intake.Intake`;
+* due rows it claims itself (:meth:`~._store.Store.claim_due`) when it is a
   *dispatcher* (durable mode, ``flask outbox worker``): at its poll, or at
   once when a commit or a NOTIFY wakes it.
 
@@ -19,13 +20,16 @@ Results are recorded as they arrive, coalesced over :data:`RECORD_WINDOW` (a
 killed process re-sends only what was in flight or came back in its last ms).
 
 A dispatcher's claims follow :class:`~._pacing.IdleBackoff` (gaps measured
-from the start of a claim; wakes during a round collapse into one claim), on
-an injectable clock, so tests can check the exact gap sequence.
+from the start of a claim; wakes during a round collapse into one claim).
+Every deadline of the loop (a claim's, a retry's, a scheduled email's, a
+paced row's slot, the record window) is on one injectable clock, so tests can
+check the exact sequence; the timeouts a caller gives (:meth:`Worker.tick`,
+:meth:`Worker.drain`, :meth:`Worker.wait_idle`) are real seconds. What a
+stopping worker releases goes to its :class:`~._releases.Releases`.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
@@ -34,7 +38,6 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
-from . import _retry
 from ._clock import utcnow
 from ._delivery import (
     Attempt,
@@ -43,31 +46,68 @@ from ._delivery import (
     Expired,
     Suppressed,
     Waiter,
+    Waiters,
     expired,
     new_owner,
 )
+from ._intake import TAKEN_LATER, Intake
 from ._lanes import Lanes
-from ._pacing import IdleBackoff, ReapSchedule, inline_backoff
+from ._pacing import IdleBackoff, ReapSchedule, inline_pause
 from ._store import ClaimedEmail, KeptConnection, Reaped
 
 if TYPE_CHECKING:
+    from .._errors import TransientError
     from ..transports import Envelope, Result
     from ._settings import OutboxConfig
 
 logger = logging.getLogger(__name__)
 
 #: Seconds the results that came back wait for more before they are recorded
-#: (see :meth:`Worker._record_in`): a record per result would cost a transaction each.
+#: (see :meth:`Unrecorded.record_in`): a record per result would cost a transaction each.
 RECORD_WINDOW = 0.003
-#: Ids waiting in memory at most; past it, hand-overs fall back to the sweep.
-MAX_HANDED = 20_000
-#: Scheduled ids (``send_after``) timed in memory at most; past it, the sweep
-#: takes the others when they are due.
-MAX_SCHEDULED = 20_000
-#: What takes a scheduled email once due when no worker times it.
-_TAKEN_LATER = ("the periodic sweep of any process takes them (inline mode, up to "
-                "OUTBOX_SWEEP_INTERVAL_SECONDS late; they are not held to the age gate), or "
-                "a dispatcher's next claim (durable mode)")
+#: Seconds the loop waits at most before it looks again while a dispatcher (a
+#: signal handler, the worker's SIGTERM, stops it without being able to
+#: notify) or while ids wait for room.
+POLL_SLICE = 0.5
+
+
+class Unrecorded:
+    """Results that came back and wait for their record, coalesced over :data:`RECORD_WINDOW`.
+
+    Guarded by its worker's lock.
+    """
+
+    def __init__(self) -> None:
+        self._results: list[tuple[ClaimedEmail, Attempt | None]] = []
+        self._since = 0.0  # when the first of them came back
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    def add(self, email: ClaimedEmail, result: Attempt | None, now: float) -> bool:
+        """Keep ``email``'s result, come back at ``now``; whether it is the first waiting."""
+        first = not self._results
+        if first:
+            self._since = now
+        self._results.append((email, result))
+        return first
+
+    def take(self) -> list[tuple[ClaimedEmail, Attempt | None]]:
+        """Every result waiting, to record now."""
+        done, self._results = self._results, []
+        return done
+
+    def record_in(self, now: float, *, at_once: bool) -> float | None:
+        """Seconds from ``now`` until they are recorded; None when none came back.
+
+        They wait up to :data:`RECORD_WINDOW` for more (one record, one
+        statement, for all that were sent), unless ``at_once``.
+        """
+        if not self._results:
+            return None
+        if at_once:
+            return 0.0
+        return self._since + RECORD_WINDOW - now
 
 
 class Worker:
@@ -79,9 +119,16 @@ class Worker:
         self.store = delivery.store
         self.config = config
         self.policy = config.retry_policy()
+        #: The loop's one clock: every deadline of the intake, the lanes and the
+        #: claims is on it (they read it through this attribute, so a clock set
+        #: later reaches them all).
         self.clock = clock
+
+        def now() -> float:
+            return self.clock()
+
         #: A lane per named transport: its stream, rate and paced rows (see _lanes).
-        self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, clock)
+        self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, now)
         #: Rows claimed and not yet recorded, at most (a claim takes at most a batch).
         self.capacity = max(1, config.batch_size)
         #: Claim again once no more than this is in flight: half a batch (at
@@ -95,19 +142,16 @@ class Worker:
         self.backoff = IdleBackoff(config.poll_interval, config.poll_max_interval)
         self.listening = False  # set by the LISTEN thread while its connection is up
         self._cond = threading.Condition()
-        self._handed: dict[int, None] = {}
-        self._retries: dict[int, tuple[float, int]] = {}  # id -> (due, retry number)
-        self._retry_numbers: dict[int, int] = {}  # claimed ids -> their retry number
-        # Committed with a send_after: (due, id) on time.monotonic(), as the
-        # retries' times are, the next due first.
-        self._scheduled: list[tuple[float, int]] = []
-        self._waiters: list[Waiter] = []
+        #: What waits to be claimed: handed ids, scheduled ones, in-process retries.
+        self.intake = Intake(now, delivery.faults)
+        #: The stopping flag, and what this process releases when it stops.
+        self.releases = delivery.releases
+        self._waiters = Waiters()
         self._in_flight: dict[int, ClaimedEmail] = {}
-        self._results: list[tuple[ClaimedEmail, Attempt | None]] = []
-        self._results_since = 0.0  # when the first of them came back
+        #: Results that came back, waiting for their record.
+        self._results = Unrecorded()
         self._woken = False
         self._busy = False  # in a round (between taking work and putting or recording it)
-        self._stopping = False
         #: Never starts a thread: a test or ``flask outbox worker --once`` calls
         #: :meth:`step` / :meth:`drain` itself.
         self.hand_ticked = False
@@ -134,31 +178,16 @@ class Worker:
         """Deliver ``ids`` (committed, or handed a key) as soon as there is room.
 
         Those also in ``urgent`` (``priority="high"``) go before every id
-        already waiting; the others after them.
+        already waiting; the others after them. Once the worker stops, they
+        are released (queued in the database, in flight nowhere).
         """
         if not ids:
             return
         with self._cond:
-            if self._stopping:
-                self.delivery.note_given_back(list(ids))
+            if self.releases.stopping:
+                self.releases.note(list(ids))
                 return
-            room = MAX_HANDED - len(self._handed)
-            if room < len(ids):
-                self.delivery.faults.failing(
-                    "inline-overflow",
-                    f"The delivery queue of this process is full ({MAX_HANDED} emails waiting)",
-                    consequence=f"{len(ids) - max(room, 0)} committed email(s) (and further "
-                                "ones until it drains) are not handed over; they stay queued "
-                                "and a sweep or a dispatcher delivers them later",
-                    fix="the SMTP server is slower than the rate of email; check it, or "
-                        "switch to durable mode and run `flask outbox worker` processes")
-                ids = ids[:max(room, 0)]
-            elif not self._handed:
-                self.delivery.faults.recovered("inline-overflow")
-            first = [i for i in ids if i in urgent] if urgent else []
-            if first:
-                self._handed = {**dict.fromkeys(first), **self._handed}
-            self._handed.update(dict.fromkeys(ids))
+            self.intake.hand(ids, urgent)
             self._cond.notify_all()
         self.start()
 
@@ -172,42 +201,28 @@ class Worker:
         database: the next sweep of any process takes them when due, whatever
         their age.
         """
-        if not ids or self._stopping:
+        if not ids or self.releases.stopping:
             return
         with self._cond:
-            room = MAX_SCHEDULED - len(self._scheduled)
-        if room < len(ids):
-            self.delivery.faults.failing(
-                "scheduled-overflow",
-                f"This process already times {MAX_SCHEDULED} emails sent with send_after",
-                consequence=f"{len(ids) - max(room, 0)} more (and further ones until some "
-                            "are sent) are not timed here; they stay queued, and once due "
-                            f"{_TAKEN_LATER}",
-                fix="nothing is lost; to have every one sent on time, schedule fewer at "
-                    "once from one process, or spread them over more processes")
-            ids = ids[:max(room, 0)]
-            if not ids:
-                return
-        else:
-            self.delivery.faults.recovered("scheduled-overflow")
+            ids = self.intake.fitting(ids)
+        if not ids:
+            return
         try:
             due_in = self.store.leases.due_in(ids)
         except Exception as exc:  # noqa: BLE001 - reported; the rows are marked for the sweep
             self.delivery.faults.failing(
                 "scheduled", "Could not read the due times of emails sent with send_after",
                 consequence=f"{len(ids)} such email(s) are not timed by this process; they "
-                            f"stay queued, and once due {_TAKEN_LATER}",
+                            f"stay queued, and once due {TAKEN_LATER}",
                 fix="check the database connection and the outbox tables "
                     "(`flask db upgrade outbox@head`)",
                 exc=exc)
             return
         self.delivery.faults.recovered("scheduled")
-        now = time.monotonic()
         with self._cond:
-            if self._stopping:
+            if self.releases.stopping:
                 return
-            for email_id, seconds in due_in:
-                heapq.heappush(self._scheduled, (now + max(0.0, seconds), email_id))
+            self.intake.schedule(due_in)
             self._cond.notify_all()
         self.start()
 
@@ -234,15 +249,14 @@ class Worker:
         if not waiter.ids:
             return waiter.report
         with self._cond:
-            self._waiters.append(waiter)
+            self._waiters.add(waiter)
         self.hand(ids)
         if self.hand_ticked and not self.running:
             with self._drain_lock:
                 self.drain(timeout)
         waiter.done.wait(timeout)
         with self._cond:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            self._waiters.discard(waiter)
         return waiter.report
 
     # -- ticked by hand (tests, `flask outbox worker --once`, the memory transport) ------
@@ -263,16 +277,16 @@ class Worker:
                 if not self._in_flight or time.monotonic() >= deadline:
                     break
                 self._cond.wait(0.05)
-            self._release_paced()  # rows waiting for a rate slot are in flight too
+            self._send_paced()  # rows waiting for a rate slot are in flight too
         self._record()
-        if self._handed or not self.dispatching or self.last_claim_at is None:
+        if self.intake.handed or not self.dispatching or self.last_claim_at is None:
             return 0.0
         return max(0.0, self._next_claim - self.last_claim_at)
 
     def drain(self, timeout: float = 3600.0) -> int:
         """Rounds until nothing is in flight or due now (hand-ticked loops, ``--once``).
 
-        Returns how many rows it finished (sent, failed, queued again, given back).
+        Returns how many rows it finished (sent, failed, queued again, released).
         """
         deadline = time.monotonic() + timeout
         before = self.finished
@@ -282,20 +296,20 @@ class Worker:
             self.step()
             if not self._wait_for_results(deadline):
                 with self._cond:
-                    if not (self._handed or (self.dispatching and self.last_claimed)):
+                    if not (self.intake.handed or (self.dispatching and self.last_claimed)):
                         break
         return self.finished - before
 
     def _wait_for_results(self, deadline: float) -> bool:
         """Wait for the results of what is in flight; False when nothing is."""
         while True:
-            slot = self._release_paced()  # rows waiting for a rate slot are in flight too
+            slot = self._send_paced()  # rows waiting for a rate slot are in flight too
             with self._cond:
                 if not self._in_flight or self._results:
                     return bool(self._in_flight or self._results)
                 wait = min(0.5, max(0.0, deadline - time.monotonic()))
                 if slot is not None:
-                    wait = min(wait, max(0.001, slot - time.monotonic()))
+                    wait = min(wait, max(0.001, slot - self.clock()))
                 if not self._cond.wait(wait) and time.monotonic() >= deadline:
                     return False
 
@@ -309,7 +323,7 @@ class Worker:
     def start(self) -> None:
         """Run the loop in a daemon thread (idempotent; a stopped worker stays stopped)."""
         with self._cond:
-            if self._stopping or self.running or self.hand_ticked:
+            if self.releases.stopping or self.running or self.hand_ticked:
                 return
             self.started = True
             self._thread = threading.Thread(target=self.run, name="outbox-worker",
@@ -322,10 +336,10 @@ class Worker:
         """Nothing handed, claimed, waiting for a retry or to be recorded, nor
         scheduled and due (one due later is not work in hand)."""
         with self._cond:
-            due = bool(self._scheduled) and self._scheduled[0][0] <= time.monotonic()
-            return not (self._busy or self._handed or self._retries or self._in_flight
-                        or self._results or self._woken or self.last_claim_failed or due
-                        or (self.dispatching and self.last_claimed))
+            claiming = self._woken or self.last_claim_failed or (
+                self.dispatching and bool(self.last_claimed))
+            return not (self._busy or claiming or self.intake.in_hand() or self._in_flight
+                        or self._results)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until :meth:`idle`; True when it is."""
@@ -340,20 +354,18 @@ class Worker:
 
     def request_stop(self) -> None:
         """Stop claiming (safe from a signal handler: takes no lock)."""
-        self._stopping = True
+        self.releases.stop()
 
     def stop(self, timeout: float) -> None:
-        """Stop claiming; give what is in flight ``timeout`` seconds, give back the rest."""
+        """Stop claiming; give what is in flight ``timeout`` seconds, release the rest."""
+        self.releases.stop()
         with self._cond:
-            self._stopping = True
             # Handed over (or waiting for an in-process retry) and not claimed:
-            # queued in the database and in flight nowhere.
-            self.delivery.note_given_back([*self._handed, *self._retries])
-            self._forget([*self._handed, *self._retries])
-            self._handed.clear()
-            self._retries.clear()
-            # Scheduled ones are marked so in the database: any sweep takes them when due.
-            self._scheduled.clear()
+            # queued in the database and in flight nowhere. Scheduled ones are
+            # marked so in the database: any sweep takes them when due.
+            released = self.intake.clear()
+            self.releases.note(released)
+            self._settle(BatchReport(not_claimed=released))
             self._cond.notify_all()
             thread = self._thread
         self.cancel_unstarted()
@@ -364,9 +376,9 @@ class Worker:
             self._close()
 
     def cancel_unstarted(self) -> int:
-        """Stop handing claimed messages to the server; they are given back. How many."""
+        """Stop handing claimed messages to the server; they are released. How many."""
         never, paced = self.lanes.cancel()
-        self._give_back_unsent(paced)
+        self._release(paced)
         return len(never) + len(paced)
 
     def in_flight(self) -> int:
@@ -396,7 +408,7 @@ class Worker:
                         fix="report it with the traceback below", exc=exc)
                     time.sleep(0.5)
                 with self._cond:
-                    if self._stopping and not self._in_flight and not self._results:
+                    if self.releases.stopping and not (self._in_flight or self._results):
                         return
                 self._wait()
         finally:
@@ -408,11 +420,13 @@ class Worker:
             self._busy = True
         try:
             self._record()
-            if self._stopping:  # rows waiting for a rate slot go back at once
-                self._give_back_unsent(self.lanes.take_back())
+            if self.releases.stopping:  # rows waiting for a rate slot are released at once
+                self._release(self.lanes.take_back())
                 return
-            self.lanes.release_due(self._on_result, self._expire)
-            room = self._room(self.in_flight())
+            self._send_paced()
+            # Room for a claim up to the capacity, once no more than the refill point is out.
+            in_flight = self.in_flight()
+            room = self.capacity - in_flight if in_flight <= self.refill_at else 0
             if room > 0:
                 room -= self._claim_handed(room)
             if room > 0 and self.dispatching:
@@ -426,85 +440,53 @@ class Worker:
                 self._cond.notify_all()
 
     def _wait(self) -> None:
+        """Until the loop has a round to run (:meth:`_next_round_in`), or may end."""
         with self._cond:
-            while not self._stopping or self._in_flight:
-                record_in = self._record_in()
-                if record_in is not None and record_in <= 0:
+            while not self.releases.stopping or self._in_flight:
+                wait = self._next_round_in()
+                if wait is not None and wait <= 0:
                     return
-                # What came back is recorded first, so only what is on the wire counts.
-                room = self._room(len(self._in_flight)) > 0
-                now = self.clock()
-                if room and (self._handed or (self.dispatching and self._woken)):
-                    return
-                deadlines = [due for due, _ in self._retries.values()]
-                if self._scheduled:
-                    deadlines.append(self._scheduled[0][0])
-                if self.dispatching:
-                    deadlines.append(self._next_claim)
-                next_due = min(deadlines, default=None)
-                if room and next_due is not None and next_due <= now:
-                    return
-                # A paced row's slot needs no room: it is claimed already.
-                slot = self.lanes.next_slot()
-                if slot is not None and slot <= now:
-                    return
-                if self._stopping and not self._in_flight:
-                    return
-                # A dispatcher waits in slices: a signal handler (the worker's
-                # SIGTERM) sets the flag without being able to notify.
-                if next_due is None or not room:
-                    wait = 0.5 if self.dispatching or next_due is not None else None
-                else:  # a scheduled email may be due in days: no need to wake before
-                    wait = min(0.5, next_due - now) if self.dispatching else next_due - now
-                if record_in is not None:
-                    wait = record_in if wait is None else min(wait, record_in)
-                if slot is not None:
-                    wait = slot - now if wait is None else min(wait, slot - now)
                 self._cond.wait(None if wait is None else max(wait, 0.001))
 
-    def _record_in(self) -> float | None:
-        """Seconds until the results that came back are recorded; None if none did.
+    def _next_round_in(self) -> float | None:
+        """Seconds until a round has work (0 or less: now); None: none until notified.
 
-        Results are coalesced for up to :data:`RECORD_WINDOW` seconds into one
-        record (one statement for all that were sent), unless nothing else is
-        in flight, the loop stops, or half a batch is waiting.
+        The work: results to record once their window is over, a paced row
+        whose slot came and, with room on the wire, an id of the intake or
+        (a dispatcher) a claim that is due, or a wake.
         """
-        if not self._results:
-            return None
-        if self._stopping or not self._in_flight or len(self._results) >= self.capacity // 2:
-            return 0.0
-        return self._results_since + RECORD_WINDOW - time.monotonic()
+        due = _soonest(self.intake.next_deadline(),
+                       self._next_claim if self.dispatching else None)
+        now = self.clock()  # read after the deadlines: a handed id's is "now"
+        # Room for a claim (see step()); what came back is recorded first, so only
+        # what is on the wire counts.
+        room = len(self._in_flight) <= self.refill_at
+        waits = [self._results.record_in(now, at_once=self._record_at_once()),
+                 _until(self.lanes.next_slot(), now)]
+        if room:
+            waits.append(0.0 if self.dispatching and self._woken else _until(due, now))
+        if self.dispatching or (due is not None and not room):
+            waits.append(POLL_SLICE)  # a look now and then (see POLL_SLICE)
+        return _soonest(*waits)
 
-    def _room(self, in_flight: int) -> int:
-        """How many rows a claim may take with ``in_flight`` unrecorded (0 above the refill point)."""
-        return self.capacity - in_flight if in_flight <= self.refill_at else 0
+    def _record_at_once(self) -> bool:
+        """Whether what came back is recorded without waiting for more: the loop
+        stops, nothing else is in flight, or half a batch came back."""
+        return self.releases.stopping or not self._in_flight or \
+            len(self._results) >= self.capacity // 2
 
     # -- claiming -----------------------------------------------------------------------
 
-    def _take_handed(self, room: int) -> list[int]:
-        with self._cond:
-            now = time.monotonic()
-            for email_id, (due, number) in list(self._retries.items()):
-                if due <= now:
-                    del self._retries[email_id]
-                    self._handed[email_id] = None
-                    self._retry_numbers[email_id] = number
-            while self._scheduled and self._scheduled[0][0] <= now:
-                self._handed[heapq.heappop(self._scheduled)[1]] = None
-            ids = list(itertools.islice(self._handed, room))
-            for email_id in ids:
-                del self._handed[email_id]
-            return ids
-
     def _claim_handed(self, room: int) -> int:
-        ids = self._take_handed(room)
+        with self._cond:
+            ids = self.intake.take(room)
         if not ids:
             return 0
         try:
             claimed = self._writes.run(lambda conn: self.store.leases.claim_ids(
                 ids, owner=new_owner(), lease_seconds=self.config.lease_seconds, conn=conn))
         except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
-            self._forget(ids)
+            self._settle(BatchReport(not_claimed=ids))
             self.delivery.faults.failing(
                 "inline-drain", "Delivery could not claim emails handed over after commit",
                 consequence=(f"{len(ids)} committed email(s) were not delivered by this "
@@ -587,18 +569,45 @@ class Worker:
     # -- sending and recording ------------------------------------------------------------
 
     def _put(self, claimed: Sequence[ClaimedEmail]) -> None:
+        """Claimed rows onto their lanes' streams, but for those that end or go back here.
+
+        Rows claimed by a round that began before the stop are released unsent.
+        """
         if not claimed:
             return
         with self._cond:
-            stopping = self._stopping
+            stopping = self.releases.stopping
             if not stopping:
-                for email in claimed:
-                    self._in_flight[email.id] = email
+                self._in_flight.update((email.id, email) for email in claimed)
         if stopping:
-            # Claimed by a round that began before stop(): unsent, so given back.
-            self.delivery.give_back(claimed)
+            self.delivery.release(claimed)
             return
         self.delivery.heartbeat.track(claimed)
+        screened = self._screened(self._sendable(claimed))
+        for email in screened:
+            if not email.deliverable:  # every recipient suppressed: ends without a send
+                self._on_result_of(email, Suppressed())
+        self.lanes.send([email for email in screened if email.deliverable], self._on_result)
+
+    def _screened(self, sendable: list[ClaimedEmail]) -> list[ClaimedEmail]:
+        """``sendable`` with their suppressed recipients noted; all released if the list
+        cannot be read."""
+        screened = self.delivery.screen(sendable) if sendable else []
+        if screened is None:
+            self._release(sendable)
+            return []
+        with self._cond:  # results are recorded with the suppressed recipients noted
+            for email in screened:
+                if email.suppressed and email.id in self._in_flight:
+                    self._in_flight[email.id] = email
+        return screened
+
+    def _sendable(self, claimed: Sequence[ClaimedEmail]) -> list[ClaimedEmail]:
+        """Those of ``claimed`` to screen and send; the others end or are released here.
+
+        Spent ones are dead-lettered unsent, expired ones end unsent, and
+        those naming a transport of another OUTBOX_TRANSPORTS are released.
+        """
         sendable: list[ClaimedEmail] = []
         unknown: list[ClaimedEmail] = []
         now = utcnow()
@@ -609,39 +618,26 @@ class Worker:
                 self._on_result_of(email, Expired())  # too late: ends unsent
             else:
                 (sendable if email.transport in self.lanes else unknown).append(email)
-        if unknown:  # named by a process with another OUTBOX_TRANSPORTS
-            self._give_back_unsent(unknown)
+        if unknown:
+            self._release(unknown)
             self.lanes.report_unknown(unknown)
-        screened = self.delivery.screen(sendable) if sendable else []
-        if screened is None:
-            self._give_back_unsent(sendable)
-            return
-        with self._cond:  # results are recorded with the suppressed recipients noted
-            for email in screened:
-                if email.suppressed and email.id in self._in_flight:
-                    self._in_flight[email.id] = email
-        for email in screened:
-            if not email.deliverable:  # every recipient suppressed: ends without a send
-                self._on_result_of(email, Suppressed())
-        self.lanes.send([email for email in screened if email.deliverable], self._on_result)
+        return sendable
 
-    def _release_paced(self) -> float | None:
-        self.lanes.release_due(self._on_result, self._expire)
+    def _send_paced(self) -> float | None:
+        """Send the paced rows whose slot came; when the next slot comes (None: none waits)."""
+        # A paced row whose expiry passed while it waited for its slot ends unsent.
+        self.lanes.send_due(self._on_result, lambda email: self._on_result_of(email, Expired()))
         return self.lanes.next_slot()
 
-    def _give_back_unsent(self, emails: list[ClaimedEmail]) -> None:
+    def _release(self, emails: list[ClaimedEmail]) -> None:
         """Claimed rows that never reach a stream: queued again, attempt returned."""
         if not emails:
             return
         with self._cond:
             for email in emails:
                 self._in_flight.pop(email.id, None)
-        self.delivery.give_back(emails)
+        self.delivery.release(emails)
         self._settle(BatchReport(released=[email.id for email in emails]))
-
-    def _expire(self, email: ClaimedEmail) -> None:
-        """A paced row whose expiry passed while it waited for its slot: ends unsent."""
-        self._on_result_of(email, Expired())
 
     def _on_result(self, envelope: Envelope, result: Result) -> None:
         """The transport's report (a transport thread): record it at the next round."""
@@ -653,72 +649,62 @@ class Worker:
     def _on_result_of(self, email: ClaimedEmail, result: Attempt | None) -> None:
         with self._cond:
             self._in_flight.pop(email.id, None)
-            first = not self._results
-            if first:
-                self._results_since = time.monotonic()
-            self._results.append((email, result))
+            now = self.clock()
+            first = self._results.add(email, result, now)
             # A woken loop records what came back, window or not: wake it for the
             # first result (it then waits out the window) and what ends it early.
-            if first or self._record_in() == 0.0:
+            if first or self._results.record_in(now, at_once=self._record_at_once()) == 0.0:
                 self._cond.notify_all()
 
     def _record(self) -> None:
         with self._cond:
-            done, self._results = self._results, []
+            done = self._results.take()
         if not done:
             return
         retry_now = {email.id for email, _ in done
-                     if self._retry_numbers.get(email.id, 0) < self.config.inline_retries
+                     if self.intake.retries_done(email.id) < self.config.inline_retries
                      and not self.dispatching and not self.hand_ticked}
         try:
             report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now,
                                           kept=self._writes)
         except Exception:  # noqa: BLE001 - durability: ok Delivery._record reported it at ERROR, with what happens to the rows
-            self._forget([email.id for email, _ in done])
+            self._settle(BatchReport(not_claimed=[email.id for email, _ in done]))
             return
         self.finished += report.count
         self.lanes.after_record(done, report, dispatching=self.dispatching)
         self._settle(report, retry_now)
         self.hand(report.holders)
 
-    def _settle(self, report: BatchReport, retry_now: set[int] | None = None) -> None:
+    def _settle(self, report: BatchReport, retry_now: Collection[int] = ()) -> None:
         """After a record: schedule in-process retries, tell waiters, forget the rest."""
-        retry_now = retry_now or set()
         with self._cond:
-            self._tell_waiters(report)
+            self._waiters.tell(report)
             for email_id, attempt, error in report.transient:
-                number = self._retry_numbers.pop(email_id, 0) + 1
-                if email_id in retry_now and not self._stopping:
-                    # A throttling server asked for a pause: retry when the row is
-                    # due again, not in a quarter of a second.
-                    pause = max(_retry.THROTTLE_DELAY_SECONDS if error.throttled
-                                else inline_backoff(number), error.retry_after or 0.0)
-                    self._retries[email_id] = (time.monotonic() + pause, number)
-                    continue
-                due_now = email_id in retry_now
-                if self._stopping and due_now:
-                    # Due now and not retried here because this process stops:
-                    # stop() marks it for the next sweep of any process.
-                    self.delivery.note_given_back([email_id])
-                if not self.dispatching:  # a dispatcher takes it again when due
-                    self.delivery.report_left_queued(email_id, attempt, error, due_now=due_now)
-            for email_id in itertools.chain(report.sent, report.failed, report.suppressed,
-                                            report.expired, report.lost,
-                                            report.not_claimed, report.released):
-                self._retry_numbers.pop(email_id, None)
+                self._settle_transient(email_id, attempt, error, due_now=email_id in retry_now)
+            self.intake.settled(itertools.chain(report.sent, report.failed, report.suppressed,
+                                                report.expired, report.lost,
+                                                report.not_claimed, report.released))
             self._cond.notify_all()
 
-    def _forget(self, ids: Sequence[int]) -> None:
-        """Ids this worker will not deliver after all: their waiters stop waiting."""
-        with self._cond:
-            for email_id in ids:
-                self._retry_numbers.pop(email_id, None)
-            self._tell_waiters(BatchReport(not_claimed=list(ids)))
+    def _settle_transient(self, email_id: int, attempt: int, error: TransientError, *,
+                          due_now: bool) -> None:
+        """A transient failure: retried here after a pause, or left queued (and reported).
 
-    def _tell_waiters(self, report: BatchReport) -> None:
-        for waiter in list(self._waiters):
-            if waiter.take(report):
-                self._waiters.remove(waiter)
+        ``due_now``: recorded as due again at once, for this worker to retry.
+        """
+        if due_now and not self.releases.stopping:
+            # A throttling server asked for a pause: retry when the row is due
+            # again, not in a quarter of a second.
+            self.intake.retry(email_id, lambda number: inline_pause(
+                number, throttled=error.throttled, retry_after=error.retry_after))
+            return
+        self.intake.settled([email_id])
+        if due_now:
+            # Not retried here because this process stops: released, and marked
+            # at stop for the next sweep of any process.
+            self.releases.note([email_id])
+        if not self.dispatching:  # a dispatcher takes it again when due
+            self.delivery.report_left_queued(email_id, attempt, error, due_now=due_now)
 
     def _close(self) -> None:
         self.lanes.close()
@@ -728,3 +714,13 @@ class Worker:
             if self._thread is threading.current_thread():
                 self._thread = None
             self._cond.notify_all()
+
+
+def _until(deadline: float | None, now: float) -> float | None:
+    """Seconds from ``now`` to ``deadline`` (None: no deadline)."""
+    return None if deadline is None else deadline - now
+
+
+def _soonest(*times: float | None) -> float | None:
+    """The least of ``times`` that are not None; None if all are."""
+    return min((t for t in times if t is not None), default=None)
