@@ -65,8 +65,11 @@ CRITICAL_CALLEES: dict[str, str] = {
     "mark_sent": "records a delivery (STYLE's name for it)",
     "renew_leases": "the heartbeat; a failure lets another claim send a duplicate",
     "reap_expired": "returns expired leases to queued; a failure strands rows in sending",
-    "publish": "hands committed rows to delivery after the outermost commit",
-    "_publish": "staging's fan-out of committed rows to each app's publish()",
+    "after_commit": "the producer's step after the outermost commit: starts delivery, "
+                    "hands cancelled keys on",
+    "enqueue": "the producer's insert of the rows in the caller's transaction",
+    "insert_emails": "writes many email rows; swallowing it means they were never stored",
+    "advance_keys": "hands the keys of cancelled rows on; a swallowed failure stalls them",
     "hand": "the hand-over of ids to the worker (commits, keys handed on, retries)",
     "advance": "hands a key to its next email; a swallowed failure can stall the key",
     "step": "one worker round: record what came back, claim, put on the stream",
@@ -76,8 +79,8 @@ CRITICAL_CALLEES: dict[str, str] = {
     "set_durable": "the delivery-mode toggle; decides what takes due rows in every process",
     "requeue": "puts rows back to queued (dead-letter retry, durable sweep)",
     "retry": "mail.retry(): puts a dead letter back; swallowing it leaves it failed",
-    "mark_released": "frees rows given back at stop from the age gate; a failure makes "
-                       "them wait OUTBOX_SWEEP_MIN_AGE_SECONDS",
+    "mark_released": "frees rows released at stop from the age gate; a failure makes "
+                     "them wait OUTBOX_SWEEP_MIN_AGE_SECONDS",
 }
 
 # `_degrade`'s reporters -> how they are defined there and called: a "function" at module

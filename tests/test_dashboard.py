@@ -46,8 +46,9 @@ from flask_mail_outbox._operator.dashboard import (
 from flask_mail_outbox.core import Status, attachment_table, email_table
 from flask_mail_outbox.core._dialect import Postgres
 from flask_mail_outbox.core._insert import search_values
+from flask_mail_outbox.core._leases import Outcome
 from flask_mail_outbox.core._queries import get_setting, list_emails, prefix_bounds
-from flask_mail_outbox.core._store import Outcome, Store
+from flask_mail_outbox.core._store import Store
 
 PREFIX = "/outbox"
 XSS = "<script>alert(1)</script>"

@@ -36,7 +36,7 @@ import pytest
 from conftest import close_app, free_port, make_app, poll, rows
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox.core._store import RELEASED
+from flask_mail_outbox.core._sweeping import RELEASED
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -18,6 +18,7 @@ from flask_mail_outbox import (
     TransientError,
 )
 from flask_mail_outbox.core import Worker
+from flask_mail_outbox.core._leases import Reaped
 from flask_mail_outbox.core._pacing import IdleBackoff
 from flask_mail_outbox.core._releases import Releases
 from flask_mail_outbox.core._retry import (
@@ -26,7 +27,6 @@ from flask_mail_outbox.core._retry import (
     longest_unfinished,
     schedule,
 )
-from flask_mail_outbox.core._store import Reaped
 
 # -- the retry policy (pure) -------------------------------------------------------------
 

@@ -248,7 +248,7 @@ def test_commit_wakes_the_dispatcher_long_before_its_next_poll(
 
 def test_outcome_of_a_lost_lease_is_not_recorded(db_url: str) -> None:
     from flask_mail_outbox.core import Status
-    from flask_mail_outbox.core._store import Outcome
+    from flask_mail_outbox.core._leases import Outcome
 
     app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False,
                    OUTBOX_DURABLE=True, OUTBOX_LISTEN=False)  # no process delivers
@@ -286,7 +286,7 @@ def test_one_record_of_several_claims_pairs_each_row_with_its_own_claim(db_url: 
     from sqlalchemy import event as sa_event
 
     from flask_mail_outbox.core import Status
-    from flask_mail_outbox.core._store import Outcome
+    from flask_mail_outbox.core._leases import Outcome
 
     app = make_app(db_url, OUTBOX_TRANSPORT="null", OUTBOX_RUN_WORKER=False,
                    OUTBOX_DURABLE=True, OUTBOX_LISTEN=False)  # no process delivers

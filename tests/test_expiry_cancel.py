@@ -24,7 +24,7 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
 from flask_mail_outbox.core import Status, email_table
-from flask_mail_outbox.core._store import Outcome
+from flask_mail_outbox.core._leases import Outcome
 
 
 @pytest.fixture
@@ -395,3 +395,42 @@ def test_a_cancel_held_open_never_makes_delivery_wait(durable: Flask,
     expected = {head: "sent", second: "cancelled" if ending == "commit" else "sent",
                 third: "sent"}
     assert status_of(durable) == expected
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # row locks
+def test_a_request_that_cancelled_and_then_failed_lets_the_key_go_on(
+        durable: Flask, smtp_server: FaultSMTPServer) -> None:
+    """As above, but the request raises after its cancel: Flask-SQLAlchemy closes the session
+    without a commit or a rollback of its own. The cancel is undone, and the key the head's
+    record left to that request goes on to the cancelled row at once, not at a key repair."""
+    [head, second, third] = queue(durable, *(hello(subject=s) for s in ("1", "2", "3")),
+                                  key="order-7")
+    cancelled = threading.Event()
+    finish = threading.Event()
+
+    @durable.route("/cancel-then-fail")
+    def cancel_then_fail() -> str:
+        mail_of(durable).cancel(second)
+        cancelled.set()
+        finish.wait(60)
+        raise RuntimeError("the view fails after its cancel")
+
+    durable.config["PROPAGATE_EXCEPTIONS"] = False
+    statuses: list[int] = []
+    holder = threading.Thread(
+        target=lambda: statuses.append(durable.test_client().get("/cancel-then-fail").status_code))
+    holder.start()
+    try:
+        assert cancelled.wait(20)
+        ticking = threading.Thread(target=tick, args=(durable,))
+        ticking.start()
+        ticking.join(30)
+        assert not ticking.is_alive(), "the record waited for the request's transaction"
+        assert status_of(durable)[head] == "sent"
+    finally:
+        finish.set()
+        holder.join(30)
+    assert statuses == [500]
+    for _ in range(3):
+        tick(durable)
+    assert status_of(durable) == {head: "sent", second: "sent", third: "sent"}

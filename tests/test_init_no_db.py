@@ -125,3 +125,25 @@ def test_sqlite_is_in_wal_mode_before_the_first_write(tmp_path: Path) -> None:
     with sqlite3.connect(path) as conn:  # WAL is the file's, persistent
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     mail.stop()
+
+
+def test_a_request_that_sends_and_rolls_back_builds_no_delivery_core(tmp_path: Path) -> None:
+    """On SQLite, ``send()`` and a rollback ask the producer for nothing of delivery: no
+    engine of the outbox's own, no worker; the core is made by the first commit that needs it."""
+    db = SQLAlchemy()
+    app = Flask(__name__)
+    app.config.update(SQLALCHEMY_DATABASE_URI=f"sqlite:///{tmp_path / 'app.db'}",
+                      MAIL_DEFAULT_SENDER="shop@example.com", MAIL_SUPPRESS_SEND=True)
+    db.init_app(app)
+    mail = OutboxMail(app)
+    state = app.extensions["mail_outbox"]
+    with app.app_context():
+        mail.create_all()
+        assert state.current_outbox() is None
+        mail.send(Message("hi", recipients=["ann@example.com"], body="x"))
+        db.session.rollback()
+        assert state.current_outbox() is None
+        mail.send(Message("hi", recipients=["ann@example.com"], body="x"))
+        db.session.commit()
+        assert state.current_outbox() is not None  # the commit delivers
+    mail.stop()

@@ -25,7 +25,7 @@ from flask_mail_outbox._degrade import FaultTracker
 from flask_mail_outbox.core import _intake
 from flask_mail_outbox.core._intake import Intake
 from flask_mail_outbox.core._releases import Releases
-from flask_mail_outbox.core._store import RELEASED
+from flask_mail_outbox.core._sweeping import RELEASED
 
 
 class FakeClock:

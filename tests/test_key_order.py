@@ -17,8 +17,8 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail, _degrade
 from flask_mail_outbox.core import Status
-from flask_mail_outbox.core._models import TALLY_LOCK
-from flask_mail_outbox.core._store import Outcome
+from flask_mail_outbox.core._dialect import TALLY_LOCK
+from flask_mail_outbox.core._leases import Outcome
 
 
 @pytest.fixture

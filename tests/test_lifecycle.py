@@ -21,7 +21,7 @@ from flask_sqlalchemy import SQLAlchemy
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox.core._store import RELEASED
+from flask_mail_outbox.core._sweeping import RELEASED
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -327,7 +327,7 @@ def test_the_record_fetches_its_batch_by_primary_key_on_a_queue_with_stale_stati
     ANALYZE (here: empty). The record must fetch its batch by primary key, not
     walk those entries.
     """
-    from flask_mail_outbox.core._store import Outcome
+    from flask_mail_outbox.core._leases import Outcome
 
     engine = worker_app.extensions["mail_outbox"].outbox().engine
     store = worker_app.extensions["mail_outbox"].outbox().store

@@ -601,7 +601,14 @@ def test_the_sql_check_catches_sql_built_from_values() -> None:
 IDENTIFIERS_ONLY = {
     # send_many's PostgreSQL insert: the names of outbox_email's columns (the keys of
     # the row send() builds) and their compiled types; every value is an array parameter.
-    ("core/_insert.py", "INSERT INTO {email_table.name} ({quoted}, created_at) SELECT {selected}"),
+    ("core/_dialect.py", "INSERT INTO {email_table.name} ({quoted}, created_at) SELECT {selected}"),
+    # The record of sent rows, on each database: constant fragments joined by a flag
+    # (scrub the MIME, provider ids given); the rows are bound parameters.
+    ("core/_dialect.py", "UPDATE outbox_email AS e SET status = 'sent'"),
+    ("core/_dialect.py", "UPDATE outbox_email SET status = 'sent', sent_at = :now"),
+    # The PostgreSQL claim: the module's constant SQL fragments, joined with and without
+    # the reap; its values are the declared bind parameters.
+    ("core/_claim.py", "_pg_statement(sql) gets non-literal SQL"),
 }
 
 

@@ -45,7 +45,7 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.core import email_table
-from flask_mail_outbox.core._store import RELEASED
+from flask_mail_outbox.core._sweeping import RELEASED
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

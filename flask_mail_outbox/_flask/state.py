@@ -86,6 +86,8 @@ class AppState:
         #: or `flask outbox worker --concurrency` before the core is created.
         self.concurrency = config.concurrency
         self._outbox: Outbox | None = None
+        #: The core's commit protocol; it asks for this process's core only when it needs it.
+        self.producer = Producer(self.outbox, config)
         self._lock = threading.Lock()
         self.scheduler: SweepScheduler | None = None
         #: This app is served by this process or by workers forked from it: the
@@ -123,9 +125,6 @@ class AppState:
 
     # -- the producer's protocol (the core's; staging keeps the tickets) ---------------------
 
-    def producer(self) -> Producer:
-        """The commit protocol of this process's core."""
-        return Producer(self.outbox())
 
     def queue(self, rows: Sequence[QueuedRow]) -> list[int]:
         """Insert prepared rows in the current ``db.session`` transaction; their ids.
@@ -136,7 +135,7 @@ class AppState:
         if not rows:
             return []
         session = self.db.session()
-        tickets = self.producer().enqueue(session, rows)
+        tickets = self.producer.enqueue(session, rows)
         staging.keep(session, self, tickets)
         return [t.email_id for t in tickets]
 
@@ -144,18 +143,18 @@ class AppState:
                idempotency_key: str | None) -> tuple[int, int]:
         """Cancel in the current transaction; ``(cancelled, in_flight)`` (see ``mail.cancel``)."""
         session = self.db.session()
-        tickets, in_flight = self.producer().cancel(session, email_ids=email_ids, key=key,
+        tickets, in_flight = self.producer.cancel(session, email_ids=email_ids, key=key,
                                                     idempotency_key=idempotency_key)
         staging.keep(session, self, tickets)
         return len(tickets), in_flight
 
     def before_commit(self, session: Any, tickets: list[Ticket]) -> None:
         """Inside the outermost transaction that queued email, just before its commit."""
-        self.producer().before_commit(session, tickets)
+        self.producer.before_commit(session, tickets)
 
     def after_commit(self, tickets: list[Ticket]) -> None:
         """After the outermost commit: ``email_queued``, the jobs, then delivery."""
-        new = [t for t in tickets if t.created and not t.cancelled]
+        new = [t for t in tickets if t.is_new]
         if new and email_queued.receivers:
             for ticket in new:
                 try:
@@ -165,19 +164,19 @@ class AppState:
                                      "%s); delivery goes on", ticket.email_id)
         if new:
             self.ensure_started()
-        self.producer().after_commit(tickets)
+        self.producer.after_commit(tickets)
 
     def after_rollback(self, tickets: list[Ticket]) -> None:
         """A transaction (or savepoint) that held ``tickets`` rolled back."""
-        self.producer().after_rollback(tickets)
+        self.producer.after_rollback(tickets)
 
     def forget(self, tickets: list[Ticket]) -> tuple[list[int], list[int]]:
         """A transaction that held ``tickets`` ended uncommitted (see ``Producer.forget``)."""
-        return self.producer().forget(tickets)
+        return self.producer.forget(tickets)
 
     def deliver_committed(self, ids: Sequence[int]) -> None:
         """Start delivering rows committed outside ``send()`` (a retry); never raises."""
-        self.producer().after_commit([Ticket(email_id=email_id) for email_id in ids])
+        self.producer.after_commit([Ticket(email_id=email_id) for email_id in ids])
 
     # -- the core's callbacks: the app's signals --------------------------------------
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from ._config import load_config
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
+from ._leases import ClaimedEmail
 from ._models import (
     Status,
     attachment_table,
@@ -51,7 +52,6 @@ from ._producer import Producer, Ticket
 from ._queries import HourCount, Reader
 from ._rows import QueuedRow, prepare_row
 from ._settings import OutboxConfig, Rate, TransportSpec
-from ._store import ClaimedEmail
 from ._suppression import Suppression
 from ._sweep import SweepReport, run_sweep
 from ._worker import Worker

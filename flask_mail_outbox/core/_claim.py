@@ -3,7 +3,7 @@
 Read top to bottom: the predicate of a claimable row (the sweep's selection
 uses it too), the order a claim takes rows in, PostgreSQL's claim (one
 statement, with the reap), SQLite's pick, and the reap. Run by the store
-(:class:`._store.Leases`) through its database's strategy
+(:class:`._leases.Leases`) through its database's strategy
 (:meth:`._dialect.Dialect.claim_due`), which also writes the claim's lease on
 SQLite. "Now" is the store's (:meth:`._dialect.Dialect.now`): the database
 clock on PostgreSQL, the store's clock on SQLite.
@@ -29,7 +29,7 @@ Now = Callable[[], sa.ColumnElement[datetime]]
 #: claim, like every record, overwrites it.
 SCHEDULED = "scheduled"
 
-#: What a claim returns of each row (see :meth:`._store.Leases.claim_due`).
+#: What a claim returns of each row (see :meth:`._leases.Leases.claim_due`).
 CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sender,
                    email_table.c.recipients, email_table.c.mime, email_table.c.message_id,
                    # created_at before key: the PostgreSQL claim's UNION with the

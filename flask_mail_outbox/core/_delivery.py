@@ -37,11 +37,13 @@ from .._events import DeliveryEvent
 from .._outside import TEXT_LIMIT, clean_line, clean_text
 from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Transport
 from ._clock import utcnow
+from ._database import KeptConnection
 from ._events import EventLog
+from ._leases import ClaimedEmail, Outcome, Reaped, Recorded
 from ._models import Status
 from ._releases import Releases
 from ._retry import Decision, RetryPolicy
-from ._store import ClaimedEmail, KeptConnection, Outcome, Reaped, Recorded, Store
+from ._store import Store
 from ._suppression import UNKNOWN_RECIPIENT
 
 if TYPE_CHECKING:

@@ -47,11 +47,7 @@ from . import _claim
 from ._clock import utcnow
 from ._listen import CHANNEL
 from ._models import (
-    PG_TALLY_BACKFILL,
-    PG_TALLY_DDL,
-    SQLITE_TALLY_BACKFILL,
-    SQLITE_TALLY_DDL,
-    TALLY_LOCK,
+    TALLIED,
     Status,
     email_table,
     metadata,
@@ -244,7 +240,7 @@ class Dialect(abc.ABC):
 
         One statement for the whole batch, built once and only bound per
         record; the guard (still ``sending`` under that claim) is written so
-        that it cannot steer the plan (see :meth:`._store.Leases.record`).
+        that it cannot steer the plan (see :meth:`._leases.Leases.record`).
         Returns the ids it changed.
         """
 
@@ -268,6 +264,97 @@ class Dialect(abc.ABC):
                                                                      dict[str, int]]:
         """Replace the tally's rows with ``counted``: ``(kept, recounted)`` totals per status."""
 
+
+# -- PostgreSQL's tally: statement-level triggers ---------------------------------------
+
+_TALLIED_SQL = "(" + ", ".join(f"'{status.value}'" for status in TALLIED) + ")"
+
+#: Two-integer advisory lock ("ta"): held by whoever folds or recounts the tally
+#: (PostgreSQL), so that one of them at a time deletes its rows.
+TALLY_LOCK = (0x7461, 0)
+
+_PG_HOUR = ("CASE WHEN status = 'sent'"
+            " THEN CAST(floor(extract(epoch FROM sent_at) / 3600) AS bigint) END")
+# Statement-level: one appended row per key a statement changed, whatever the
+# number of rows. INSERT only appends (send() must lock nothing shared);
+# UPDATE and DELETE fold, at every 64th appended row, unless someone else is
+# folding (a try-lock: nothing waits). TRUNCATE empties it.
+_PG_FUNCTION = f"""\
+CREATE OR REPLACE FUNCTION outbox_tally_rows() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    fold boolean;
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        PERFORM pg_advisory_xact_lock({TALLY_LOCK[0]}, {TALLY_LOCK[1]});
+        DELETE FROM outbox_tally;
+        RETURN NULL;
+    ELSIF TG_OP = 'INSERT' THEN
+        INSERT INTO outbox_tally (status, sent_hour, n)
+        SELECT status, {_PG_HOUR}, count(*) FROM new_rows
+        WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2;
+        RETURN NULL;
+    ELSIF TG_OP = 'DELETE' THEN
+        WITH added AS (
+            INSERT INTO outbox_tally (status, sent_hour, n)
+            SELECT status, {_PG_HOUR}, -count(*) FROM old_rows
+            WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2
+            RETURNING id)
+        SELECT bool_or(mod(id, 64) = 0) INTO fold FROM added;
+    ELSE
+        WITH added AS (
+            INSERT INTO outbox_tally (status, sent_hour, n)
+            SELECT status, sent_hour, sum(n) FROM (
+                SELECT status, {_PG_HOUR} AS sent_hour, -1 AS n FROM old_rows
+                WHERE status IN {_TALLIED_SQL}
+                UNION ALL
+                SELECT status, {_PG_HOUR}, 1 FROM new_rows
+                WHERE status IN {_TALLIED_SQL}) AS moved
+            GROUP BY status, sent_hour HAVING sum(n) <> 0
+            RETURNING id)
+        SELECT bool_or(mod(id, 64) = 0) INTO fold FROM added;
+    END IF;
+    -- Only where each statement sees what the last fold committed (READ COMMITTED):
+    -- a REPEATABLE READ snapshot may hold rows another fold deleted since.
+    IF fold AND current_setting('transaction_isolation') = 'read committed'
+            AND pg_try_advisory_xact_lock({TALLY_LOCK[0]}, {TALLY_LOCK[1]}) THEN
+        WITH keys AS (
+            SELECT status, coalesce(sent_hour, -1) AS hour FROM outbox_tally
+            GROUP BY 1, 2 HAVING count(*) > 1),
+        folded AS (
+            DELETE FROM outbox_tally
+            WHERE (status, coalesce(sent_hour, -1)) IN (SELECT status, hour FROM keys)
+            RETURNING status, sent_hour, n)
+        INSERT INTO outbox_tally (status, sent_hour, n)
+        SELECT status, sent_hour, sum(n) FROM folded
+        GROUP BY status, sent_hour HAVING sum(n) <> 0;
+    END IF;
+    RETURN NULL;
+END
+$$"""
+
+
+def _pg_trigger(event: str, referencing: str) -> str:
+    return (f"CREATE TRIGGER outbox_tally_{event.lower()} AFTER {event} ON outbox_email"
+            f" REFERENCING {referencing} FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()")
+
+
+#: The tally's triggers on PostgreSQL, in the order they are created (run by
+#: :meth:`._dialect.Dialect.create_tally`). The migration that creates them
+#: (outbox_0001) holds the same text: a test compares the catalogs.
+PG_TALLY_DDL = (
+    _PG_FUNCTION,
+    _pg_trigger("INSERT", "NEW TABLE AS new_rows"),
+    _pg_trigger("UPDATE", "OLD TABLE AS old_rows NEW TABLE AS new_rows"),
+    _pg_trigger("DELETE", "OLD TABLE AS old_rows"),
+    ("CREATE TRIGGER outbox_tally_truncate AFTER TRUNCATE ON outbox_email"
+    " FOR EACH STATEMENT EXECUTE FUNCTION outbox_tally_rows()"),
+)
+
+#: Counts the rows already in ``outbox_email`` into a new ``outbox_tally`` (as the
+#: triggers would), on PostgreSQL.
+PG_TALLY_BACKFILL = (
+    f"INSERT INTO outbox_tally (status, sent_hour, n) SELECT status, {_PG_HOUR},"
+    f" count(*) FROM outbox_email WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2")
 
 class Postgres(Dialect):
     """PostgreSQL: the database clock, advisory locks, one-statement claims, NOTIFY."""
@@ -470,6 +557,50 @@ class Postgres(Dialect):
         for status, was, now in rows:
             kept[status], recounted[status] = int(was), int(now)
         return kept, recounted
+
+
+# -- SQLite's tally: row-level triggers -------------------------------------------------
+
+def _sqlite_tallied(column: str) -> str:
+    """``column IN (tallied)`` as OR-ed equalities: in a trigger SQLite builds an IN list's
+    lookup table anew for every row, a cost every claimed row would pay."""
+    return "(" + " OR ".join(f"{column} = '{status.value}'" for status in TALLIED) + ")"
+
+
+def _sqlite_add(row: str, sign: str) -> str:
+    """SQLite: add ``sign`` 1 to the total of ``row`` (NEW or OLD), when its status is tallied."""
+    hour = (f"CASE WHEN {row}.status = 'sent'"
+            f" THEN CAST(strftime('%s', {row}.sent_at) AS INTEGER) / 3600 END")
+    return (f"    UPDATE outbox_tally SET n = n {sign} 1"
+            f" WHERE status = {row}.status AND sent_hour IS {hour};\n"
+            f"    INSERT INTO outbox_tally (status, sent_hour, n) SELECT {row}.status, {hour}, {sign}1"
+            f" WHERE {_sqlite_tallied(row + '.status')} AND NOT EXISTS (SELECT 1 FROM outbox_tally"
+            f" WHERE status = {row}.status AND sent_hour IS {hour});\n")
+
+
+def _sqlite_trigger(event: str, when: str, body: str) -> str:
+    return (f"CREATE TRIGGER outbox_tally_{event.split()[0].lower()} AFTER {event}"
+            f" ON outbox_email\nWHEN {when}\nBEGIN\n{body}END")
+
+
+#: The tally's triggers on SQLite (see :data:`PG_TALLY_DDL`): writers are serialized,
+#: so they update one row per key in place.
+SQLITE_TALLY_DDL = (
+    _sqlite_trigger("INSERT", _sqlite_tallied("NEW.status"), _sqlite_add("NEW", "+")),
+    _sqlite_trigger(
+        "UPDATE OF status, sent_at",
+        f"({_sqlite_tallied('OLD.status')} OR {_sqlite_tallied('NEW.status')})"
+        " AND (OLD.status IS NOT NEW.status OR OLD.sent_at IS NOT NEW.sent_at)",
+        _sqlite_add("OLD", "-") + _sqlite_add("NEW", "+")),
+    _sqlite_trigger("DELETE", _sqlite_tallied("OLD.status"), _sqlite_add("OLD", "-")),
+)
+
+#: Counts the rows already in ``outbox_email`` into a new ``outbox_tally``, on SQLite.
+SQLITE_TALLY_BACKFILL = (
+    "INSERT INTO outbox_tally (status, sent_hour, n) SELECT status, CASE WHEN"
+    " status = 'sent' THEN CAST(strftime('%s', sent_at) AS INTEGER) / 3600 END,"
+    f" count(*) FROM outbox_email WHERE status IN {_TALLIED_SQL} GROUP BY 1, 2")
+
 
 
 class SQLite(Dialect):

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from . import _ordering
 from ._clock import utcnow
-from ._dialect import Dialect, dialect_named, dialect_of
+from ._dialect import Dialect, dialect_of
 from ._models import (
     SEARCH_RECIPIENT_LENGTH,
     SEARCH_SUBJECT_LENGTH,
@@ -32,9 +32,9 @@ from ._models import (
 _INSERT_CLAUSE = email_table.insert()
 
 
-def email_dialect(session: Session) -> str:
-    """The name of the database ``session`` writes emails to (see :func:`._dialect.dialect_named`)."""
-    return dialect_of(session.get_bind(clause=_INSERT_CLAUSE)).name
+def email_dialect(session: Session) -> Dialect:
+    """The strategy of the database ``session`` writes emails to."""
+    return dialect_of(session.get_bind(clause=_INSERT_CLAUSE))
 
 
 def email_connection(session: Session) -> Connection:
@@ -44,7 +44,7 @@ def email_connection(session: Session) -> Connection:
 
 def insert_email(session: Session, values: dict[str, Any], attachments: Sequence[dict[str, Any]],
                  *, clock: Callable[[], datetime] = utcnow,
-                 notify: bool = False, dialect: str | None = None,
+                 notify: bool = False, dialect: Dialect | None = None,
                  recipients: Sequence[str] | None = None) -> tuple[int, bool, bool]:
     """Insert one email row in the caller's ``session``; returns ``(id, created, waits)``.
 
@@ -63,7 +63,7 @@ def insert_email(session: Session, values: dict[str, Any], attachments: Sequence
     earlier one of its key open: its commit must :func:`._ordering.advance`
     the key (see there).
     """
-    strategy = dialect_named(email_dialect(session) if dialect is None else dialect)
+    strategy = email_dialect(session) if dialect is None else dialect
     values = dict(values)
     values.update(search_values(values["recipients"] if recipients is None else recipients,
                                 values["subject"]))
@@ -80,12 +80,12 @@ def insert_email(session: Session, values: dict[str, Any], attachments: Sequence
 
 def insert_emails(session: Session, rows: Sequence[tuple[dict[str, Any], Sequence[dict[str, Any]]]],
                   *, key: str | None, clock: Callable[[], datetime] = utcnow,
-                  notify: bool = False, dialect: str | None = None) -> list[tuple[int, bool]]:
+                  notify: bool = False, dialect: Dialect | None = None) -> list[tuple[int, bool]]:
     """Insert many email rows in ``session``, as N :func:`insert_email` would; ``[(id, waits)]``.
 
     ``rows`` are ``(values, attachments)`` pairs in send order, all with the same
     ``key`` (or none) and no idempotency key. Keyless, they go in one multi-row
-    INSERT (SQLAlchemy's insertmanyvalues, ids returned in parameter order).
+    INSERT (:meth:`._dialect.Dialect.insert_rows`, ids in row order).
     With a key, the first goes through :func:`insert_email` (the producer lock,
     and ``key_head`` when nothing of its key is open) and the rest in one
     multi-row INSERT behind it: none of them can hold the key, and on
@@ -94,16 +94,14 @@ def insert_emails(session: Session, rows: Sequence[tuple[dict[str, Any], Sequenc
     """
     if not rows:
         return []
-    if dialect is None:
-        dialect = email_dialect(session)
-    strategy = dialect_named(dialect)
+    strategy = email_dialect(session) if dialect is None else dialect
     results: list[tuple[int, bool]] = []
     rest = rows
     if key is not None:
         first_values, first_attachments = rows[0]
         email_id, _, waits = insert_email(session, dict(first_values, key=key),
                                           first_attachments, clock=clock, notify=notify,
-                                          dialect=dialect)
+                                          dialect=strategy)
         results.append((email_id, waits))
         rest = rows[1:]
     batch = [_batch_values(values, key, strategy, clock) for values, _ in rest]

@@ -28,8 +28,9 @@ from ._rate import LEARN_WINDOW_SECONDS, RateForgotten, SharedRate, Slots
 if TYPE_CHECKING:
     from .._compose.verp import VerpAddresses
     from ..transports import Envelope, Report, Sending, Transport
+    from ._leases import ClaimedEmail
     from ._settings import OutboxConfig
-    from ._store import ClaimedEmail, Store
+    from ._store import Store
 
 logger = logging.getLogger(__name__)
 

@@ -375,7 +375,8 @@ class Leases:
         cancels, which may be its key's next one: delivery must not wait for
         the request (leases would run out meanwhile). Past a short lock timeout
         the key is left to that request, whose commit or rollback hands it on
-        (see ``_flask.state``); the sweep's key repair is the backstop.
+        (:meth:`._producer.Producer.after_commit` or :meth:`~._producer.Producer.forget`);
+        the sweep's key repair is the backstop.
         """
         holders = self.db.dialect.advance_unblocked(tx, sorted(set(keys)))
         if holders is None:

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.orm import Session
 
 from .. import _degrade
-from ._dialect import dialect_named
+from ._dialect import Dialect
 from ._insert import (
     cancel_emails,
     email_connection,
@@ -46,6 +46,7 @@ from ._listen import notify_statement
 from ._ordering import advance
 from ._outbox import Mode, Outbox
 from ._rows import QueuedRow
+from ._settings import OutboxConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,31 @@ class Ticket:
     cancelled: bool = False
     key: str | None = None
 
+    @property
+    def is_new(self) -> bool:
+        """A row this transaction added: its commit delivers it."""
+        return self.created and not self.cancelled
+
 
 class Producer:
-    """The commit protocol of one :class:`~._outbox.Outbox` (see the module docstring)."""
+    """The commit protocol of one :class:`~._outbox.Outbox` (see the module docstring).
 
-    def __init__(self, outbox: Outbox) -> None:
-        self.outbox = outbox
+    ``outbox`` is the :class:`~._outbox.Outbox`, or a function that returns it
+    when first needed (the Flask integration's, made on first use and again
+    after a fork; then ``config`` is its settings): a transaction that only
+    queues email on SQLite asks for no outbox until its commit.
+    """
+
+    def __init__(self, outbox: Outbox | Callable[[], Outbox],
+                 config: OutboxConfig | None = None) -> None:
+        if isinstance(outbox, Outbox):
+            self._outbox: Callable[[], Outbox] = lambda: outbox
+            self.config = outbox.config if config is None else config
+        elif config is None:
+            raise TypeError("Producer(outbox_function) needs the config too")
+        else:
+            self._outbox = outbox
+            self.config = config
 
     # -- in the transaction ----------------------------------------------------------
 
@@ -116,8 +136,8 @@ class Producer:
         """
         cancelled, in_flight = cancel_emails(session, email_ids=email_ids, key=key,
                                              idempotency_key=idempotency_key)
-        tickets = [Ticket(email_id=email_id, due_now=False, notified=True, cancelled=True,
-                          key=row_key) for email_id, row_key in cancelled]
+        tickets = [Ticket(email_id=email_id, cancelled=True, key=row_key)
+                   for email_id, row_key in cancelled]
         return tickets, in_flight
 
     def before_commit(self, session: Session, tickets: Sequence[Ticket]) -> None:
@@ -125,7 +145,7 @@ class Producer:
         keys = {t.waits_on_key for t in tickets if t.waits_on_key is not None}
         if keys:
             advance(email_connection(session), keys)
-        if any(t.created and not t.cancelled and not t.notified for t in tickets) \
+        if any(t.is_new and not t.notified for t in tickets) \
                 and self._notifies(email_dialect(session)):
             session.execute(notify_statement())
 
@@ -133,14 +153,18 @@ class Producer:
 
     def after_commit(self, tickets: Sequence[Ticket]) -> None:
         """Start the committed rows on their way, hand cancelled keys on; never raises."""
-        cancelled = [t for t in tickets if t.cancelled]
-        if cancelled:
-            self._hand_on_keys(cancelled)
-        new = [t for t in tickets if t.created and not t.cancelled]
-        if new:
-            self._deliver_soon([t.email_id for t in new if t.due_now],
-                               urgent={t.email_id for t in new if t.urgent},
-                               scheduled=[t.email_id for t in new if not t.due_now])
+        self._hand_on_keys([t for t in tickets if t.cancelled])
+        due: list[int] = []
+        urgent: set[int] = set()
+        scheduled: list[int] = []
+        for ticket in tickets:
+            if not ticket.is_new:
+                continue
+            (due if ticket.due_now else scheduled).append(ticket.email_id)
+            if ticket.urgent:
+                urgent.add(ticket.email_id)
+        if due or scheduled:
+            self._deliver_soon(due, urgent=urgent, scheduled=scheduled)
 
     def after_rollback(self, tickets: Sequence[Ticket]) -> None:
         """The transaction (or savepoint) holding ``tickets`` rolled back: forget them."""
@@ -157,22 +181,20 @@ class Producer:
 
         Returns the ids of the discarded sends and of the undone cancels. A
         record that found a cancelled row's key locked by that transaction
-        left the key to it (see ``Store._advance_recorded``): it is handed on now.
+        left the key to it (see ``Leases._advance_recorded``): it is handed on now.
         """
         cancelled = [t for t in tickets if t.cancelled]
-        if cancelled:
-            self._hand_on_keys(cancelled)
-        return ([t.email_id for t in tickets if t.created and not t.cancelled],
-                [t.email_id for t in cancelled])
+        self._hand_on_keys(cancelled)
+        return [t.email_id for t in tickets if t.is_new], [t.email_id for t in cancelled]
 
-    def _notifies(self, dialect: str) -> bool:
+    def _notifies(self, dialect: Dialect) -> bool:
         """Whether a commit of new rows sends the NOTIFY (durable mode, PostgreSQL, LISTEN)."""
-        return (self.outbox.config.listen and dialect_named(dialect).listens
-                and self.outbox.mode() is Mode.DURABLE)
+        return (dialect.listens and self.config.listen
+                and self._outbox().mode() is Mode.DURABLE)
 
     def _deliver_soon(self, ids: list[int], *, urgent: set[int], scheduled: list[int]) -> None:
         try:
-            self.outbox.deliver_soon(ids, urgent=urgent, scheduled=scheduled)
+            self._outbox().deliver_soon(ids, urgent=urgent, scheduled=scheduled)
         except Exception as exc:  # noqa: BLE001 - the commit succeeded; never fail it now
             every = [*ids, *scheduled]
             _degrade.report(
@@ -190,7 +212,7 @@ class Producer:
         if not keys:
             return
         try:
-            holders = self.outbox.store.advance_keys(keys)
+            holders = self._outbox().store.advance_keys(keys)
         except Exception as exc:  # noqa: BLE001 - the cancel committed; the sweep heals keys
             _degrade.report(
                 f"Could not hand on the keys {sorted(keys)[:20]} of {len(cancelled)} "

@@ -4,7 +4,7 @@
 settings into a :class:`QueuedRow` (its column values and attachments'
 metadata), raising :class:`~flask_mail_outbox.InvalidMessage` naming the field
 on bad input. The checks of ``send()``'s other arguments are here too. Writing
-the row is :func:`._insert.insert_emails`'s.
+the row is :meth:`._producer.Producer.enqueue`'s.
 """
 
 from __future__ import annotations

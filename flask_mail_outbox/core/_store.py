@@ -24,14 +24,11 @@ from datetime import datetime
 
 from sqlalchemy.engine import Engine
 
-from ._admin import RETRY_ALL_KEYS_PER_TRANSACTION, Admin
+from ._admin import Admin
 from ._clock import utcnow
-from ._database import Database, KeptConnection
-from ._leases import ClaimedEmail, Leases, Outcome, Reaped, Recorded
-from ._sweeping import RELEASED, Sweeping
-
-__all__ = ["RELEASED", "RETRY_ALL_KEYS_PER_TRANSACTION", "ClaimedEmail", "KeptConnection",
-           "Outcome", "Reaped", "Recorded", "Store"]
+from ._database import Database
+from ._leases import Leases
+from ._sweeping import Sweeping
 
 
 class Store(Database):

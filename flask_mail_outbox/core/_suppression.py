@@ -26,7 +26,8 @@ from ._models import suppression_table
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-    from ._store import ClaimedEmail, Store
+    from ._leases import ClaimedEmail
+    from ._store import Store
 
 #: Why an address is suppressed.
 REASONS = ("bounced", "complained", "unsubscribed", "manual")

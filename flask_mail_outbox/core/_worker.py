@@ -8,7 +8,7 @@ work from two sources:
   own in-process retries once their pause is over, and the rows a commit
   queued with a ``send_after`` once they are due (:meth:`Worker.schedule`),
   all waiting in its :class:`~._intake.Intake`;
-* due rows it claims itself (:meth:`~._store.Store.claim_due`) when it is a
+* due rows it claims itself (:meth:`~._leases.Leases.claim_due`) when it is a
   *dispatcher* (durable mode, ``flask outbox worker``): at its poll, or at
   once when a commit or a NOTIFY wakes it.
 
@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from ._clock import utcnow
+from ._database import KeptConnection
 from ._delivery import (
     Attempt,
     BatchReport,
@@ -52,8 +53,8 @@ from ._delivery import (
 )
 from ._intake import TAKEN_LATER, Intake
 from ._lanes import Lanes
+from ._leases import ClaimedEmail, Reaped
 from ._pacing import IdleBackoff, ReapSchedule, inline_pause
-from ._store import ClaimedEmail, KeptConnection, Reaped
 
 if TYPE_CHECKING:
     from .._errors import TransientError
