@@ -61,7 +61,6 @@ Kept = list[tuple[Publisher, Ticket]]
 
 def keep(session: Session, publisher: Publisher, tickets: Sequence[Ticket]) -> None:
     """Keep ``tickets`` (in order) on the session's innermost active transaction."""
-    tickets = [t for t in tickets if t.created or t.cancelled]
     if not tickets:
         return
     trans = session.get_nested_transaction() or session.get_transaction()

@@ -154,15 +154,16 @@ class AppState:
 
     def after_commit(self, tickets: list[Ticket]) -> None:
         """After the outermost commit: ``email_queued``, the jobs, then delivery."""
-        new = [t for t in tickets if t.is_new]
-        if new and email_queued.receivers:
-            for ticket in new:
+        if email_queued.receivers:
+            for ticket in tickets:
+                if not ticket.is_new:
+                    continue
                 try:
                     email_queued.send(self.app, email_id=ticket.email_id)
                 except Exception:
                     logger.exception("A receiver of the email_queued signal raised (email "
                                      "%s); delivery goes on", ticket.email_id)
-        if new:
+        if any(t.is_new for t in tickets):
             self.ensure_started()
         self.producer.after_commit(tickets)
 
