@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from conftest import close_app, db, make_app, poll, rows, wait_rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
@@ -454,5 +455,41 @@ def test_notify_survives_a_rolled_back_savepoint(pg_database: str | None) -> Non
                 mail.send(Message("rolled back", recipients=["a@example.com"], body="x"))
                 db.session.rollback()
             assert list(listener.notifies(timeout=1, stop_after=1)) == []
+    finally:
+        close_app(app)
+
+
+@pytest.mark.parametrize("retry_all", [False, True])
+def test_a_dead_letter_put_back_wakes_the_dispatchers_of_every_process(
+        pg_database: str | None, retry_all: bool) -> None:
+    """``retry()`` and ``retry_all()`` commit in the outbox's own transaction, with no commit
+    of the caller to carry the NOTIFY: one goes out after them, so a worker in another process
+    takes the row at once, not at its next poll (up to OUTBOX_POLL_MAX_INTERVAL)."""
+    from conftest import require_postgres
+
+    require_postgres()
+    import psycopg
+
+    from flask_mail_outbox.core._listen import CHANNEL, libpq_url
+
+    assert pg_database is not None
+    app = make_app(pg_database, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                   OUTBOX_TRANSPORT="null")
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            email_id = mail.send(Message("dead", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+            db.session.execute(sa.text("UPDATE outbox_email SET status = 'failed' WHERE id = :id"),
+                               {"id": email_id})
+            db.session.commit()
+        with psycopg.connect(libpq_url(pg_database), autocommit=True) as listener:
+            listener.execute(f"LISTEN {CHANNEL}")
+            with app.app_context():
+                if retry_all:
+                    assert mail.retry_all() == 1
+                else:
+                    mail.retry(email_id)
+            assert len(list(listener.notifies(timeout=5, stop_after=1))) == 1
     finally:
         close_app(app)

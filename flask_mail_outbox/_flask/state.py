@@ -177,7 +177,7 @@ class AppState:
 
     def deliver_committed(self, ids: Sequence[int]) -> None:
         """Start delivering rows committed outside ``send()`` (a retry); never raises."""
-        self.producer.after_commit([Ticket(email_id=email_id) for email_id in ids])
+        self.producer.after_store_commit(ids)
 
     # -- the core's callbacks: the app's signals --------------------------------------
 

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection, Engine
 from . import _ordering
 from ._clock import utcnow
 from ._dialect import Dialect, dialect_of
+from ._listen import notify_statement
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,6 +84,12 @@ class Database:
             return []
         with self.write() as conn:
             return _ordering.advance(conn, wanted)
+
+    def notify(self) -> None:
+        """Wake every process's listening dispatcher now (PostgreSQL; its own statement)."""
+        with self.engine.connect() as conn:
+            conn.execute(notify_statement())
+            conn.commit()
 
 
 class KeptConnection:

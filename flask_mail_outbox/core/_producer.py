@@ -177,6 +177,30 @@ class Producer:
         if due or scheduled:
             self._deliver_soon(due, urgent=urgent, scheduled=scheduled)
 
+    def after_store_commit(self, ids: Sequence[int]) -> None:
+        """Rows the outbox's own transaction made due (dead letters put back); never raises.
+
+        No caller's commit carried a NOTIFY for them: in durable mode on
+        PostgreSQL one goes out now, so the dispatchers of every process take
+        them at once rather than at their next poll; then they start here as
+        after :meth:`after_commit`.
+        """
+        if not ids:
+            return
+        try:
+            outbox = self._outbox()
+            if self._notifies(outbox.store.dialect):
+                outbox.store.notify()
+        except Exception as exc:  # noqa: BLE001 - the rows are queued; a poll takes them
+            _degrade.report(
+                f"Could not wake the dispatchers for {len(ids)} email(s) {list(ids)[:20]} "
+                "put back",
+                consequence="they are queued; the dispatchers of other processes take them at "
+                            "their next poll (up to OUTBOX_POLL_MAX_INTERVAL)",
+                fix="check the database connection",
+                exc=exc)
+        self.after_commit([Ticket(email_id) for email_id in ids])
+
     def after_rollback(self, tickets: Sequence[Ticket]) -> None:
         """The transaction (or savepoint) holding ``tickets`` rolled back: forget them."""
         discarded, undone = self.forget(tickets)
