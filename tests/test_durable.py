@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -428,7 +430,9 @@ def test_inline_follower_waits_for_its_heads_retry_not_for_the_sweep(
     assert [m.parsed["Subject"] for m in smtp_server.messages] == ["head", "follower"]
 
 
-def test_notify_survives_a_rolled_back_savepoint(pg_database: str | None) -> None:
+@contextlib.contextmanager
+def listened_web_app(pg_database: str | None) -> Iterator[tuple[Flask, Any]]:
+    """A durable app that runs no worker, and a connection LISTENing on the outbox's channel."""
     from conftest import require_postgres
 
     require_postgres()
@@ -439,24 +443,29 @@ def test_notify_survives_a_rolled_back_savepoint(pg_database: str | None) -> Non
     assert pg_database is not None
     app = make_app(pg_database, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                    OUTBOX_TRANSPORT="null")
-    mail: OutboxMail = app.extensions["test_mail"]
     try:
         with psycopg.connect(libpq_url(pg_database), autocommit=True) as listener:
             listener.execute(f"LISTEN {CHANNEL}")
-            with app.app_context():
-                nested = db.session.begin_nested()
-                mail.send(Message("gone", recipients=["a@example.com"], body="x"))
-                nested.rollback()
-                mail.send(Message("kept", recipients=["a@example.com"], body="x"))
-                db.session.commit()
-            received = list(listener.notifies(timeout=5, stop_after=1))
-            assert len(received) == 1
-            with app.app_context():
-                mail.send(Message("rolled back", recipients=["a@example.com"], body="x"))
-                db.session.rollback()
-            assert list(listener.notifies(timeout=1, stop_after=1)) == []
+            yield app, listener
     finally:
         close_app(app)
+
+
+def test_notify_survives_a_rolled_back_savepoint(pg_database: str | None) -> None:
+    with listened_web_app(pg_database) as (app, listener):
+        mail: OutboxMail = app.extensions["test_mail"]
+        with app.app_context():
+            nested = db.session.begin_nested()
+            mail.send(Message("gone", recipients=["a@example.com"], body="x"))
+            nested.rollback()
+            mail.send(Message("kept", recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        received = list(listener.notifies(timeout=5, stop_after=1))
+        assert len(received) == 1
+        with app.app_context():
+            mail.send(Message("rolled back", recipients=["a@example.com"], body="x"))
+            db.session.rollback()
+        assert list(listener.notifies(timeout=1, stop_after=1)) == []
 
 
 @pytest.mark.parametrize("retry_all", [False, True])
@@ -465,31 +474,18 @@ def test_a_dead_letter_put_back_wakes_the_dispatchers_of_every_process(
     """``retry()`` and ``retry_all()`` commit in the outbox's own transaction, with no commit
     of the caller to carry the NOTIFY: one goes out after them, so a worker in another process
     takes the row at once, not at its next poll (up to OUTBOX_POLL_MAX_INTERVAL)."""
-    from conftest import require_postgres
-
-    require_postgres()
-    import psycopg
-
-    from flask_mail_outbox.core._listen import CHANNEL, libpq_url
-
-    assert pg_database is not None
-    app = make_app(pg_database, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
-                   OUTBOX_TRANSPORT="null")
-    mail: OutboxMail = app.extensions["test_mail"]
-    try:
+    with listened_web_app(pg_database) as (app, listener):
+        mail: OutboxMail = app.extensions["test_mail"]
         with app.app_context():
             email_id = mail.send(Message("dead", recipients=["a@example.com"], body="x"))
             db.session.commit()
             db.session.execute(sa.text("UPDATE outbox_email SET status = 'failed' WHERE id = :id"),
                                {"id": email_id})
             db.session.commit()
-        with psycopg.connect(libpq_url(pg_database), autocommit=True) as listener:
-            listener.execute(f"LISTEN {CHANNEL}")
-            with app.app_context():
-                if retry_all:
-                    assert mail.retry_all() == 1
-                else:
-                    mail.retry(email_id)
-            assert len(list(listener.notifies(timeout=5, stop_after=1))) == 1
-    finally:
-        close_app(app)
+        assert len(list(listener.notifies(timeout=5, stop_after=1))) == 1  # the send's
+        with app.app_context():
+            if retry_all:
+                assert mail.retry_all() == 1
+            else:
+                mail.retry(email_id)
+        assert len(list(listener.notifies(timeout=5, stop_after=1))) == 1

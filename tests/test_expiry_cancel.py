@@ -356,23 +356,39 @@ def test_a_row_paced_by_a_rate_limit_past_its_expiry_ends_unsent(
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # row locks
-@pytest.mark.parametrize("ending", ["commit", "rollback"])
+@pytest.mark.parametrize("ending", ["commit", "rollback", "failed request"])
 def test_a_cancel_held_open_never_makes_delivery_wait(durable: Flask,
                                                       smtp_server: FaultSMTPServer,
                                                       ending: str) -> None:
     """A request that cancelled a key's next email and has not committed yet holds its row:
     the record of the key's head must not wait for it (leases would run out meanwhile);
-    the key goes on when that request ends, whichever way."""
+    the key goes on when that request ends, whichever way. A request that raises after its
+    cancel ends with neither a commit nor a rollback of its own (Flask-SQLAlchemy closes the
+    session): the cancel is undone, and the key goes on at once, not at a key repair."""
     [head, second, third] = queue(durable, *(hello(subject=s) for s in ("1", "2", "3")),
                                   key="order-7")
     cancelled = threading.Event()
     finish = threading.Event()
+    statuses: list[int] = []
+
+    def cancel_and_wait() -> None:
+        mail_of(durable).cancel(second)
+        cancelled.set()
+        finish.wait(60)
+
+    @durable.route("/cancel-then-fail")
+    def cancel_then_fail() -> str:
+        cancel_and_wait()
+        raise RuntimeError("the view fails after its cancel")
+
+    durable.config["PROPAGATE_EXCEPTIONS"] = False
 
     def request() -> None:
+        if ending == "failed request":
+            statuses.append(durable.test_client().get("/cancel-then-fail").status_code)
+            return
         with durable.app_context():
-            mail_of(durable).cancel(second)
-            cancelled.set()
-            finish.wait(60)
+            cancel_and_wait()
             if ending == "commit":
                 db.session.commit()
             else:
@@ -390,47 +406,9 @@ def test_a_cancel_held_open_never_makes_delivery_wait(durable: Flask,
     finally:
         finish.set()
         holder.join(30)
+    assert statuses == ([500] if ending == "failed request" else [])
     for _ in range(3):
         tick(durable)
     expected = {head: "sent", second: "cancelled" if ending == "commit" else "sent",
                 third: "sent"}
     assert status_of(durable) == expected
-
-
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # row locks
-def test_a_request_that_cancelled_and_then_failed_lets_the_key_go_on(
-        durable: Flask, smtp_server: FaultSMTPServer) -> None:
-    """As above, but the request raises after its cancel: Flask-SQLAlchemy closes the session
-    without a commit or a rollback of its own. The cancel is undone, and the key the head's
-    record left to that request goes on to the cancelled row at once, not at a key repair."""
-    [head, second, third] = queue(durable, *(hello(subject=s) for s in ("1", "2", "3")),
-                                  key="order-7")
-    cancelled = threading.Event()
-    finish = threading.Event()
-
-    @durable.route("/cancel-then-fail")
-    def cancel_then_fail() -> str:
-        mail_of(durable).cancel(second)
-        cancelled.set()
-        finish.wait(60)
-        raise RuntimeError("the view fails after its cancel")
-
-    durable.config["PROPAGATE_EXCEPTIONS"] = False
-    statuses: list[int] = []
-    holder = threading.Thread(
-        target=lambda: statuses.append(durable.test_client().get("/cancel-then-fail").status_code))
-    holder.start()
-    try:
-        assert cancelled.wait(20)
-        ticking = threading.Thread(target=tick, args=(durable,))
-        ticking.start()
-        ticking.join(30)
-        assert not ticking.is_alive(), "the record waited for the request's transaction"
-        assert status_of(durable)[head] == "sent"
-    finally:
-        finish.set()
-        holder.join(30)
-    assert statuses == [500]
-    for _ in range(3):
-        tick(durable)
-    assert status_of(durable) == {head: "sent", second: "sent", third: "sent"}

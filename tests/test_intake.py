@@ -11,18 +11,18 @@ databases (SQLite and PostgreSQL).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from conftest import close_app, db, make_app, rows
+import sqlalchemy as sa
+from conftest import close_app, db, make_app, poll, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._degrade import FaultTracker
-from flask_mail_outbox.core import _intake
+from flask_mail_outbox.core import _intake, email_table
 from flask_mail_outbox.core._intake import Intake
 from flask_mail_outbox.core._releases import Releases
 from flask_mail_outbox.core._sweeping import RELEASED
@@ -145,7 +145,15 @@ def test_a_scheduled_email_goes_out_when_the_workers_clock_says_it_is_due(
         db.session.commit()
     deadline = worker.intake.next_deadline()
     assert deadline is not None and 5000.0 < deadline <= 5001.0
-    time.sleep(1.5)  # due in the database; not on the worker's clock
+    # Due in the database (on its clock), and not on the worker's.
+    store = inline_app.extensions["mail_outbox"].outbox().store
+
+    def due_in_the_database() -> bool:
+        with store.read() as conn:
+            return bool(conn.execute(sa.select(sa.func.count()).select_from(email_table)
+                                     .where(email_table.c.due_at <= store.now_expr())).scalar())
+
+    assert poll(due_in_the_database, timeout=10)
     clock.now = deadline - 0.001
     worker.tick(timeout=10)
     assert smtp_server.messages == [] and [r["status"] for r in rows(inline_app)] == ["queued"]
