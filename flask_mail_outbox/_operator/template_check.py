@@ -90,10 +90,15 @@ class CheckReport:
     renders: int = 0
 
     def summary(self) -> str:
-        """The command's last line."""
-        return (f"{self.emails} email(s) × {self.locales} locale(s) checked "
-                f"({self.renders} rendering(s) with the previews): "
-                f"{len(self.problems)} problem(s)")
+        """The command's last line: ``3 emails × 2 locales checked (8 renderings): 1 problem``."""
+        checked = (f"{_count(self.emails, 'email')} × {_count(self.locales, 'locale')} checked"
+                   if self.locales else f"{_count(self.emails, 'email')} checked without locales")
+        return (f"{checked} ({_count(self.renders, 'rendering')}): "
+                f"{_count(len(self.problems), 'problem')}")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 class SelectionError(ValueError):
@@ -393,7 +398,7 @@ def check_templates(app: Flask, templates: EmailTemplates, *, names: Sequence[st
     ``strict=True``. The same problem at the same place of the same email and
     locale is reported once, with the first preview that showed it.
     """
-    report = CheckReport(emails=len(names), locales=len(locales))
+    report = CheckReport(emails=len(names), locales=len([lc for lc in locales if lc]))
     previews = templates.previews()
     report.problems.extend(_orphan_previews(previews, names, templates.names()))
     default = templates.default_locale()
