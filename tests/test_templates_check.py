@@ -12,16 +12,14 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from click.testing import Result
 from flask import Flask
 from templates_check_helpers import (
     GERMAN,
-    LAYOUT,
     SHIPPED_CONTEXT,
-    SHIPPED_HTML,
     make_app,
     write_catalog,
     write_shop,
@@ -101,11 +99,10 @@ def test_a_syntax_error_in_the_layout_is_a_problem_of_every_email(
     replace_line(shop, "email/_layout.html", 5, "{% block body %}{% endblock %}{% if %}")
     result = check(shop_app(), "--locale", "en")
     lines = result.output.splitlines()
+    problem = "Expected an expression, got 'end of statement block'"
     assert lines[:-1] == [
-        f"email/_layout.html:5: {SHIPPED.format('en')}: Expected an expression, got 'end of "
-        "statement block'",
-        "email/_layout.html:5: welcome [en] (no preview, context {}): Expected an expression, "
-        "got 'end of statement block'"]
+        f"email/_layout.html:5: {SHIPPED.format('en')}: {problem}",
+        f"email/_layout.html:5: welcome [en] (no preview, context {{}}): {problem}"]
     assert result.exit_code == 1
 
 
@@ -129,14 +126,13 @@ def test_a_missing_translation_is_reported_where_the_string_is_used(
 @pytest.mark.parametrize("use_fuzzy", [True, False], ids=["compiled-in", "left-out"])
 def test_a_fuzzy_translation_is_a_missing_one(shop: Path, shop_app: MakeApp,
                                               use_fuzzy: bool) -> None:
-    """Compiled in (``--use-fuzzy``) the .po next to the .mo says it is fuzzy; left out of
-    the .mo (pybabel's default) it is not there at all."""
+    """Left out of the .mo (pybabel's default) or compiled in (``--use-fuzzy``): the .po
+    next to the .mo says why it does not count."""
     write_catalog(shop, "de", GERMAN, fuzzy=frozenset({"Welcome"}), use_fuzzy=use_fuzzy)
     result = check(shop_app(), "--template", "welcome")
-    problem = ('fuzzy translation of "Welcome" in the de catalog' if use_fuzzy
-               else 'no de translation of "Welcome"')
     assert result.output == (
-        f"email/welcome.subject.txt:1: welcome [de] (no preview, context {{}}): {problem}\n"
+        "email/welcome.subject.txt:1: welcome [de] (no preview, context {}): fuzzy "
+        'translation of "Welcome" in the de catalog\n'
         "1 email × 2 locales checked (2 renderings): 1 problem\n")
     assert result.exit_code == 1
 
@@ -260,11 +256,11 @@ def test_template_and_locale_options_narrow_the_check(shop_app: MakeApp) -> None
 
 @pytest.mark.parametrize(("args", "says"), [
     (["--template", "orders/shiped"],
-     "Invalid value for --template: no email template 'orders/shiped' in folder 'email'; "
-     "the app has: orders/shipped, welcome"),
+     ("Invalid value for --template: no email template 'orders/shiped' in folder 'email'; "
+      "the app has: orders/shipped, welcome")),
     (["--locale", "fr"],
      "Invalid value for --locale: 'fr' is not one of the app's locales (en, de)"),
-    (["--bogus"], "No such option: --bogus"),
+    (["--bogus"], "No such option '--bogus'"),
 ], ids=["template", "locale", "option"])
 def test_a_usage_error_exits_2(shop_app: MakeApp, args: list[str], says: str) -> None:
     result = check(shop_app(), *args)
@@ -328,8 +324,8 @@ def test_an_img_without_alt_but_not_one_with_empty_alt() -> None:
 
 def test_catalog_of_needs_every_plural_form_and_splits_contexts() -> None:
     class Compiled:
-        files: list[str] = []
-        _catalog = {"": "Project-Id-Version: x", "Hello": "Hallo", "Empty": "",
+        files: ClassVar[list[str]] = []
+        _catalog: ClassVar[dict[Any, str]] = {"": "Project-Id-Version: x", "Hello": "Hallo", "Empty": "",
                     ("%(n)s item", 0): "%(n)s Artikel", ("%(n)s item", 1): "%(n)s Artikel",
                     ("%(n)s box", 0): "%(n)s Kiste", ("%(n)s box", 1): "",
                     "menu\x04Open": "Öffnen"}

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from flask import Flask
     from jinja2 import Environment
 
-    from .._flask.templating import EmailTemplates, Preview, RenderedEmail
+    from .._flask.templating import EmailTemplates, Preview
 
 #: Gmail shows "[Message clipped]" and hides the rest of an HTML part over this size
 #: (102 KB of the HTML as sent, counted here in UTF-8 bytes).
@@ -431,9 +431,10 @@ def _check_one(app: Flask, templates: EmailTemplates, rendering: Rendering,
     if preview is not None:
         try:
             context = preview.func()
-        except Exception as exc:  # the app's preview code: reported, the check goes on
-            return [rendering.problem(f"preview function {preview.func.__qualname__} raised "
-                                      f"{type(exc).__name__}: {exc}", *_where_defined(preview.func))]
+        except Exception as exc:  # noqa: BLE001 - the app's code: reported, the check goes on
+            return [rendering.problem(
+                f"preview function {preview.func.__qualname__} raised {type(exc).__name__}: "
+                f"{exc}", *_where_defined(preview.func))]
         if not isinstance(context, Mapping):
             return [rendering.problem(f"preview function {preview.func.__qualname__} returned "
                                       f"{type(context).__name__}, not a mapping (the context)",
