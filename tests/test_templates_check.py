@@ -172,14 +172,30 @@ def test_a_relative_url_for_is_reported_at_its_line_in_the_rendered_html(
 
 
 def test_an_img_without_alt_is_reported_where_written(shop: Path, shop_app: MakeApp) -> None:
-    """The layout's: once per email and locale. alt="" (decorative) passes."""
+    """The layout's: once per email and locale, with the first preview that showed it.
+    alt="" (decorative) passes."""
     replace_line(shop, "email/_layout.html", 7,
                  '<img src="https://shop.example.com/logo.png">')
-    result = check(shop_app(), "--locale", "de")
+    app = shop_app()
+    many = {**SHIPPED_CONTEXT, "order": {"number": 7, "items": ["Tea"] * 10}}
+    app.extensions["test_mail"].preview("orders/shipped", name="many items")(lambda: many)
+    result = check(app, "--locale", "de")
     assert result.output == (
         f"email/_layout.html:7: {SHIPPED.format('de')}: <img> without alt\n"
         "email/_layout.html:7: welcome [de] (no preview, context {}): <img> without alt\n"
-        "2 emails × 1 locale checked (2 renderings): 2 problems\n")
+        "2 emails × 1 locale checked (3 renderings): 2 problems\n")
+    assert result.exit_code == 1
+
+
+def test_an_img_whose_src_is_computed_is_found_by_its_tag(shop: Path,
+                                                         shop_app: MakeApp) -> None:
+    """Its src is not in the sources: the closure's only <img> without alt is the one."""
+    replace_line(shop, "email/orders/shipped.html", 8,
+                 "<img src=\"{{ url_for('home', _external=True) }}divider.png\">")
+    result = check(shop_app(), "--template", "orders/shipped", "--locale", "en")
+    assert result.output == (
+        f"email/orders/shipped.html:8: {SHIPPED.format('en')}: <img> without alt\n"
+        "1 email × 1 locale checked (1 rendering): 1 problem\n")
     assert result.exit_code == 1
 
 
