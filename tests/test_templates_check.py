@@ -87,9 +87,9 @@ def test_an_undefined_variable_is_a_problem_at_its_line(shop: Path, shop_app: Ma
     result = check(shop_app(), "--template", "orders/shipped")
     assert result.output == (
         f"email/orders/shipped.html:4: {SHIPPED.format('en')}: "
-        "'dict object' has no attribute 'tracking'\n"
+        "'dict object' has no attribute 'tracking' (pass it in context=...)\n"
         f"email/orders/shipped.html:4: {SHIPPED.format('de')}: "
-        "'dict object' has no attribute 'tracking'\n"
+        "'dict object' has no attribute 'tracking' (pass it in context=...)\n"
         "1 email × 2 locales checked (2 renderings): 2 problems\n")
     assert result.exit_code == 1
 
@@ -99,7 +99,7 @@ def test_a_syntax_error_in_the_layout_is_a_problem_of_every_email(
     replace_line(shop, "email/_layout.html", 5, "{% block body %}{% endblock %}{% if %}")
     result = check(shop_app(), "--locale", "en")
     lines = result.output.splitlines()
-    problem = "Expected an expression, got 'end of statement block'"
+    problem = "syntax error: Expected an expression, got 'end of statement block'"
     assert lines[:-1] == [
         f"email/_layout.html:5: {SHIPPED.format('en')}: {problem}",
         f"email/_layout.html:5: welcome [en] (no preview, context {{}}): {problem}"]
@@ -113,10 +113,10 @@ def test_a_missing_translation_is_reported_where_the_string_is_used(
     write_catalog(shop, "de", {k: v for k, v in GERMAN.items() if k != "Visit our shop"})
     result = check(shop_app())
     assert result.output == (
-        f'email/orders/shipped.html:8: {SHIPPED.format("de")}: no de translation of '
-        '"Free returns"\n'
         f'email/_layout.html:6: {SHIPPED.format("de")}: no de translation of '
         '"Visit our shop"\n'
+        f'email/orders/shipped.html:8: {SHIPPED.format("de")}: no de translation of '
+        '"Free returns"\n'
         'email/_layout.html:6: welcome [de] (no preview, context {}): no de translation of '
         '"Visit our shop"\n'
         "2 emails × 2 locales checked (4 renderings): 3 problems\n")
@@ -259,7 +259,7 @@ def test_a_preview_of_no_template_is_a_problem(shop_app: MakeApp) -> None:
     result = check(app)
     assert result.output.splitlines()[0] == (
         f"{os.path.relpath(__file__)}:{shipped.__code__.co_firstlineno}: orders/shiped "
-        '(preview "shipped"): preview registered for a template that does not exist')
+        '(preview "default"): preview registered for a template that does not exist')
     assert result.exit_code == 1
 
 

@@ -20,7 +20,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from .._bounces import MAX_BYTES
 from .._compose.message import Message
-from .._errors import InvalidMessage
+from .._errors import InvalidMessage, TemplateError
 from .._flask.state import AppState, app_state
 from ..core._internal import (
     DURABLE_SETTING,
@@ -546,6 +546,8 @@ def templates_check(names: tuple[str, ...], locales: tuple[str, ...]) -> None:
         chosen, chosen_locales = template_check.select(state.templates, names, locales)
     except template_check.SelectionError as exc:
         raise click.BadParameter(exc.problem, param_hint=exc.option) from None
+    except TemplateError as exc:  # the app's locales cannot be found
+        raise click.ClickException(exc.problem) from None
     if not chosen:
         raise click.ClickException(
             f"no email templates in the folder {state.templates.folder!r} of the app's "

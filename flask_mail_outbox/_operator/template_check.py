@@ -405,8 +405,10 @@ def check_templates(app: Flask, templates: EmailTemplates, *, names: Sequence[st
     catalogs: dict[str, Catalog] = {}
     messages: dict[tuple[str, str], list[UsedMessage]] = {}
     for name in names:
+        # A template without a preview is rendered once, with {}.
+        contexts: list[Preview | None] = [*previews.get(name, [])] or [None]
         for locale in locales:
-            for preview in previews.get(name) or [None]:
+            for preview in contexts:
                 report.renders += 1
                 rendering = _rendering(templates.folder, name, locale, preview)
                 with app.test_request_context():
