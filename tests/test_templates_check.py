@@ -199,6 +199,24 @@ def test_an_img_whose_src_is_computed_is_found_by_its_tag(shop: Path,
     assert result.exit_code == 1
 
 
+def test_an_mjml_template_is_checked_after_compilation(shop: Path,
+                                                       shop_app: MakeApp) -> None:
+    """MRML writes the <img> of an <mj-image>: both problems are placed in the .mjml."""
+    write_templates(shop, {
+        "email/promo.subject.txt": "Spring sale\n",
+        "email/promo.mjml": "<mjml><mj-body><mj-section><mj-column>\n"
+                            '<mj-image src="https://shop.example.com/sale.png"></mj-image>\n'
+                            '<mj-button href="/sale">Shop now</mj-button>\n'
+                            "</mj-column></mj-section></mj-body></mjml>\n"})
+    result = check(shop_app(), "--template", "promo", "--locale", "en")
+    assert result.output == (
+        "email/promo.mjml:2: promo [en] (no preview, context {}): <img> without alt\n"
+        'email/promo.mjml:3: promo [en] (no preview, context {}): relative URL in <a href>: '
+        '"/sale"\n'
+        "1 email × 1 locale checked (1 rendering): 2 problems\n")
+    assert result.exit_code == 1
+
+
 def test_an_html_part_over_gmails_clip_size_counts_bytes(shop: Path,
                                                            shop_app: MakeApp) -> None:
     """60,000 "é" are fewer characters than 102 KB but 120,000 UTF-8 bytes; 45,000 fit."""
