@@ -123,6 +123,19 @@ def test_a_missing_translation_is_reported_where_the_string_is_used(
     assert result.exit_code == 1
 
 
+def test_translations_are_checked_in_every_locale_but_babels_default(
+        shop: Path, shop_app: MakeApp) -> None:
+    """OUTBOX_TEMPLATE_LOCALES without the default (en): its first locale is checked too."""
+    write_catalog(shop, "de", {k: v for k, v in GERMAN.items() if k != "Welcome"})
+    write_catalog(shop, "fr", GERMAN)
+    result = check(shop_app(OUTBOX_TEMPLATE_LOCALES=["de", "fr"]), "--template", "welcome")
+    assert result.output == (
+        'email/welcome.subject.txt:1: welcome [de] (no preview, context {}): no de '
+        'translation of "Welcome"\n'
+        "1 email × 2 locales checked (2 renderings): 1 problem\n")
+    assert result.exit_code == 1
+
+
 @pytest.mark.parametrize("use_fuzzy", [True, False], ids=["compiled-in", "left-out"])
 def test_a_fuzzy_translation_is_a_missing_one(shop: Path, shop_app: MakeApp,
                                               use_fuzzy: bool) -> None:

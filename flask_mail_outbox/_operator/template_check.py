@@ -401,7 +401,7 @@ def check_templates(app: Flask, templates: EmailTemplates, *, names: Sequence[st
     report = CheckReport(emails=len(names), locales=len([lc for lc in locales if lc]))
     previews = templates.previews()
     report.problems.extend(_orphan_previews(previews, names, templates.names()))
-    default = templates.default_locale()
+    default = _source_locale(app, templates)
     catalogs: dict[str, Catalog] = {}
     messages: dict[tuple[str, str], list[UsedMessage]] = {}
     for name in names:
@@ -464,6 +464,20 @@ def _check_one(app: Flask, templates: EmailTemplates, rendering: Rendering,
             catalogs[rendering.locale] = _catalog_for(rendering.locale)
         problems.extend(untranslated(rendering, used, catalogs[rendering.locale]))
     return problems
+
+
+def _source_locale(app: Flask, templates: EmailTemplates) -> str | None:
+    """The locale the msgids are written in: Flask-Babel's default locale.
+
+    Not ``templates.default_locale()``, the first of ``OUTBOX_TEMPLATE_LOCALES`` when
+    that list leaves the default out: such a first locale still needs its translations.
+    """
+    babel = app.extensions.get("babel")
+    if babel is None:
+        return templates.default_locale()
+    from babel import Locale
+
+    return str(Locale.parse(babel.default_locale))
 
 
 def _catalog_for(locale: str) -> Catalog:
