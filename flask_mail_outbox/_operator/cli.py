@@ -525,7 +525,7 @@ def suppression_export(output: Any) -> None:
 
 @outbox_cli.group("templates")
 def templates() -> None:
-    """Email templates (``mail.send_template()``)."""
+    """The app's email templates (mail.send_template())."""
 
 
 @templates.command("check")
@@ -540,6 +540,7 @@ def templates_check(names: tuple[str, ...], locales: tuple[str, ...]) -> None:
     Undefined variables are errors. One line per problem (a rendering error, a
     missing translation, a relative URL, an <img> without alt, an HTML part over
     Gmail's 102 KB, a subject over OUTBOX_TEMPLATE_MAX_SUBJECT), then a summary.
+    Exit status 0 when there is none, 1 when there is one, 2 on a usage error.
     """
     state = _state()
     try:

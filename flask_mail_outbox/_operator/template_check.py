@@ -24,7 +24,7 @@ import inspect
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -446,11 +446,9 @@ def _check_one(app: Flask, templates: EmailTemplates, rendering: Rendering,
                                     strict=True)
     except TemplateError as exc:
         return [rendering.problem(exc.problem, exc.file, exc.lineno)]
-    html_file = next((name for name, _source in rendered.sources
-                      if name in (rendering.html_file, rendering.html_file[:-5] + ".mjml")),
-                     rendering.html_file)
-    rendering = Rendering(rendering.template, rendering.locale, rendering.preview,
-                          html_file, rendering.subject_file)
+    mjml_file = rendering.html_file.removesuffix(".html") + ".mjml"
+    if any(name == mjml_file for name, _source in rendered.sources):
+        rendering = replace(rendering, html_file=mjml_file)
     problems = [*html_problems(rendering, rendered.html, rendered.sources),
                 *check_size(rendering, rendered.html),
                 *check_subject(rendering, rendered.subject, max_subject)]
