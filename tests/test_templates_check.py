@@ -82,14 +82,19 @@ def test_a_clean_set_passes(shop_app: MakeApp) -> None:
     assert result.exit_code == 0
 
 
-def test_an_undefined_variable_is_a_problem_at_its_line(shop: Path, shop_app: MakeApp) -> None:
-    replace_line(shop, "email/orders/shipped.html", 4, "<p>{{ order.tracking }}</p>")
+@pytest.mark.parametrize(("line", "text", "problem"), [
+    (4, "<p>{{ order.tracking }}</p>",
+     "'dict object' has no attribute 'tracking' (pass it in context=...)"),
+    (8, '<p><a href="/returns">{{ _("Track your order") }}</a></p>',
+     'relative URL in <a href>: "/returns"'),
+], ids=["undefined-variable", "relative-link"])
+def test_a_problem_written_in_the_html_is_printed_at_its_line_in_each_locale(
+        shop: Path, shop_app: MakeApp, line: int, text: str, problem: str) -> None:
+    replace_line(shop, "email/orders/shipped.html", line, text)
     result = check(shop_app(), "--template", "orders/shipped")
     assert result.output == (
-        f"email/orders/shipped.html:4: {SHIPPED.format('en')}: "
-        "'dict object' has no attribute 'tracking' (pass it in context=...)\n"
-        f"email/orders/shipped.html:4: {SHIPPED.format('de')}: "
-        "'dict object' has no attribute 'tracking' (pass it in context=...)\n"
+        f"email/orders/shipped.html:{line}: {SHIPPED.format('en')}: {problem}\n"
+        f"email/orders/shipped.html:{line}: {SHIPPED.format('de')}: {problem}\n"
         "1 email × 2 locales checked (2 renderings): 2 problems\n")
     assert result.exit_code == 1
 
@@ -147,20 +152,6 @@ def test_a_fuzzy_translation_is_a_missing_one(shop: Path, shop_app: MakeApp,
         "email/welcome.subject.txt:1: welcome [de] (no preview, context {}): fuzzy "
         'translation of "Welcome" in the de catalog\n'
         "1 email × 2 locales checked (2 renderings): 1 problem\n")
-    assert result.exit_code == 1
-
-
-def test_a_relative_link_written_in_a_template_is_reported_at_its_line(
-        shop: Path, shop_app: MakeApp) -> None:
-    replace_line(shop, "email/orders/shipped.html", 8,
-                 '<p><a href="/returns">{{ _("Track your order") }}</a></p>')
-    result = check(shop_app(), "--template", "orders/shipped")
-    assert result.output == (
-        f'email/orders/shipped.html:8: {SHIPPED.format("en")}: relative URL in <a href>: '
-        '"/returns"\n'
-        f'email/orders/shipped.html:8: {SHIPPED.format("de")}: relative URL in <a href>: '
-        '"/returns"\n'
-        "1 email × 2 locales checked (2 renderings): 2 problems\n")
     assert result.exit_code == 1
 
 
@@ -261,7 +252,8 @@ def test_a_subject_over_the_configured_length(shop_app: MakeApp) -> None:
     assert result.exit_code == 1
 
 
-def test_a_preview_that_raises_is_reported_at_its_function(shop_app: MakeApp) -> None:
+def test_a_preview_that_raises_or_returns_no_mapping_is_reported_at_its_function(
+        shop_app: MakeApp) -> None:
     app = shop_app()
     mail: OutboxMail = app.extensions["test_mail"]
 
@@ -269,13 +261,19 @@ def test_a_preview_that_raises_is_reported_at_its_function(shop_app: MakeApp) ->
     def broken() -> dict[str, Any]:
         raise KeyError("customer")
 
-    line = broken.__code__.co_firstlineno
+    @mail.preview("welcome", name="listed")
+    def listed() -> Any:
+        return [("name", "Ada")]
+
+    here = os.path.relpath(__file__)
+    prefix = "test_a_preview_that_raises_or_returns_no_mapping_is_reported_at_its_function"
     result = check(app, "--template", "welcome", "--locale", "en")
     assert result.output == (
-        f"{os.path.relpath(__file__)}:{line}: welcome [en] (preview \"broken\"): preview "
-        "function test_a_preview_that_raises_is_reported_at_its_function.<locals>.broken "
-        "raised KeyError: 'customer'\n"
-        "1 email × 1 locale checked (1 rendering): 1 problem\n")
+        f'{here}:{broken.__code__.co_firstlineno}: welcome [en] (preview "broken"): preview '
+        f"function {prefix}.<locals>.broken raised KeyError: 'customer'\n"
+        f'{here}:{listed.__code__.co_firstlineno}: welcome [en] (preview "listed"): preview '
+        f"function {prefix}.<locals>.listed returned list, not a mapping (the context)\n"
+        "1 email × 1 locale checked (2 renderings): 2 problems\n")
     assert result.exit_code == 1
 
 
