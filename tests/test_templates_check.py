@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import pytest
 from click.testing import Result
 from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
 from templates_check_helpers import (
     GERMAN,
     SHIPPED_CONTEXT,
@@ -323,10 +324,29 @@ def test_an_app_without_templates_fails(tmp_path: Path) -> None:
     assert result.exit_code == 1
 
 
+def test_locales_that_cannot_be_found_are_an_error(tmp_path: Path) -> None:
+    """OUTBOX_TEMPLATE_LOCALES without Flask-Babel: said, not a traceback."""
+    write_templates(tmp_path, {"email/a.subject.txt": "A\n", "email/a.html": "<p>A</p>\n"})
+    app = Flask("no_babel", root_path=str(tmp_path))
+    app.config.update(SQLALCHEMY_DATABASE_URI=f"sqlite:///{tmp_path / 'outbox.db'}",
+                      OUTBOX_RUN_SCHEDULER=False, OUTBOX_TEMPLATE_LOCALES=["de"])
+    SQLAlchemy(app)
+    mail = OutboxMail(app)
+    try:
+        result = check(app)
+    finally:
+        mail.stop()
+    assert result.output == (
+        "Error: OUTBOX_TEMPLATE_LOCALES is set, but the app has no Flask-Babel to translate "
+        "with: set it up (flask_babel.Babel(app), the `i18n` extra)\n")
+    assert result.exit_code == 1
+
+
 def _flask_check(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{REPO}", "CHECK_ROOT": str(root)}
     return subprocess.run(
-        [sys.executable, "-m", "flask", "--app", "templates_check_helpers:create_app",
+        [str(Path(sys.executable).parent / "flask"),
+         "--app", "templates_check_helpers:create_app",
          "outbox", "templates", "check", *args],
         env=env, cwd=str(root), capture_output=True, text=True, timeout=120, check=False)
 
