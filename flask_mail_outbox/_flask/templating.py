@@ -163,9 +163,16 @@ class EmailTemplates:
         return {name: list(items) for name, items in self._previews.items()}
 
     def default_locale(self) -> str | None:
-        """Flask-Babel's default locale (the first of ``locales()``); None without Flask-Babel."""
-        locales = self.locales()
-        return locales[0] if locales else None
+        """Flask-Babel's default locale (``BABEL_DEFAULT_LOCALE``); None without Flask-Babel.
+
+        The language the templates are written in: the one no catalog translates.
+        """
+        babel = self.app.extensions.get("babel")
+        if babel is None:
+            return None
+        from babel import Locale  # Flask-Babel's own dependency
+
+        return str(Locale.parse(babel.default_locale))
 
     def locales(self) -> list[str]:
         """The locales emails are written in, the default first.
@@ -185,15 +192,14 @@ class EmailTemplates:
                                     "Flask-Babel to translate with: set it up "
                                     "(flask_babel.Babel(app), the `i18n` extra)")
             return []
-        from babel import Locale  # Flask-Babel's own dependency
-
-        default = str(Locale.parse(babel.default_locale))
+        default = self.default_locale()
         if self._configured_locales:
             found = [self._normal(name, "*") for name in self._configured_locales]
         else:
             with self.app.app_context():
                 found = [str(locale) for locale in babel.instance.list_translations()]
-        ordered = [default] if default in found or not self._configured_locales else []
+        ordered = ([default] if default is not None and (
+            default in found or not self._configured_locales) else [])
         ordered += sorted(set(found) - {default})
         return ordered
 
