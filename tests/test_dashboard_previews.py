@@ -74,12 +74,12 @@ def sending_app(db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path,
 def columns(page: str) -> dict[str, str]:
     """Each locale's column of a preview page (its markup), by locale, in page order."""
     found = re.findall(r'<section class="locale" data-locale="([^"]*)">(.*?)</section>', page,
-                       flags=re.S)
+                       flags=re.DOTALL)
     return dict(found)
 
 
 def subject_of(column: str) -> str:
-    match = re.search(r'<p class="subject-line preview-subject">(.*?)</p>', column, flags=re.S)
+    match = re.search(r'<p class="subject-line preview-subject">(.*?)</p>', column, flags=re.DOTALL)
     assert match, column
     return html.unescape(match.group(1))
 
@@ -94,7 +94,7 @@ def srcdoc_of(column: str) -> str:
 
 def pres_of(column: str) -> list[str]:
     return [html.unescape(text) for text in re.findall(r"<pre [^>]*>(.*?)</pre>", column,
-                                                       flags=re.S)]
+                                                       flags=re.DOTALL)]
 
 
 def preview_url(template: str, preview: str | None = None) -> str:
@@ -161,7 +161,7 @@ def test_a_preview_shows_each_locale_side_by_side_translated_and_inlined(
     # The other previews of the email are a click away, and the form to send this one.
     assert "many+items" in page or "many%20items" in page
     form = re.search(r'<form method="post" action="/outbox/previews/send".*?</form>', page,
-                     flags=re.S)
+                     flags=re.DOTALL)
     assert form and 'name="csrf_token"' in form.group(0)
     assert '<option value="de"' in form.group(0)
 
@@ -301,7 +301,7 @@ def test_a_refused_send_shows_the_form_again_and_writes_nothing(
     assert response.status_code == 400
     page = html.unescape(response.get_data(as_text=True))
     error = re.search(r'<p class="problem" role="alert" id="send-error">(.*?)</p>', page,
-                      flags=re.S)
+                      flags=re.DOTALL)
     assert error and error.group(1).startswith("Not sent: ") and says in error.group(1), page
     assert f'name="address" value="{address}"' in page  # what was typed, kept
     assert len(columns(page)) == 2  # the preview is shown again
