@@ -124,7 +124,7 @@ def test_the_list_names_every_template_with_its_previews_from_the_navigation(
              for href in re.findall(r'href="([^"]*previews\?[^"]*)"', page)]
     assert [(q["template"][0], q.get("preview", [None])[0]) for q in links] == [
         ("broken", None),
-        ("ghost", "ghost"),
+        ("ghost", "default"),
         ("orders/shipped", "one item"), ("orders/shipped", "many items"),
         ("orders/shipped", "no such order"),
         ("welcome", None),

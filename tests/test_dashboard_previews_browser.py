@@ -98,17 +98,18 @@ def test_operator_previews_an_email_in_both_locales_narrow_and_wide_and_sends_it
                 # The layout's <style> was inlined, and the preview page lets it apply.
                 assert frame.locator("#title").evaluate(
                     "h1 => getComputedStyle(h1).color") == TITLE_RGB
-            boxes = [column.bounding_box() for column in locales.all()]
-            assert all(boxes) and boxes[0]["y"] == boxes[1]["y"]  # type: ignore[index]
-            assert boxes[0]["x"] < boxes[1]["x"]  # type: ignore[index]
+            # Side by side: one row, English left of German.
+            boxes = [box for box in (column.bounding_box() for column in locales.all()) if box]
+            assert len(boxes) == 2 and boxes[0]["y"] == boxes[1]["y"]
+            assert boxes[0]["x"] < boxes[1]["x"]
 
             # Wide by default; narrow and back, by the radio buttons (CSS only): the
             # width the email's own CSS sees (its media queries apply).
             assert frame_widths(page) == [800, 800]
             page.click("label[for=width-narrow]")
             assert frame_widths(page) == [375, 375]
-            for frame in page.locator("iframe").all():
-                frame.scroll_into_view_if_needed()
+            for element in page.locator("iframe").all():
+                element.scroll_into_view_if_needed()
             page.screenshot(path=str(tmp_path / SCREENSHOT), full_page=True)
             page.click("label[for=width-wide]")
             assert frame_widths(page) == [800, 800]
