@@ -5,7 +5,8 @@ catalog is written as a .po file and compiled to .mo with Babel, and Flask-Babel
 finds it in the app's translation directory. ``orders/shipped`` has a layout
 with a ``<style>`` block (inlined at render), a text template and three previews;
 ``welcome`` has neither a preview nor a text template; ``broken`` fails at line 3
-of its html on any context; ``ghost`` has a preview but no files. The third
+of its html on any context; ``receipt`` needs no translations; ``ghost`` has a
+preview but no files. The third
 preview of ``orders/shipped`` raises.
 """
 
@@ -46,6 +47,8 @@ TEMPLATES = {
     "email/welcome.subject.txt": "{% trans %}Welcome{% endtrans %}\n",
     "email/welcome.html":
         '<p id="welcome">{{ _("Welcome, %(name)s!", name=name | default("friend")) }}</p>\n',
+    "email/receipt.subject.txt": "Receipt {{ number | default(7) }}\n",
+    "email/receipt.html": '<p id="receipt">Thank you.</p>\n',
     "email/broken.subject.txt": "Broken\n",
     "email/broken.html": "<p>\nfine so far\n{{ order.number }}</p>\n",
 }
@@ -92,17 +95,19 @@ def write_templates(root: Path) -> Path:
     return templates
 
 
-def make_preview_app(db_url: str, root: Path, *, authorize: Any = None,
+def make_preview_app(db_url: str, root: Path, *, authorize: Any = None, babel: bool = True,
                      **config: Any) -> tuple[Flask, OutboxMail]:
     """``make_app``'s app (the test database, SMTP ``config``) with the templates under
-    ``root``, Flask-Babel (en, de), previews, and the dashboard under :data:`PREFIX`."""
+    ``root``, Flask-Babel (en, de; none when not ``babel``), previews, and the dashboard
+    under :data:`PREFIX`."""
     template_folder = write_templates(root)
     app = make_app(db_url, BABEL_DEFAULT_LOCALE="en",
                    BABEL_TRANSLATION_DIRECTORIES=str(root / "translations"), **config)
     # make_app's Flask(__name__) has no template folder of its own; nothing has been
     # rendered yet, so its Jinja loader is made from this one.
     app.template_folder = str(template_folder)
-    Babel(app)
+    if babel:
+        Babel(app)
     mail: OutboxMail = app.extensions["test_mail"]
 
     @mail.preview("orders/shipped", name="one item")

@@ -127,6 +127,7 @@ def test_the_list_names_every_template_with_its_previews_from_the_navigation(
         ("ghost", "default"),
         ("orders/shipped", "one item"), ("orders/shipped", "many items"),
         ("orders/shipped", "no such order"),
+        ("receipt", None),
         ("welcome", None),
     ]
     assert "_layout" not in page  # a layout is not an email
@@ -206,6 +207,21 @@ def test_a_preview_function_that_raises_is_shown_on_the_page(page_app: Flask) ->
     assert "<iframe" not in page
 
 
+def test_locales_set_without_flask_babel_is_said_on_the_pages_not_a_500(
+        tmp_path: Path) -> None:
+    app, _ = make_preview_app(f"sqlite:///{tmp_path / 'locales.db'}", tmp_path, babel=False,
+                              OUTBOX_TEMPLATE_LOCALES=["en", "de"])
+    try:
+        client = app.test_client()
+        for url in (PAGE, preview_url("receipt")):
+            response = client.get(url)
+            assert response.status_code == 200, url
+            assert "OUTBOX_TEMPLATE_LOCALES is set, but the app has no Flask-Babel" in \
+                html.unescape(response.get_data(as_text=True)), url
+    finally:
+        close_app(app, timeout=5)
+
+
 @pytest.mark.parametrize(("url", "status"), [
     (preview_url("nope"), 404),
     (preview_url("orders/shipped", "nope"), 404),
@@ -283,6 +299,30 @@ def test_send_this_to_me_queues_the_templated_email_through_the_outbox(
     assert "Preview queued through the outbox" in page
     assert "<code>orders/shipped</code></a> (de)" in page
     assert f"version {row['template_hash'][:12]}" in page
+
+
+def test_without_flask_babel_one_column_without_a_locale_and_it_sends(
+        db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path) -> None:
+    app, _ = make_preview_app(db_url, tmp_path, babel=False, MAIL_SERVER=smtp_server.host,
+                              MAIL_PORT=smtp_server.port)
+    try:
+        client = app.test_client()
+        page = client.get(preview_url("receipt")).get_data(as_text=True)
+        (column,) = columns(page).values()
+        assert list(columns(page)) == [""] and "no locale" in column
+        assert subject_of(column) == "Receipt 7"
+        assert '<p id="receipt">Thank you.</p>' in srcdoc_of(column)
+        assert '<input type="hidden" name="locale" value="">' in page
+        response = client.post(SEND, data={
+            "csrf_token": csrf_token_of(page), "template": "receipt", "preview": "",
+            "locale": "", "address": "dana@example.com"})
+        assert response.status_code == 303
+        (row,) = rows(app)
+        assert (row["template_name"], row["template_locale"]) == ("receipt", None)
+        assert smtp_server.wait_for(1)
+        assert smtp_server.messages[0].parsed["Subject"] == "Receipt 7"
+    finally:
+        close_app(app, timeout=5)
 
 
 @pytest.mark.parametrize(("address", "locale", "says"), [

@@ -102,21 +102,23 @@ class Previews:
     def _list(self) -> ResponseReturnValue:
         templates = _templates()
         registered = templates.previews()
-        names = sorted(set(templates.names()) | set(registered))
         found = set(templates.names())
-        listed = [Listed(name, [p.name for p in registered.get(name, [])]) for name in names]
+        listed = [Listed(name, [p.name for p in registered.get(name, [])])
+                  for name in sorted(found | set(registered))]
+        locales, problem = _locales(templates)
         return render_template("outbox_dashboard/previews.html", listed=listed, found=found,
-                               folder=templates.folder, locales=templates.locales())
+                               folder=templates.folder, locales=locales, problem=problem)
 
     def _page(self, name: str, preview_name: str | None, *, error: str | None = None,
               address: str = "", locale: str | None = None,
               code: int = 200) -> ResponseReturnValue:
         templates = _templates()
-        chosen = _find_preview(templates, name, preview_name)
-        locales: list[str | None] = list(templates.locales()) or [None]
+        found = name in templates.names()
+        chosen = _find_preview(templates, name, preview_name, found=found)
+        locales, problem = _locales(templates)
         context, context_error = _context(chosen)
-        if context is None:
-            columns = [Rendered(loc, error=context_error) for loc in locales]
+        if problem is not None or context is None:
+            columns = [Rendered(loc, error=problem or context_error) for loc in locales]
         else:
             columns = [_render(templates, name, context, loc) for loc in locales]
         g.setdefault(INLINE_STYLES_FLAG, True)
@@ -124,7 +126,7 @@ class Previews:
         return render_template(
             "outbox_dashboard/preview.html", name=name, preview_name=preview_name,
             others=others, columns=columns, error=error, address=address,
-            locale=locale, found=name in templates.names()), code
+            locale=locale, found=found), code
 
     # -- the action -----------------------------------------------------------------
 
@@ -137,7 +139,7 @@ class Previews:
             abort(400, description=f"address must be at most {_MAX_ADDRESS} characters, "
                                    "without a NUL character")
         templates = _templates()
-        chosen = _find_preview(templates, name, preview_name)
+        chosen = _find_preview(templates, name, preview_name, found=name in templates.names())
         context, context_error = _context(chosen)
         if context is None:
             return self._page(name, preview_name, error=f"Not sent: {context_error}",
@@ -161,11 +163,23 @@ def _templates() -> EmailTemplates:
     return app_state().templates
 
 
-def _find_preview(templates: EmailTemplates, name: str,
-                  preview_name: str | None) -> Preview | None:
-    """The registered preview, or None (an empty context); 404 for a name no one knows."""
+def _locales(templates: EmailTemplates) -> tuple[list[str | None], str | None]:
+    """The columns' locales (one None column without any), and why there are none, if
+    the setting is wrong (``OUTBOX_TEMPLATE_LOCALES`` without Flask-Babel)."""
+    try:
+        return list(templates.locales()) or [None], None
+    except TemplateError as exc:
+        return [None], str(exc)
+
+
+def _find_preview(templates: EmailTemplates, name: str, preview_name: str | None, *,
+                  found: bool) -> Preview | None:
+    """The registered preview, or None (an empty context); 404 for a name no one knows.
+
+    ``found``: whether ``name`` is among the templates' names.
+    """
     registered = templates.previews().get(name, [])
-    if name not in templates.names() and not registered:
+    if not found and not registered:
         abort(404, description=f"There is no email template {name!r} under "
                                f"{templates.folder!r}.")
     if preview_name is None:
