@@ -149,8 +149,7 @@ class Previews:
             email_id = self.mail.send_template(name, recipients=[address], context=context,
                                                locale=locale)
             session.commit()
-        except InvalidMessage as exc:  # checked before anything is written
-            session.rollback()
+        except InvalidMessage as exc:  # checked before anything is added to the session
             return self._page(name, preview_name, error=f"Not sent: {exc}",
                               address=address, locale=locale, code=400)
         except Exception:
