@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from conftest import close_app, rows, wait_rows
+from conftest import close_app, hand_ticked_worker, rows, wait_rows
 from flask import Flask
 from flask.testing import FlaskClient
 from previews_helpers import (
@@ -270,8 +270,19 @@ def test_send_without_the_sessions_csrf_token_is_refused_and_writes_nothing(
 
 
 def test_send_this_to_me_queues_the_templated_email_through_the_outbox(
-        sending_app: tuple[Flask, OutboxMail], smtp_server: FaultSMTPServer) -> None:
-    app, _ = sending_app
+        db_url: str, smtp_server: FaultSMTPServer, tmp_path: Path) -> None:
+    # Durable, with the dispatcher ticked by hand: the row is seen queued, then delivered.
+    app, _ = make_preview_app(db_url, tmp_path, MAIL_SERVER=smtp_server.host,
+                              MAIL_PORT=smtp_server.port, OUTBOX_DURABLE=True,
+                              OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
+    try:
+        check_send_this_to_me(app, smtp_server)
+    finally:
+        close_app(app, timeout=5)
+
+
+def check_send_this_to_me(app: Flask, smtp_server: FaultSMTPServer) -> None:
+    worker = hand_ticked_worker(app)
     client = app.test_client()
     response = client.post(SEND, data={
         "csrf_token": token(client), "template": "orders/shipped", "preview": "many items",
@@ -283,8 +294,10 @@ def test_send_this_to_me_queues_the_templated_email_through_the_outbox(
     assert row["template_locale"] == "de"
     assert re.fullmatch(r"[0-9a-f]{64}", row["template_hash"])
     assert row["subject"] == SUBJECTS["de"]
+    assert row["status"] == "queued" and smtp_server.messages == []
 
     # Delivered by the outbox to the SMTP server, as any email.
+    worker.tick()
     assert smtp_server.wait_for(1)
     (received,) = smtp_server.messages
     assert received.parsed["Subject"] == SUBJECTS["de"]
