@@ -289,10 +289,13 @@ class EmailTemplates:
             return {}  # a Jinja without them: Flask-Babel's own callables do the work
         catalog = flask_babel.get_translations()
         functions = (catalog.ugettext, catalog.ungettext, catalog.upgettext, catalog.unpgettext)
-        return {name: maker(function)  # type: ignore[misc]
-                for name, maker, function in zip(
-                    ("gettext", "ngettext", "pgettext", "npgettext"), makers, functions,
-                    strict=True)}
+        bound = {name: maker(function)  # type: ignore[misc]
+                 for name, maker, function in zip(
+                     ("gettext", "ngettext", "pgettext", "npgettext"), makers, functions,
+                     strict=True)}
+        # Jinja's ``_`` looks ``gettext`` up and calls it: one call instead of two.
+        bound["_"] = bound["gettext"]
+        return bound
 
     # -- rendering ------------------------------------------------------------------------
 
