@@ -337,7 +337,7 @@ def test_a_browser_language_without_a_catalog_gets_english(example: Example) -> 
 def test_the_form_offers_the_catalogs_languages_and_refuses_others(example: Example) -> None:
     page = example.client.get("/").get_data(as_text=True)
     options = re.findall(r'<option value="([^"]*)"[^>]*>([^<]*)</option>', page)
-    assert options == [("", "Your browser&#39;s language"), ("en", "English"),
+    assert options == [("", "Your browser's language"), ("en", "English"),
                        ("de", "Deutsch")]
 
     response = example.sign_up("Ann", "ann@example.com", locale="xx")
