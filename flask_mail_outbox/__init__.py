@@ -14,6 +14,7 @@ from ._errors import (
     InvalidMessage,
     OutboxError,
     PermanentError,
+    TemplateError,
     TransientError,
     TransportError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "Status",
     "Suppression",
     "SweepReport",
+    "TemplateError",
     "TransientError",
     "TransportError",
     "email_dispatched",

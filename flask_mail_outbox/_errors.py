@@ -4,6 +4,7 @@
 
     OutboxError
      +-- InvalidMessage (also ValueError)   bad input at send(); nothing was written
+     |    +-- TemplateError                 a templated email that cannot be rendered
      +-- ConfigError (also ValueError)      a bad MAIL_* / OUTBOX_* value at init_app()
      +-- TransportError                     raised by transports
           +-- TransientError                try again later (4xx, connection trouble)
@@ -90,3 +91,28 @@ class TransientError(TransportError):
 
 class PermanentError(TransportError):
     """Delivery will never succeed as sent: a 5xx reply, every recipient refused."""
+
+
+class TemplateError(InvalidMessage):
+    """A templated email that cannot be rendered; nothing was written.
+
+    Raised by ``mail.send_template()`` and ``mail.template_message()``: a
+    missing template, a syntax error, an undefined variable, an exception in
+    the template, an unknown locale, MJML that does not compile, a stylesheet
+    that cannot be read. ``template`` is the email's name (``"orders/shipped"``),
+    ``locale`` the locale it was rendered in, ``file`` and ``lineno`` the
+    template file and line the problem is in, when known.
+    """
+
+    def __init__(self, template: str, problem: str, *, locale: str | None = None,
+                 file: str | None = None, lineno: int | None = None) -> None:
+        self.template = template
+        self.locale = locale
+        self.file = file
+        self.lineno = lineno
+        where = f"template {template!r}"
+        if locale:
+            where += f" ({locale})"
+        if file:
+            where += f" {file}" + (f" line {lineno}" if lineno else "")
+        super().__init__(where, problem)

@@ -28,7 +28,8 @@ def test_public_names_are_pinned() -> None:
     assert sorted(flask_mail_outbox.__all__) == [
         "Attachment", "ConfigError", "DeliveredMessage", "DeliveryEvent", "InvalidMessage",
         "Message", "OutboxError", "OutboxMail", "PermanentError", "Status", "Suppression",
-        "SweepReport", "TransientError", "TransportError", "email_dispatched", "email_event",
+        "SweepReport", "TemplateError", "TransientError", "TransportError", "email_dispatched",
+        "email_event",
         "email_failed", "email_queued", "email_sent", "email_unsubscribed",
     ]
     for name in flask_mail_outbox.__all__:

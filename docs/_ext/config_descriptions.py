@@ -80,6 +80,15 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                                 "None: the sender's domain (never a DNS lookup)"),
     "OUTBOX_HTML_TO_TEXT": ("bool", "an html message without `body` gets a text/plain "
                                     "rendering of the html (off: Flask-Mail's empty text part)"),
+    "OUTBOX_TEMPLATE_FOLDER": ("str", "the folder of email templates in the app's Jinja loader "
+                                      "([Templates](guide/templates.md))"),
+    "OUTBOX_TEMPLATE_INLINE_CSS": ("bool", "inline a templated email's `<style>` blocks and "
+                                           "static stylesheets with css-inline (the `templates` "
+                                           "extra)"),
+    "OUTBOX_TEMPLATE_LOCALES": ("list of str or None", "the locales emails are written in "
+                                                       "(None: Flask-Babel's catalogs)"),
+    "OUTBOX_TEMPLATE_MAX_SUBJECT": ("int", "the longest subject `flask outbox templates check` "
+                                           "lets through, in characters"),
     "OUTBOX_ALLOW_SMTPUTF8": ("bool", "accept non-ASCII local parts, sent with SMTPUTF8 "
                                       "([SMTPUTF8](guide/messages.md#internationalised-addresses-smtputf8))"),
     "OUTBOX_DKIM_DOMAIN": ("str or None", "DKIM signing's `d=` ([DKIM](guide/messages.md#dkim-signing))"),

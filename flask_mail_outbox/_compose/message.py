@@ -51,7 +51,8 @@ from .message_id import context_domain, new_message_id, resolve_message_id
 from .mime import Part, message_body, top_headers
 from .unsubscribe import unsubscribe_lines
 
-__all__ = ["Address", "Attachment", "AttachmentInfo", "Message", "PreparedEmail", "prepare_message"]
+__all__ = ["Address", "Attachment", "AttachmentInfo", "Message", "PreparedEmail", "TemplateInfo",
+           "prepare_message"]
 
 #: An address as users give it: ``"a@x.org"``, ``"Name <a@x.org>"`` or ``("Name", "a@x.org")``.
 Address: TypeAlias = "str | tuple[str, str]"
@@ -91,6 +92,21 @@ class Attachment:
 
     def __repr__(self) -> str:
         return f"<Attachment {self.filename!r} {self.content_type!r}>"
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    """Which template a message was rendered from; its row records the three fields.
+
+    ``name`` is the email's template name (``"orders/shipped"``), ``locale`` the
+    locale it was rendered in (None without translations), ``source_hash`` the
+    SHA-256 (hex) of every template file the render read, so a row says which
+    version of the template it came from.
+    """
+
+    name: str
+    locale: str | None
+    source_hash: str
 
 
 class Message:
@@ -175,6 +191,8 @@ class Message:
         self._msg_id: str | None = None
         self._msg_id_made = False  # made here (not chosen by the user)
         self._make_msg_id(options)
+        #: The template it was rendered from (``mail.template_message()``), else None.
+        self.template: TemplateInfo | None = None
 
     @property
     def msgId(self) -> str | None:

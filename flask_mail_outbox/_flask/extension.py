@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from flask import Flask, current_app, got_request_exception
 
 from .._bounces import NotMail, read_bounce
-from .._compose.message import Message
+from .._compose.message import Address, Message
 from .._errors import ConfigError, InvalidMessage
 from .._events import DeliveryEvent, capped_payload, naive_utc
 from ..core._internal import (
@@ -49,6 +49,7 @@ from . import state as app_states
 from .compat import Connection, FlaskMailState
 from .signals import email_sent
 from .state import EXTENSION_KEY, AppState, app_state
+from .templating import EmailTemplates, LocaleResolver, Preview
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -98,6 +99,9 @@ class OutboxExtension:
 
     def __init__(self, app: Flask | None = None, db: SQLAlchemy | None = None) -> None:
         self._db = db
+        #: ``@mail.preview`` registrations, by template name (every app of this extension).
+        self._previews: dict[str, list[Preview]] = {}
+        self._locale_resolver: LocaleResolver | None = None
         #: Flask-Mail's ``mail.state``: the Flask-Mail-compatible state of the app
         #: given here; None in the factory style (``init_app`` returns it instead).
         self.state: FlaskMailState | None = None
@@ -129,6 +133,7 @@ class OutboxExtension:
         if config.dkim is not None:
             config.dkim.check()  # signs a probe: a key that cannot sign fails here
         state = AppState(self, app, db, config)
+        state.templates = EmailTemplates(app, config, self._previews)
         _prepare_engine(app, db)
         app.extensions[EXTENSION_KEY] = state
         app_states.all_states.add(state)
@@ -148,6 +153,92 @@ class OutboxExtension:
 
     def _state(self) -> AppState:
         return app_state()
+
+    # -- templated emails -----------------------------------------------------------
+
+    def templates(self) -> EmailTemplates:
+        """The current app's templated emails: names, locales, previews, ``render()``."""
+        return self._state().templates
+
+    def template_message(self, template: str, *, recipients: list[Address] | None = None,
+                         context: Mapping[str, Any] | None = None, locale: str | None = None,
+                         **fields: Any) -> Message:
+        """Render the email ``template`` (``"orders/shipped"``) into a :class:`Message`.
+
+        The subject, HTML and text come from the template's files under
+        ``OUTBOX_TEMPLATE_FOLDER`` (see docs/guide/templates.md); ``fields`` are
+        the message's other fields (``sender``, ``cc``, ``attachments``, ...).
+        The locale is ``locale``, else the ``@mail.locale_resolver``'s answer for
+        the recipients, else the request's (Flask-Babel), else the default one.
+        ``mail.send(msg)`` records the template's name, locale and version.
+        Raises :class:`TemplateError` (an :class:`InvalidMessage`); needs an app context.
+        """
+        templates = self._state().templates
+        chosen = templates.choose_locale(template, locale, recipients or (),
+                                         self._locale_resolver)
+        rendered = templates.render(template, context, locale=chosen)
+        return rendered.message(recipients=recipients, **fields)
+
+    def send_template(self, template: str, *, recipients: list[Address],
+                      context: Mapping[str, Any] | None = None, locale: str | None = None,
+                      key: str | None = None,
+                      send_after: datetime | timedelta | None = None,
+                      idempotency_key: str | None = None, transport: str | None = None,
+                      priority: str = "normal",
+                      expires_after: datetime | timedelta | None = None,
+                      **fields: Any) -> int:
+        """Render the email ``template`` and queue it, as ``send()`` does; its row id.
+
+        ``mail.send(mail.template_message(template, recipients=..., context=...,
+        locale=..., **fields), key=..., ...)``: rendered here, in the caller's
+        request, so a :class:`TemplateError` (a missing template or variable, a
+        syntax error, an unknown locale) is raised before anything is written.
+        """
+        msg = self.template_message(template, recipients=recipients, context=context,
+                                    locale=locale, **fields)
+        return self.send(msg, key=key, send_after=send_after, idempotency_key=idempotency_key,
+                         transport=transport, priority=priority, expires_after=expires_after)
+
+    def preview(self, template: str, name: str = "default"
+                ) -> Callable[[Callable[[], Mapping[str, Any]]], Callable[[], Mapping[str, Any]]]:
+        """Register a preview of ``template``: a function with no arguments returning a context.
+
+        The dashboard's previews and ``flask outbox templates check`` render the
+        template with it, in every locale. Several previews of one template need
+        distinct ``name``s::
+
+            @mail.preview("orders/shipped")
+            def shipped():
+                return {"order": Order(id=1042, items=[...])}
+        """
+        def register(func: Callable[[], Mapping[str, Any]]) -> Callable[[], Mapping[str, Any]]:
+            if not callable(func):
+                raise TypeError(f"@mail.preview({template!r}) decorates a function, "
+                                f"got {func!r}")
+            kept = self._previews.setdefault(template, [])
+            if any(item.name == name for item in kept):
+                raise ValueError(f"template {template!r} already has a preview named {name!r}; "
+                                 "give this one another name: @mail.preview(template, name=...)")
+            kept.append(Preview(template, name, func))
+            return func
+        return register
+
+    def locale_resolver(self, func: LocaleResolver) -> LocaleResolver:
+        """Register the function that picks the locale of a templated email (a decorator).
+
+        Called with the bare ``To`` addresses when ``send_template()`` is given no
+        ``locale``; it returns a locale (``"de"``), or None to fall through to the
+        request's locale and then the default one::
+
+            @mail.locale_resolver
+            def user_locale(recipients):
+                user = User.query.filter_by(email=recipients[0]).first()
+                return user.locale if user else None
+        """
+        if not callable(func):
+            raise TypeError(f"@mail.locale_resolver decorates a function, got {func!r}")
+        self._locale_resolver = func
+        return func
 
     # -- sending ----------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from .signals import (
     email_queued,
     email_sent,
 )
+from .templating import EmailTemplates
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -96,6 +97,8 @@ class AppState:
         #: What this process's workers share when a master forked them (see
         #: _deployment_of_worker); None for a process that is no such worker.
         self.deployment: str | None = None
+        #: The app's templated emails (``mail.send_template()``): set by ``init_app``.
+        self.templates: EmailTemplates
 
     def outbox(self) -> Outbox:
         """This process's delivery core, created on first use and after a fork."""

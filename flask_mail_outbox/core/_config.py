@@ -120,6 +120,14 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_UNSUBSCRIBE_URL": None,
     # VERP: SMTP envelope senders bounces+<signed token>@domain (None: the sender).
     "OUTBOX_BOUNCE_ADDRESS": None,
+    # mail.send_template(): the folder of email templates in the app's Jinja loader,
+    # CSS inlining of templated HTML (the `templates` extra), the locales emails are
+    # written in (None: Flask-Babel's translations), and the longest subject
+    # `flask outbox templates check` lets through.
+    "OUTBOX_TEMPLATE_FOLDER": "email",
+    "OUTBOX_TEMPLATE_INLINE_CSS": True,
+    "OUTBOX_TEMPLATE_LOCALES": None,
+    "OUTBOX_TEMPLATE_MAX_SUBJECT": 78,
     # Not a Flask-Mail key: lets a process that imports the
     # app without serving it (a script, a test) skip the sweep jobs.
     "OUTBOX_RUN_SCHEDULER": True,
@@ -265,7 +273,36 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         unsubscribe_url=unsubscribe_url,
         unsubscribe_links=_unsubscribe_links(config, unsubscribe_url),
         verp=_verp(config, keys.get("OUTBOX_BOUNCE_ADDRESS")),
+        template_folder=_template_folder(keys.get("OUTBOX_TEMPLATE_FOLDER")),
+        template_inline_css=keys.flag("OUTBOX_TEMPLATE_INLINE_CSS"),
+        template_locales=_template_locales(keys.get("OUTBOX_TEMPLATE_LOCALES")),
+        template_max_subject=keys.number("OUTBOX_TEMPLATE_MAX_SUBJECT", minimum=1,
+                                         integer=True),
     )
+
+
+def _template_folder(value: Any) -> str:
+    """OUTBOX_TEMPLATE_FOLDER: a relative folder of the Jinja loader, "/"-separated."""
+    key = "OUTBOX_TEMPLATE_FOLDER"
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expected a folder name such as 'email', got {value!r}")
+    folder = value.strip("/")
+    if not folder or any(part in ("", ".", "..") for part in folder.split("/")) or "\\" in folder:
+        raise ConfigError(key, f"expected a relative folder such as 'email', got {value!r}")
+    return folder
+
+
+def _template_locales(value: Any) -> tuple[str, ...] | None:
+    """OUTBOX_TEMPLATE_LOCALES: None, or a non-empty list of locale names ("en", "pt_BR")."""
+    key = "OUTBOX_TEMPLATE_LOCALES"
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(key, f"expected a list of locales such as ['en', 'de'], got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or not item.strip():
+            raise ConfigError(key, f"expected locale names (str), got {item!r}")
+    return tuple(item.strip() for item in value)
 
 
 #: The most SMTP connections one process opens per transport (``--concurrency`` too).

@@ -141,6 +141,12 @@ class OutboxEmail(Base):
     provider_message_id: Mapped[str | None] = mapped_column(sa.String(255))
     # mail.send(expires_after=...): not delivered by then, the row ends expired.
     expires_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    # mail.send_template(): the template's name ("orders/shipped"), the locale it
+    # was rendered in, and the SHA-256 (hex) of the template files it read, so the
+    # dashboard can say which template and which version an email came from.
+    template_name: Mapped[str | None] = mapped_column(sa.String(255))
+    template_locale: Mapped[str | None] = mapped_column(sa.String(35))
+    template_hash: Mapped[str | None] = mapped_column(sa.String(64))
 
     __table_args__ = (
         sa.CheckConstraint(STATUS_CHECK, name="ck_outbox_email_status"),

@@ -339,6 +339,11 @@ class EmailDetail:
     #: :data:`EVENTS_SHOWN` of them; ``earlier_events`` says whether older ones were left out.
     events: tuple[DeliveryEvent, ...] = ()
     earlier_events: bool = False
+    #: ``mail.send_template()``: the template's name, the locale it was rendered in
+    #: and the SHA-256 of its sources (None for an email built by hand).
+    template_name: str | None = None
+    template_locale: str | None = None
+    template_hash: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,7 +539,8 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
     row = conn.execute(
         sa.select(*_LIST_COLUMNS, t.c.message_id, t.c.sender, t.c.due_at, t.c.failed_at,
                   t.c.size, t.c.mime, t.c.error_history, t.c.transport, t.c.priority,
-                  t.c.provider_message_id)
+                  t.c.provider_message_id, t.c.template_name, t.c.template_locale,
+                  t.c.template_hash)
         .where(t.c.id == email_id)
     ).first()
     if row is None:
@@ -553,6 +559,8 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
         priority={rank: name for name, rank in PRIORITIES.items()}.get(row.priority, "normal"),
         provider_message_id=row.provider_message_id,
         events=tuple(events), earlier_events=earlier_events,
+        template_name=row.template_name, template_locale=row.template_locale,
+        template_hash=row.template_hash,
     )
 
 

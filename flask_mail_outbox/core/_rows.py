@@ -78,7 +78,14 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
         "transport": transport,
         # Every row carries the column, so the rows of a send_many() insert together.
         "lease_owner": None if due_now else SCHEDULED,
+        "template_name": None,
+        "template_locale": None,
+        "template_hash": None,
     }
+    if msg.template is not None:
+        values["template_name"] = msg.template.name
+        values["template_locale"] = msg.template.locale
+        values["template_hash"] = msg.template.source_hash
     if expires_at is not None:
         values["expires_at"] = expires_at
     attachments = [

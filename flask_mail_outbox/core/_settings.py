@@ -115,6 +115,11 @@ class OutboxConfig:
     verp: VerpAddresses | None = dataclasses.field(default=None, repr=False)
     #: Makes and reads the one-click URLs (None without OUTBOX_UNSUBSCRIBE_URL).
     unsubscribe_links: UnsubscribeLinks | None = dataclasses.field(default=None, repr=False)
+    #: OUTBOX_TEMPLATE_*: send_template()'s folder, CSS inlining, locales, subject limit.
+    template_folder: str = "email"
+    template_inline_css: bool = True
+    template_locales: tuple[str, ...] | None = None
+    template_max_subject: int = 78
 
     def transport_spec(self, name: str) -> TransportSpec:
         """The transport called ``name`` (KeyError when there is none)."""

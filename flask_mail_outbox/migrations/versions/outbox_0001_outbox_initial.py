@@ -98,6 +98,9 @@ def _tables() -> sa.MetaData:
         sa.Column("transport", sa.String(64), nullable=False, server_default="default"),
         sa.Column("provider_message_id", sa.String(255), nullable=True),
         sa.Column("expires_at", sa.DateTime(), nullable=True),
+        sa.Column("template_name", sa.String(255), nullable=True),
+        sa.Column("template_locale", sa.String(35), nullable=True),
+        sa.Column("template_hash", sa.String(64), nullable=True),
         sa.CheckConstraint(f"status IN ({STATUSES})", name="ck_outbox_email_status"),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
         # Due work: only rows that may go now, in the order each transport claims them.
