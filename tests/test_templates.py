@@ -206,13 +206,18 @@ def test_the_locale_comes_from_the_resolver_then_the_request(
     with app.test_request_context("/", headers={"Accept-Language": "de"}):
         mail.send_template("orders/shipped", recipients=["bob@example.com"],
                            context={"order": ORDER})
+        # A request already in German sends in English and stays German.
+        assert str(get_locale()) == "de"
+        mail.send_template("orders/shipped", recipients=["eve@example.com"],
+                           context={"order": ORDER}, locale="en")
+        assert str(get_locale()) == "de"
         db.session.commit()
     assert asked[:2] == [["jan@example.de"], ["ann@example.com"]]
-    assert smtp_server.wait_for(3)
-    assert [row["template_locale"] for row in rows(app)] == ["de", "en", "de"]
+    assert smtp_server.wait_for(4)
+    assert [row["template_locale"] for row in rows(app)] == ["de", "en", "de", "en"]
     subjects = sorted(m.parsed["Subject"] for m in smtp_server.messages)
     assert subjects == ["Bestellung 1042 ist unterwegs", "Bestellung 1042 ist unterwegs",
-                        "Order 1042 has shipped"]
+                        "Order 1042 has shipped", "Order 1042 has shipped"]
 
 
 def test_a_linked_static_stylesheet_is_inlined_and_the_text_made_from_the_html(

@@ -290,6 +290,8 @@ class EmailTemplates:
         if files.mjml:
             body = self._compile_mjml(name, files.body, body, locale)
         html = self._inline(name, body, locale) if self.inline_css else body
+        logger.debug("Rendered the email template %s in locale %s (sources %s)", name, locale,
+                     files.source_hash[:12])
         return RenderedEmail(name=name, locale=locale, subject=subject, html=html, text=text,
                              source_hash=files.source_hash, sources=files.sources)
 
@@ -513,7 +515,8 @@ def _template_position(exc: BaseException, files: _Files) -> tuple[str | None, i
 
 
 _LINK_TAG = re.compile(r"<link\b[^>]*>", re.IGNORECASE)
-_ATTRIBUTE = re.compile(r"""([a-zA-Z-]+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))""")
+# Starts only where a name starts: each run of letters is tried once (linear).
+_ATTRIBUTE = re.compile(r"""(?<![a-zA-Z-])([a-zA-Z-]+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))""")
 
 
 def _stylesheet_href(tag: str) -> str | None:
