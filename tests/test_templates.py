@@ -406,3 +406,41 @@ def test_a_remote_stylesheet_stays_linked_and_the_rest_is_inlined(
     assert '<link rel="stylesheet" href="https://fonts.example/f.css">' in html
     assert "localhost/static" not in html
     assert '<p class="hi" style="color: #ff0000;">' in html
+
+
+def test_the_bound_catalog_renders_what_flask_babels_own_callables_render(
+        make_app: MakeApp, project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gettext, ngettext, pgettext and npgettext bound once per render: the same bytes."""
+    from flask_mail_outbox._flask import templating
+
+    catalog = Catalog(locale="de")
+    for msgid, msgstr in GERMAN.items():
+        catalog.add(msgid, msgstr)
+    catalog.add(("%(count)s item", "%(count)s items"), ("%(count)s Artikel", "%(count)s Artikel"))
+    catalog.add("Open", "Öffnen", context="button")
+    catalog.add(("%(num)s box", "%(num)s boxes"), ("%(num)s Kiste", "%(num)s Kisten"),
+                context="parcel")
+    catalog.add(("%(num)s box", "%(num)s boxes"), ("%(num)s Schachtel", "%(num)s Schachteln"))
+    buffer = io.BytesIO()
+    write_mo(buffer, catalog)
+    (project / "translations" / "de" / "LC_MESSAGES" / "messages.mo").write_bytes(
+        buffer.getvalue())
+    write(project / "templates", {
+        "email/plural.subject.txt": "{{ ngettext('%(num)s box', '%(num)s boxes', 3) }}",
+        "email/plural.html": "<p>{% trans count=n %}{{ count }} item{% pluralize %}"
+                             "{{ count }} items{% endtrans %} {{ pgettext('button', 'Open') }} "
+                             "{{ npgettext('parcel', '%(num)s box', '%(num)s boxes', n) }} "
+                             "{{ _('Hello %(name)s,', name=who) }}</p>",
+        "email/plural.txt": "{{ gettext('Track it') }} {{ _('Hello %(name)s,', name=who) }}"})
+    app, mail = make_app()
+    context = {"n": 2, "who": "<Ann>"}
+    with app.test_request_context("/"):
+        bound = [mail.templates().render("plural", context, locale=locale)
+                 for locale in ("en", "de")]
+        monkeypatch.setattr(templating.EmailTemplates, "_bound_gettext", lambda self, loc: {})
+        unbound = [mail.templates().render("plural", context, locale=locale)
+                   for locale in ("en", "de")]
+    assert bound == unbound
+    assert bound[1].subject == "3 Schachteln"
+    assert bound[1].html == ("<p>2 Artikel Öffnen 2 Kisten Hallo &lt;Ann&gt;,</p>")
+    assert bound[1].text == "Sendung verfolgen Hallo <Ann>,"

@@ -20,7 +20,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from .._bounces import MAX_BYTES
 from .._compose.message import Message
-from .._errors import InvalidMessage
+from .._errors import InvalidMessage, TemplateError
 from .._flask.state import AppState, app_state
 from ..core._internal import (
     DURABLE_SETTING,
@@ -29,6 +29,7 @@ from ..core._internal import (
     recount_tally,
     utcnow,
 )
+from . import template_check
 
 if TYPE_CHECKING:
     from .._flask.extension import OutboxExtension
@@ -520,6 +521,46 @@ def suppression_export(output: Any) -> None:
         count += 1
     state.stop(5)
     click.echo(f"exported {count} address(es)", err=True)
+
+
+@outbox_cli.group("templates")
+def templates() -> None:
+    """The app's email templates (mail.send_template())."""
+
+
+@templates.command("check")
+@_log_level_option()
+@click.option("--template", "names", multiple=True, metavar="NAME",
+              help="Only this email (repeatable; default: every one).")
+@click.option("--locale", "locales", multiple=True, metavar="LOCALE",
+              help="Only this locale (repeatable; default: every one).")
+def templates_check(names: tuple[str, ...], locales: tuple[str, ...]) -> None:
+    """Render every email × locale × preview as CI should; exit 1 on any problem.
+
+    Undefined variables are errors. One line per problem (a rendering error, a
+    missing translation, a relative URL, an <img> without alt, an HTML part over
+    Gmail's 102 KB, a subject over OUTBOX_TEMPLATE_MAX_SUBJECT), then a summary.
+    Exit status 0 when there is none, 1 when there is one, 2 on a usage error.
+    """
+    state = _state()
+    try:
+        chosen, chosen_locales = template_check.select(state.templates, names, locales)
+    except template_check.SelectionError as exc:
+        raise click.BadParameter(exc.problem, param_hint=exc.option) from None
+    except TemplateError as exc:  # the app's locales cannot be found
+        raise click.ClickException(exc.problem) from None
+    if not chosen:
+        raise click.ClickException(
+            f"no email templates in the folder {state.templates.folder!r} of the app's "
+            "templates (OUTBOX_TEMPLATE_FOLDER): nothing to check")
+    report = template_check.check_templates(
+        state.app, state.templates, names=chosen, locales=chosen_locales,
+        max_subject=state.config.template_max_subject)
+    for problem in report.problems:
+        click.echo(str(problem))
+    click.echo(report.summary())
+    if report.problems:
+        sys.exit(1)
 
 
 @outbox_cli.command("cancel")

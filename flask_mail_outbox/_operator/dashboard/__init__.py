@@ -20,7 +20,8 @@ Security is not left to the host app:
   ``<iframe sandbox srcdoc=...>`` (no scripts, an opaque origin).
 * Every response carries a Content-Security-Policy that loads nothing but the
   dashboard's stylesheet, lets the preview neither load from the app nor
-  navigate, and forbids framing the dashboard.
+  navigate, and forbids framing the dashboard. A template preview's page allows
+  inline styles besides (an email's inlined CSS), and nothing else.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flask import Blueprint, abort, request, session
+from flask import Blueprint, abort, g, request, session
 from flask.blueprints import BlueprintSetupState
 from werkzeug.wrappers import Response
 
 from ..._errors import ConfigError
+from ._previews import INLINE_STYLES_FLAG, PREVIEW_CONTENT_SECURITY_POLICY, Previews
 from ._views import Dashboard
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 
     from ..._flask.extension import OutboxExtension
 
-__all__ = ["CONTENT_SECURITY_POLICY", "make_blueprint"]
+__all__ = ["CONTENT_SECURITY_POLICY", "PREVIEW_CONTENT_SECURITY_POLICY", "make_blueprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ def make_blueprint(mail: OutboxExtension, authorize: Callable[[], Any], *,
     bp.after_request(_security_headers)
     bp.context_processor(lambda: {"csrf_token": csrf_token})
     Dashboard(mail, page_size=page_size).register(bp)
+    Previews(mail).register(bp)
     return bp
 
 
@@ -126,7 +129,10 @@ def _check_csrf_token() -> None:
 
 
 def _security_headers(response: Response) -> Response:
-    response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+    # A preview page (and only it) lets the email's inlined styles apply in its frame.
+    inline_styles = g.get(INLINE_STYLES_FLAG) is True
+    response.headers["Content-Security-Policy"] = \
+        PREVIEW_CONTENT_SECURITY_POLICY if inline_styles else CONTENT_SECURITY_POLICY
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Referrer-Policy"] = "no-referrer"
     response.headers["X-Frame-Options"] = "DENY"

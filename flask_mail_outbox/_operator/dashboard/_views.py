@@ -58,6 +58,8 @@ NOTICES = {
     "unsuppressed": "Address taken off the suppression list: mail to it is delivered again.",
     "not_suppressed": "That address is not on the suppression list (any more); nothing was "
                       "changed.",
+    "preview_sent": "Preview queued through the outbox, as send_template() queues it; "
+                    "its delivery shows here.",
 }
 # Ids are BIGINT: a larger number can name no email, and overflows the drivers.
 _MAX_ID = 2**63 - 1
