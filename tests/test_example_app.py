@@ -371,6 +371,24 @@ def test_the_welcome_email_has_a_preview_that_renders_in_both_languages(
     assert example.users() == [] and example.emails() == []
 
 
+def test_the_example_passes_the_templates_check(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # `flask --app example_app outbox templates check`: no database needed, nothing sent.
+    for name in list(os.environ):
+        if name.startswith(("EXAMPLE_", "FLASK_")):
+            monkeypatch.delenv(name)
+    app = create_app({"TESTING": True, "OUTBOX_RUN_SCHEDULER": False},
+                     instance_path=str(tmp_path / "instance"))
+    try:
+        result = app.test_cli_runner().invoke(args=["outbox", "templates", "check"])
+    finally:
+        mail.stop(timeout=5)
+    assert result.output.splitlines()[-1].startswith("1 email × 2 locales checked"), \
+        result.output
+    assert len(result.output.splitlines()) == 1, result.output
+    assert result.exit_code == 0, result.output
+
+
 # --- the German catalog ------------------------------------------------------------------
 
 
