@@ -6,7 +6,21 @@ Run it from the repository root::
     flask --app example_app run
 
 (``scripts/run-example`` does both.) The outbox dashboard is at ``/outbox/``, open to
-requests from this machine only (a demo rule, see ``_demo_authorize``). Out of the box it keeps its data in SQLite at
+requests from this machine only (a demo rule, see ``_demo_authorize``); its previews
+section shows the welcome email in English and German.
+
+The welcome email is the template ``welcome`` (``templates/email/welcome.*``, on the
+layout ``templates/email/_layout.html``), sent with ``mail.send_template`` in the
+language the form names, else the browser's (Flask-Babel's locale selector). The German
+catalog is ``translations/de/LC_MESSAGES/messages.po``; after editing a template or the
+catalog, from the repository root::
+
+    pybabel extract -F example_app/babel.cfg -o messages.pot example_app
+    pybabel update -i messages.pot -d example_app/translations   # then translate
+    pybabel compile -d example_app/translations                  # the .mo is committed
+
+(``tests/test_example_app.py`` fails while the catalog lacks a message or the ``.mo`` is
+stale.) Out of the box it keeps its data in SQLite at
 ``<instance folder>/example.db`` and prints every email on the console (the ``console``
 transport). Environment variables change that:
 
@@ -34,9 +48,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Flask, request
+from flask import Flask, has_request_context, request
 
-from example_app.extensions import db, mail, migrate
+from example_app.extensions import babel, db, mail, migrate
 
 __all__ = ["create_app"]
 
@@ -81,8 +95,12 @@ def create_app(
 
     db.init_app(app)
     migrate.init_app(app, db, directory=MIGRATIONS_DIR)
+    # English is the templates' own language; translations/ holds the others.
+    babel.init_app(app, locale_selector=_browser_locale)
     mail.init_app(app)
 
+    # The preview functions (@mail.preview) register on import.
+    from example_app import previews  # noqa: F401
     from example_app.views import bp
 
     app.register_blueprint(bp)
@@ -101,6 +119,17 @@ def _demo_authorize() -> bool:
     ``authorize=lambda: current_user.is_authenticated and current_user.is_admin``.
     """
     return request.remote_addr in ("127.0.0.1", "::1")
+
+
+def _browser_locale() -> str | None:
+    """Flask-Babel's locale selector: the best of the browser's languages we have.
+
+    None (no request, or no match) falls back to the default locale, English.
+    """
+    if not has_request_context():
+        return None
+    return request.accept_languages.best_match(
+        [str(locale) for locale in babel.list_translations()])
 
 
 def _config_from_example_env(environ: Mapping[str, str]) -> dict[str, Any]:

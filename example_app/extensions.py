@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flask_babel import Babel
 from flask_migrate import Migrate  # type: ignore[import-untyped]
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import MetaData
@@ -30,4 +31,5 @@ class Base(DeclarativeBase):
 
 db = SQLAlchemy(model_class=Base)
 migrate = Migrate()
+babel = Babel()
 mail = OutboxMail()

@@ -1,15 +1,21 @@
-"""The signup page, and the page that thanks you for signing up."""
+"""The signup page, and the page that thanks you for signing up.
+
+A signup sends the welcome email, the template ``welcome`` (templates/email/), in the
+language picked on the form; "your browser's language" leaves the choice to
+Flask-Babel's locale selector (the Accept-Language header, see ``create_app``).
+"""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
+from babel import Locale
 from flask import Blueprint, flash, redirect, render_template, request, url_for
 from flask.typing import ResponseReturnValue
 from sqlalchemy.exc import IntegrityError
 
 from example_app.extensions import db, mail
 from example_app.models import User
-from flask_mail_outbox import InvalidMessage, Message
+from flask_mail_outbox import InvalidMessage
 
 bp = Blueprint("example", __name__)
 
@@ -20,7 +26,7 @@ RECENT_SIGNUPS = 10
 
 @bp.get("/")
 def signup_form() -> ResponseReturnValue:
-    return render_template("signup.html", name="", email="")
+    return _form(name="", email="", locale="")
 
 
 @bp.post("/")
@@ -28,12 +34,14 @@ def signup() -> ResponseReturnValue:
     name = request.form.get("name", "").strip()
     # One account per address, whatever its case.
     email = request.form.get("email", "").strip().lower()
+    # A locale the emails are written in, or "" for the browser's language.
+    locale = request.form.get("locale", "")
 
-    problems = _form_problems(name, email)
+    problems = _form_problems(name, email, locale)
     if not problems and _already_signed_up(email):
         problems.append("That email address has already signed up.")
     if problems:
-        return _form_again(name, email, problems)
+        return _form_again(name, email, locale, problems)
 
     user = User(name=name, email=email)
     db.session.add(user)
@@ -43,16 +51,24 @@ def signup() -> ResponseReturnValue:
         db.session.flush()
     except IntegrityError:
         db.session.rollback()
-        return _form_again(name, email, ["That email address has already signed up."])
+        return _form_again(name, email, locale, ["That email address has already signed up."])
 
     try:
-        # Joins this transaction: the user row and the email row commit together, and
-        # delivery starts after the commit. The key: one welcome email per user, even if
-        # this ran twice for them.
-        mail.send(_welcome_message(user), idempotency_key=f"welcome-{user.id}")
-    except InvalidMessage as exc:
+        # Rendered here, in this request: the subject, the HTML (its <style> inlined) and
+        # the text, in `locale`, or when that is None in Flask-Babel's locale for this
+        # request. Joins this transaction: the user row and the email row commit
+        # together, and delivery starts after the commit. The key: one welcome email per
+        # user, even if this ran twice for them.
+        mail.send_template(
+            "welcome",
+            recipients=[(user.name, user.email)],
+            context={"user": user},
+            locale=locale or None,
+            idempotency_key=f"welcome-{user.id}",
+        )
+    except InvalidMessage as exc:  # a bad address; a TemplateError is one too
         db.session.rollback()
-        return _form_again(name, email, [str(exc)])
+        return _form_again(name, email, locale, [str(exc)])
     db.session.commit()
 
     flash(f"Thanks, {user.name}! A welcome email is on its way to {user.email}.", "success")
@@ -67,7 +83,17 @@ def thanks() -> ResponseReturnValue:
     return render_template("thanks.html", recent=recent)
 
 
-def _form_problems(name: str, email: str) -> list[str]:
+def _languages() -> list[tuple[str, str]]:
+    """``(locale, its name in that language)`` for each locale the emails are written in.
+
+    The outbox's list (``OUTBOX_TEMPLATE_LOCALES``, by default Flask-Babel's
+    translations), the default locale first: a new catalog in translations/ shows here.
+    """
+    return [(code, Locale.parse(code).get_display_name(code) or code)
+            for code in mail.templates().locales()]
+
+
+def _form_problems(name: str, email: str, locale: str) -> list[str]:
     """What is wrong with the form, in words for the person filling it in."""
     problems = []
     if not name:
@@ -80,6 +106,8 @@ def _form_problems(name: str, email: str) -> list[str]:
         problems.append("Please enter your email address.")
     elif len(email) > MAX_EMAIL_LENGTH:
         problems.append("That email address is too long.")
+    if locale and locale not in dict(_languages()):
+        problems.append("Please choose a language from the list.")
     return problems
 
 
@@ -87,17 +115,13 @@ def _already_signed_up(email: str) -> bool:
     return db.session.scalar(sa.select(User.id).where(User.email == email)) is not None
 
 
-def _form_again(name: str, email: str, problems: list[str]) -> ResponseReturnValue:
+def _form(name: str, email: str, locale: str) -> str:
+    return render_template("signup.html", name=name, email=email, locale=locale,
+                           languages=_languages())
+
+
+def _form_again(name: str, email: str, locale: str,
+                problems: list[str]) -> ResponseReturnValue:
     for problem in problems:
         flash(problem, "error")
-    return render_template("signup.html", name=name, email=email), 400
-
-
-def _welcome_message(user: User) -> Message:
-    context = {"user": user, "site_url": url_for(".signup_form", _external=True)}
-    return Message(
-        subject=f"Welcome, {user.name}!",
-        recipients=[(user.name, user.email)],
-        body=render_template("email/welcome.txt", **context),
-        html=render_template("email/welcome.html", **context),
-    )
+    return _form(name, email, locale), 400

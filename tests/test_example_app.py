@@ -1,5 +1,10 @@
 """The example app end to end: its signup form, its migrations, a real SMTP server.
 
+The welcome email is a template (``example_app/templates/email/welcome.*``) in English
+and German: the tests check what arrives against the outbox's renderer, the row's
+template columns, both ways of picking German, the preview, and the German catalog
+(complete, and its committed ``.mo`` compiled from the ``.po`` as it stands).
+
 Each test builds the app with ``example_app.create_app(config)`` on a SQLite file and on
 PostgreSQL, creates the schema the way ``scripts/run-example`` does (Flask-Migrate's
 ``upgrade heads`` over the repository's ``migrations/``, the library's ``outbox`` branch
@@ -13,19 +18,25 @@ test that uses a fixture of that name, and these tests go through the test clien
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from email.message import EmailMessage
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flask_migrate  # type: ignore[import-untyped]
 import pytest
 import sqlalchemy as sa
+from babel.messages.extract import extract_from_dir
+from babel.messages.frontend import parse_mapping_cfg
+from babel.messages.mofile import read_mo, write_mo
+from babel.messages.pofile import read_po
 from conftest import drop_example_tables, poll
-from flask import Flask, render_template, url_for
+from flask import Flask
 from flask.testing import FlaskClient
 from markupsafe import escape
 from smtpserver import FaultSMTPServer, ReceivedMessage
@@ -37,8 +48,13 @@ from example_app.extensions import db, mail
 from flask_mail_outbox import InvalidMessage, Message
 from flask_mail_outbox.core import email_table
 
+if TYPE_CHECKING:
+    from flask_mail_outbox._flask.templating import RenderedEmail
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
+EXAMPLE_DIR = REPO_ROOT / "example_app"
+GERMAN = EXAMPLE_DIR / "translations" / "de" / "LC_MESSAGES"
 DUPLICATE = "That email address has already signed up."
 
 
@@ -50,10 +66,12 @@ class Example:
     client: FlaskClient
     smtp: FaultSMTPServer
 
-    def sign_up(self, name: str, email: str, *, follow: bool = False) -> TestResponse:
-        """POST the signup form."""
-        return self.client.post("/", data={"name": name, "email": email},
-                                follow_redirects=follow)
+    def sign_up(self, name: str, email: str, *, locale: str = "", follow: bool = False,
+                accept_language: str | None = None) -> TestResponse:
+        """POST the signup form (``locale`` "": "Your browser's language")."""
+        headers = {"Accept-Language": accept_language} if accept_language else {}
+        return self.client.post("/", data={"name": name, "email": email, "locale": locale},
+                                headers=headers, follow_redirects=follow)
 
     def users(self) -> list[dict[str, Any]]:
         """The ``users`` table, in id order."""
@@ -77,13 +95,11 @@ class Example:
         with self.app.app_context():
             return mail.wait_idle(timeout)
 
-    def rendered_welcome(self, name: str, email: str) -> tuple[str, str]:
-        """The welcome email's text and HTML as the example's templates render them."""
+    def rendered_welcome(self, name: str, email: str, locale: str = "en") -> RenderedEmail:
+        """The welcome email as the outbox's renderer makes it from the example's templates."""
         user = SimpleNamespace(name=name, email=email)
         with self.app.test_request_context("/"):
-            context = {"user": user, "site_url": url_for("example.signup_form", _external=True)}
-            return (render_template("email/welcome.txt", **context),
-                    render_template("email/welcome.html", **context))
+            return mail.templates().render("welcome", {"user": user}, locale=locale)
 
 
 @pytest.fixture
@@ -184,15 +200,28 @@ def test_signup_commits_the_user_and_sends_one_welcome_email(example: Example) -
     assert (sender.display_name, sender.addr_spec) == ("Example App", "noreply@example.com")
 
     # multipart/alternative: the text part first, then the HTML part, both rendered
-    # from the example's templates.
+    # from the example's templates: the template `welcome`, in English (no language
+    # chosen, no Accept-Language: the default locale).
     assert parsed.get_content_type() == "multipart/alternative"
     assert [p.get_content_type() for p in parsed.iter_parts()] == ["text/plain", "text/html"]
-    text, html = example.rendered_welcome("Ann Example", "ann@example.com")
+    rendered = example.rendered_welcome("Ann Example", "ann@example.com")
+    text, html = rendered.text, rendered.html
+    assert text is not None
     assert _text(received, "plain").rstrip("\n") == text.rstrip("\n")
     assert _text(received, "html").rstrip("\n") == html.rstrip("\n")
+    assert rendered.subject == "Welcome, Ann Example!"
     assert "Thanks for signing up with ann@example.com." in text
     assert "<strong>ann@example.com</strong>" in html
     assert "http://localhost/" in text and 'href="http://localhost/"' in html
+    assert '<html lang="en">' in html
+    # The layout's <style> block is inlined into style attributes, and gone.
+    assert "<style" not in html
+    assert re.search(r'<h1 style="[^"]*font-size: ?22px', html), html
+
+    # The row says which template, locale and sources the email came from.
+    assert (row["template_name"], row["template_locale"]) == ("welcome", "en")
+    assert row["template_hash"] == rendered.source_hash
+    assert re.fullmatch(r"[0-9a-f]{64}", row["template_hash"])
 
     # The thanks page, after the redirect.
     page = example.client.get("/thanks").get_data(as_text=True)
@@ -257,6 +286,144 @@ def test_duplicate_that_slips_past_the_check_is_caught_by_the_unique_constraint(
     assert not example.smtp.wait_for(2, timeout=0.5)
     assert [u["name"] for u in example.users()] == ["Ann"]
     assert len(example.emails()) == 1
+
+
+def _german_welcome_arrived(example: Example, address: str) -> None:
+    """The German welcome email to ``address`` arrived, and its row says ``de``."""
+    assert example.smtp.wait_for(1)
+    [row] = example.wait_emails(lambda rows: bool(rows) and rows[0]["status"] == "sent")
+    assert (row["template_name"], row["template_locale"]) == ("welcome", "de")
+    [received] = example.smtp.messages
+    assert received.rcpt_tos == [address]
+    assert received.parsed["Subject"] == "Willkommen, Ann Beispiel!"
+    text, html = _text(received, "plain"), _text(received, "html")
+    assert f"Danke für deine Anmeldung mit {address}." in text
+    assert "Zur Example App: http://localhost/" in text
+    assert "Du bekommst diese E-Mail, weil du dich bei der Example App angemeldet hast." in text
+    assert '<html lang="de">' in html
+    assert f"Danke für deine Anmeldung mit <strong>{address}</strong>." in html
+    assert "Willkommen, Ann Beispiel!</h1>" in html
+    assert "Welcome" not in text + html and "Thanks" not in text + html
+    german = example.rendered_welcome("Ann Beispiel", address, "de")
+    assert german.text is not None
+    assert text.rstrip("\n") == german.text.rstrip("\n")
+    assert html.rstrip("\n") == german.html.rstrip("\n")
+
+
+def test_a_signup_that_picks_german_gets_the_german_welcome_email(example: Example) -> None:
+    # The browser asks for English; the form's choice wins.
+    response = example.sign_up("Ann Beispiel", "ann@example.de", locale="de",
+                               accept_language="en-US,en;q=0.9")
+    assert response.status_code == 302
+    _german_welcome_arrived(example, "ann@example.de")
+
+
+def test_a_german_browser_gets_the_german_welcome_email(example: Example) -> None:
+    # "Your browser's language": Flask-Babel's locale selector reads Accept-Language.
+    response = example.sign_up("Ann Beispiel", "ann@example.de",
+                               accept_language="de-DE,de;q=0.9,en;q=0.5")
+    assert response.status_code == 302
+    _german_welcome_arrived(example, "ann@example.de")
+
+
+def test_a_browser_language_without_a_catalog_gets_english(example: Example) -> None:
+    assert example.sign_up("Ann", "ann@example.fr", accept_language="fr-FR,fr").status_code == 302
+    assert example.smtp.wait_for(1)
+    [row] = example.wait_emails(lambda rows: bool(rows) and rows[0]["status"] == "sent")
+    assert row["template_locale"] == "en"
+    assert example.smtp.messages[0].parsed["Subject"] == "Welcome, Ann!"
+
+
+def test_the_form_offers_the_catalogs_languages_and_refuses_others(example: Example) -> None:
+    page = example.client.get("/").get_data(as_text=True)
+    options = re.findall(r'<option value="([^"]*)"[^>]*>([^<]*)</option>', page)
+    assert options == [("", "Your browser's language"), ("en", "English"),
+                       ("de", "Deutsch")]
+
+    response = example.sign_up("Ann", "ann@example.com", locale="xx")
+    assert response.status_code == 400
+    page = response.get_data(as_text=True)
+    assert "Please choose a language from the list." in page
+    assert example.users() == [] and example.emails() == []
+
+    # A form shown again keeps the language that was picked.
+    page = example.sign_up("", "ann@example.com", locale="de").get_data(as_text=True)
+    assert '<option value="de" lang="de" selected>Deutsch</option>' in page
+
+
+def test_the_welcome_email_has_a_preview_that_renders_in_both_languages(
+        example: Example) -> None:
+    with example.app.test_request_context("/"):
+        templates = mail.templates()
+        # The layout (its name starts with "_") is not an email of its own.
+        assert templates.names() == ["welcome"]
+        assert templates.locales() == ["en", "de"]
+        [preview] = templates.previews()["welcome"]
+        assert preview.template == "welcome"
+        subjects = []
+        for locale in templates.locales():
+            # strict: what `flask outbox templates check` does, undefined names are errors.
+            rendered = templates.render("welcome", preview.func(), locale=locale, strict=True)
+            subjects.append(rendered.subject)
+            assert "ann@example.com" in rendered.html
+    assert subjects == ["Welcome, Ann Example!", "Willkommen, Ann Example!"]
+    # A preview writes nothing.
+    assert example.users() == [] and example.emails() == []
+
+
+def test_the_example_passes_the_templates_check(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # `flask --app example_app outbox templates check`: no database needed, nothing sent.
+    for name in list(os.environ):
+        if name.startswith(("EXAMPLE_", "FLASK_")):
+            monkeypatch.delenv(name)
+    app = create_app({"TESTING": True, "OUTBOX_RUN_SCHEDULER": False},
+                     instance_path=str(tmp_path / "instance"))
+    try:
+        result = app.test_cli_runner().invoke(args=["outbox", "templates", "check"])
+    finally:
+        mail.stop(timeout=5)
+    assert result.output.splitlines()[-1].startswith("1 email × 2 locales checked"), \
+        result.output
+    assert len(result.output.splitlines()) == 1, result.output
+    assert result.exit_code == 0, result.output
+
+
+# --- the German catalog ------------------------------------------------------------------
+
+
+def test_the_german_catalog_translates_every_message_of_the_email_templates() -> None:
+    # What `pybabel extract -F example_app/babel.cfg` finds, against the .po.
+    with open(EXAMPLE_DIR / "babel.cfg", encoding="utf-8") as cfg:
+        method_map, options_map = parse_mapping_cfg(cfg)  # type: ignore[no-untyped-call]
+    extracted = {message for _, _, message, _, _ in
+                 extract_from_dir(str(EXAMPLE_DIR), method_map, options_map)}
+    assert "Welcome, %(name)s!" in extracted and len(extracted) >= 5
+    with open(GERMAN / "messages.po", "rb") as po:
+        catalog = read_po(po)
+    translated = {m.id for m in catalog if m.id and m.string and not m.fuzzy}
+    assert sorted(extracted - translated) == [], "messages without a German translation"
+    assert sorted({m.id for m in catalog if m.id} - extracted) == [], \
+        "German messages no template uses any more (pybabel update)"
+    assert catalog.obsolete == {}
+
+
+def test_the_committed_mo_is_the_po_compiled() -> None:
+    # Flask-Babel reads the .mo (and lists a locale only when it has one): a fresh clone
+    # has no compile step, so the .mo is committed, and must not fall behind the .po.
+    with open(GERMAN / "messages.po", "rb") as po:
+        compiled = io.BytesIO()
+        write_mo(compiled, read_po(po))
+    compiled.seek(0)
+    with open(GERMAN / "messages.mo", "rb") as mo:
+        committed = read_mo(mo)
+
+    def pairs(catalog: Any) -> dict[Any, Any]:
+        return {m.id: m.string for m in catalog if m.id}
+
+    expected = pairs(read_mo(compiled))
+    assert expected and pairs(committed) == expected, \
+        "messages.mo is stale: pybabel compile -d example_app/translations"
 
 
 def test_names_are_escaped_on_the_pages_and_in_the_html_email(example: Example) -> None:
