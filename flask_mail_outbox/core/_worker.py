@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
-from ._clock import utcnow
 from ._database import KeptConnection
 from ._delivery import (
     Attempt,
@@ -115,7 +114,8 @@ class Worker:
     """The delivery loop of one app in one process (see the module docstring)."""
 
     def __init__(self, delivery: Delivery, config: OutboxConfig, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.delivery = delivery
         self.store = delivery.store
         self.config = config
@@ -129,7 +129,8 @@ class Worker:
             return self.clock()
 
         #: A lane per named transport: its stream, rate and paced rows (see _lanes).
-        self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, now)
+        self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, now,
+                           wall=wall)
         #: Rows claimed and not yet recorded, at most (a claim takes at most a batch).
         self.capacity = max(1, config.batch_size)
         #: Claim again once no more than this is in flight: half a batch (at
@@ -611,7 +612,7 @@ class Worker:
         """
         sendable: list[ClaimedEmail] = []
         unknown: list[ClaimedEmail] = []
-        now = utcnow()
+        now = self.store.clock()
         for email in claimed:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent
