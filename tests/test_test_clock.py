@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import MakeApps, db, rows
+from conftest import MakeApps, db, poll, rows
 from flask import Flask
 from sqlalchemy.orm import Session
 
@@ -219,5 +219,36 @@ def test_a_core_on_a_test_clock_claims_and_leases_on_it(db_url: str) -> None:
         assert len(leases.reap_expired()) == 0
         clock.advance(61)
         assert leases.reap_expired().requeued == (ticket.email_id,)
+    finally:
+        outbox.stop(5)
+
+
+def test_a_running_worker_takes_a_scheduled_email_when_the_clock_reaches_it(
+        db_url: str) -> None:
+    # The worker's own thread (inline mode): its deadlines are on the clock, and an
+    # advance wakes it to look at them again.
+    clock = TestClock()
+    config = load_config({"MAIL_DEFAULT_SENDER": "shop@example.com"}, instance_path="/x",
+                         testing=True)
+    transport = MemoryTransport()
+    outbox = Outbox(db_url, config, transports={"default": transport}, clock=clock)
+    try:
+        metadata.create_all(outbox.engine)
+        row = prepare_row(Message("n", recipients=["ann@example.com"], body="hi"), config,
+                          key=None, due_at=clock.now() + timedelta(seconds=60),
+                          now=clock.now())
+        producer = Producer(outbox)
+        with Session(outbox.engine) as session:
+            with session.begin():
+                tickets = producer.enqueue(session, [row])
+                producer.before_commit(session, tickets)
+            producer.after_commit(tickets)
+        assert outbox.worker.running
+        time.sleep(0.3)  # the loop waits for its deadline, a minute ahead
+        clock.advance(59)
+        time.sleep(0.5)
+        assert transport.outbox == []
+        clock.advance(1)
+        assert len(poll(lambda: list(transport.outbox), timeout=5)) == 1
     finally:
         outbox.stop(5)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 
@@ -39,6 +40,13 @@ class TestClock:
     def __init__(self) -> None:
         self._offset = 0.0
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_advance(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after each :meth:`advance` (a worker waiting for a
+        deadline looks again: it may have come)."""
+        with self._lock:
+            self._listeners.append(listener)
 
     @property
     def offset(self) -> timedelta:
@@ -60,6 +68,9 @@ class TestClock:
                              f"{seconds!r}")
         with self._lock:
             self._offset += float(amount)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
 
     def now(self) -> datetime:
         """The current time on this clock, naive UTC (as :func:`utcnow`)."""

@@ -242,6 +242,10 @@ class Lanes:
             if due:
                 lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in due], report)
 
+    def paced(self) -> int:
+        """How many claimed rows wait for their slot, in every lane."""
+        return sum(len(lane.paced) for lane in self)
+
     def next_slot(self) -> float | None:
         """When the next paced row of any lane may go."""
         return min((at for lane in self if (at := lane.next_slot()) is not None), default=None)

@@ -155,9 +155,12 @@ class Outbox:
         """This process's delivery loop."""
         with self._lock:
             if self._worker is None:
-                self._worker = (Worker(self.delivery, self.config) if self.clock is None
-                                else Worker(self.delivery, self.config,
-                                            clock=self.clock.monotonic, wall=self.clock.wall))
+                if self.clock is None:
+                    self._worker = Worker(self.delivery, self.config)
+                else:
+                    self._worker = Worker(self.delivery, self.config,
+                                          clock=self.clock.monotonic, wall=self.clock.wall)
+                    self.clock.on_advance(self._worker.nudge)
             return self._worker
 
     @property
