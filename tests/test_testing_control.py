@@ -289,7 +289,7 @@ def test_a_simulated_hard_bounce_suppresses_the_address_and_sends_email_event(
                                               ("delivered", None)])
 def test_each_simulated_event_acts_as_the_providers_would(
         kit: tuple[Flask, OutboxMail, OutboxControl], kind: str, reason: str | None) -> None:
-    app, mail, control = kit
+    _, mail, control = kit
     email_id = _send(mail)
     control.deliver()
     control.simulate_event(email_id, kind)
@@ -388,9 +388,9 @@ def test_advance_refuses_to_go_back_or_to_move_under_a_running_delivery_thread(
 
 def test_fail_next_and_simulate_event_name_what_is_wrong(
         kit: tuple[Flask, OutboxMail, OutboxControl]) -> None:
-    app, mail, control = kit
-    for kwargs, text in (({"kind": "bounce"}, "kind must be one of 'transient', 'permanent', "
-                                              "'throttle'"),
+    _, mail, control = kit
+    kinds = "'transient', 'permanent', 'throttle'"
+    for kwargs, text in (({"kind": "bounce"}, f"kind must be one of {kinds}"),
                          ({"count": 0}, "count must be a whole number >= 1"),
                          ({"to": "nobody"}, "to must be an email address")):
         with pytest.raises(TestKitError, match=rf"fail_next\(\): {text}"):
