@@ -186,9 +186,9 @@ class Lanes:
         self.config = config
         self.faults = faults
         self.clock = clock
-        #: The wall clocks: seconds since the epoch, and the store's naive UTC datetime.
+        #: The wall clock, in seconds since the epoch (the store's clock is the datetime one).
         self.wall = wall
-        self.now = store.clock
+        self.store = store
         self.lanes = {
             spec.name: Lane(spec.name, transports[spec.name],
                             SharedRate(store, spec.name, spec.rate, clock=clock, wall=wall)
@@ -232,10 +232,10 @@ class Lanes:
         checked again when its slot comes, not only when it was claimed.
         """
         now = self.clock()
-        wall = self.now()
         for lane in self:
             due = lane.due(now)
-            if too_late is not None:
+            if too_late is not None and due:
+                wall = self.store.clock()
                 for email in [e for e in due if expired(e, wall)]:
                     too_late(email)
                 due = [e for e in due if not expired(e, wall)]
