@@ -113,13 +113,17 @@ class _Files:
     #: Template file path -> name, to name the file in an error's traceback.
     names_by_path: dict[str, str]
     uptodate: tuple[Callable[[], bool], ...]
+    #: Files looked for and not found (an optional part, a missing include): one that
+    #: appears later changes the email as much as an edit does.
+    absent: tuple[str, ...] = ()
 
     @property
     def mjml(self) -> bool:
         return self.body.endswith(MJML_SUFFIX)
 
-    def fresh(self) -> bool:
-        return all(check() for check in self.uptodate)
+    def fresh(self, env: jinja2.Environment) -> bool:
+        return (all(check() for check in self.uptodate)
+                and all(_source(env, file) is None for file in self.absent))
 
 
 class EmailTemplates:
@@ -376,7 +380,7 @@ class EmailTemplates:
     def _files_of(self, name: str, locale: str | None) -> _Files:
         files = self._files.get(name)
         env = self.app.jinja_env
-        if files is not None and (not env.auto_reload or files.fresh()):
+        if files is not None and (not env.auto_reload or files.fresh(env)):
             return files
         files = self._files[name] = self._find_files(name, locale)
         return files
@@ -400,6 +404,7 @@ class EmailTemplates:
         body = base + (HTML_SUFFIX if found[HTML_SUFFIX] is not None else MJML_SUFFIX)
         text = base + TEXT_SUFFIX if found[TEXT_SUFFIX] is not None else None
         sources: dict[str, tuple[str, str | None, Callable[[], bool] | None]] = {}
+        absent = {base + suffix for suffix, got in found.items() if got is None}
         pending = [file for file in (subject, body, text) if file is not None]
         while pending:
             file = pending.pop()
@@ -407,7 +412,8 @@ class EmailTemplates:
                 continue
             got = _source(env, file)
             if got is None:
-                continue  # an include that is missing: the render names it
+                absent.add(file)  # an include that is missing: the render names it
+                continue
             sources[file] = got
             try:
                 parsed = env.parse(got[0], file)
@@ -423,7 +429,8 @@ class EmailTemplates:
             subject=subject, body=body, text=text, source_hash=digest.hexdigest(),
             sources=tuple((file, sources[file][0]) for file in sorted(sources)),
             names_by_path={path: file for file, (_, path, _) in sources.items() if path},
-            uptodate=tuple(check for _, _, check in sources.values() if check is not None))
+            uptodate=tuple(check for _, _, check in sources.values() if check is not None),
+            absent=tuple(sorted(absent)))
 
     # -- MJML and CSS ---------------------------------------------------------------------
 

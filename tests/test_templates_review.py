@@ -1,0 +1,41 @@
+"""Templated emails: freshness, locale scoping and the static stylesheet path (review of issue 38).
+
+Real files, a real Flask-Babel catalog, the fixtures of tests/test_templates.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from flask_babel import gettext
+from test_templates import ORDER, MakeApp, make_app, project, write  # noqa: F401 - fixtures
+
+from flask_mail_outbox import TemplateError
+
+
+def test_a_text_template_added_while_auto_reload_is_on_is_used(
+        make_app: MakeApp, project: Path) -> None:
+    app, mail = make_app(TEMPLATES_AUTO_RELOAD=True)
+    with app.test_request_context("/"):
+        first = mail.templates().render("welcome", {"name": "Ann"})
+        assert first.text is None
+        write(project / "templates", {"email/welcome.txt": "Hello {{ name }} (text)"})
+        second = mail.templates().render("welcome", {"name": "Ann"})
+    assert second.text == "Hello Ann (text)"
+    assert second.source_hash != first.source_hash
+
+
+def test_a_missing_include_added_while_auto_reload_is_on_is_hashed(
+        make_app: MakeApp, project: Path) -> None:
+    write(project / "templates", {
+        "email/inc.subject.txt": "x",
+        "email/inc.html": "<p>{% include 'email/_part.html' ignore missing %}</p>"})
+    app, mail = make_app(TEMPLATES_AUTO_RELOAD=True)
+    with app.test_request_context("/"):
+        first = mail.templates().render("inc", {})
+        write(project / "templates", {"email/_part.html": "part"})
+        second = mail.templates().render("inc", {})
+    assert "part" in second.html
+    assert "email/_part.html" in dict(second.sources)
+    assert second.source_hash != first.source_hash
