@@ -39,3 +39,13 @@ def test_a_missing_include_added_while_auto_reload_is_on_is_hashed(
     assert "part" in second.html
     assert "email/_part.html" in dict(second.sources)
     assert second.source_hash != first.source_hash
+
+
+def test_context_processors_run_in_the_render_locale(make_app: MakeApp, project: Path) -> None:
+    write(project / "templates", {"email/site.subject.txt": "{{ track }}",
+                                  "email/site.html": "<p>{{ track }}</p>"})
+    app, mail = make_app()
+    app.context_processor(lambda: {"track": gettext("Track it")})
+    with app.test_request_context("/", headers={"Accept-Language": "en"}):
+        rendered = mail.templates().render("site", {}, locale="de")
+    assert rendered.subject == "Sendung verfolgen"

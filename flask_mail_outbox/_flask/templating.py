@@ -318,8 +318,9 @@ class EmailTemplates:
         files = self._files_of(name, locale)
         values = dict(context or {})
         values.setdefault("locale", locale)
-        self.app.update_template_context(values)
         with self._forced(locale):
+            # The app's context processors too: a value they translate is in this locale.
+            self.app.update_template_context(values)
             for alias, bound in self._bound_gettext(locale).items():
                 values.setdefault(alias, bound)
             subject = self._render(name, files, files.subject, values, locale, strict)
