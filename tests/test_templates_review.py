@@ -49,3 +49,36 @@ def test_context_processors_run_in_the_render_locale(make_app: MakeApp, project:
     with app.test_request_context("/", headers={"Accept-Language": "en"}):
         rendered = mail.templates().render("site", {}, locale="de")
     assert rendered.subject == "Sendung verfolgen"
+
+
+def test_a_static_stylesheet_with_an_escaped_name_is_inlined(
+        make_app: MakeApp, project: Path) -> None:
+    write(project / "static", {"mail sheet.css": ".hi { color: #00ff00; }"})
+    write(project / "templates", {
+        "email/esc.subject.txt": "x",
+        "email/esc.html": '<link rel="stylesheet" href="/static/mail%20sheet.css">'
+                          '<p class="hi">Hi</p>'})
+    app, mail = make_app()
+    with app.test_request_context("/"):
+        rendered = mail.templates().render("esc", {})
+    assert 'style="color: #00ff00;"' in rendered.html
+
+
+@pytest.mark.parametrize("href", [
+    "/static/../templates/email/welcome.html",
+    "/static/%2e%2e/templates/email/welcome.html",
+    "/static/..%2Ftemplates/email/welcome.html",
+    "/static//etc/passwd",
+    "/static/%2Fetc/passwd",
+    "/static/mail.css%00.txt",
+    "http://evil.example/static/../../etc/passwd",
+])
+def test_a_static_stylesheet_outside_the_static_folder_is_refused(
+        make_app: MakeApp, project: Path, href: str) -> None:
+    write(project / "templates", {
+        "email/out.subject.txt": "x",
+        "email/out.html": f'<link rel="stylesheet" href="{href}"><p>x</p>'})
+    app, mail = make_app()
+    with app.test_request_context("/"), pytest.raises(TemplateError) as caught:
+        mail.templates().render("out", {})
+    assert "not a file in the app's static folder" in str(caught.value)

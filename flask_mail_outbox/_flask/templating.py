@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from email.utils import parseaddr
 from types import TracebackType
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import jinja2
 from flask import Flask, has_request_context
@@ -498,7 +498,9 @@ class EmailTemplates:
             parts = urlsplit(href)
             folder = self.app.static_folder
             if static_path != "/" and parts.path.startswith(static_path) and folder:
-                file = safe_join(folder, parts.path[len(static_path):])
+                # url_for() quotes the name ("a%20b.css"); safe_join() then refuses
+                # what leaves the folder, however it was spelled ("%2e%2e/").
+                file = safe_join(folder, unquote(parts.path[len(static_path):]))
                 if file is None or not os.path.isfile(file):
                     raise TemplateError(name, f"links the stylesheet {href!r}, which is not a "
                                         "file in the app's static folder", locale=locale)
