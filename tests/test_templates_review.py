@@ -82,3 +82,25 @@ def test_a_static_stylesheet_outside_the_static_folder_is_refused(
     with app.test_request_context("/"), pytest.raises(TemplateError) as caught:
         mail.templates().render("out", {})
     assert "not a file in the app's static folder" in str(caught.value)
+
+
+def test_the_locale_cache_does_not_grow_with_spellings(make_app: MakeApp) -> None:
+    app, mail = make_app()
+    templates = app.extensions["mail_outbox"].templates
+    with app.test_request_context("/"):
+        for spaces in range(1, 2000):
+            assert templates.check_locale("welcome", " " * spaces + "de") == "de"
+    assert len(templates._checked) <= 256
+
+
+def test_an_undefined_attribute_in_the_layout_names_the_layout_and_its_line(
+        make_app: MakeApp, project: Path) -> None:
+    write(project / "templates", {
+        "email/_base.html": "<html>\n<body>\n{{ shop.name }}\n{% block body %}{% endblock %}"
+                            "</body></html>",
+        "email/lay.subject.txt": "x",
+        "email/lay.html": "{% extends 'email/_base.html' %}\n{% block body %}hi{% endblock %}"})
+    app, mail = make_app()
+    with app.test_request_context("/"), pytest.raises(TemplateError) as caught:
+        mail.templates().render("lay", {})
+    assert (caught.value.file, caught.value.lineno) == ("email/_base.html", 3)

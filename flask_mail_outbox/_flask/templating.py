@@ -59,6 +59,9 @@ TEXT_SUFFIX = ".txt"
 #: Fields the template makes: ``template_message()`` refuses them as keywords.
 RENDERED_FIELDS = ("subject", "html", "body")
 
+#: Spellings of locales remembered once checked (``"pt-BR"`` -> ``"pt_BR"``).
+_MAX_CHECKED_LOCALES = 256
+
 LocaleResolver = Callable[[list[str]], "str | None"]
 
 
@@ -250,6 +253,10 @@ class EmailTemplates:
                                 f"({', '.join(locales)}): add its catalog, or list it in "
                                 "OUTBOX_TEMPLATE_LOCALES", locale=normal)
         if isinstance(locale, str):
+            # Bounded: a locale can come from outside (a form, a user's setting), and
+            # every spelling (" de", "de\t"...) would otherwise be kept for good.
+            if len(self._checked) >= _MAX_CHECKED_LOCALES:
+                self._checked.clear()
             self._checked[locale] = normal
         return normal
 
