@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 from flask_babel import gettext
-from test_templates import ORDER, MakeApp, make_app, project, write  # noqa: F401 - fixtures
+from test_templates import MakeApp, make_app, project, write  # noqa: F401 - fixtures
 
 from flask_mail_outbox import TemplateError
 
 
 def test_a_text_template_added_while_auto_reload_is_on_is_used(
-        make_app: MakeApp, project: Path) -> None:
+        make_app: MakeApp, project: Path) -> None:  # noqa: F811 - fixtures
     app, mail = make_app(TEMPLATES_AUTO_RELOAD=True)
     with app.test_request_context("/"):
         first = mail.templates().render("welcome", {"name": "Ann"})
@@ -27,7 +27,7 @@ def test_a_text_template_added_while_auto_reload_is_on_is_used(
 
 
 def test_a_missing_include_added_while_auto_reload_is_on_is_hashed(
-        make_app: MakeApp, project: Path) -> None:
+        make_app: MakeApp, project: Path) -> None:  # noqa: F811 - fixtures
     write(project / "templates", {
         "email/inc.subject.txt": "x",
         "email/inc.html": "<p>{% include 'email/_part.html' ignore missing %}</p>"})
@@ -41,7 +41,8 @@ def test_a_missing_include_added_while_auto_reload_is_on_is_hashed(
     assert second.source_hash != first.source_hash
 
 
-def test_context_processors_run_in_the_render_locale(make_app: MakeApp, project: Path) -> None:
+def test_context_processors_run_in_the_render_locale(
+        make_app: MakeApp, project: Path) -> None:  # noqa: F811 - fixtures
     write(project / "templates", {"email/site.subject.txt": "{{ track }}",
                                   "email/site.html": "<p>{{ track }}</p>"})
     app, mail = make_app()
@@ -52,7 +53,7 @@ def test_context_processors_run_in_the_render_locale(make_app: MakeApp, project:
 
 
 def test_a_static_stylesheet_with_an_escaped_name_is_inlined(
-        make_app: MakeApp, project: Path) -> None:
+        make_app: MakeApp, project: Path) -> None:  # noqa: F811 - fixtures
     write(project / "static", {"mail sheet.css": ".hi { color: #00ff00; }"})
     write(project / "templates", {
         "email/esc.subject.txt": "x",
@@ -74,7 +75,7 @@ def test_a_static_stylesheet_with_an_escaped_name_is_inlined(
     "http://evil.example/static/../../etc/passwd",
 ])
 def test_a_static_stylesheet_outside_the_static_folder_is_refused(
-        make_app: MakeApp, project: Path, href: str) -> None:
+        make_app: MakeApp, project: Path, href: str) -> None:  # noqa: F811 - fixtures
     write(project / "templates", {
         "email/out.subject.txt": "x",
         "email/out.html": f'<link rel="stylesheet" href="{href}"><p>x</p>'})
@@ -84,8 +85,9 @@ def test_a_static_stylesheet_outside_the_static_folder_is_refused(
     assert "not a file in the app's static folder" in str(caught.value)
 
 
-def test_the_locale_cache_does_not_grow_with_spellings(make_app: MakeApp) -> None:
-    app, mail = make_app()
+def test_the_locale_cache_does_not_grow_with_spellings(
+        make_app: MakeApp) -> None:  # noqa: F811 - fixtures
+    app, _ = make_app()
     templates = app.extensions["mail_outbox"].templates
     with app.test_request_context("/"):
         for spaces in range(1, 2000):
@@ -94,7 +96,7 @@ def test_the_locale_cache_does_not_grow_with_spellings(make_app: MakeApp) -> Non
 
 
 def test_an_undefined_attribute_in_the_layout_names_the_layout_and_its_line(
-        make_app: MakeApp, project: Path) -> None:
+        make_app: MakeApp, project: Path) -> None:  # noqa: F811 - fixtures
     write(project / "templates", {
         "email/_base.html": "<html>\n<body>\n{{ shop.name }}\n{% block body %}{% endblock %}"
                             "</body></html>",
