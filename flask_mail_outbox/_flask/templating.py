@@ -13,7 +13,8 @@ They are rendered together, in one locale set with Flask-Babel's
 context processors. The HTML's ``<style>`` blocks and the static stylesheets it
 links are then inlined by css-inline, because mail clients drop both.
 
-Every file the render reads (layouts and includes too) is hashed: the row
+Every template file the render reads is hashed (layouts and includes too, when
+named by a string; not the inlined static stylesheets): the row
 records the template's name, the locale and that hash, so an email says which
 version of its template it came from. Every problem is a :class:`TemplateError`
 naming the template, the locale, and the file and line when they are known;
@@ -23,7 +24,7 @@ Caching: the compiled templates are Jinja's (the app's environment, and one
 environment of ours each for strict undefined and MJML's escaping); this module
 keeps per email which files it has and the hash of their sources, and per
 stylesheet set one inliner. With ``TEMPLATES_AUTO_RELOAD`` (debug), a changed
-file is read again on the next render.
+file, or one added where the render looked for it, is read on the next render.
 """
 
 from __future__ import annotations
