@@ -5,11 +5,12 @@ Real files, a real Flask-Babel catalog, the fixtures of tests/test_templates.py.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
-from flask_babel import gettext
-from test_templates import MakeApp, make_app, project, write  # noqa: F401 - fixtures
+from flask_babel import get_locale, gettext
+from test_templates import ORDER, MakeApp, make_app, project, write  # noqa: F401 - fixtures
 
 from flask_mail_outbox import TemplateError
 
@@ -106,3 +107,30 @@ def test_an_undefined_attribute_in_the_layout_names_the_layout_and_its_line(
     with app.test_request_context("/"), pytest.raises(TemplateError) as caught:
         mail.templates().render("lay", {})
     assert (caught.value.file, caught.value.lineno) == ("email/_base.html", 3)
+
+
+def test_concurrent_renders_in_two_locales_keep_their_own_language(
+        make_app: MakeApp) -> None:  # noqa: F811 - fixtures
+    """Threads share the caches and Jinja's environments; each render keeps its locale."""
+    app, mail = make_app(TEMPLATES_AUTO_RELOAD=True)
+    expected = {"en": "Order 1042 has shipped", "de": "Bestellung 1042 ist unterwegs"}
+    start = threading.Barrier(8)
+    wrong: list[tuple[str, str]] = []
+
+    def work(locale: str, accept: str) -> None:
+        start.wait()
+        for _ in range(40):
+            with app.test_request_context("/", headers={"Accept-Language": accept}):
+                subject = mail.templates().render("orders/shipped", {"order": ORDER},
+                                                  locale=locale).subject
+                if subject != expected[locale] or str(get_locale()) != accept:
+                    wrong.append((locale, subject))
+
+    threads = [threading.Thread(target=work, args=(("en", "de") if i % 2 else ("de", "en")))
+               for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert wrong == []
