@@ -9,10 +9,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import db, rows
 from flask_babel import get_locale, gettext
 from test_templates import ORDER, MakeApp, make_app, project, write  # noqa: F401 - fixtures
 
-from flask_mail_outbox import TemplateError
+from flask_mail_outbox import InvalidMessage, TemplateError
 
 
 def test_a_text_template_added_while_auto_reload_is_on_is_used(
@@ -134,3 +135,24 @@ def test_concurrent_renders_in_two_locales_keep_their_own_language(
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads)
     assert wrong == []
+
+
+def test_the_resolver_is_not_asked_without_a_to_address(make_app: MakeApp) -> None:  # noqa: F811
+    """The guide's resolver reads recipients[0]: an email with bcc only, or none, must not
+    turn into its IndexError."""
+    app, mail = make_app()
+    asked: list[list[str]] = []
+
+    @mail.locale_resolver
+    def resolve(recipients: list[str]) -> str | None:
+        asked.append(recipients)
+        return "de" if recipients[0].endswith(".de") else None
+
+    with app.test_request_context("/"):
+        with pytest.raises(InvalidMessage, match="no recipients"):
+            mail.send_template("welcome", recipients=[], context={"name": "A"})
+        mail.send_template("welcome", recipients=[], bcc=["jan@example.de"],
+                           context={"name": "A"})
+        db.session.commit()
+    assert asked == []
+    assert [(r["template_name"], r["template_locale"]) for r in rows(app)] == [("welcome", "en")]

@@ -223,8 +223,9 @@ class EmailTemplates:
         """
         if given is not None:
             return self.check_locale(name, given)
-        if resolver is not None:
-            resolved = resolver(_bare(recipients))
+        bare = _bare(recipients) if resolver is not None else []
+        if resolver is not None and bare:  # no To address (bcc only): nobody to ask about
+            resolved = resolver(bare)
             if resolved is not None:
                 return self.check_locale(name, resolved)
         babel = self.app.extensions.get("babel")
