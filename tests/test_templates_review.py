@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import db, rows
+from flask import Flask
 from flask_babel import get_locale, gettext
 from test_templates import ORDER, MakeApp, make_app, project, write  # noqa: F401 - fixtures
 
@@ -156,3 +157,17 @@ def test_the_resolver_is_not_asked_without_a_to_address(make_app: MakeApp) -> No
         db.session.commit()
     assert asked == []
     assert [(r["template_name"], r["template_locale"]) for r in rows(app)] == [("welcome", "en")]
+
+
+def test_the_renderer_translates_outside_an_app_context(make_app: MakeApp) -> None:  # noqa: F811
+    """mail.templates() kept and used later (a thread, a task) rendered in the msgids'
+    language while saying 'de': Flask-Babel finds no catalog without the app's context."""
+    app, mail = make_app()
+    with app.app_context():
+        templates = mail.templates()
+    rendered = templates.render("orders/shipped", {"order": ORDER}, locale="de")
+    assert (rendered.locale, rendered.subject) == ("de", "Bestellung 1042 ist unterwegs")
+    other = Flask("other")
+    with other.app_context():  # another app's context: still this app's catalogs
+        rendered = templates.render("orders/shipped", {"order": ORDER}, locale="de")
+    assert rendered.subject == "Bestellung 1042 ist unterwegs"

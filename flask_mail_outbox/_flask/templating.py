@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 import jinja2
-from flask import Flask, has_request_context
+from flask import Flask, current_app, has_app_context, has_request_context
 from jinja2 import meta
 from werkzeug.security import safe_join
 
@@ -314,11 +314,20 @@ class EmailTemplates:
 
     def render(self, name: str, context: Mapping[str, Any] | None = None, *,
                locale: str | None = None, strict: bool = False) -> RenderedEmail:
-        """Render ``name`` in ``locale`` (None: as :meth:`choose_locale` picks); needs an app context.
+        """Render ``name`` in ``locale`` (None: as :meth:`choose_locale` picks), in the app's context.
 
         ``strict``: an undefined variable is an error even where Jinja would print
         nothing (the check's mode). Raises :class:`TemplateError`.
         """
+        # In this app's context: Flask-Babel finds the catalog through it, and without
+        # it (or in another app's) translated nothing, while the email said its locale.
+        if has_app_context() and current_app._get_current_object() is self.app:  # type: ignore[attr-defined]
+            return self._render_email(name, context, locale, strict)
+        with self.app.app_context():
+            return self._render_email(name, context, locale, strict)
+
+    def _render_email(self, name: str, context: Mapping[str, Any] | None, locale: str | None,
+                      strict: bool) -> RenderedEmail:
         _check_name(name)
         if context is not None and not isinstance(context, Mapping):
             raise TemplateError(name, f"context must be a mapping (a dict), got "
