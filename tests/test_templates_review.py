@@ -171,3 +171,14 @@ def test_the_renderer_translates_outside_an_app_context(make_app: MakeApp) -> No
     with other.app_context():  # another app's context: still this app's catalogs
         rendered = templates.render("orders/shipped", {"order": ORDER}, locale="de")
     assert rendered.subject == "Bestellung 1042 ist unterwegs"
+
+
+def test_a_request_in_a_regional_locale_gets_its_languages_emails(
+        make_app: MakeApp) -> None:  # noqa: F811 - fixtures
+    """Flask-Babel shows a de_AT request the de catalog; its email was English (the default)."""
+    app, mail = make_app()
+    app.extensions["babel"].locale_selector = lambda: "de_AT"
+    with app.test_request_context("/"):
+        rendered = mail.templates().render("orders/shipped", {"order": ORDER})
+        assert str(get_locale()) == "de_AT" and gettext("Track it") == "Sendung verfolgen"
+    assert (rendered.locale, rendered.subject) == ("de", "Bestellung 1042 ist unterwegs")

@@ -236,8 +236,12 @@ class EmailTemplates:
             import flask_babel
 
             current = flask_babel.get_locale()
-            if current is not None and str(current) in locales:
-                return str(current)
+            if current is not None:
+                # A regional locale (de_AT) reads its language's catalog (de), as the
+                # request's own pages do.
+                for candidate in (str(current), current.language):
+                    if candidate in locales:
+                        return candidate
         return locales[0] if locales else None
 
     def check_locale(self, name: str, locale: object) -> str:
