@@ -5,6 +5,7 @@ Real files, a real Flask-Babel catalog, the fixtures of tests/test_templates.py.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -182,3 +183,30 @@ def test_a_request_in_a_regional_locale_gets_its_languages_emails(
         rendered = mail.templates().render("orders/shipped", {"order": ORDER})
         assert str(get_locale()) == "de_AT" and gettext("Track it") == "Sendung verfolgen"
     assert (rendered.locale, rendered.subject) == ("de", "Bestellung 1042 ist unterwegs")
+
+
+def test_auto_reload_turned_on_later_reaches_mjml_and_strict_renders(
+        make_app: MakeApp, project: Path) -> None:  # noqa: F811 - fixtures
+    """app.debug = True after a first render (what Flask's debug setter does to Jinja):
+    the environments of MJML and of the check follow the app's, so the HTML and the hash
+    agree."""
+    write(project / "templates", {
+        "email/promo.subject.txt": "Promo",
+        "email/promo.mjml": "<mjml><mj-body><mj-section><mj-column><mj-text>old</mj-text>"
+                            "</mj-column></mj-section></mj-body></mjml>"})
+    app, mail = make_app()
+    with app.test_request_context("/"):
+        first = mail.templates().render("promo")
+        strict_first = mail.templates().render("promo", strict=True)
+        app.debug = True
+        assert app.jinja_env.auto_reload
+        source = project / "templates" / "email" / "promo.mjml"
+        source.write_text(source.read_text(encoding="utf-8").replace("old", "new"),
+                          encoding="utf-8")
+        stat = source.stat()
+        os.utime(source, (stat.st_atime, stat.st_mtime + 5))
+        second = mail.templates().render("promo")
+        strict_second = mail.templates().render("promo", strict=True)
+    assert "old" in first.html and "old" in strict_first.html
+    assert second.source_hash != first.source_hash
+    assert "new" in second.html and "new" in strict_second.html

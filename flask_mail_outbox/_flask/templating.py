@@ -373,6 +373,9 @@ class EmailTemplates:
             if escape_all:
                 options["autoescape"] = True
             env = self._envs[strict, escape_all] = base.overlay(**options)
+        # An overlay copies auto_reload once; Flask's debug setter changes the app's
+        # later, and a stale overlay rendered an old file under the new file's hash.
+        env.auto_reload = base.auto_reload
         return env
 
     def _render(self, name: str, files: _Files, file: str, values: dict[str, Any],
