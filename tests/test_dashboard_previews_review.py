@@ -38,6 +38,8 @@ def test_a_crafted_send_reaches_one_address_with_a_known_template_or_nothing(
     client = app.test_client()
     form = {"csrf_token": token(client), "template": "orders/shipped", "preview": "one item",
             "locale": "de", "address": "dana@example.com", field: value}
+    if field == "template":
+        form["preview"] = ""  # no preview to look for: the template name alone decides
     response = client.post(SEND, data=form)
     assert response.status_code == status, response.get_data(as_text=True)
     assert rows(app) == [] and smtp_server.messages == []
