@@ -227,8 +227,9 @@ class OutboxExtension:
         """Register the function that picks the locale of a templated email (a decorator).
 
         Called with the bare ``To`` addresses (never an empty list: without one it is
-        not called) when ``send_template()`` is given no ``locale``; it returns a locale (``"de"``), or None to fall through to the
-        request's locale and then the default one::
+        not called) when ``send_template()`` is given no ``locale``; it returns a
+        locale (``"de"``), or None to fall through to the request's locale and then
+        the default one::
 
             @mail.locale_resolver
             def user_locale(recipients):

@@ -318,14 +318,16 @@ class EmailTemplates:
 
     def render(self, name: str, context: Mapping[str, Any] | None = None, *,
                locale: str | None = None, strict: bool = False) -> RenderedEmail:
-        """Render ``name`` in ``locale`` (None: as :meth:`choose_locale` picks), in the app's context.
+        """Render ``name`` in ``locale`` (None: as :meth:`choose_locale` picks).
+
+        In the app's context: the current one, else one pushed for the render.
 
         ``strict``: an undefined variable is an error even where Jinja would print
         nothing (the check's mode). Raises :class:`TemplateError`.
         """
         # In this app's context: Flask-Babel finds the catalog through it, and without
         # it (or in another app's) translated nothing, while the email said its locale.
-        if has_app_context() and current_app._get_current_object() is self.app:  # type: ignore[attr-defined]
+        if _current_app() is self.app:
             return self._render_email(name, context, locale, strict)
         with self.app.app_context():
             return self._render_email(name, context, locale, strict)
@@ -547,6 +549,14 @@ class EmailTemplates:
             with open(file, encoding="utf-8") as handle:
                 kept = self._sheets[file] = (mtime, handle.read())
         return kept[1] + "\n"
+
+
+def _current_app() -> Flask | None:
+    """The app whose context is active, or None."""
+    if not has_app_context():
+        return None
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+    return app
 
 
 def _check_name(name: object) -> None:
