@@ -12,9 +12,10 @@ from dataclasses import dataclass, fields
 
 from flask import Flask
 
+from .._flask.state import EXTENSION_KEY, AppState
 from .._outside import clean_line
 from ..core import Status
-from .._flask.state import EXTENSION_KEY, AppState
+from ._control import TestKitError
 from ._emails import STATUSES, TestEmail, read_emails
 
 #: How many emails a failed assertion lists before "... and N more".
@@ -91,11 +92,11 @@ def check_status(status: object) -> str | None:
 
 
 def state_of(app: Flask) -> AppState:
-    """The outbox state of ``app``; a RuntimeError saying what to do when it has none."""
+    """The outbox state of ``app``; a TestKitError saying what to do when it has none."""
     state = app.extensions.get(EXTENSION_KEY)
     if not isinstance(state, AppState):
-        raise RuntimeError(f"flask-mail-outbox is not registered on the app {app.name!r}: call "
-                           "OutboxMail(app) or mail.init_app(app) in the app your `app` "
+        raise TestKitError(f"flask-mail-outbox is not registered on the app {app.name!r}: "
+                           "call OutboxMail(app) or mail.init_app(app) in the app your `app` "
                            "fixture returns")
     return state
 
@@ -148,9 +149,10 @@ class EmailAssertions:
         matches = [e for e in emails if e.status in statuses and filters.match(e)]
         if count is None and matches or count is not None and len(matches) == count:
             return matches
-        asked = filters.describe()
-        call = f"{name}({asked}{', ' if asked and count is not None else ''}"
-        call += f"count={count})" if count is not None and name != "assert_not_sent" else ")"
+        asked = [filters.describe()] if filters.describe() else []
+        if count is not None and name != "assert_not_sent":
+            asked.append(f"count={count}")
+        call = f"{name}({', '.join(asked)})"
         wanted = " or ".join(statuses)
         if name == "assert_not_sent":
             said = f"expected no {wanted} email matching, found {len(matches)}"

@@ -26,7 +26,7 @@ STATUSES = tuple(s.value for s in Status)
 _PARSER = BytesParser(policy=policy.default)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class TestEmail:
     """One email as it is in the outbox's table, with its MIME parsed.
 
@@ -52,7 +52,7 @@ class TestEmail:
     html: str | None
     text: str | None
     mime: bytes | None
-    parsed: EmailMessage | None = field(repr=False)
+    parsed: EmailMessage | None = field(repr=False, compare=False)
     template: str | None
     locale: str | None
     key: str | None
