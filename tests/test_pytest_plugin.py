@@ -103,8 +103,8 @@ def test_the_outbox_fixture_takes_the_projects_app(pytester: pytest.Pytester) ->
     result = run(pytester, "--strict-markers")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines([
-        "*AssertionError: assert_sent(to='ann@example.com'): expected a sent email matching, "
-        "found none.",
+        ("*AssertionError: assert_sent(to='ann@example.com'): expected a sent email matching, "
+         "found none."),
         "*The outbox has 1 committed email(s):",
         "*id*status*to*subject*template",
         "*1*sent*bob@example.com*Welcome*-",
@@ -124,8 +124,8 @@ def test_without_an_app_fixture_the_error_says_what_to_define(pytester: pytest.P
     result = run(pytester)
     result.assert_outcomes(errors=2)
     result.stdout.fnmatch_lines([
-        "*the `outbox` fixture (flask-mail-outbox) needs an `app` fixture that returns your "
-        "Flask app, as pytest-flask does: define one in conftest.py, for example",
+        ("*the `outbox` fixture (flask-mail-outbox) needs an `app` fixture that returns your "
+         "Flask app, as pytest-flask does: define one in conftest.py, for example"),
         "*the `outbox_manual` fixture (flask-mail-outbox) needs an `app` fixture*",
     ])
 
@@ -161,12 +161,12 @@ def test_the_marker_is_registered_and_checked(pytester: pytest.Pytester) -> None
     result.stdout.fnmatch_lines_random([
         "*@pytest.mark.outbox(mode='fast'): mode must be one of 'inline', 'manual'",
         "*@pytest.mark.outbox takes only mode=... (one of inline, manual); got args ('manual',)*",
-        "*the outbox_manual fixture is manual mode; the test's @pytest.mark.outbox(mode='inline') "
-        "contradicts it*",
+        ("*the outbox_manual fixture is manual mode; the test's "
+         "@pytest.mark.outbox(mode='inline') contradicts it*"),
     ])
     markers = run(pytester, "--markers")
-    markers.stdout.fnmatch_lines(["@pytest.mark.outbox(mode='inline'): how the flask-mail-outbox"
-                                  " `outbox` fixture delivers*"])
+    markers.stdout.fnmatch_lines([("@pytest.mark.outbox(mode='inline'): how the "
+                                   "flask-mail-outbox `outbox` fixture delivers*")])
 
 
 def test_a_project_without_the_outbox_is_left_alone(pytester: pytest.Pytester) -> None:

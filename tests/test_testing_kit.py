@@ -17,8 +17,7 @@ from conftest import close_app, db, make_app
 from flask import Flask
 from flask_babel import Babel
 
-from flask_mail_outbox import Message, OutboxMail
-from flask_mail_outbox import testing
+from flask_mail_outbox import Message, OutboxMail, testing
 from flask_mail_outbox.testing import OutboxTest, TestEmail
 
 
