@@ -107,7 +107,7 @@ def to_test_email(row: Any) -> TestEmail:
     cc: tuple[str, ...] = ()
     html = text = None
     if mime is not None:
-        parsed = _PARSER.parsebytes(mime)  # type: ignore[assignment]
+        parsed = _PARSER.parsebytes(mime)
         to = _addresses(parsed, "To")
         cc = _addresses(parsed, "Cc")
         html = _body(parsed, "html")
