@@ -135,6 +135,10 @@ def test_the_filters(app: Flask, mail: OutboxMail, outbox: OutboxTest) -> None:
     [ann, bob, cat] = outbox.emails()
     assert outbox.assert_sent(to="ANN@Example.COM") == [ann]  # any case
     assert outbox.assert_sent(to="  ann@example.com ") == [ann]
+    send(app, mail, Message("Note", recipients=["x@example.com"], bcc=["Dan.Smith@Example.com"],
+                            body="n"))
+    [note] = outbox.assert_sent(to="dan.smith@EXAMPLE.com")
+    assert note.bcc == ("Dan.Smith@example.com",)
     assert outbox.assert_sent(subject="Welcome") == [ann]  # equal, not a prefix
     assert outbox.assert_sent(subject="Receipt", to="bob@example.com") == [bob]
     assert outbox.assert_sent(html_contains="<b>there</b>", count=2) == [ann, bob]
@@ -142,7 +146,7 @@ def test_the_filters(app: Flask, mail: OutboxMail, outbox: OutboxTest) -> None:
     assert outbox.assert_sent(template="welcome") == [cat]
     assert outbox.assert_sent(template="welcome", locale="de", html_contains="Hi Cat") == [cat]
     assert (cat.template, cat.locale, cat.subject) == ("welcome", "de", "Welcome, Cat!")
-    assert outbox.assert_sent(count=3) == [ann, bob, cat]
+    assert outbox.assert_sent(count=4) == [ann, bob, cat, note]
     outbox.assert_not_sent(template="welcome", locale="en")
     outbox.assert_not_sent(subject="Welcome", to="bob@example.com")
     outbox.assert_not_sent(html_contains="nowhere")
