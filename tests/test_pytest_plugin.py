@@ -155,9 +155,29 @@ def test_the_marker_is_registered_and_checked(pytester: pytest.Pytester) -> None
         def test_inline(app, outbox):
             app.test_client().post("/signup", data={"email": "ann@example.com"})
             outbox.assert_sent(count=1)
+
+
+        @pytest.mark.outbox(mode="manual")
+        def test_manual(app, outbox):
+            app.test_client().post("/signup", data={"email": "ann@example.com"})
+            outbox.assert_enqueued(to="ann@example.com")
+            assert outbox.deliver() == 1
+            outbox.assert_sent(to="ann@example.com")
+
+
+        def test_manual_fixture(app, outbox_manual):
+            app.test_client().post("/signup", data={"email": "ann@example.com"})
+            outbox_manual.assert_not_sent()
+            outbox_manual.deliver()
+            outbox_manual.assert_sent(count=1)
+
+
+        def test_unmarked_is_inline(app, outbox):
+            app.test_client().post("/signup", data={"email": "ann@example.com"})
+            outbox.assert_sent(count=1)
     ''')
     result = run(pytester, "--strict-markers")
-    result.assert_outcomes(passed=1, errors=3)
+    result.assert_outcomes(passed=4, errors=3)
     result.stdout.fnmatch_lines_random([
         "*@pytest.mark.outbox(mode='fast'): mode must be one of 'inline', 'manual'",
         "*@pytest.mark.outbox takes only mode=... (one of inline, manual); got args ('manual',)*",
@@ -204,7 +224,7 @@ def test_a_project_without_the_outbox_is_left_alone(pytester: pytest.Pytester) -
 
 
 def test_the_fixtures_close_what_they_started(pytester: pytest.Pytester) -> None:
-    # One app for the session: a test that moved the clock leaves the next test the real one.
+    # One app for the session: each test finds it as it was before the kit took it over.
     pytester.makeconftest(CONFTEST.replace("@pytest.fixture\ndef app(tmp_path):",
                                            "@pytest.fixture(scope='session')\n"
                                            "def app(tmp_path_factory):\n"
@@ -216,20 +236,28 @@ def test_the_fixtures_close_what_they_started(pytester: pytest.Pytester) -> None
         from flask_mail_outbox import Message
 
 
-        def test_moves_the_clock(outbox_manual):
+        def test_moves_the_clock(app, outbox_manual):
             outbox_manual.advance(timedelta(hours=2))
+            app.test_client().post("/signup", data={"email": "ann@example.com"})
+            outbox_manual.assert_enqueued(count=1)
 
 
-        def test_the_clock_is_real_again(app):
+        def test_the_next_test_gets_the_app(app, outbox):
+            outbox.assert_enqueued(count=1)  # the last test's, which nothing delivered
+            app.test_client().post("/signup", data={"email": "bob@example.com"})
+            outbox.assert_sent(to="bob@example.com")
+
+
+        def test_without_the_kit_the_app_is_as_before(app):
+            assert app.extensions["mail_outbox"].clock is None
             with app.app_context():
-                mail.send(Message("Later", recipients=["ann@example.com"], body="x"),
-                          send_after=timedelta(hours=1))
-                db.session.commit()
-            with app.app_context():
-                [status] = db.session.execute(db.text("SELECT status FROM outbox_email")).scalars()
-            assert status == "queued"  # not due: the test clock of the last test is gone
+                mail.send(Message("Later", recipients=["cat@example.com"], body="x"))
+                db.session.commit()  # TESTING delivers inside the commit
+                statuses = db.session.execute(
+                    db.text("SELECT status FROM outbox_email ORDER BY id")).scalars().all()
+            assert statuses == ["queued", "sent", "sent"]
     ''')
-    run(pytester).assert_outcomes(passed=2)
+    run(pytester).assert_outcomes(passed=3)
 
 
 def test_isolated_under_xdist(pytester: pytest.Pytester) -> None:

@@ -176,6 +176,17 @@ def test_enqueued_is_committed_and_not_delivered_yet(app: Flask, mail: OutboxMai
     outbox.assert_enqueued(count=1)
 
 
+def test_manual_mode_delivers_on_deliver_only(app: Flask, mail: OutboxMail) -> None:
+    with OutboxTest(app, mode="manual") as manual:
+        send(app, mail, welcome())
+        [queued] = manual.assert_enqueued(to="ann@example.com")
+        manual.assert_not_sent()
+        assert manual.deliver() == 1
+        [sent] = manual.assert_sent(to="ann@example.com")
+        assert sent.id == queued.id and sent.status == "sent"
+        manual.assert_enqueued(count=0)
+
+
 def test_a_failed_assertion_lists_what_there_is(app: Flask, mail: OutboxMail,
                                                 outbox: OutboxTest) -> None:
     with pytest.raises(AssertionError) as empty:
