@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from conftest import require_postgres
 
 pytest_plugins = ["pytester"]
 
@@ -47,8 +48,7 @@ mail = OutboxMail()
 
 def create_app(config):
     app = Flask(__name__)
-    app.config.update(MAIL_DEFAULT_SENDER="noreply@example.com", OUTBOX_RUN_SCHEDULER=False,
-                      **config)
+    app.config.update(MAIL_DEFAULT_SENDER="noreply@example.com", **config)
     db.init_app(app)
     mail.init_app(app)
 
@@ -66,7 +66,7 @@ def create_app(config):
 
 @pytest.fixture
 def app(tmp_path):
-    app = create_app({"TESTING": True,
+    app = create_app({"TESTING": True, "OUTBOX_RUN_SCHEDULER": False,
                       "SQLALCHEMY_DATABASE_URI": f"sqlite:///{tmp_path}/test.db"})
     with app.app_context():
         db.create_all()
@@ -278,6 +278,36 @@ def test_isolated_under_xdist(pytester: pytest.Pytester) -> None:
     ''')
     result = run(pytester, "-p", "xdist", "-n", "2", "-s")
     result.assert_outcomes(passed=8)
+
+
+def documented_postgres_fixtures() -> str:
+    """The testing guide's PostgreSQL fixtures (one database per xdist worker), as written."""
+    text = (ROOT / "docs" / "guide" / "testing.md").read_text(encoding="utf-8")
+    section = text[text.index("- **PostgreSQL**"):]
+    return section[section.index("```python\n") + 10:section.index("\n```\n")]
+
+
+def test_isolated_under_xdist_with_a_postgresql_database_per_worker(
+        pytester: pytest.Pytester) -> None:
+    url = require_postgres()
+    fixtures = documented_postgres_fixtures()
+    assert 'ADMIN_URL = "postgresql+psycopg://postgres@localhost/postgres"' in fixtures
+    # The project's conftest: the guide's app factory, then its PostgreSQL fixtures on the
+    # server of this test run.
+    pytester.makeconftest(CONFTEST.split("@pytest.fixture")[0] + fixtures.replace(
+        '"postgresql+psycopg://postgres@localhost/postgres"', repr(url)))
+    pytester.makepyfile(test_many='''
+        import pytest
+
+
+        @pytest.mark.parametrize("n", range(6))
+        def test_each_sees_only_its_own(app, outbox, n):
+            app.test_client().post("/signup", data={"email": f"user{n}@example.com"})
+            [email] = outbox.assert_sent(count=1)
+            assert email.recipients == (f"user{n}@example.com",)
+    ''')
+    result = run(pytester, "-p", "xdist", "-n", "2")
+    result.assert_outcomes(passed=6)
 
 
 def test_the_entry_point_loads_the_plugin(pytester: pytest.Pytester, tmp_path: Path) -> None:
