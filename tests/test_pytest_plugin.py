@@ -130,6 +130,27 @@ def test_without_an_app_fixture_the_error_says_what_to_define(pytester: pytest.P
     ])
 
 
+def test_an_app_fixture_that_is_no_flask_app_is_named(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_not_flask='''
+        import pytest
+
+
+        @pytest.fixture
+        def app():
+            return {"not": "a Flask app"}
+
+
+        def test_uses_the_outbox(outbox):
+            pass
+    ''')
+    result = run(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([
+        ("*the `outbox` fixture (flask-mail-outbox) takes your `app` fixture's Flask app, and "
+         "it returned a dict: make `app` return (or yield) the Flask app that registers "
+         "OutboxMail")])
+
+
 def test_the_marker_is_registered_and_checked(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_marker='''

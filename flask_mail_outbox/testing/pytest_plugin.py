@@ -67,8 +67,14 @@ def _kit(request: pytest.FixtureRequest, fixture: str, mode: str) -> Iterator[Ou
             "            db.create_all()\n"
             "            mail.create_all()\n"
             "        yield app\n", pytrace=False)
+    from flask import Flask
+
     from flask_mail_outbox.testing import OutboxTest
 
+    if not isinstance(app, Flask):
+        pytest.fail(f"the `{fixture}` fixture (flask-mail-outbox) takes your `app` fixture's "
+                    f"Flask app, and it returned a {type(app).__name__}: make `app` return "
+                    "(or yield) the Flask app that registers OutboxMail", pytrace=False)
     kit = OutboxTest(app, mode=mode)
     try:
         yield kit
