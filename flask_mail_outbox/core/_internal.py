@@ -41,6 +41,7 @@ from ._clock import utcnow
 from ._config import _DEFAULTS as CONFIG_DEFAULTS
 from ._config import MAX_CONCURRENCY, warn_plaintext_logins
 from ._dialect import dialect_of
+from ._mailbox import Mailbox, MailboxEntry, MailboxPage
 from ._events import Replayed
 from ._models import TABLE_NAMES
 from ._outbox import DURABLE_SETTING
@@ -70,6 +71,9 @@ __all__ = [
     "ClaimedEmail",
     "DeliveredMessage",
     "HourCount",
+    "Mailbox",
+    "MailboxEntry",
+    "MailboxPage",
     "Mode",
     "Outbox",
     "OutboxConfig",

@@ -37,6 +37,7 @@ from flask.blueprints import BlueprintSetupState
 from werkzeug.wrappers import Response
 
 from ..._errors import ConfigError
+from ._mailbox import MailboxPages
 from ._previews import INLINE_STYLES_FLAG, PREVIEW_CONTENT_SECURITY_POLICY, Previews
 from ._views import Dashboard
 
@@ -109,6 +110,7 @@ def make_blueprint(mail: OutboxExtension, authorize: Callable[[], Any], *,
     bp.context_processor(lambda: {"csrf_token": csrf_token})
     Dashboard(mail, page_size=page_size).register(bp)
     Previews(mail).register(bp)
+    MailboxPages(mail, page_size=page_size).register(bp)
     return bp
 
 
