@@ -179,7 +179,7 @@ def test_a_message_page_shows_html_sandboxed_text_headers_and_attachments(
         app: Flask, client: FlaskClient) -> None:
     send(app, subject="<i>Hi</i> & welcome")
     [kept] = mailbox_rows(app)
-    response = client.get(f"{PREFIX}/mailbox/{kept['id']}")
+    response = client.get(f"{PREFIX}/mailbox?message={kept['id']}")
     page = response.get_data(as_text=True)
     assert response.status_code == 200
     # The html exists only as the srcdoc of a sandboxed frame (no allow-scripts), escaped.
@@ -192,8 +192,9 @@ def test_a_message_page_shows_html_sandboxed_text_headers_and_attachments(
     assert '<pre class="text-body">Hello Ann,\nwelcome.' in page.replace("\r\n", "\n")
     assert "&lt;i&gt;Hi&lt;/i&gt; &amp; welcome" in page and "<i>Hi</i>" not in page
     assert "<th>Message-ID</th>" in page and "<th>Content-Type</th>" in page
-    assert f"/outbox/mailbox/{kept['id']}/attachments/0" in page and "report.bin" in page
-    assert f"/outbox/mailbox/{kept['id']}/raw" in page
+    assert f"/outbox/mailbox?message={kept['id']}&amp;download=0" in page
+    assert "report.bin" in page
+    assert f"/outbox/mailbox?message={kept['id']}&amp;download=eml" in page
     assert f"/outbox/emails/{kept['email_id']}" in page
 
 
@@ -211,23 +212,23 @@ def test_attachments_and_the_eml_download_byte_exact_and_never_render(
     poll(lambda: rows(app), lambda rs: rs and rs[0]["status"] == "sent", timeout=10)
     [kept] = poll(lambda: mailbox_rows(app), timeout=5)
     assert kept["email_id"] == email_id
-    base = f"{PREFIX}/mailbox/{kept['id']}"
+    base = f"{PREFIX}/mailbox?message={kept['id']}"
 
-    first = client.get(f"{base}/attachments/0")
+    first = client.get(f"{base}&download=0")
     assert first.status_code == 200 and first.get_data() == BINARY
     assert first.headers["Content-Disposition"] == "attachment; filename=report.bin"
     assert first.headers["Content-Type"] == "application/octet-stream"
 
-    second = client.get(f"{base}/attachments/1")
+    second = client.get(f"{base}&download=1")
     assert second.get_data() == b"<script>alert(1)</script>"
     # An html attachment is a download, never a page of the dashboard's origin.
     assert second.headers["Content-Type"] == "application/octet-stream"
     disposition = second.headers["Content-Disposition"]
     assert disposition.startswith("attachment;") and "/" not in disposition
     assert "\\" not in disposition and disposition.count('"') in (0, 2)
-    assert client.get(f"{base}/attachments/2").status_code == 404
+    assert client.get(f"{base}&download=2").status_code == 404
 
-    raw = client.get(f"{base}/raw")
+    raw = client.get(f"{base}&download=eml")
     assert raw.status_code == 200 and raw.get_data() == bytes(kept["mime"])
     assert raw.headers["Content-Disposition"] == f"attachment; filename=mailbox-{kept['id']}.eml"
     assert raw.headers["Content-Type"] == "message/rfc822"
@@ -274,17 +275,23 @@ def test_every_mailbox_route_is_behind_authorize(app: Flask, client: FlaskClient
     token = csrf_token(client)
     gate.open = False
     base = f"{PREFIX}/mailbox"
-    for url in (base, f"{base}/{kept['id']}", f"{base}/{kept['id']}/raw",
-                f"{base}/{kept['id']}/attachments/0"):
+    for url in (base, f"{base}?message={kept['id']}", f"{base}?message={kept['id']}&download=eml",
+                f"{base}?message={kept['id']}&download=0"):
         assert client.get(url).status_code == 403, url
     assert client.post(f"{base}/clear", data={"csrf_token": token}).status_code == 403
     assert len(mailbox_rows(app)) == 1
 
 
 def test_hand_edited_links_are_400_or_404(app: Flask, client: FlaskClient) -> None:
-    assert client.get(f"{PREFIX}/mailbox/999").status_code == 404
-    assert client.get(f"{PREFIX}/mailbox/{2**63}").status_code == 404
-    assert client.get(f"{PREFIX}/mailbox/999/raw").status_code == 404
+    send(app)
+    [kept] = mailbox_rows(app)
+    assert client.get(f"{PREFIX}/mailbox?message=999").status_code == 404
+    assert client.get(f"{PREFIX}/mailbox?message=999&download=eml").status_code == 404
+    for bad in ("x", "0", "-1", str(2**63), "", "1e3"):
+        assert client.get(f"{PREFIX}/mailbox?message={bad}").status_code == 400, bad
+    for bad in ("x", "-1", "eml2", "9999999999"):
+        url = f"{PREFIX}/mailbox?message={kept['id']}&download={bad}"
+        assert client.get(url).status_code == 400, bad
     assert client.get(f"{PREFIX}/mailbox?before=x").status_code == 400
     assert client.get(f"{PREFIX}/mailbox?before=0").status_code == 400
     assert client.get(f"{PREFIX}/mailbox?before={2**63}").status_code == 400

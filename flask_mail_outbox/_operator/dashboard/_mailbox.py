@@ -1,19 +1,21 @@
 """The Mailbox section: the development inbox, read like a mail client.
 
 ``GET /mailbox`` lists what the ``mailbox`` transport delivered (the table
-``outbox_mailbox``), newest first: from, to, subject, date; "Older" links page
-back by id. ``GET /mailbox/<id>`` shows one message: the envelope, the html in
-a sandboxed ``srcdoc`` frame (its inlined styles allowed, as on a template
-preview: the page gets the preview's Content-Security-Policy), the text, every
-header, and each attachment. ``GET /mailbox/<id>/attachments/<n>`` downloads
-the ``n``-th attachment as it was sent (decoded from its transfer encoding),
-``GET /mailbox/<id>/raw`` the message's exact bytes as an ``.eml``: both as
-``application/octet-stream``-like downloads with ``Content-Disposition:
-attachment`` and a filename made safe, so nothing a message carries is ever
-rendered on the dashboard's origin. ``POST /mailbox/clear`` empties it (CSRF
-checked like every action), then redirects.
+``outbox_mailbox``), newest first: from, to, subject, date; "Older messages"
+pages back by id (``?before=<id>``). ``GET /mailbox?message=<id>`` shows one
+message: the envelope, the html in a sandboxed ``srcdoc`` frame (its inlined
+styles allowed, as on a template preview: the page gets the preview's
+Content-Security-Policy), the text, every header, and each attachment.
+``&download=eml`` downloads the message's exact bytes, ``&download=<n>`` its
+``n``-th attachment as it was sent (decoded from its transfer encoding): both
+with ``Content-Disposition: attachment`` and a file name made safe, an
+attachment as ``application/octet-stream``, so nothing a message carries is
+ever rendered on the dashboard's origin. ``POST /mailbox/clear`` empties it
+(CSRF checked like every action), then redirects.
 
-The dashboard's ``authorize`` applies to all of it.
+The message is a query argument, not a path segment, as on the previews pages:
+every route of the blueprint stays buildable with no placeholder but an email
+id. The dashboard's ``authorize`` applies to all of it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from email.message import EmailMessage
 from email.parser import BytesParser
 from typing import TYPE_CHECKING
 
-from flask import Blueprint, abort, g, redirect, render_template, request, send_file, url_for
+from flask import (
+    Blueprint,
+    abort,
+    g,
+    redirect,
+    render_template,
+    request,
+    send_file,
+    url_for,
+)
 from flask.typing import ResponseReturnValue
 
 from ..._flask.state import app_state
@@ -66,11 +77,7 @@ class MailboxPages:
         self.page_size = page_size
 
     def register(self, bp: Blueprint) -> None:
-        bp.add_url_rule("/mailbox", "mailbox", self.listing)
-        bp.add_url_rule("/mailbox/<int:entry_id>", "mailbox_message", self.message)
-        bp.add_url_rule("/mailbox/<int:entry_id>/raw", "mailbox_raw", self.raw)
-        bp.add_url_rule("/mailbox/<int:entry_id>/attachments/<int:index>",
-                        "mailbox_attachment", self.attachment)
+        bp.add_url_rule("/mailbox", "mailbox", self.mailbox)
         bp.add_url_rule("/mailbox/clear", "mailbox_clear", self.clear, methods=["POST"])
 
     def _mailbox(self) -> Mailbox:
@@ -78,35 +85,37 @@ class MailboxPages:
 
     # -- pages ----------------------------------------------------------------------
 
-    def listing(self) -> ResponseReturnValue:
-        before = request.args.get("before") or None
-        if before is not None and not (before.isascii() and before.isdigit()
-                                       and 1 <= int(before) <= _MAX_ID):
-            abort(400, description="before must be a message id from 1 to 2**63-1")
-        page = self._mailbox().page(limit=self.page_size,
-                                    before=None if before is None else int(before))
+    def mailbox(self) -> ResponseReturnValue:
+        if "message" not in request.args:
+            return self._list()
+        entry = self._entry(_id_arg("message"))
+        download = request.args.get("download")
+        if download is None:
+            return self._message(entry)
+        if download == "eml":
+            return send_file(io.BytesIO(entry.mime or b""), mimetype="message/rfc822",
+                             as_attachment=True, download_name=f"mailbox-{entry.id}.eml")
+        if not (download.isascii() and download.isdigit() and len(download) < 6):
+            abort(400, description="download must be eml or an attachment's number")
+        return self._attachment(entry, int(download))
+
+    def _list(self) -> ResponseReturnValue:
+        before = _id_arg("before") if "before" in request.args else None
+        page = self._mailbox().page(limit=self.page_size, before=before)
         return render_template("outbox_dashboard/mailbox.html", page=page,
                                transports=self._mailbox_transports(), notice=_notice())
 
-    def message(self, entry_id: int) -> ResponseReturnValue:
-        entry = self._entry(entry_id)
+    def _message(self, entry: MailboxEntry) -> ResponseReturnValue:
         mime = entry.mime or b""
-        shown = preview(mime)
         # The message's inlined styles apply in its frame, as on a template preview.
         g.setdefault(INLINE_STYLES_FLAG, True)
         return render_template("outbox_dashboard/mailbox_message.html", entry=entry,
-                               preview=shown, parts=attachments_of(mime))
+                               preview=preview(mime), parts=attachments_of(mime))
 
-    def raw(self, entry_id: int) -> ResponseReturnValue:
-        entry = self._entry(entry_id)
-        return send_file(io.BytesIO(entry.mime or b""), mimetype="message/rfc822",
-                         as_attachment=True, download_name=f"mailbox-{entry.id}.eml")
-
-    def attachment(self, entry_id: int, index: int) -> ResponseReturnValue:
-        entry = self._entry(entry_id)
-        found = [(part, payload) for part, payload in _attachment_parts(entry.mime or b"")]
+    def _attachment(self, entry: MailboxEntry, index: int) -> ResponseReturnValue:
+        found = _attachment_parts(entry.mime or b"")
         if not 0 <= index < len(found):
-            abort(404, description=f"Message {entry_id} has no attachment {index}.")
+            abort(404, description=f"Message {entry.id} has no attachment {index}.")
         part, payload = found[index]
         return send_file(io.BytesIO(payload), mimetype="application/octet-stream",
                          as_attachment=True,
@@ -121,7 +130,7 @@ class MailboxPages:
     # -- helpers --------------------------------------------------------------------
 
     def _entry(self, entry_id: int) -> MailboxEntry:
-        entry = self._mailbox().get(entry_id) if 1 <= entry_id <= _MAX_ID else None
+        entry = self._mailbox().get(entry_id)
         if entry is None:
             abort(404, description=f"There is no message {entry_id} in the mailbox (cleared?).")
         return entry
@@ -165,6 +174,14 @@ def safe_filename(name: object, index: int) -> str:
     text = clean_line(name or "", _MAX_FILENAME * 2)
     text = _UNSAFE_IN_FILENAME.sub("_", text).strip(" ._")
     return text[-_MAX_FILENAME:] or f"attachment-{index + 1}"
+
+
+def _id_arg(field: str) -> int:
+    """A message id from the query; 400 if no row can have it."""
+    value = request.args.get(field, "")
+    if not (value.isascii() and value.isdigit() and 1 <= int(value) <= _MAX_ID):
+        abort(400, description=f"{field} must be a message id from 1 to 2**63-1")
+    return int(value)
 
 
 def _notice() -> str | None:
