@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,6 +150,25 @@ def test_mail_through_another_transport_is_not_kept(db_url: str) -> None:
         found = poll(lambda: mailbox_rows(app), timeout=5)
         assert [(r["email_id"], r["subject"]) for r in found] == [(kept, "to the mailbox")]
         assert dropped not in [r["email_id"] for r in found]
+    finally:
+        close_app(app)
+
+
+def test_a_mailbox_that_takes_over_in_a_failover_chain_keeps_what_it_delivered(
+        db_url: str) -> None:
+    # A port nothing listens on: the SMTP server is down, a transport fault.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    app = make_app(db_url, OUTBOX_TRANSPORTS={
+        "default": {"transport": "smtp", "MAIL_SERVER": "127.0.0.1", "MAIL_PORT": closed_port,
+                    "MAIL_TIMEOUT": 2, "failover": ["dev"]},
+        "dev": {"transport": "mailbox"}})
+    try:
+        email_id = send(app)
+        [kept] = poll(lambda: mailbox_rows(app), timeout=5)
+        assert kept["email_id"] == email_id
+        assert bytes(kept["mime"]) == bytes(email_row(app, email_id)["mime"])
     finally:
         close_app(app)
 
@@ -316,3 +336,36 @@ def test_the_mailbox_table_is_in_the_catalog_with_its_index(app: Flask) -> None:
         assert "outbox_mailbox" in inspector.get_table_names()
         indexes = {i["name"]: i["column_names"] for i in inspector.get_indexes("outbox_mailbox")}
     assert indexes["ix_outbox_mailbox_email_id"] == ["email_id", "id"]
+
+
+# --- local_debug_only: open as Flask's debugger is, shut otherwise ---------------------
+
+
+@pytest.mark.parametrize(("debug", "remote", "host", "headers", "allowed"), [
+    (True, "127.0.0.1", "localhost:5000", {}, True),
+    (True, "127.0.0.1", "127.0.0.1:5000", {}, True),
+    (True, "::1", "[::1]:5000", {}, True),
+    (True, "127.0.0.1", "app.localhost", {}, True),
+    (False, "127.0.0.1", "localhost:5000", {}, False),   # not in debug mode
+    (True, "192.168.1.20", "localhost:5000", {}, False),  # another machine
+    (True, "127.0.0.1", "evil.example:5000", {}, False),  # DNS rebinding
+    (True, "127.0.0.1", "localhost", {"X-Forwarded-For": "203.0.113.9"}, False),  # a proxy
+    (True, "127.0.0.1", "localhost", {"Forwarded": "for=203.0.113.9"}, False),
+])
+def test_local_debug_only_opens_the_dashboard_as_flasks_debugger_would(
+        db_url: str, debug: bool, remote: str, host: str, headers: dict[str, str],
+        allowed: bool) -> None:
+    from flask_mail_outbox import local_debug_only
+
+    app = make_app(db_url, OUTBOX_TRANSPORT="mailbox")
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        app.register_blueprint(mail.dashboard_blueprint(authorize=local_debug_only),
+                               url_prefix=PREFIX)
+        app.debug = debug
+        response = app.test_client().get(
+            f"{PREFIX}/mailbox", headers={"Host": host, **headers},
+            environ_overrides={"REMOTE_ADDR": remote})
+        assert response.status_code == (200 if allowed else 403)
+    finally:
+        close_app(app)
