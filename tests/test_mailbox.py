@@ -154,16 +154,19 @@ def test_mail_through_another_transport_is_not_kept(db_url: str) -> None:
         close_app(app)
 
 
-def test_a_mailbox_that_takes_over_in_a_failover_chain_keeps_what_it_delivered(
-        db_url: str) -> None:
+@pytest.mark.parametrize("place", ["primary", "backup"])
+def test_a_mailbox_in_a_failover_chain_keeps_what_it_delivered(db_url: str, place: str) -> None:
     # A port nothing listens on: the SMTP server is down, a transport fault.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         closed_port = probe.getsockname()[1]
-    app = make_app(db_url, OUTBOX_TRANSPORTS={
-        "default": {"transport": "smtp", "MAIL_SERVER": "127.0.0.1", "MAIL_PORT": closed_port,
-                    "MAIL_TIMEOUT": 2, "failover": ["dev"]},
-        "dev": {"transport": "mailbox"}})
+    down = {"transport": "smtp", "MAIL_SERVER": "127.0.0.1", "MAIL_PORT": closed_port,
+            "MAIL_TIMEOUT": 2}
+    # The primary of a chain is wrapped (it has no name of its own); a backup is a named entry.
+    chain = ({"default": {"transport": "mailbox", "failover": ["spare"]}, "spare": down}
+             if place == "primary" else
+             {"default": {**down, "failover": ["dev"]}, "dev": {"transport": "mailbox"}})
+    app = make_app(db_url, OUTBOX_TRANSPORTS=chain)
     try:
         email_id = send(app)
         [kept] = poll(lambda: mailbox_rows(app), timeout=5)
