@@ -187,7 +187,6 @@ def test_the_list_shows_newest_first_and_pages_back(app: Flask, client: FlaskCli
     assert response.status_code == 200
     assert response.headers["Content-Security-Policy"] == CONTENT_SECURITY_POLICY
     assert 'aria-current="page">Mailbox</a>' in page
-    assert "3 message(s)" in page
     # page_size=2: the two newest, newest first, then a link to the older one.
     assert page.index("Message 2") < page.index("Message 1")
     assert "Message 0" not in page

@@ -129,7 +129,6 @@ class MailboxPage:
 
     entries: list[MailboxEntry]
     next_before: int | None
-    total: int
 
 
 _LIST_COLUMNS = [c for c in mailbox_table.c if c.name != "mime"]
@@ -142,16 +141,19 @@ class Mailbox:
         self.database = database
 
     def page(self, *, limit: int = 50, before: int | None = None) -> MailboxPage:
-        """Up to ``limit`` messages older than id ``before`` (or the newest), newest first."""
+        """Up to ``limit`` messages older than id ``before`` (or the newest), newest first.
+
+        One scan of the primary key from ``before`` down (keyset, no count, no
+        ``OFFSET``), as the dashboard's other lists.
+        """
         query = sa.select(*_LIST_COLUMNS).order_by(mailbox_table.c.id.desc()).limit(limit + 1)
         if before is not None:
             query = query.where(mailbox_table.c.id < before)
         with self.database.read() as conn:
             rows = conn.execute(query).all()
-            total = conn.execute(sa.select(sa.func.count()).select_from(mailbox_table)).scalar()
         entries = [_entry(row) for row in rows[:limit]]
         more = len(rows) > limit
-        return MailboxPage(entries, entries[-1].id if more else None, int(total or 0))
+        return MailboxPage(entries, entries[-1].id if more else None)
 
     def get(self, entry_id: int) -> MailboxEntry | None:
         """One message with its MIME, or None."""
