@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from babel import Locale
-from flask import Blueprint, current_app, flash, redirect, render_template, request, url_for
+from flask import (
+    Blueprint,
+    current_app,
+    flash,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
 from flask.typing import ResponseReturnValue
 from sqlalchemy.exc import IntegrityError
 
