@@ -24,6 +24,7 @@ from conftest import db as test_db
 from flask import Flask
 from flask.testing import FlaskClient
 from markupsafe import escape
+from test_dkim import dkim_config, key_pair, verifies  # noqa: F401 - key_pair: a fixture
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._flask.state import app_state
@@ -369,5 +370,19 @@ def test_local_debug_only_opens_the_dashboard_as_flasks_debugger_would(
             f"{PREFIX}/mailbox", headers={"Host": host, **headers},
             environ_overrides={"REMOTE_ADDR": remote})
         assert response.status_code == (200 if allowed else 403)
+    finally:
+        close_app(app)
+
+
+def test_with_dkim_the_mailbox_keeps_the_signed_bytes_that_were_delivered(
+        db_url: str, key_pair: tuple[str, bytes]) -> None:  # noqa: F811 - the fixture
+    app = make_app(db_url, OUTBOX_TRANSPORT="mailbox", **dkim_config(key_pair[0]))
+    try:
+        email_id = send(app)
+        [kept] = poll(lambda: mailbox_rows(app), timeout=5)
+        mime = bytes(kept["mime"])
+        # Signed afresh at delivery: the row keeps the unsigned bytes, the mailbox what went.
+        assert mime.startswith(b"DKIM-Signature: ") and verifies(mime, key_pair[1])
+        assert mime.endswith(bytes(email_row(app, email_id)["mime"]))
     finally:
         close_app(app)

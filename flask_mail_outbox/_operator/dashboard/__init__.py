@@ -22,8 +22,9 @@ Security is not left to the host app:
   ``<iframe sandbox srcdoc=...>`` (no scripts, an opaque origin).
 * Every response carries a Content-Security-Policy that loads nothing but the
   dashboard's stylesheet, lets the preview neither load from the app nor
-  navigate, and forbids framing the dashboard. A template preview's page allows
-  inline styles besides (an email's inlined CSS), and nothing else.
+  navigate, and forbids framing the dashboard. A template preview's page and a
+  Mailbox message's page allow inline styles besides (an email's inlined CSS), and
+  nothing else.
 """
 
 from __future__ import annotations
