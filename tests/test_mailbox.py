@@ -12,6 +12,7 @@ mailbox" behind the CSRF token, and every route behind ``authorize``.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 from collections.abc import Iterator
@@ -386,3 +387,17 @@ def test_with_dkim_the_mailbox_keeps_the_signed_bytes_that_were_delivered(
         assert mime.endswith(bytes(email_row(app, email_id)["mime"]))
     finally:
         close_app(app)
+
+
+def test_a_mailbox_the_database_refuses_leaves_the_email_recorded_sent(
+        app: Flask, caplog: pytest.LogCaptureFixture) -> None:
+    with app.app_context(), test_db.engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE outbox_mailbox"))
+    with caplog.at_level(logging.ERROR):
+        email_id = send(app)  # waits for "sent": not left sending to be delivered again
+    row = email_row(app, email_id)
+    assert (row["status"], row["attempts"]) == ("sent", 1)
+    [record] = [r for r in caplog.records if "in the mailbox (outbox_mailbox)" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+    assert f"[{email_id}]" in record.getMessage() and "recorded sent" in record.getMessage()
+    assert "flask db upgrade outbox@head" in record.getMessage()

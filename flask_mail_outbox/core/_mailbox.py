@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from .. import _degrade
 from .._outside import clean_line
 from ..transports import FailoverTransport, MailboxTransport, Transport
 from ._models import Status, mailbox_table
@@ -70,7 +71,34 @@ class Keeper:
                                         self.database.clock()))
                     break
         if rows:
+            self._insert(tx, rows)
+
+    def _insert(self, tx: Connection, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` in a savepoint: a mailbox the database refuses (its table
+        missing) must not keep the outcomes from being recorded.
+
+        Were the outcomes' transaction to fail, the emails would stay ``sending``
+        and be delivered again when their leases expire, and again: the mailbox
+        is a copy for a person to read, the outcome is the outbox's record. A
+        connection that is gone fails the savepoint's rollback too, and that
+        goes up to the record's own retries, as any outage.
+        """
+        tx.exec_driver_sql("SAVEPOINT outbox_mailbox")
+        try:
             tx.execute(mailbox_table.insert(), rows)
+        except sa.exc.DBAPIError as exc:
+            tx.exec_driver_sql("ROLLBACK TO SAVEPOINT outbox_mailbox")
+            _degrade.report(
+                f"Could not keep {len(rows)} delivered message(s) "
+                f"{[row['email_id'] for row in rows][:20]} in the mailbox (outbox_mailbox)",
+                consequence="the emails are recorded sent, but the dashboard's Mailbox page "
+                            "does not show them",
+                fix="create the outbox's tables (`flask db upgrade outbox@head`, or "
+                    "mail.create_all() without migrations); a database made from a "
+                    "pre-release checkout lacks outbox_mailbox: recreate it",
+                exc=exc)
+            return
+        tx.exec_driver_sql("RELEASE SAVEPOINT outbox_mailbox")
 
     def forget(self, email_ids: Iterable[int]) -> None:
         """Drop what the transports hold for ``email_ids`` (recorded, or lost)."""
