@@ -119,7 +119,7 @@ def make_blueprint(mail: OutboxExtension, authorize: Callable[[], Any], *,
     bp.context_processor(lambda: {"csrf_token": csrf_token})
     Dashboard(mail, page_size=page_size).register(bp)
     Previews(mail).register(bp)
-    MailboxPages(mail, page_size=page_size).register(bp)
+    MailboxPages(page_size=page_size).register(bp)
     return bp
 
 

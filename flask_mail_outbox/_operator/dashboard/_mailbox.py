@@ -26,7 +26,6 @@ import io
 import re
 from email.message import EmailMessage
 from email.parser import BytesParser
-from typing import TYPE_CHECKING
 
 from flask import (
     Blueprint,
@@ -45,9 +44,6 @@ from ..._outside import clean_line
 from ...core._internal import Mailbox, MailboxEntry
 from ._preview import preview
 from ._previews import INLINE_STYLES_FLAG
-
-if TYPE_CHECKING:
-    from ..._flask.extension import OutboxExtension
 
 # Ids are BIGINT: a larger number names no message.
 _MAX_ID = 2**63 - 1
@@ -70,10 +66,9 @@ class Part:
 
 
 class MailboxPages:
-    """The Mailbox pages and the clear action, bound to one ``OutboxMail``."""
+    """The Mailbox pages and the clear action (the app's outbox, read per request)."""
 
-    def __init__(self, mail: OutboxExtension, *, page_size: int) -> None:
-        self.mail = mail
+    def __init__(self, *, page_size: int) -> None:
         self.page_size = page_size
 
     def register(self, bp: Blueprint) -> None:
