@@ -40,6 +40,7 @@ from ._clock import utcnow
 from ._database import KeptConnection
 from ._events import EventLog
 from ._leases import ClaimedEmail, Outcome, Reaped, Recorded
+from ._mailbox import Keeper
 from ._models import Status
 from ._releases import Releases
 from ._retry import Decision, RetryPolicy
@@ -503,6 +504,8 @@ class Delivery:
         self.policy = config.retry_policy()
         #: What this process releases while it stops (the owner's, shared with its worker).
         self.releases = releases or Releases(store, config)
+        #: What the ``mailbox`` transports delivered, written with the outcomes.
+        self.mailbox = Keeper(transports, store)
 
     def release(self, claimed: Sequence[ClaimedEmail]) -> int:
         """Release claimed rows unsent (queued, attempt returned); stop renewing their leases."""
@@ -562,6 +565,7 @@ class Delivery:
             recorded, lost, report.holders = self._record(outcomes, kept, stored)
         finally:
             self.heartbeat.done([email for email, _ in done])
+            self.mailbox.forget(email.id for email, _ in done)
         errors: dict[int, TransportError] = {
             email.id: (result.error if isinstance(result, Failed) else TransientError(SPENT_LEASE))
             for email, result in done if not isinstance(result, (Delivered, Suppressed, Expired))}
@@ -769,6 +773,7 @@ class Delivery:
         server refused as nonexistent (5.1.1, 5.1.2, 5.1.10) is a permanent
         ``bounced`` event, which puts the address on the suppression list.
         """
+        self.mailbox.keep_on(tx, recorded)
         events = []
         for outcome in recorded:
             email = outcome.email

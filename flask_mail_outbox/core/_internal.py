@@ -43,6 +43,7 @@ from ._config import _DEFAULTS as CONFIG_DEFAULTS
 from ._config import MAX_CONCURRENCY, warn_plaintext_logins
 from ._dialect import dialect_of
 from ._events import Replayed
+from ._mailbox import Mailbox, MailboxEntry, MailboxPage
 from ._models import TABLE_NAMES
 from ._outbox import DURABLE_SETTING
 from ._queries import EVENT_SCAN_BUDGET, EXACT, SEARCH_FIELDS, recount_tally
@@ -71,6 +72,9 @@ __all__ = [
     "ClaimedEmail",
     "DeliveredMessage",
     "HourCount",
+    "Mailbox",
+    "MailboxEntry",
+    "MailboxPage",
     "Mode",
     "Outbox",
     "OutboxConfig",
