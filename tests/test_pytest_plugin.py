@@ -369,3 +369,21 @@ def test_importing_the_plugin_starts_nothing() -> None:
         assert len(all_states) == 0  # no app registered, no core
     ''')
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_loading_the_plugin_imports_neither_flask_nor_the_package() -> None:
+    """pytest loads the plugin in every run of a project that has the package installed.
+
+    Importing it must cost nothing but its own module: not Flask, not SQLAlchemy,
+    not the package's message building or core (about 0.6 s before the package's
+    names became lazy).
+    """
+    probe = ("import sys, flask_mail_outbox.testing.pytest_plugin; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('flask', 'sqlalchemy', 'flask_sqlalchemy', 'jinja2', 'email_validator') "
+             "or m.startswith('flask_mail_outbox.') and m not in "
+             "('flask_mail_outbox._errors', 'flask_mail_outbox.testing', "
+             "'flask_mail_outbox.testing.pytest_plugin')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]", done.stdout
