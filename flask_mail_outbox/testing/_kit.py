@@ -10,8 +10,7 @@ from flask import Flask
 
 from .._events import DeliveryEvent
 from ._assertions import EmailAssertions
-from ._control import OutboxControl, TestKitError
-from ._emails import TestEmail
+from ._control import OutboxControl
 
 if TYPE_CHECKING:
     from ..core import TestClock
