@@ -33,6 +33,7 @@ from ..core._internal import (
     Mode,
     Outbox,
     OutboxConfig,
+    OutgoingEmail,
     Producer,
     QueuedRow,
     Ticket,
@@ -112,7 +113,7 @@ class AppState:
                 outbox = self._outbox = Outbox(
                     url, self.config, faults=self.faults, concurrency=self.concurrency,
                     callbacks=Callbacks(sent=self._sent, failed=self._failed,
-                                        events=self.tell_events))
+                                        events=self.tell_events, before_send=self.before_send))
             return outbox
 
     def current_outbox(self) -> Outbox | None:
@@ -213,6 +214,18 @@ class AppState:
             logger.exception("A receiver of the %s signal raised (email %s); what it "
                              "reports is recorded and delivery goes on", signal.name,
                              kwargs.get("email_id"))
+
+    def before_send(self, email: OutgoingEmail) -> None:
+        """The app's ``@mail.before_send`` functions, in order, in an app context (a veto
+        stops them); called by the core in the delivery thread or worker process."""
+        hooks = self.ext.before_send_hooks
+        if not hooks:
+            return
+        with self.app.app_context():
+            for hook in hooks:
+                hook(email)
+                if email.vetoed is not None:
+                    return
 
     # -- the background jobs -------------------------------------------------------------
 

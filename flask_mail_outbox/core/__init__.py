@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from ._config import load_config
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
+from ._intercept import OutgoingEmail
 from ._leases import ClaimedEmail
 from ._models import (
     Status,
@@ -65,6 +66,7 @@ __all__ = [
     "Mode",
     "Outbox",
     "OutboxConfig",
+    "OutgoingEmail",
     "Producer",
     "QueuedRow",
     "Rate",
