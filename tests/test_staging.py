@@ -108,8 +108,8 @@ def test_redirect_goes_to_the_redirect_address_only_the_originals_in_headers_sig
     # The row keeps its real recipients; what staging did is recorded beside them.
     assert json.loads(row["recipients"]) == ["alice@customer.org", "bob@customer.org",
                                              "carol@secret.org"]
-    assert notes(row) == [f"redirected to {QA} (OUTBOX_REDIRECT_TO) instead of "
-                          "alice@customer.org, bob@customer.org, carol@secret.org"]
+    assert notes(row) == [(f"redirected to {QA} (OUTBOX_REDIRECT_TO) instead of "
+                           "alice@customer.org, bob@customer.org, carol@secret.org")]
     with app.app_context():
         detail = app.extensions["mail_outbox"].outbox().reader.get_email(email_id)
     assert detail is not None and detail.intercepted == tuple(notes(row))
@@ -132,8 +132,8 @@ def test_suppression_applies_to_the_real_addresses_not_the_redirect(
     assert [(m.rcpt_tos, m.parsed["Subject"]) for m in smtp_server.messages] == [
         ([QA], "Both")]
     # The suppressed real address is left out, not redirected...
-    assert notes(found[both]) == [f"redirected to {QA} (OUTBOX_REDIRECT_TO) instead of "
-                                  "bob@customer.org"]
+    assert notes(found[both]) == [(f"redirected to {QA} (OUTBOX_REDIRECT_TO) instead of "
+                                   "bob@customer.org")]
     with app.app_context():
         assert [(e.event_type, e.recipient) for e in mail.events(both)] == [
             ("rejected", "alice@customer.org")]
@@ -171,8 +171,8 @@ def test_the_allow_list_blocks_and_records_and_an_email_with_none_allowed_is_can
     [received] = smtp_server.messages
     assert received.rcpt_tos == ["dev@team.org", "ops@partner.org"]
     assert found[mixed]["status"] == "sent"
-    assert notes(found[mixed]) == ["not sent to customer@shop.org, dev@sub.team.org: "
-                                   "outside OUTBOX_ALLOWED_RECIPIENTS"]
+    assert notes(found[mixed]) == [("not sent to customer@shop.org, dev@sub.team.org: "
+                                    "outside OUTBOX_ALLOWED_RECIPIENTS")]
     # None allowed: it ends without contacting a server, and the row says why.
     row = found[outside]
     assert row["status"] == "cancelled" and row["attempts"] == 0
