@@ -188,8 +188,12 @@ class AppState:
     def _sent(self, email: ClaimedEmail, provider_message_id: str | None) -> None:
         if not email_sent.receivers and not email_dispatched.receivers:
             return
+        # As sent: redirected, with before_send's changes (staging), when it was intercepted.
+        sent = email.interception
         message = DeliveredMessage(email_id=email.id, message_id=email.message_id,
-                                   sender=email.sender, send_to=email.recipients, mime=email.mime,
+                                   sender=email.sender,
+                                   send_to=email.recipients if sent is None else sent.recipients,
+                                   mime=email.mime if sent is None else sent.mime,
                                    provider_message_id=provider_message_id)
         self._signal(email_sent, email_id=email.id, message_id=email.message_id,
                      message=message, created_at=email.created_at)

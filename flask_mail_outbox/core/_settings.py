@@ -122,7 +122,7 @@ class OutboxConfig:
     template_max_subject: int = 78
     #: OUTBOX_REDIRECT_TO: every email goes to these addresses instead (None: off).
     redirect_to: tuple[str, ...] | None = None
-    #: OUTBOX_ALLOWED_RECIPIENTS, normalised: "user@domain" and "*@domain" (None: off).
+    #: OUTBOX_ALLOWED_RECIPIENTS, normalised: ``user@domain`` and ``*@domain`` (None: off).
     allowed_recipients: tuple[str, ...] | None = None
 
     def transport_spec(self, name: str) -> TransportSpec:
