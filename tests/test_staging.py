@@ -20,11 +20,13 @@ from typing import Any
 
 import dkim
 import pytest
+import sqlalchemy as sa
 from conftest import (
     MakeApps,
     close_app,
     db,
     empty_postgres,
+    hand_ticked_worker,
     make_app,
     require_postgres,
     rows,
@@ -36,7 +38,7 @@ from flask import Flask, current_app
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
-from flask_mail_outbox.core import OutgoingEmail
+from flask_mail_outbox.core import OutgoingEmail, email_table
 from flask_mail_outbox.core._intercept import ORIGINAL_CC, ORIGINAL_TO, header_line
 
 TESTS = Path(__file__).resolve().parent
@@ -274,6 +276,38 @@ def test_a_hook_that_raises_fails_the_attempt_transiently_never_sends_and_logs_e
     assert "Consequence: it is not sent on this attempt" in hook_errors[0]
     assert "Fix: fix the @mail.before_send function" in hook_errors[0]
     assert "failed for the last allowed time" in errors[-1]
+
+
+def test_a_stored_message_staging_cannot_edit_fails_the_attempt_unsent_and_the_rest_goes(
+        db_url: str, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False,
+                   OUTBOX_REDIRECT_TO=[QA])
+    try:
+        worker = hand_ticked_worker(app)
+        broken_id, fine_id = send(app, Message("broken", recipients=["a@customer.org"],
+                                               body="x"),
+                                  Message("fine", recipients=["b@customer.org"], body="x"))
+        [row] = [r for r in rows(app) if r["id"] == broken_id]
+        broken = row["mime"].replace(b"\r\nMIME-Version:", b"\r\nnot a header line\r\n"
+                                     b"MIME-Version:", 1)
+        with app.app_context(), db.engine.begin() as conn:
+            conn.execute(sa.update(email_table).where(email_table.c.id == broken_id)
+                         .values(mime=broken))
+        with caplog.at_level(logging.ERROR, logger="flask_mail_outbox"):
+            worker.tick()
+        assert smtp_server.wait_for(1)
+        assert [m.parsed["Subject"] for m in smtp_server.messages] == ["fine"]
+        found = {r["id"]: r for r in rows(app)}
+        assert found[fine_id]["status"] == "sent"
+        assert found[broken_id]["status"] == "queued" and found[broken_id]["attempts"] == 1
+        assert found[broken_id]["last_error"].startswith("staging failed: ValueError: header "
+                                                         "line")
+        [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert error.startswith(f"Staging could not prepare email {broken_id}")
+        assert "Consequence: it is not sent on this attempt" in error
+    finally:
+        close_app(app, timeout=5)
 
 
 def test_header_text_is_validated() -> None:

@@ -559,7 +559,20 @@ class Delivery:
         going: list[ClaimedEmail] = []
         ended: list[tuple[ClaimedEmail, Attempt]] = []
         for email in screened:
-            intercepted, result = self.interceptor.intercept(email)
+            try:
+                intercepted, result = self.interceptor.intercept(email)
+            except Exception as exc:  # noqa: BLE001 - reported; the attempt fails, retried
+                # The hook's own exceptions are handled inside; this is staging's fault.
+                _degrade.report(
+                    f"Staging could not prepare email {email.id} ({email.message_id}) for "
+                    f"delivery ({type(exc).__name__}: {clean_line(exc, 300)})",
+                    consequence="it is not sent on this attempt (never unintercepted): it is "
+                                "retried as a transient failure, and dead-lettered after "
+                                "OUTBOX_MAX_ATTEMPTS",
+                    fix="report this with the traceback below and the email's id",
+                    exc=exc)
+                intercepted, result = email, Failed(TransientError(
+                    f"staging failed: {type(exc).__name__}: {clean_line(exc, 300)}"))
             if result is None:
                 going.append(intercepted)
             else:
