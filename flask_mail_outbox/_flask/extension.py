@@ -229,9 +229,10 @@ class OutboxExtension:
     def locale_resolver(self, func: LocaleResolver) -> LocaleResolver:
         """Register the function that picks the locale of a templated email (a decorator).
 
-        Called with the bare ``To`` addresses when ``send_template()`` is given no
-        ``locale``; it returns a locale (``"de"``), or None to fall through to the
-        request's locale and then the default one::
+        Called with the bare ``To`` addresses (never an empty list: without one it is
+        not called) when ``send_template()`` is given no ``locale``; it returns a
+        locale (``"de"``), or None to fall through to the request's locale and then
+        the default one::
 
             @mail.locale_resolver
             def user_locale(recipients):

@@ -13,7 +13,8 @@ They are rendered together, in one locale set with Flask-Babel's
 context processors. The HTML's ``<style>`` blocks and the static stylesheets it
 links are then inlined by css-inline, because mail clients drop both.
 
-Every file the render reads (layouts and includes too) is hashed: the row
+Every template file the render reads is hashed (layouts and includes too, when
+named by a string; not the inlined static stylesheets): the row
 records the template's name, the locale and that hash, so an email says which
 version of its template it came from. Every problem is a :class:`TemplateError`
 naming the template, the locale, and the file and line when they are known;
@@ -23,7 +24,7 @@ Caching: the compiled templates are Jinja's (the app's environment, and one
 environment of ours each for strict undefined and MJML's escaping); this module
 keeps per email which files it has and the hash of their sources, and per
 stylesheet set one inliner. With ``TEMPLATES_AUTO_RELOAD`` (debug), a changed
-file is read again on the next render.
+file, or one added where the render looked for it, is read on the next render.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from dataclasses import dataclass
 from email.utils import parseaddr
 from types import TracebackType
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import jinja2
-from flask import Flask, has_request_context
+from flask import Flask, current_app, has_app_context, has_request_context
 from jinja2 import meta
 from werkzeug.security import safe_join
 
@@ -58,6 +59,9 @@ MJML_SUFFIX = ".mjml"
 TEXT_SUFFIX = ".txt"
 #: Fields the template makes: ``template_message()`` refuses them as keywords.
 RENDERED_FIELDS = ("subject", "html", "body")
+
+#: Spellings of locales remembered once checked (``"pt-BR"`` -> ``"pt_BR"``).
+_MAX_CHECKED_LOCALES = 256
 
 LocaleResolver = Callable[[list[str]], "str | None"]
 
@@ -113,13 +117,17 @@ class _Files:
     #: Template file path -> name, to name the file in an error's traceback.
     names_by_path: dict[str, str]
     uptodate: tuple[Callable[[], bool], ...]
+    #: Files looked for and not found (an optional part, a missing include): one that
+    #: appears later changes the email as much as an edit does.
+    absent: tuple[str, ...] = ()
 
     @property
     def mjml(self) -> bool:
         return self.body.endswith(MJML_SUFFIX)
 
-    def fresh(self) -> bool:
-        return all(check() for check in self.uptodate)
+    def fresh(self, env: jinja2.Environment) -> bool:
+        return (all(check() for check in self.uptodate)
+                and all(_source(env, file) is None for file in self.absent))
 
 
 class EmailTemplates:
@@ -215,8 +223,9 @@ class EmailTemplates:
         """
         if given is not None:
             return self.check_locale(name, given)
-        if resolver is not None:
-            resolved = resolver(_bare(recipients))
+        bare = _bare(recipients) if resolver is not None else []
+        if resolver is not None and bare:  # no To address (bcc only): nobody to ask about
+            resolved = resolver(bare)
             if resolved is not None:
                 return self.check_locale(name, resolved)
         babel = self.app.extensions.get("babel")
@@ -227,8 +236,12 @@ class EmailTemplates:
             import flask_babel
 
             current = flask_babel.get_locale()
-            if current is not None and str(current) in locales:
-                return str(current)
+            if current is not None:
+                # A regional locale (de_AT) reads its language's catalog (de), as the
+                # request's own pages do.
+                for candidate in (str(current), current.language):
+                    if candidate in locales:
+                        return candidate
         return locales[0] if locales else None
 
     def check_locale(self, name: str, locale: object) -> str:
@@ -246,6 +259,10 @@ class EmailTemplates:
                                 f"({', '.join(locales)}): add its catalog, or list it in "
                                 "OUTBOX_TEMPLATE_LOCALES", locale=normal)
         if isinstance(locale, str):
+            # Bounded: a locale can come from outside (a form, a user's setting), and
+            # every spelling (" de", "de\t"...) would otherwise be kept for good.
+            if len(self._checked) >= _MAX_CHECKED_LOCALES:
+                self._checked.clear()
             self._checked[locale] = normal
         return normal
 
@@ -301,11 +318,22 @@ class EmailTemplates:
 
     def render(self, name: str, context: Mapping[str, Any] | None = None, *,
                locale: str | None = None, strict: bool = False) -> RenderedEmail:
-        """Render ``name`` in ``locale`` (None: as :meth:`choose_locale` picks); needs an app context.
+        """Render ``name`` in ``locale`` (None: as :meth:`choose_locale` picks).
+
+        In the app's context: the current one, else one pushed for the render.
 
         ``strict``: an undefined variable is an error even where Jinja would print
         nothing (the check's mode). Raises :class:`TemplateError`.
         """
+        # In this app's context: Flask-Babel finds the catalog through it, and without
+        # it (or in another app's) translated nothing, while the email said its locale.
+        if _current_app() is self.app:
+            return self._render_email(name, context, locale, strict)
+        with self.app.app_context():
+            return self._render_email(name, context, locale, strict)
+
+    def _render_email(self, name: str, context: Mapping[str, Any] | None, locale: str | None,
+                      strict: bool) -> RenderedEmail:
         _check_name(name)
         if context is not None and not isinstance(context, Mapping):
             raise TemplateError(name, f"context must be a mapping (a dict), got "
@@ -314,8 +342,9 @@ class EmailTemplates:
         files = self._files_of(name, locale)
         values = dict(context or {})
         values.setdefault("locale", locale)
-        self.app.update_template_context(values)
         with self._forced(locale):
+            # The app's context processors too: a value they translate is in this locale.
+            self.app.update_template_context(values)
             for alias, bound in self._bound_gettext(locale).items():
                 values.setdefault(alias, bound)
             subject = self._render(name, files, files.subject, values, locale, strict)
@@ -346,6 +375,9 @@ class EmailTemplates:
             if escape_all:
                 options["autoescape"] = True
             env = self._envs[strict, escape_all] = base.overlay(**options)
+        # An overlay copies auto_reload once; Flask's debug setter changes the app's
+        # later, and a stale overlay rendered an old file under the new file's hash.
+        env.auto_reload = base.auto_reload
         return env
 
     def _render(self, name: str, files: _Files, file: str, values: dict[str, Any],
@@ -376,7 +408,7 @@ class EmailTemplates:
     def _files_of(self, name: str, locale: str | None) -> _Files:
         files = self._files.get(name)
         env = self.app.jinja_env
-        if files is not None and (not env.auto_reload or files.fresh()):
+        if files is not None and (not env.auto_reload or files.fresh(env)):
             return files
         files = self._files[name] = self._find_files(name, locale)
         return files
@@ -400,6 +432,7 @@ class EmailTemplates:
         body = base + (HTML_SUFFIX if found[HTML_SUFFIX] is not None else MJML_SUFFIX)
         text = base + TEXT_SUFFIX if found[TEXT_SUFFIX] is not None else None
         sources: dict[str, tuple[str, str | None, Callable[[], bool] | None]] = {}
+        absent = {base + suffix for suffix, got in found.items() if got is None}
         pending = [file for file in (subject, body, text) if file is not None]
         while pending:
             file = pending.pop()
@@ -407,7 +440,8 @@ class EmailTemplates:
                 continue
             got = _source(env, file)
             if got is None:
-                continue  # an include that is missing: the render names it
+                absent.add(file)  # an include that is missing: the render names it
+                continue
             sources[file] = got
             try:
                 parsed = env.parse(got[0], file)
@@ -423,7 +457,8 @@ class EmailTemplates:
             subject=subject, body=body, text=text, source_hash=digest.hexdigest(),
             sources=tuple((file, sources[file][0]) for file in sorted(sources)),
             names_by_path={path: file for file, (_, path, _) in sources.items() if path},
-            uptodate=tuple(check for _, _, check in sources.values() if check is not None))
+            uptodate=tuple(check for _, _, check in sources.values() if check is not None),
+            absent=tuple(sorted(absent)))
 
     # -- MJML and CSS ---------------------------------------------------------------------
 
@@ -490,7 +525,9 @@ class EmailTemplates:
             parts = urlsplit(href)
             folder = self.app.static_folder
             if static_path != "/" and parts.path.startswith(static_path) and folder:
-                file = safe_join(folder, parts.path[len(static_path):])
+                # url_for() quotes the name ("a%20b.css"); safe_join() then refuses
+                # what leaves the folder, however it was spelled ("%2e%2e/").
+                file = safe_join(folder, unquote(parts.path[len(static_path):]))
                 if file is None or not os.path.isfile(file):
                     raise TemplateError(name, f"links the stylesheet {href!r}, which is not a "
                                         "file in the app's static folder", locale=locale)
@@ -512,6 +549,14 @@ class EmailTemplates:
             with open(file, encoding="utf-8") as handle:
                 kept = self._sheets[file] = (mtime, handle.read())
         return kept[1] + "\n"
+
+
+def _current_app() -> Flask | None:
+    """The app whose context is active, or None."""
+    if not has_app_context():
+        return None
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+    return app
 
 
 def _check_name(name: object) -> None:
