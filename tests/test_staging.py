@@ -35,6 +35,8 @@ from conftest import (
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from flask import Flask, current_app
+from provider_postmark import TOKEN as POSTMARK_TOKEN
+from provider_postmark import FakePostmark
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
@@ -197,6 +199,39 @@ def test_the_allow_list_is_the_last_gate_after_the_hook(
     assert smtp_server.wait_for(1)
     assert smtp_server.messages[0].rcpt_tos == ["dev@team.org"]
     assert notes(row)[-1] == "not sent to boss@elsewhere.org: outside OUTBOX_ALLOWED_RECIPIENTS"
+
+
+@pytest.fixture
+def postmark() -> Iterator[FakePostmark]:
+    """Postmark's API on a loopback port: a transport that addresses by the headers."""
+    server = FakePostmark()
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_an_api_transport_sends_to_no_address_staging_took_out_of_the_envelope(
+        make_apps: MakeApps, postmark: FakePostmark) -> None:
+    # A JSON API takes To and Cc from the headers: the addresses the allow-list or the
+    # hook left out of the envelope must be left out of those too.
+    app, mail = make_apps(OUTBOX_TRANSPORTS={"default": {
+        "transport": "postmark", "base_url": postmark.url, "token": POSTMARK_TOKEN}},
+        OUTBOX_ALLOWED_RECIPIENTS=["*@team.org"])
+
+    @mail.before_send
+    def move(email: OutgoingEmail) -> None:
+        if email.parsed["Subject"] == "moved":
+            email.recipients = ["hook@team.org"]
+
+    send(app, Message("blocked", recipients=["dev@team.org", "customer@shop.org"],
+                      cc=["boss@shop.org"], body="x"),
+         Message("moved", recipients=["alice@team.org"], body="x"))
+    found = wait_rows(app, finished(2), timeout=10)
+    assert [r["status"] for r in found] == ["sent", "sent"]
+    sent = {a.json["Subject"]: a.json for a in postmark.accepted}
+    assert (sent["blocked"]["To"], sent["blocked"].get("Cc"), sent["blocked"].get("Bcc")) == (
+        "dev@team.org", None, None)
+    assert (sent["moved"].get("To"), sent["moved"]["Bcc"]) == (None, "hook@team.org")
 
 
 # -- @mail.before_send ----------------------------------------------------------------------

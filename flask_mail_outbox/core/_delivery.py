@@ -136,10 +136,13 @@ def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None,
     recipients = email.deliverable if intercepted is None else intercepted.recipients
     mime = mime if dkim is None else dkim.signed(email.id, mime)
     sender = email.sender if verp is None else verp.sender_for(email.id)
+    left_out = tuple(address for address, _ in email.suppressed)
+    if intercepted is not None:
+        left_out += intercepted.left_out
     return Envelope(email_id=email.id, sender=sender, recipients=recipients,
                     mime=mime, message_id=email.message_id,
                     mail_options=email.mail_options, rcpt_options=email.rcpt_options,
-                    left_out=tuple(address for address, _ in email.suppressed))
+                    left_out=left_out)
 
 
 @dataclasses.dataclass(frozen=True)

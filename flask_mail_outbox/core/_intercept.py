@@ -34,6 +34,7 @@ from email.message import EmailMessage
 from email.parser import BytesParser
 from email.policy import SMTP
 from email.policy import default as default_policy
+from email.utils import getaddresses
 from typing import TYPE_CHECKING, Any
 
 from .. import _degrade
@@ -357,9 +358,11 @@ class Interceptor:
         changed = headers is not None and headers.changed
         if not notes and not changed and tuple(recipients) == email.deliverable:
             return email, None
-        mime = headers.mime() if headers is not None and changed else email.mime
+        headers = headers or Headers(email.mime)
+        mime = headers.mime() if changed else email.mime
         return dataclasses.replace(email, interception=Interception(
-            tuple(recipients), mime, kept_notes(notes))), None
+            tuple(recipients), mime, kept_notes(notes),
+            left_out=not_in_envelope(headers, recipients))), None
 
     def _hook_failed(self, email: ClaimedEmail, notes: list[str],
                      exc: Exception) -> tuple[ClaimedEmail, Failed]:
@@ -386,6 +389,27 @@ def redirected(mime: bytes, redirect_to: Sequence[str]) -> Headers:
     headers.remove("Cc")
     headers.put("To", header_line("To", ", ".join(redirect_to)))
     return headers
+
+
+def not_in_envelope(headers: Headers, recipients: Sequence[str]) -> tuple[str, ...]:
+    """The addresses ``headers``' To and Cc name that ``recipients`` do not hold.
+
+    A JSON API addresses a message by its headers: without these in the
+    envelope's ``left_out`` it would send to an address the allow-list or the
+    hook took out of the envelope.
+    """
+    going = {address.lower() for address in recipients}
+    named = getaddresses([value for name in ("To", "Cc")
+                          if (value := headers.get(name)) is not None])
+    found: list[str] = []
+    for _, address in named:
+        try:
+            key = parse_address(address, True, True).ascii.lower()
+        except AddressError:
+            key = address.strip().lower()
+        if key and key not in going and key not in found:
+            found.append(key)
+    return tuple(found)
 
 
 def with_notes(email: ClaimedEmail, notes: Sequence[str]) -> ClaimedEmail:

@@ -45,6 +45,9 @@ class Interception:
     recipients: tuple[str, ...]
     mime: bytes
     notes: tuple[str, ...]
+    #: Addresses its To and Cc headers name that its envelope does not go to: a
+    #: transport that addresses by the headers (a JSON API) leaves them out too.
+    left_out: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -149,7 +149,7 @@ class OutboxEmail(Base):
     template_locale: Mapped[str | None] = mapped_column(sa.String(35))
     template_hash: Mapped[str | None] = mapped_column(sa.String(64))
     # What staging did at delivery (OUTBOX_REDIRECT_TO, OUTBOX_ALLOWED_RECIPIENTS,
-    # @mail.before_send) to the last attempt recorded: a JSON list of short notes;
+    # @mail.before_send) to the last attempt it changed: a JSON list of short notes;
     # NULL when nothing intercepted it (see _intercept).
     intercepted: Mapped[str | None] = mapped_column(sa.Text())
 

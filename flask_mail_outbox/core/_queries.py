@@ -345,7 +345,7 @@ class EmailDetail:
     template_name: str | None = None
     template_locale: str | None = None
     template_hash: str | None = None
-    #: What staging did at delivery to its last recorded attempt (OUTBOX_REDIRECT_TO,
+    #: What staging did at delivery to the last attempt it changed (OUTBOX_REDIRECT_TO,
     #: OUTBOX_ALLOWED_RECIPIENTS, ``before_send``): short notes, none when nothing did.
     intercepted: tuple[str, ...] = ()
 
