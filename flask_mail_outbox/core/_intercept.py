@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _degrade
 from .._compose.addresses import AddressError, parse_address
 from .._compose.dkim import header_fields
+from .._compose.mime import unstructured_header
 from .._errors import InvalidMessage, TransientError
 from .._outside import clean_line, clean_text
 from ..transports import Failed
@@ -387,7 +388,9 @@ def redirected(mime: bytes, redirect_to: Sequence[str]) -> Headers:
     headers.copy_as("To", ORIGINAL_TO)
     headers.copy_as("Cc", ORIGINAL_CC)
     headers.remove("Cc")
-    headers.put("To", header_line("To", ", ".join(redirect_to)))
+    # Bare ASCII addresses (load_config checked them): written as they are, folded
+    # between addresses, without the header registry's parse.
+    headers.put("To", unstructured_header("To", ", ".join(redirect_to)).encode("ascii"))
     return headers
 
 
@@ -399,8 +402,9 @@ def not_in_envelope(headers: Headers, recipients: Sequence[str]) -> tuple[str, .
     hook took out of the envelope.
     """
     going = {address.lower() for address in recipients}
-    named = getaddresses([value for name in ("To", "Cc")
-                          if (value := headers.get(name)) is not None])
+    # The raw values, unfolded: an encoded display name does not change the address.
+    named = getaddresses([value.replace(b"\r\n", b"").decode("utf-8", "replace")
+                          for name in ("To", "Cc") for value in headers.raw_values(name)])
     found: list[str] = []
     for _, address in named:
         try:
