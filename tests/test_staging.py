@@ -241,11 +241,13 @@ def test_the_hook_changes_headers_and_recipients_or_vetoes_in_an_app_context(
         smtp_apps: MakeApps, smtp_server: FaultSMTPServer) -> None:
     app, mail = smtp_apps(OUTBOX_REDIRECT_TO=[QA])
     seen: list[tuple[int, str, tuple[str, ...], tuple[str, ...], str | None]] = []
+    headers_seen: list[list[tuple[str, str]]] = []
 
     @mail.before_send
     def stage(email: OutgoingEmail) -> None:
         seen.append((email.id, current_app.import_name, email.recipients,
                      email.original_recipients, email.header("To")))
+        headers_seen.append(email.headers)
         if email.parsed["Subject"] == "Veto me":
             email.veto("not in staging")
             return
@@ -266,6 +268,8 @@ def test_the_hook_changes_headers_and_recipients_or_vetoes_in_an_app_context(
     assert parsed["Reply-To"] is None and parsed["To"] == QA
     # It saw the email after the redirect, with the real recipients beside it.
     assert seen[0] == (sent, app.import_name, (QA,), ("alice@customer.org",), QA)
+    assert ("To", QA) in headers_seen[0] and ("Subject", "Hello") in headers_seen[0]
+    assert ("X-Outbox-Original-To", "alice@customer.org") in headers_seen[0]
     assert notes(found[sent]) == [
         f"redirected to {QA} (OUTBOX_REDIRECT_TO) instead of alice@customer.org",
         "before_send set X-Environment: staging é",

@@ -251,28 +251,32 @@ class OutgoingEmail:
             self.notes.append("before_send changed the recipients to "
                               + (", ".join(checked) or "none"))
 
-    @property
-    def headers(self) -> Headers:
-        """This attempt's header fields (parsed on first use)."""
+    def _fields(self) -> Headers:
+        """This attempt's header fields, split on first use."""
         if self._headers is None:
             self._headers = Headers(self._mime)
         return self._headers
 
     @property
+    def headers(self) -> list[tuple[str, str]]:
+        """Every header as it would be sent now, in order, decoded: ``(name, value)``."""
+        return [(name, str(value)) for name, value in self.parsed.items()]
+
+    @property
     def parsed(self) -> EmailMessage:
         """The message as it would be sent now, parsed (a copy: change it through the methods)."""
-        parsed = BytesParser(policy=default_policy).parsebytes(self.headers.mime())
+        parsed = BytesParser(policy=default_policy).parsebytes(self._fields().mime())
         return parsed
 
     def header(self, name: str) -> str | None:
         """The first ``name`` header as it would be sent now, decoded; None without one."""
-        return self.headers.get(name)
+        return self._fields().get(name)
 
     def set_header(self, name: str, value: str) -> None:
         """Add the header ``name``, or replace every one of that name (validated: no CR/LF)."""
         line = header_line(name, value)
         self._check_changeable(name)
-        self.headers.put(name, line)
+        self._fields().put(name, line)
         self.notes.append(f"before_send set {name}: {value}")
 
     def remove_header(self, name: str) -> None:
@@ -280,7 +284,7 @@ class OutgoingEmail:
         if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
             raise InvalidMessage("header", f"{name!r} is not a header name")
         self._check_changeable(name)
-        if self.headers.remove(name):
+        if self._fields().remove(name):
             self.notes.append(f"before_send removed {name}")
 
     def veto(self, reason: str) -> None:
