@@ -7,7 +7,8 @@ Run it from the repository root::
 
 (``scripts/run-example`` does both.) The outbox dashboard is at ``/outbox/``, open to
 requests from this machine only (a demo rule, see ``_demo_authorize``); its previews
-section shows the welcome email in English and German.
+section shows the welcome email in English and German, and its Mailbox page the welcome
+emails sent (``FLASK_OUTBOX_TRANSPORT=console`` prints them on the terminal instead).
 
 The welcome email is the template ``welcome`` (``templates/email/welcome.*``, on the
 layout ``templates/email/_layout.html``), sent with ``mail.send_template`` in the
@@ -21,8 +22,10 @@ catalog, from the repository root::
 
 (``tests/test_example_app.py`` fails while the catalog lacks a message or the ``.mo`` is
 stale.) Out of the box it keeps its data in SQLite at
-``<instance folder>/example.db`` and prints every email on the console (the ``console``
-transport). Environment variables change that:
+``<instance folder>/example.db`` and keeps every email in its development inbox (the
+``mailbox`` transport: nothing leaves the machine), which the dashboard shows at
+``/outbox/mailbox``; the page after a signup links to it. Environment variables change
+that:
 
 ============================  ===============================================
 ``EXAMPLE_DATABASE_URL``      any SQLAlchemy URL, e.g.
@@ -88,9 +91,10 @@ def create_app(
     app.config.from_prefixed_env()
     if config is not None:
         app.config.update(config)
-    # Console output unless an SMTP server was named somewhere (and no transport chosen).
+    # The development inbox (the dashboard's Mailbox page) unless an SMTP server was named
+    # somewhere (and no transport chosen).
     app.config.setdefault(
-        "OUTBOX_TRANSPORT", "smtp" if app.config.get("MAIL_SERVER") else "console"
+        "OUTBOX_TRANSPORT", "smtp" if app.config.get("MAIL_SERVER") else "mailbox"
     )
 
     db.init_app(app)

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from babel import Locale
-from flask import Blueprint, flash, redirect, render_template, request, url_for
+from flask import (
+    Blueprint,
+    current_app,
+    flash,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
 from flask.typing import ResponseReturnValue
 from sqlalchemy.exc import IntegrityError
 
@@ -80,7 +88,10 @@ def thanks() -> ResponseReturnValue:
     recent = db.session.scalars(
         sa.select(User).order_by(User.id.desc()).limit(RECENT_SIGNUPS)
     ).all()
-    return render_template("thanks.html", recent=recent)
+    # In development the welcome email goes to the outbox's own inbox, not to anyone.
+    in_mailbox = current_app.config.get("OUTBOX_TRANSPORT") == "mailbox"
+    mailbox_url = url_for("outbox_dashboard.mailbox") if in_mailbox else None
+    return render_template("thanks.html", recent=recent, mailbox_url=mailbox_url)
 
 
 def _languages() -> list[tuple[str, str]]:

@@ -31,6 +31,7 @@ from .core import DeliveredMessage, Status, Suppression, SweepReport
 
 if TYPE_CHECKING:
     from ._mail import OutboxMail
+    from ._operator.dashboard import local_debug_only
 
 
 def __getattr__(name: str) -> Any:
@@ -41,6 +42,11 @@ def __getattr__(name: str) -> Any:
 
         globals()["OutboxMail"] = OutboxMail
         return OutboxMail
+    if name == "local_debug_only":
+        from ._operator.dashboard import local_debug_only
+
+        globals()["local_debug_only"] = local_debug_only
+        return local_debug_only
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -65,4 +71,5 @@ __all__ = [
     "email_queued",
     "email_sent",
     "email_unsubscribed",
+    "local_debug_only",
 ]

@@ -297,8 +297,9 @@ def test_posts_without_the_sessions_csrf_token_are_refused_and_change_nothing(
     assert foreign_token != token
     posts = [url.replace("/emails/1", f"/emails/{failed}")
              for method, url in dashboard_routes(dashboard) if method == "POST"]
-    # retry, cancel, retry-all, purge, mode, suppress, unsuppress, send a preview
-    assert len(posts) == 8
+    # retry, cancel, retry-all, purge, mode, suppress, unsuppress, send a preview,
+    # clear the mailbox
+    assert len(posts) == 9
     before = rows(dashboard)
     for url in posts:
         for form in ({}, {"csrf_token": ""}, {"csrf_token": "x" * 43},

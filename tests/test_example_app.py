@@ -458,3 +458,73 @@ def test_names_are_escaped_on_the_pages_and_in_the_html_email(example: Example) 
     assert "<script>y" not in page
     assert 'value="&#34;&gt;&lt;script&gt;y&lt;/script&gt;"' in page
     assert "Please enter your email address." in page
+
+
+# --- out of the box: the development inbox ----------------------------------------------
+
+
+@pytest.fixture
+def inbox_example(db_url: str, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> Iterator[Flask]:
+    """The example app as ``scripts/run-example`` runs it: no SMTP server named, so the
+    ``mailbox`` transport; migrated on ``db_url``."""
+    for name in list(os.environ):
+        if name.startswith(("EXAMPLE_", "FLASK_")):
+            monkeypatch.delenv(name)
+    drop_example_tables(db_url)
+    app = create_app({"SQLALCHEMY_DATABASE_URI": db_url, "OUTBOX_RUN_SCHEDULER": False},
+                     instance_path=str(tmp_path / "instance"))
+    try:
+        with app.app_context():
+            flask_migrate.upgrade(directory=str(MIGRATIONS_DIR), revision="heads")
+            db.session.remove()
+        yield app
+    finally:
+        mail.stop(timeout=5)
+        with app.app_context():
+            db.session.remove()
+            for engine in db.engines.values():
+                engine.dispose()
+        drop_example_tables(db_url)
+
+
+def test_out_of_the_box_the_welcome_email_is_in_the_dashboards_mailbox(
+        inbox_example: Flask) -> None:
+    assert inbox_example.config["OUTBOX_TRANSPORT"] == "mailbox"
+    client = inbox_example.test_client()
+    thanks = client.post("/", data={"name": "Ann <b>Example</b>", "email": "ann@example.com",
+                                    "locale": ""}, follow_redirects=True)
+    page = thanks.get_data(as_text=True)
+    # The page after the signup says where the email is.
+    assert 'id="mailbox-hint"' in page and 'href="/outbox/mailbox"' in page
+
+    def kept() -> list[dict[str, Any]]:
+        with inbox_example.app_context(), db.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(
+                sa.text("SELECT id, email_id, subject, mime FROM outbox_mailbox")).mappings()]
+
+    [row] = poll(kept, timeout=15)
+    with inbox_example.app_context(), db.engine.connect() as conn:
+        stored = conn.execute(sa.select(email_table.c.status, email_table.c.mime)
+                              .where(email_table.c.id == row["email_id"])).one()
+    assert stored.status == "sent" and bytes(row["mime"]) == bytes(stored.mime)
+
+    listing = client.get("/outbox/mailbox").get_data(as_text=True)
+    assert "Welcome, Ann &lt;b&gt;Example&lt;/b&gt;!" in listing
+    message = client.get(f"/outbox/mailbox?message={row['id']}")
+    shown = message.get_data(as_text=True)
+    assert message.status_code == 200
+    # The welcome email's html, escaped into the sandboxed frame's srcdoc.
+    assert re.search(r"<iframe [^>]*sandbox srcdoc=\"[^\"]*&lt;strong&gt;ann@example.com", shown)
+    assert "Thanks for signing up with ann@example.com." in shown
+
+    # The demo's rule still holds: not from this machine, no dashboard.
+    away = client.get("/outbox/mailbox", environ_overrides={"REMOTE_ADDR": "203.0.113.9"})
+    assert away.status_code == 403
+
+
+def test_naming_an_smtp_server_leaves_the_mailbox_and_the_hint_out(example: Example) -> None:
+    assert example.app.config["OUTBOX_TRANSPORT"] == "smtp"
+    page = example.sign_up("Bo", "bo@example.com", follow=True).get_data(as_text=True)
+    assert "mailbox-hint" not in page
+    assert example.smtp.wait_for(1)

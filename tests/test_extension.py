@@ -30,7 +30,7 @@ def test_public_names_are_pinned() -> None:
         "Message", "OutboxError", "OutboxMail", "PermanentError", "Status", "Suppression",
         "SweepReport", "TemplateError", "TransientError", "TransportError", "email_dispatched",
         "email_event",
-        "email_failed", "email_queued", "email_sent", "email_unsubscribed",
+        "email_failed", "email_queued", "email_sent", "email_unsubscribed", "local_debug_only",
     ]
     for name in flask_mail_outbox.__all__:
         assert getattr(flask_mail_outbox, name).__doc__

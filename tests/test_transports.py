@@ -234,7 +234,7 @@ def test_a_transport_whose_init_takes_arguments_without_from_settings_is_refused
 def test_the_registry_names_every_builtin_and_refuses_what_is_not_a_transport() -> None:
     assert {name: cls.__name__ for name, cls in BUILTIN.items()} == {
         "smtp": "SMTPTransport", "console": "ConsoleTransport", "file": "FileTransport",
-        "memory": "MemoryTransport", "null": "NullTransport"}
+        "memory": "MemoryTransport", "null": "NullTransport", "mailbox": "MailboxTransport"}
     assert transport_class("test_transports:TokenTransport", "K") is TokenTransport
     with pytest.raises(ConfigError, match="^K: .*must be a subclass"):
         transport_class("test_transports:statuses", "K")

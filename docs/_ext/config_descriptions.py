@@ -22,7 +22,7 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                             "`(\"Name\", \"a@x.org\")`"),
     "MAIL_ASCII_ATTACHMENTS": ("bool", "transliterate attachment file names to ASCII"),
     "MAIL_TIMEOUT": ("float (s)", "seconds per SMTP operation (Flask-Mailman's key)"),
-    "OUTBOX_TRANSPORT": ("str", "`smtp`, `console`, `file`, `memory`, `null`, or "
+    "OUTBOX_TRANSPORT": ("str", "`smtp`, `console`, `file`, `memory`, `null`, `mailbox`, or "
                                 "`\"package.module:Class\"`: the default transport "
                                 "([transports](guide/transports.md))"),
     "OUTBOX_TRANSPORTS": ("dict or None",

@@ -290,11 +290,12 @@ class OutboxExtension:
         check_message(msg)
         check_key("key", key)
         check_key("idempotency_key", idempotency_key)
-        due_at = due_at_of(send_after)
+        now = state.test_now()  # None: the real clock
+        due_at = due_at_of(send_after, now=now)
         row = prepare_row(msg, state.config, key=key, due_at=due_at,
                           idempotency_key=idempotency_key, priority=priority_rank(priority),
                           transport=transport_name(transport, state.config),
-                          expires_at=expires_at_of(expires_after, due_at))
+                          expires_at=expires_at_of(expires_after, due_at, now=now), now=now)
         return state.queue([row])[0]
 
     def send_many(self, messages: Iterable[Message], *, key: str | None = None,
@@ -310,17 +311,19 @@ class OutboxExtension:
         (``messages[3].recipients: ...``) and nothing is added. Does not commit.
         """
         check_key("key", key)
-        due_at = due_at_of(send_after)
-        expires_at = expires_at_of(expires_after, due_at)
-        rank = priority_rank(priority)
         state = self._state()
+        now = state.test_now()  # None: the real clock
+        due_at = due_at_of(send_after, now=now)
+        expires_at = expires_at_of(expires_after, due_at, now=now)
+        rank = priority_rank(priority)
         name = transport_name(transport, state.config)
         rows: list[QueuedRow] = []
         for index, msg in enumerate(messages):
             try:
                 check_message(msg)
                 rows.append(prepare_row(msg, state.config, key=key, due_at=due_at,
-                                        priority=rank, transport=name, expires_at=expires_at))
+                                        priority=rank, transport=name, expires_at=expires_at,
+                                        now=now))
             except InvalidMessage as exc:
                 raise InvalidMessage(f"messages[{index}].{exc.field}", exc.problem) from exc
         return state.queue(rows)

@@ -16,7 +16,8 @@ import os
 import socket
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -36,6 +37,7 @@ from ..core._internal import (
     OutgoingEmail,
     Producer,
     QueuedRow,
+    TestClock,
     Ticket,
 )
 from . import staging
@@ -88,6 +90,11 @@ class AppState:
         #: or `flask outbox worker --concurrency` before the core is created.
         self.concurrency = config.concurrency
         self._outbox: Outbox | None = None
+        #: A test's clock (``flask_mail_outbox.testing``): every "now" of the core
+        #: follows it; None, the real clocks. Set with :meth:`use_clock`.
+        self.clock: TestClock | None = None
+        #: Called with each core made on ``clock`` (the test kit sets it up there).
+        self._prepare: Callable[[Outbox], None] | None = None
         #: The core's commit protocol; it asks for this process's core only when it needs it.
         self.producer = Producer(self.outbox, config)
         self._lock = threading.Lock()
@@ -113,8 +120,32 @@ class AppState:
                 outbox = self._outbox = Outbox(
                     url, self.config, faults=self.faults, concurrency=self.concurrency,
                     callbacks=Callbacks(sent=self._sent, failed=self._failed,
-                                        events=self.tell_events, before_send=self.before_send))
+                                        events=self.tell_events, before_send=self.before_send),
+                    clock=self.clock)
+                if self._prepare is not None:
+                    self._prepare(outbox)
             return outbox
+
+    def use_clock(self, clock: TestClock | None, *, timeout: float = 10.0,
+                  prepare: Callable[[Outbox], None] | None = None) -> None:
+        """Run this app's core on ``clock`` (None: the real clocks again).
+
+        This process's core, if it has one, is stopped (``timeout`` for what it
+        sends) and made again on first use, on the new clock; ``prepare(core)``
+        is called with each core made on it.
+        """
+        with self._lock:
+            outbox, self._outbox = self.current_outbox(), None
+            self.clock = clock
+            self._prepare = prepare if clock is not None else None
+            self.producer.clock = clock
+        if outbox is not None:
+            outbox.stop(timeout)
+
+    def test_now(self) -> datetime | None:
+        """The test clock's time; None without one (then the real clock is read)."""
+        clock = self.clock
+        return None if clock is None else clock.now()
 
     def current_outbox(self) -> Outbox | None:
         """This process's core if it has one (never creates it)."""

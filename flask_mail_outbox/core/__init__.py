@@ -36,6 +36,7 @@ integration, the operator's tools, the migrations) reach the rest through
 
 from __future__ import annotations
 
+from ._clock import TestClock
 from ._config import load_config
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
 from ._intercept import OutgoingEmail
@@ -74,6 +75,7 @@ __all__ = [
     "Status",
     "Suppression",
     "SweepReport",
+    "TestClock",
     "Ticket",
     "TransportSpec",
     "Worker",

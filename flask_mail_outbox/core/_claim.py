@@ -143,6 +143,22 @@ def _pg_statement(sql: str) -> sa.TextualSelect:
 PG_CLAIM = _pg_statement(_PG_PICK_AND_CLAIM + _PG_CLAIMED)
 PG_CLAIM_AND_REAP = _pg_statement(_PG_PICK_AND_CLAIM + _PG_REAP + _PG_CLAIMED + _PG_REAPED)
 
+#: The database's "now" in the statements above.
+PG_NOW = "timezone('UTC', now())"
+
+
+def _pg_on_clock(sql: str) -> sa.TextualSelect:
+    """``sql`` with "now" the bound ``claim_now`` (a :class:`~._clock.TestClock`'s) instead."""
+    return _pg_statement(sql.replace(PG_NOW, "CAST(:claim_now AS timestamp)")).bindparams(
+        sa.bindparam("claim_now", type_=sa.DateTime()))
+
+
+#: :data:`PG_CLAIM` and :data:`PG_CLAIM_AND_REAP` on a test clock (only with one: see
+#: :meth:`._dialect.Dialect.on_clock`).
+PG_CLAIM_ON_CLOCK = _pg_on_clock(_PG_PICK_AND_CLAIM + _PG_CLAIMED)
+PG_CLAIM_AND_REAP_ON_CLOCK = _pg_on_clock(_PG_PICK_AND_CLAIM + _PG_REAP + _PG_CLAIMED
+                                          + _PG_REAPED)
+
 #: SQLite's choice of rows to claim, pinned to ``ix_outbox_email_due``; the
 #: claim is then ``UPDATE ... WHERE id IN (this) RETURNING`` in the same
 #: ``BEGIN IMMEDIATE`` transaction as the reap.

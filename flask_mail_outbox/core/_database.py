@@ -29,15 +29,20 @@ T = TypeVar("T")
 class Database:
     """The outbox's own engine, its database's strategy, its clock and its transactions."""
 
-    def __init__(self, engine: Engine, *, clock: Callable[[], datetime] = utcnow) -> None:
+    def __init__(self, engine: Engine, *, clock: Callable[[], datetime] = utcnow,
+                 clock_in_sql: bool = False) -> None:
         self.engine = engine
         self.clock = clock
-        self.dialect: Dialect = dialect_of(engine)
+        #: ``clock_in_sql`` (a :class:`~._clock.TestClock`'s): "now" is ``clock()`` in
+        #: every statement, on PostgreSQL too (:meth:`._dialect.Dialect.on_clock`).
+        dialect = dialect_of(engine)
+        self.dialect: Dialect = dialect.on_clock() if clock_in_sql else dialect
 
     # -- time -----------------------------------------------------------------
 
     def now_expr(self) -> sa.ColumnElement[datetime]:
-        """"Now" as SQL: the database clock on PostgreSQL, ``clock()`` on SQLite."""
+        """"Now" as SQL: the database clock on PostgreSQL, ``clock()`` on SQLite (and
+        on PostgreSQL with ``clock_in_sql``)."""
         return self.dialect.now(self.clock)
 
     def later_expr(self, seconds: float) -> sa.ColumnElement[datetime]:

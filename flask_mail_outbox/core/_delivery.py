@@ -41,6 +41,7 @@ from ._database import KeptConnection
 from ._events import EventLog
 from ._intercept import BeforeSend, Intercepted, Interceptor, write_notes
 from ._leases import ClaimedEmail, Outcome, Reaped, Recorded
+from ._mailbox import Keeper
 from ._models import Status
 from ._releases import Releases
 from ._retry import Decision, RetryPolicy
@@ -329,7 +330,8 @@ AMBIGUOUS_RETRIES = 1
 
 def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy, *,
                 retry_now: bool = False,
-                ambiguous_retries: int = AMBIGUOUS_RETRIES) -> Outcome:
+                ambiguous_retries: int = AMBIGUOUS_RETRIES,
+                now: Callable[[], datetime] = utcnow) -> Outcome:
     """What to record for ``email`` after ``result`` (None: claimed past its last attempt).
 
     The retry policy decides every failure in both modes: a transient one sets
@@ -339,12 +341,13 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
     (a throttle deferral still waits its few seconds). A failure after which
     the message may have been accepted (``maybe_sent``) is retried at most
     ``ambiguous_retries`` times in the row's life, then ends ``failed`` with
-    a last error that says it may have been sent.
+    a last error that says it may have been sent. ``now``: the store's clock
+    (whether its next attempt would come after its expiry).
     """
     if result is None:
         return Outcome(email, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
     outcome = _outcome_of(email, result, policy, retry_now=retry_now,
-                          ambiguous_retries=ambiguous_retries)
+                          ambiguous_retries=ambiguous_retries, now=now)
     if result.failovers:
         outcome = dataclasses.replace(outcome, failovers=result.failovers)
     unknown = unknown_recipients(result)
@@ -354,13 +357,14 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
 
 
 def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
-                retry_now: bool, ambiguous_retries: int) -> Outcome:
+                retry_now: bool, ambiguous_retries: int,
+                now: Callable[[], datetime]) -> Outcome:
     if isinstance(result, (Suppressed, Expired, Intercepted)):
         return _not_sent(email, result)
     if isinstance(result, Delivered):
         return _delivered(email, result)
     return _failed(email, result.error, policy, retry_now=retry_now,
-                   ambiguous_retries=ambiguous_retries)
+                   ambiguous_retries=ambiguous_retries, now=now)
 
 
 def _not_sent(email: ClaimedEmail, result: Suppressed | Expired | Intercepted) -> Outcome:
@@ -391,7 +395,7 @@ def _delivered(email: ClaimedEmail, result: Delivered) -> Outcome:
 
 
 def _failed(email: ClaimedEmail, error: TransportError, policy: RetryPolicy, *,
-            retry_now: bool, ambiguous_retries: int) -> Outcome:
+            retry_now: bool, ambiguous_retries: int, now: Callable[[], datetime]) -> Outcome:
     """A failed attempt: dead-lettered, released (not attempted), or due again later."""
     if isinstance(error, PermanentError):
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
@@ -408,7 +412,7 @@ def _failed(email: ClaimedEmail, error: TransportError, policy: RetryPolicy, *,
                        maybe_sent=maybe_sent)
     due_in = _due_in(error, decision, retry_now=retry_now)
     if email.expires_at is not None and \
-            utcnow() + timedelta(seconds=due_in or 0.0) >= email.expires_at:
+            now() + timedelta(seconds=due_in or 0.0) >= email.expires_at:
         # Its next attempt would come too late: it ends now, with why.
         return Outcome(email, Status.EXPIRED, error_code=error.code,
                        error_message=f"expires at {email.expires_at:%Y-%m-%d %H:%M:%S} UTC, "
@@ -472,6 +476,14 @@ class Heartbeat:
                     if not ids:
                         del self._tracked[email.owner]
 
+    def renew_now(self) -> int:
+        """Renew every tracked lease at once (the clock may have jumped: a test's
+        :class:`~._clock.TestClock`); how many rows were renewed."""
+        with self._lock:
+            tracked = [(owner, sorted(ids)) for owner, ids in self._tracked.items()]
+        return sum(self.store.leases.renew_leases(owner, ids, self.lease_seconds)
+                   for owner, ids in tracked)
+
     def _run(self) -> None:
         interval = self.lease_seconds / 3
         while True:
@@ -513,6 +525,8 @@ class Delivery:
         self.policy = config.retry_policy()
         #: What this process releases while it stops (the owner's, shared with its worker).
         self.releases = releases or Releases(store, config)
+        #: What the ``mailbox`` transports delivered, written with the outcomes.
+        self.mailbox = Keeper(transports, store)
         #: Staging: OUTBOX_REDIRECT_TO, OUTBOX_ALLOWED_RECIPIENTS, before_send.
         self.interceptor = Interceptor(
             redirect_to=config.redirect_to, allowed=config.allowed_recipients,
@@ -599,13 +613,15 @@ class Delivery:
         if not done:
             return report
         outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now,
-                                ambiguous_retries=self.config.ambiguous_retries)
+                                ambiguous_retries=self.config.ambiguous_retries,
+                                now=self.store.clock)
                     for email, result in done]
         stored: list[DeliveryEvent] = []
         try:
             recorded, lost, report.holders = self._record(outcomes, kept, stored)
         finally:
             self.heartbeat.done([email for email, _ in done])
+            self.mailbox.forget(email.id for email, _ in done)
         errors: dict[int, TransportError] = {
             email.id: (result.error if isinstance(result, Failed) else TransientError(SPENT_LEASE))
             for email, result in done
@@ -816,6 +832,7 @@ class Delivery:
         ``bounced`` event, which puts the address on the suppression list.
         """
         write_notes(tx, recorded)
+        self.mailbox.keep_on(tx, recorded)
         events = []
         for outcome in recorded:
             email = outcome.email

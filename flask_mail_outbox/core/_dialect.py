@@ -12,7 +12,10 @@ What differs, and where each strategy answers it:
 
 * time: "now" is the database clock on PostgreSQL, so processes with skewed
   clocks agree on leases and ages; SQLite is one machine, so the caller's
-  clock is the database clock (:meth:`Dialect.now`, ``later``, ``ago``);
+  clock is the database clock (:meth:`Dialect.now`, ``later``, ``ago``). With
+  a :class:`~._clock.TestClock` the store runs on :meth:`Dialect.on_clock`'s
+  strategy, whose "now" is the caller's clock on PostgreSQL too
+  (:class:`PostgresOnClock`); production SQL never changes;
 * transactions: SQLite's writes begin ``IMMEDIATE`` (:meth:`Dialect.begin_write`),
   PostgreSQL's reads and dispatch run in autocommit (:meth:`Dialect.autocommit`);
 * locks: PostgreSQL serializes the producers of a key, and whoever advances a
@@ -113,6 +116,15 @@ class Dialect(abc.ABC):
         return conn
 
     # -- time --------------------------------------------------------------------------
+
+    def on_clock(self) -> Dialect:
+        """This strategy with "now" the caller's ``clock()`` in every statement.
+
+        For a :class:`~._clock.TestClock` only: SQLite is that already; on
+        PostgreSQL it is :class:`PostgresOnClock`, whose SQL binds the clock's
+        value where the database's ``now()`` stands otherwise.
+        """
+        return self
 
     @abc.abstractmethod
     def now(self, clock: Clock) -> sa.ColumnElement[datetime]:
@@ -405,6 +417,9 @@ class Postgres(Dialect):
         # No BEGIN/ROLLBACK round trips; the claim is one statement.
         return conn.execution_options(isolation_level="AUTOCOMMIT")
 
+    def on_clock(self) -> Dialect:
+        return POSTGRES_ON_CLOCK
+
     def now(self, clock: Clock) -> sa.ColumnElement[datetime]:
         return sa.func.timezone("UTC", sa.func.now(), type_=sa.DateTime())
 
@@ -498,15 +513,22 @@ class Postgres(Dialect):
     def claim_due(self, conn: Connection, *, limit: int, owner: str, lease_seconds: float,
                   reap: bool, transport: str, clock: Clock) -> tuple[list[Any], list[Any], bool]:
         # ONE statement, in autocommit (see _claim.PG_CLAIM): an idle tick is one round trip.
-        rows = conn.execute(_claim.PG_CLAIM_AND_REAP if reap else _claim.PG_CLAIM,
+        rows = conn.execute(self._claim_statement(reap),
                             {"claim_transport": transport, "claim_limit": limit,
                              "claim_owner": owner,
-                             "claim_lease": timedelta(seconds=lease_seconds)}).all()
+                             "claim_lease": timedelta(seconds=lease_seconds),
+                             **self._claim_params(clock)}).all()
         conn.commit()  # a no-op in autocommit; ends SQLAlchemy's transaction marker
         # The reaped rows' keys are ordered after the commit: a reaped holder
         # keeps its flag, so nothing waits on it.
         return ([row for row in rows if row.outcome == Status.SENDING.value],
                 [row for row in rows if row.outcome == Status.QUEUED.value], False)
+
+    def _claim_statement(self, reap: bool) -> sa.TextualSelect:
+        return _claim.PG_CLAIM_AND_REAP if reap else _claim.PG_CLAIM
+
+    def _claim_params(self, clock: Clock) -> dict[str, Any]:
+        return {}
 
     def record_sent(self, conn: Connection, sent: Sequence[tuple[int, str, str | None]], *,
                     scrub: bool, clock: Clock) -> set[int]:
@@ -519,7 +541,7 @@ class Postgres(Dialect):
             # every dead 'sending' entry, instead of the primary key.
             stmt = self._record_sent[scrub] = sa.text(
                 "UPDATE outbox_email AS e SET status = 'sent',"
-                " sent_at = timezone('UTC', now()), lease_owner = NULL,"
+                f" sent_at = {self._RECORD_NOW}, lease_owner = NULL,"
                 " lease_expires_at = NULL, provider_message_id = c.pid"
                 + (", mime = NULL" if scrub else "")
                 + " FROM unnest(CAST(:ids AS bigint[]), CAST(:owners AS text[]),"
@@ -529,8 +551,14 @@ class Postgres(Dialect):
                 " RETURNING e.id"
             ).columns(sa.column("id", sa.BigInteger()))
         params = {"ids": [row[0] for row in sent], "owners": [row[1] for row in sent],
-                  "pids": [row[2] for row in sent]}
+                  "pids": [row[2] for row in sent], **self._record_params(clock)}
         return set(conn.execute(stmt, params).scalars().all())
+
+    #: "now" in the record of a batch sent: the database's.
+    _RECORD_NOW = "timezone('UTC', now())"
+
+    def _record_params(self, clock: Clock) -> dict[str, Any]:
+        return {}
 
     def drop_tally(self, connection: Connection) -> None:
         # The triggers went with outbox_email; PostgreSQL keeps their function.
@@ -557,6 +585,53 @@ class Postgres(Dialect):
         for status, was, now in rows:
             kept[status], recounted[status] = int(was), int(now)
         return kept, recounted
+
+
+class PostgresOnClock(Postgres):
+    """PostgreSQL with "now" the caller's clock, bound: for a :class:`~._clock.TestClock` only.
+
+    Every statement that reads the database's ``now()`` in :class:`Postgres`
+    binds ``clock()`` here instead (the claim, the record, the inserts'
+    stamps, the rate schedule's epoch), as SQLite does; what a process with
+    no test clock runs is :class:`Postgres`'s, unchanged.
+    """
+
+    database_clock = False
+
+    def on_clock(self) -> Dialect:
+        return self
+
+    def now(self, clock: Clock) -> sa.ColumnElement[datetime]:
+        return sa.literal(clock(), sa.DateTime())
+
+    def later(self, clock: Clock, seconds: float) -> sa.ColumnElement[datetime]:
+        return sa.literal(clock() + timedelta(seconds=seconds), sa.DateTime())
+
+    def ago(self, clock: Clock, seconds: float) -> sa.ColumnElement[datetime]:
+        return sa.literal(clock() - timedelta(seconds=seconds), sa.DateTime())
+
+    def epoch_now(self) -> sa.ColumnElement[float]:
+        return sa.bindparam("now", type_=sa.Float())
+
+    def insert_one(self, conn: Connection, values: dict[str, Any], notify: bool) -> int:
+        # created_at and due_at are stamped from the clock (database_clock is False).
+        return int(conn.execute(_pg_insert_stamped(notify), values).scalar_one())
+
+    def insert_rows(self, conn: Connection, batch: list[dict[str, Any]], notify: bool) -> list[int]:
+        stmt = _pg_insert_rows(conn.dialect, tuple(batch[0]), notify, stamped=True)
+        params = {f"p_{name}": [row[name] for row in batch] for name in batch[0]}
+        return sorted(int(row[0]) for row in conn.execute(stmt, params))
+
+    def _claim_statement(self, reap: bool) -> sa.TextualSelect:
+        return _claim.PG_CLAIM_AND_REAP_ON_CLOCK if reap else _claim.PG_CLAIM_ON_CLOCK
+
+    def _claim_params(self, clock: Clock) -> dict[str, Any]:
+        return {"claim_now": clock()}
+
+    _RECORD_NOW = "CAST(:now AS timestamp)"
+
+    def _record_params(self, clock: Clock) -> dict[str, Any]:
+        return {"now": clock()}
 
 
 # -- SQLite's tally: row-level triggers -------------------------------------------------
@@ -769,17 +844,35 @@ def _pg_insert_one(notify: bool) -> sa.Insert:
 
 
 @functools.cache
-def _pg_insert_rows(dialect: sa.Dialect, columns: tuple[str, ...], notify: bool) -> sa.TextClause:
-    """PostgreSQL: ``INSERT ... SELECT FROM unnest(arrays) ORDER BY ordinality``, built once."""
+def _pg_insert_stamped(notify: bool) -> sa.Insert:
+    """PostgreSQL's INSERT of one email whose ``created_at`` and ``due_at`` are given
+    (:class:`PostgresOnClock`), built once."""
+    t = email_table
+    return t.insert().returning(t.c.id, *POSTGRES.notify_columns(notify))
+
+
+@functools.cache
+def _pg_insert_rows(dialect: sa.Dialect, columns: tuple[str, ...], notify: bool, *,
+                    stamped: bool = False) -> sa.TextClause:
+    """PostgreSQL: ``INSERT ... SELECT FROM unnest(arrays) ORDER BY ordinality``, built once.
+
+    ``stamped``: ``columns`` hold ``created_at`` and ``due_at`` (a test clock's,
+    see :class:`PostgresOnClock`); else both are the database's "now".
+    """
     # The column's type without its COLLATE (the column keeps it).
     types = {name: email_table.c[name].type.compile(dialect=dialect).split(" COLLATE ")[0]
              for name in columns}
     arrays = ", ".join(f"CAST(:p_{name} AS {types[name]}[])" for name in columns)
     now = "timezone('UTC', now())"
-    selected = ", ".join(f"coalesce(u.{name}, {now})" if name == "due_at" else f"u.{name}"
-                         for name in columns)
+    selected = ", ".join(f"coalesce(u.{name}, {now})" if name == "due_at" and not stamped
+                         else f"u.{name}" for name in columns)
     quoted = ", ".join(f'"{name}"' for name in columns)
     returning = f"id, pg_notify('{CHANNEL}', '')" if notify else "id"
+    if stamped:
+        return sa.text(
+            f"INSERT INTO {email_table.name} ({quoted}) "
+            f"SELECT {selected} FROM unnest({arrays}) WITH ORDINALITY "
+            f"AS u({', '.join(columns)}, ord) ORDER BY u.ord RETURNING {returning}")
     return sa.text(
         f"INSERT INTO {email_table.name} ({quoted}, created_at) "
         f"SELECT {selected}, {now} FROM unnest({arrays}) WITH ORDINALITY "
@@ -787,6 +880,7 @@ def _pg_insert_rows(dialect: sa.Dialect, columns: tuple[str, ...], notify: bool)
 
 
 POSTGRES = Postgres()
+POSTGRES_ON_CLOCK = PostgresOnClock()
 SQLITE = SQLite()
 _DIALECTS: dict[str, Dialect] = {POSTGRES.name: POSTGRES, SQLITE.name: SQLITE}
 

@@ -26,6 +26,7 @@ from . import (
     Status,
     Suppression,
     SweepReport,
+    TestClock,
     Ticket,
     TransportSpec,
     Worker,
@@ -43,6 +44,7 @@ from ._config import _DEFAULTS as CONFIG_DEFAULTS
 from ._config import MAX_CONCURRENCY, warn_plaintext_logins
 from ._dialect import dialect_of
 from ._events import Replayed
+from ._mailbox import Mailbox, MailboxEntry, MailboxPage
 from ._models import TABLE_NAMES
 from ._outbox import DURABLE_SETTING
 from ._queries import EVENT_SCAN_BUDGET, EXACT, SEARCH_FIELDS, recount_tally
@@ -71,6 +73,9 @@ __all__ = [
     "ClaimedEmail",
     "DeliveredMessage",
     "HourCount",
+    "Mailbox",
+    "MailboxEntry",
+    "MailboxPage",
     "Mode",
     "Outbox",
     "OutboxConfig",
@@ -83,6 +88,7 @@ __all__ = [
     "Status",
     "Suppression",
     "SweepReport",
+    "TestClock",
     "Ticket",
     "TransportSpec",
     "Worker",

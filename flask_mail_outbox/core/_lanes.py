@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from .. import _degrade
-from ._clock import utcnow
 from ._delivery import Attempt, BatchReport, Suppressed, envelope_of, expired
 from ._rate import LEARN_WINDOW_SECONDS, RateForgotten, SharedRate, Slots
 
@@ -46,8 +45,12 @@ class Lane:
 
     def __init__(self, name: str, transport: Transport, rate: SharedRate | None,
                  verp: VerpAddresses | None = None,
-                 learnable: SharedRate | None = None) -> None:
+                 learnable: SharedRate | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.name = name
+        self.clock = clock
+        self.wall = wall
         self.transport = transport
         #: The schedule this lane paces by: configured, learned, or None (unpaced).
         self.rate = rate
@@ -71,8 +74,8 @@ class Lane:
         if not envelopes:
             return
         if self.first_put is None:
-            self.first_put = time.monotonic()
-        now = time.time()
+            self.first_put = self.clock()
+        now = self.wall()
         for envelope in envelopes:
             self.sent_at.setdefault(envelope.email_id, now)
         if self.sending is None:
@@ -178,17 +181,22 @@ class Lanes:
     """A worker's lanes, "default" first, and what it does with all of them."""
 
     def __init__(self, store: Store, config: OutboxConfig, transports: dict[str, Transport],
-                 faults: _degrade.FaultTracker, clock: Callable[[], float]) -> None:
+                 faults: _degrade.FaultTracker, clock: Callable[[], float], *,
+                 wall: Callable[[], float] = time.time) -> None:
         self.config = config
         self.faults = faults
         self.clock = clock
+        #: The wall clock, in seconds since the epoch (the store's clock is the datetime one).
+        self.wall = wall
+        self.store = store
         self.lanes = {
             spec.name: Lane(spec.name, transports[spec.name],
-                            SharedRate(store, spec.name, spec.rate, clock=clock)
+                            SharedRate(store, spec.name, spec.rate, clock=clock, wall=wall)
                             if spec.rate else None,
                             verp=config.verp if spec.cls.takes_esmtp_options else None,
-                            learnable=None if spec.rate else SharedRate(store, spec.name, None,
-                                                                        clock=clock))
+                            learnable=None if spec.rate else SharedRate(
+                                store, spec.name, None, clock=clock, wall=wall),
+                            clock=clock, wall=wall)
             for spec in config.transport_specs}
 
     def __iter__(self) -> Iterator[Lane]:
@@ -224,15 +232,19 @@ class Lanes:
         checked again when its slot comes, not only when it was claimed.
         """
         now = self.clock()
-        wall = utcnow()
         for lane in self:
             due = lane.due(now)
-            if too_late is not None:
+            if too_late is not None and due:
+                wall = self.store.clock()
                 for email in [e for e in due if expired(e, wall)]:
                     too_late(email)
                 due = [e for e in due if not expired(e, wall)]
             if due:
                 lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in due], report)
+
+    def paced(self) -> int:
+        """How many claimed rows wait for their slot, in every lane."""
+        return sum(len(lane.paced) for lane in self)
 
     def next_slot(self) -> float | None:
         """When the next paced row of any lane may go."""
@@ -267,7 +279,7 @@ class Lanes:
                 fix="check the database connection and that the outbox tables are migrated "
                     "(`flask db upgrade outbox@head` creates outbox_rate)",
                 exc=exc)
-            return Slots(count, self.clock(), 1.0 / rate.current, time.time())
+            return Slots(count, self.clock(), 1.0 / rate.current, self.wall())
         self.faults.recovered(f"rate-{rate.name}")
         return slots
 
@@ -304,7 +316,7 @@ class Lanes:
         """The first throttled reply of an unconfigured lane: learn its rate, pace by it."""
         if lane.learnable is None:
             return
-        sending_for = (time.monotonic() - lane.first_put if lane.first_put is not None
+        sending_for = (self.clock() - lane.first_put if lane.first_put is not None
                        else LEARN_WINDOW_SECONDS)
         try:
             rate = lane.learnable.learn(sending_for)

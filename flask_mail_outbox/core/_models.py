@@ -340,6 +340,39 @@ def search_key(text: str, length: int) -> str:
     return text.lower()[:length]
 
 
+class OutboxMailbox(Base):
+    """A message the ``mailbox`` transport delivered: the development inbox.
+
+    One row per delivery, written in the transaction that records its email
+    ``sent`` (so the mailbox holds exactly what the outbox says it sent),
+    with the envelope and the exact bytes handed over. The From, To and
+    Subject headers are copied (decoded, made safe) so the list reads no
+    MIME. No foreign key: purging or retaining ``outbox_email`` rows leaves
+    the mailbox as it is, as it would a real inbox. Listed newest first by
+    ``id`` (the primary key's order is the order of delivery).
+    """
+
+    __tablename__ = "outbox_mailbox"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    email_id: Mapped[int] = mapped_column(_BigId, nullable=False)
+    received_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
+    message_id: Mapped[str] = mapped_column(sa.String(255), nullable=False)
+    # The SMTP envelope: MAIL FROM, and RCPT TO as a JSON list.
+    sender: Mapped[str] = mapped_column(sa.String(320), nullable=False)
+    recipients: Mapped[str] = mapped_column(sa.Text(), nullable=False)
+    header_from: Mapped[str] = mapped_column(sa.Text(), nullable=False, server_default="")
+    header_to: Mapped[str] = mapped_column(sa.Text(), nullable=False, server_default="")
+    subject: Mapped[str] = mapped_column(sa.Text(), nullable=False, server_default="")
+    size: Mapped[int] = mapped_column(sa.Integer(), nullable=False)
+    mime: Mapped[bytes] = mapped_column(sa.LargeBinary(), nullable=False)
+
+    __table_args__ = (
+        # An email's copies (a link from its page), newest first.
+        sa.Index("ix_outbox_mailbox_email_id", "email_id", "id"),
+    )
+
+
 email_table: sa.Table = OutboxEmail.__table__  # type: ignore[assignment]
 tally_table: sa.Table = OutboxTally.__table__  # type: ignore[assignment]
 attachment_table: sa.Table = OutboxAttachment.__table__  # type: ignore[assignment]
@@ -348,5 +381,6 @@ rate_table: sa.Table = OutboxRate.__table__  # type: ignore[assignment]
 event_table: sa.Table = OutboxEvent.__table__  # type: ignore[assignment]
 suppression_table: sa.Table = OutboxSuppression.__table__  # type: ignore[assignment]
 nonce_table: sa.Table = OutboxWebhookNonce.__table__  # type: ignore[assignment]
+mailbox_table: sa.Table = OutboxMailbox.__table__  # type: ignore[assignment]
 
 TABLE_NAMES = frozenset(metadata.tables)

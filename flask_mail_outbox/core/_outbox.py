@@ -30,6 +30,7 @@ from ..transports import (
     Transport,
     build,
 )
+from ._clock import TestClock
 from ._delivery import Callbacks, Delivery
 from ._dialect import create_engine
 from ._events import EventLog
@@ -78,20 +79,31 @@ class Outbox:
     ``transports``: ready ones by name (None: built from ``config`` when first
     needed); ``concurrency``: sends in flight per transport where its spec sets
     none (``OUTBOX_CONCURRENCY``, or ``flask outbox worker --concurrency``).
+    ``clock``: a :class:`~._clock.TestClock` whose time every "now" of this core
+    follows (timestamps, the worker's deadlines, and on PostgreSQL "now" in
+    SQL); None: the real clocks, and the SQL the database's ``now()``.
     """
 
     def __init__(self, url: str | sa.URL, config: OutboxConfig, *,
                  transports: Mapping[str, Transport] | None = None,
                  callbacks: Callbacks | None = None,
                  faults: _degrade.FaultTracker | None = None,
-                 concurrency: int | None = None) -> None:
+                 concurrency: int | None = None,
+                 clock: TestClock | None = None) -> None:
+        if clock is not None and not isinstance(clock, TestClock):
+            raise TypeError(f"Outbox(clock=...): expected a TestClock or None, got "
+                            f"{type(clock).__name__}")
         self.pid = os.getpid()
+        #: The test clock this core runs on (None: the real clocks).
+        self.clock = clock
+        self._monotonic = time.monotonic if clock is None else clock.monotonic
         self.config = config
         self.callbacks = callbacks or Callbacks()
         self.faults = faults or _degrade.FaultTracker()
         self.concurrency = concurrency or config.concurrency
         self.engine = create_engine(url)
-        self.store = Store(self.engine)
+        self.store = (Store(self.engine) if clock is None
+                      else Store(self.engine, clock=clock.now, clock_in_sql=True))
         #: The read API (counts, lists, one email, figures): no worker needed.
         self.reader = Reader(self.store)
         #: The suppression list, and the delivery events (which add to it).
@@ -105,6 +117,9 @@ class Outbox:
         self.listener: Listener | None = None
         self._lock = threading.RLock()
         self._mode_cache: tuple[Mode, float] | None = None
+        #: Commits hand nothing over: committed rows wait, queued, for a hand-ticked
+        #: worker's :meth:`Worker.drain` (``flask_mail_outbox.testing``'s manual mode).
+        self.manual = False
         #: The last sweep report this process stored was a periodic one that
         #: found nothing: the next such one need not be stored (see run_sweep).
         self.quiet_sweep_stored = False
@@ -140,7 +155,12 @@ class Outbox:
         """This process's delivery loop."""
         with self._lock:
             if self._worker is None:
-                self._worker = Worker(self.delivery, self.config)
+                if self.clock is None:
+                    self._worker = Worker(self.delivery, self.config)
+                else:
+                    self._worker = Worker(self.delivery, self.config,
+                                          clock=self.clock.monotonic, wall=self.clock.wall)
+                    self.clock.on_advance(self._worker.nudge)
             return self._worker
 
     @property
@@ -163,7 +183,7 @@ class Outbox:
         never asks.
         """
         cached = self._mode_cache
-        now = time.monotonic()
+        now = self._monotonic()
         if cached is not None and cached[1] > now:
             return cached[0]
         stored = self.reader.setting(DURABLE_SETTING)
@@ -175,7 +195,7 @@ class Outbox:
     def set_mode(self, mode: Mode) -> None:
         """Store ``mode`` for every process sharing the database (commits its own work)."""
         self.store.admin.set_setting(DURABLE_SETTING, mode is Mode.DURABLE)
-        self._mode_cache = (mode, time.monotonic() + self.config.settings_ttl_seconds)
+        self._mode_cache = (mode, self._monotonic() + self.config.settings_ttl_seconds)
         if mode is Mode.DURABLE and self.config.run_worker:
             self.dispatch()
 
@@ -191,8 +211,10 @@ class Outbox:
         also times the ``scheduled`` ones (``send_after``) and claims each when
         it is due (see :meth:`Worker.schedule`); without one, a dispatcher's
         claim or a sweep takes them. Raises on a database error; the rows are
-        safe in the database either way.
+        safe in the database either way. :attr:`manual`: none of this.
         """
+        if self.manual:
+            return
         if self.synchronous:
             if ids:
                 self.worker.deliver(ids, timeout=3600.0)

@@ -34,6 +34,7 @@ from typing import NamedTuple
 from sqlalchemy.orm import Session
 
 from .. import _degrade
+from ._clock import TestClock, utcnow
 from ._dialect import Dialect
 from ._insert import (
     cancel_emails,
@@ -99,6 +100,9 @@ class Producer:
         else:
             self._outbox = outbox
             self.config = config
+        #: A :class:`~._clock.TestClock` the rows are stamped on (``created_at``,
+        #: ``due_at``), as the outbox's, or None: the database's "now" (SQLite: utcnow).
+        self.clock: TestClock | None = outbox.clock if isinstance(outbox, Outbox) else None
 
     # -- in the transaction ----------------------------------------------------------
 
@@ -113,11 +117,14 @@ class Producer:
             return []
         dialect = email_dialect(session)
         notify = self._notifies(dialect)
+        clock = utcnow
+        if self.clock is not None:  # a test's: "now" is its time on every database
+            dialect, clock = dialect.on_clock(), self.clock.now
         if len(rows) == 1:  # send(): the common case, and the one an idempotency key takes
             row = rows[0]
             email_id, created, waits = insert_email(session, row.values, row.attachments,
                                                     notify=notify, dialect=dialect,
-                                                    recipients=row.recipients)
+                                                    recipients=row.recipients, clock=clock)
             return [Ticket(email_id, created, row.due_now, row.urgent, notify,
                            row.values.get("key") if waits else None)]
         key = rows[0].values.get("key")
@@ -125,12 +132,12 @@ class Producer:
             raise ValueError("Producer.enqueue(): every row of one call must have the same key")
         if any(row.values.get("idempotency_key") for row in rows):
             inserted = [insert_email(session, row.values, row.attachments, notify=notify,
-                                     dialect=dialect, recipients=row.recipients)
+                                     dialect=dialect, recipients=row.recipients, clock=clock)
                         for row in rows]
         else:
             inserted = [(email_id, True, waits) for email_id, waits in insert_emails(
                 session, [(row.values, row.attachments) for row in rows], key=key,
-                notify=notify, dialect=dialect)]
+                notify=notify, dialect=dialect, clock=clock)]
         return [Ticket(email_id, created, row.due_now, row.urgent, notify,
                        key if waits else None)
                 for (email_id, created, waits), row in zip(inserted, rows, strict=True)]

@@ -40,17 +40,19 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
                 due_at: datetime | None, idempotency_key: str | None = None,
                 priority: int = DEFAULT_PRIORITY,
                 transport: str = DEFAULT_TRANSPORT,
-                expires_at: datetime | None = None) -> QueuedRow:
+                expires_at: datetime | None = None,
+                now: datetime | None = None) -> QueuedRow:
     """Validate ``msg`` and build its row (nothing written): ``InvalidMessage`` if bad.
 
     A message without a ``date`` is dated when it becomes due: at ``due_at``
     when that is still ahead (a reminder three days out must not arrive dated
     three days back), else now. The row of one that is not due yet is marked
     :data:`._claim.SCHEDULED`: no commit hands it to a delivery, so the
-    sweep's age gate does not hold it back once it is due.
+    sweep's age gate does not hold it back once it is due. ``now``: the
+    outbox's clock when it is not the real one (a test clock's time).
     """
     check_message(msg)
-    due_now = due_at is None or due_at <= utcnow()
+    due_now = due_at is None or due_at <= (utcnow() if now is None else now)
     prepared = prepare_message(
         msg, now=None if due_now else due_at, default_sender=config.default_sender,
         allow_local_addresses=config.allow_local_addresses,
@@ -165,19 +167,23 @@ def _smtp_options(mail_options: tuple[str, ...], rcpt_options: tuple[str, ...]) 
     return json.dumps({"mail": list(mail_options), "rcpt": list(rcpt_options)})
 
 
-def expires_at_of(expires_after: Any, due_at: datetime | None) -> datetime | None:
+def expires_at_of(expires_after: Any, due_at: datetime | None, *,
+                  now: datetime | None = None) -> datetime | None:
     """``expires_after`` as a naive UTC time (None: never); ``InvalidMessage`` when it cannot be.
 
-    A timedelta counts from now. An expiry that is not after the due time
-    (``send_after``) could never be met, and is refused.
+    A timedelta counts from now (``now``, else the real clock's). An expiry
+    that is not after the due time (``send_after``) could never be met, and is
+    refused.
     """
     if expires_after is None:
         return None
+    if now is None:
+        now = utcnow()
     if isinstance(expires_after, timedelta):
         if expires_after <= timedelta(0):
             raise InvalidMessage("expires_after", f"must be positive, got {expires_after!r}")
         try:
-            expires_at = utcnow() + expires_after
+            expires_at = now + expires_after
         except OverflowError:
             raise InvalidMessage("expires_after",
                                  f"{expires_after!r} is past the year 9999") from None
@@ -187,7 +193,7 @@ def expires_at_of(expires_after: Any, due_at: datetime | None) -> datetime | Non
     else:
         raise InvalidMessage("expires_after", f"expected a datetime or timedelta, got "
                              f"{type(expires_after).__name__}")
-    earliest = due_at or utcnow()
+    earliest = due_at or now
     if expires_at <= earliest:
         what = "send_after" if due_at is not None else "now"
         raise InvalidMessage("expires_after", f"expires at {expires_at:%Y-%m-%d %H:%M:%S} UTC, "
@@ -196,13 +202,14 @@ def expires_at_of(expires_after: Any, due_at: datetime | None) -> datetime | Non
     return expires_at
 
 
-def due_at_of(send_after: Any) -> datetime | None:
-    """``send_after`` as a naive UTC due time (None: due at commit)."""
+def due_at_of(send_after: Any, *, now: datetime | None = None) -> datetime | None:
+    """``send_after`` as a naive UTC due time (None: due at commit); a timedelta
+    counts from ``now`` (else the real clock's)."""
     if send_after is None:
         return None
     if isinstance(send_after, timedelta):
         try:
-            return utcnow() + send_after
+            return (utcnow() if now is None else now) + send_after
         except OverflowError:
             raise InvalidMessage("send_after", f"{send_after!r} is past the year 9999") from None
     if isinstance(send_after, datetime):

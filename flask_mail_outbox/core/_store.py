@@ -34,8 +34,9 @@ from ._sweeping import Sweeping
 class Store(Database):
     """The outbox's engine and transactions (the base), and the three parts that use them."""
 
-    def __init__(self, engine: Engine, *, clock: Callable[[], datetime] = utcnow) -> None:
-        super().__init__(engine, clock=clock)
+    def __init__(self, engine: Engine, *, clock: Callable[[], datetime] = utcnow,
+                 clock_in_sql: bool = False) -> None:
+        super().__init__(engine, clock=clock, clock_in_sql=clock_in_sql)
         self.leases = Leases(self)
         self.sweep = Sweeping(self)
         self.admin = Admin(self)

@@ -25,7 +25,6 @@ from datetime import timedelta
 from typing import Any
 
 from .. import _degrade
-from ._clock import utcnow
 from ._models import Status
 from ._outbox import Outbox
 from ._queries import Reader
@@ -92,7 +91,7 @@ def run_sweep(outbox: Outbox, *, min_age: float | None = None, limit: int | None
     """
     min_age, limit = _checked(outbox, min_age, limit)
     started = time.monotonic()
-    started_at = utcnow().isoformat(timespec="seconds") + "Z"
+    started_at = outbox.store.clock().isoformat(timespec="seconds") + "Z"
     store = outbox.store
     mode = outbox.mode().value
     if heal and not dry_run:

@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
-from ._clock import utcnow
 from ._database import KeptConnection
 from ._delivery import (
     Attempt,
@@ -115,7 +114,8 @@ class Worker:
     """The delivery loop of one app in one process (see the module docstring)."""
 
     def __init__(self, delivery: Delivery, config: OutboxConfig, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.delivery = delivery
         self.store = delivery.store
         self.config = config
@@ -129,7 +129,8 @@ class Worker:
             return self.clock()
 
         #: A lane per named transport: its stream, rate and paced rows (see _lanes).
-        self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, now)
+        self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, now,
+                           wall=wall)
         #: Rows claimed and not yet recorded, at most (a claim takes at most a batch).
         self.capacity = max(1, config.batch_size)
         #: Claim again once no more than this is in flight: half a batch (at
@@ -233,6 +234,11 @@ class Worker:
             self._woken = True
             self._cond.notify_all()
 
+    def nudge(self) -> None:
+        """Look at the deadlines again now (the loop's clock jumped: a test's clock)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def dispatch(self) -> None:
         """Also claim due rows from now on (durable mode), and start the loop."""
         self.dispatching = True
@@ -284,10 +290,13 @@ class Worker:
             return 0.0
         return max(0.0, self._next_claim - self.last_claim_at)
 
-    def drain(self, timeout: float = 3600.0) -> int:
+    def drain(self, timeout: float = 3600.0, *, wait_for_slots: bool = True) -> int:
         """Rounds until nothing is in flight or due now (hand-ticked loops, ``--once``).
 
         Returns how many rows it finished (sent, failed, queued again, released).
+        ``wait_for_slots=False``: rows of a rate-limited transport whose slot
+        is still to come stay claimed, for a later drain (the test kit's
+        ``deliver()``, whose clock moves only when the test moves it).
         """
         deadline = time.monotonic() + timeout
         before = self.finished
@@ -295,19 +304,23 @@ class Worker:
             with self._cond:
                 self._woken = self.dispatching  # claim whenever there is room
             self.step()
-            if not self._wait_for_results(deadline):
+            if not self._wait_for_results(deadline, wait_for_slots=wait_for_slots):
                 with self._cond:
                     if not (self.intake.handed or (self.dispatching and self.last_claimed)):
                         break
         return self.finished - before
 
-    def _wait_for_results(self, deadline: float) -> bool:
-        """Wait for the results of what is in flight; False when nothing is."""
+    def _wait_for_results(self, deadline: float, *, wait_for_slots: bool = True) -> bool:
+        """Wait for the results of what is in flight; False when nothing is (nor, without
+        ``wait_for_slots``, anything but rows waiting for a rate slot to come)."""
         while True:
             slot = self._send_paced()  # rows waiting for a rate slot are in flight too
             with self._cond:
                 if not self._in_flight or self._results:
                     return bool(self._in_flight or self._results)
+                if not wait_for_slots and slot is not None and \
+                        len(self._in_flight) <= self.lanes.paced():
+                    return False
                 wait = min(0.5, max(0.0, deadline - time.monotonic()))
                 if slot is not None:
                     wait = min(wait, max(0.001, slot - self.clock()))
@@ -612,7 +625,7 @@ class Worker:
         """
         sendable: list[ClaimedEmail] = []
         unknown: list[ClaimedEmail] = []
-        now = utcnow()
+        now = self.store.clock()
         for email in claimed:
             if email.attempt > self.policy.max_attempts:
                 self._on_result_of(email, None)  # spent: dead-lettered unsent

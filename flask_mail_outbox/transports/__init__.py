@@ -24,6 +24,7 @@ from ._base import (
     Transport,
 )
 from ._failover import FailoverTransport
+from ._mailbox import MailboxTransport
 from ._registry import (
     API_KINDS,
     BUILTIN,
@@ -45,6 +46,7 @@ __all__ = [
     "FailedOver",
     "FailoverTransport",
     "FileTransport",
+    "MailboxTransport",
     "MemoryTransport",
     "NotAttempted",
     "NullTransport",

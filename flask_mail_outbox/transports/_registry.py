@@ -15,6 +15,7 @@ from typing import Any
 from .._errors import ConfigError
 from .._providers import PROVIDERS
 from ._base import Transport
+from ._mailbox import MailboxTransport
 from ._settings import TransportSettings
 from ._simple import ConsoleTransport, FileTransport, MemoryTransport, NullTransport
 from ._smtp import SMTPTransport
@@ -26,6 +27,7 @@ BUILTIN: dict[str, type[Transport]] = {
     "file": FileTransport,
     "memory": MemoryTransport,
     "null": NullTransport,
+    "mailbox": MailboxTransport,
 }
 
 

@@ -11,7 +11,9 @@ Security is not left to the host app:
 * ``authorize()`` runs before every page, action and static file; only ``True``
   lets the request in, anything else is a 403 (a truthy user object, a redirect
   response or a string is a mistake, not a yes; it is logged at ERROR once).
-  There is no default: without a callable the blueprint is refused.
+  There is no default: without a callable the blueprint is refused. For a
+  development machine, :func:`local_debug_only` lets in what Flask's debugger
+  would: requests from this machine while the app runs in debug mode.
 * Every action is a POST carrying a per-session CSRF token (kept in Flask's signed
   session, so registering on an app without ``SECRET_KEY`` fails at once). The
   blueprint is exempted from Flask-WTF's ``CSRFProtect`` when the app has it: that
@@ -20,23 +22,26 @@ Security is not left to the host app:
   ``<iframe sandbox srcdoc=...>`` (no scripts, an opaque origin).
 * Every response carries a Content-Security-Policy that loads nothing but the
   dashboard's stylesheet, lets the preview neither load from the app nor
-  navigate, and forbids framing the dashboard. A template preview's page allows
-  inline styles besides (an email's inlined CSS), and nothing else.
+  navigate, and forbids framing the dashboard. A template preview's page and a
+  Mailbox message's page allow inline styles besides (an email's inlined CSS), and
+  nothing else.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flask import Blueprint, abort, g, request, session
+from flask import Blueprint, abort, current_app, g, request, session
 from flask.blueprints import BlueprintSetupState
 from werkzeug.wrappers import Response
 
 from ..._errors import ConfigError
+from ._mailbox import MailboxPages
 from ._previews import INLINE_STYLES_FLAG, PREVIEW_CONTENT_SECURITY_POLICY, Previews
 from ._views import Dashboard
 
@@ -45,7 +50,12 @@ if TYPE_CHECKING:
 
     from ..._flask.extension import OutboxExtension
 
-__all__ = ["CONTENT_SECURITY_POLICY", "PREVIEW_CONTENT_SECURITY_POLICY", "make_blueprint"]
+__all__ = [
+    "CONTENT_SECURITY_POLICY",
+    "PREVIEW_CONTENT_SECURITY_POLICY",
+    "local_debug_only",
+    "make_blueprint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +119,63 @@ def make_blueprint(mail: OutboxExtension, authorize: Callable[[], Any], *,
     bp.context_processor(lambda: {"csrf_token": csrf_token})
     Dashboard(mail, page_size=page_size).register(bp)
     Previews(mail).register(bp)
+    MailboxPages(page_size=page_size).register(bp)
     return bp
+
+
+#: Headers a reverse proxy adds: a request that carries one did not come from this machine
+#: directly, whatever its peer address says.
+_PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-IP")
+_refused_outside_debug = False
+
+
+def local_debug_only() -> bool:
+    """An ``authorize`` for development: True only as Flask's debugger would be open.
+
+    ``mail.dashboard_blueprint(authorize=local_debug_only)`` lets a request in
+    when all of these hold, and refuses it (403) otherwise:
+
+    * the app runs in debug mode (``flask run --debug``, ``app.debug``);
+    * the request comes from a loopback address (127.0.0.0/8, ::1);
+    * its ``Host`` names this machine (``localhost``, ``*.localhost`` or a
+      loopback address): a page elsewhere cannot reach it by DNS rebinding;
+    * it carries no proxy header (``Forwarded``, ``X-Forwarded-For``, ...):
+      behind a reverse proxy on the same machine every request comes from
+      127.0.0.1, so one that went through a proxy is refused.
+
+    Outside debug mode it refuses everything (said once at WARNING), so a
+    deployment that forgets to replace it is shut, not open.
+    """
+    global _refused_outside_debug
+    if not current_app.debug:
+        if not _refused_outside_debug:
+            _refused_outside_debug = True
+            logger.warning(
+                "The outbox dashboard's authorize=local_debug_only refuses every request: "
+                "the app is not in debug mode; run `flask run --debug` on your machine, or "
+                "give the dashboard the app's own login check")
+        return False
+    if any(header in request.headers for header in _PROXY_HEADERS):
+        return False
+    return _loopback(request.remote_addr or "") and _loopback(_hostname(request.host),
+                                                              names=True)
+
+
+def _hostname(host: str) -> str:
+    """The name or address of a ``Host`` header, without its port or IPv6 brackets."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else ""
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _loopback(value: str, *, names: bool = False) -> bool:
+    """Whether ``value`` is a loopback address (or, with ``names``, localhost)."""
+    if names and (value.lower() == "localhost" or value.lower().endswith(".localhost")):
+        return True
+    try:
+        return ipaddress.ip_address(value).is_loopback
+    except ValueError:
+        return False
 
 
 def csrf_token() -> str:

@@ -6,7 +6,7 @@ Create Date: 2026-12-07
 
 Creates every outbox table (``outbox_email``, ``outbox_attachment``,
 ``outbox_setting``, ``outbox_rate``, ``outbox_event``, ``outbox_suppression``,
-``outbox_webhook_nonce``, ``outbox_tally``) with their indexes, the partial ones
+``outbox_webhook_nonce``, ``outbox_tally``, ``outbox_mailbox``) with their indexes, the partial ones
 included, and the triggers on ``outbox_email`` that keep ``outbox_tally`` (on
 PostgreSQL also their function, ``outbox_tally_rows()``). The tables are new and
 empty, so the tally has nothing to count yet. A downgrade drops all of it.
@@ -204,6 +204,22 @@ def _tables() -> sa.MetaData:
         sa.Column("sent_hour", sa.BigInteger(), nullable=True),
         sa.Column("n", sa.BigInteger(), nullable=False),
         sa.Index("ix_outbox_tally_status_sent_hour", "status", "sent_hour"),
+    )
+    sa.Table(
+        "outbox_mailbox",
+        metadata,
+        sa.Column("id", _BIG_ID, primary_key=True, autoincrement=True),
+        sa.Column("email_id", _BIG_ID, nullable=False),
+        sa.Column("received_at", sa.DateTime(), nullable=False),
+        sa.Column("message_id", sa.String(255), nullable=False),
+        sa.Column("sender", sa.String(320), nullable=False),
+        sa.Column("recipients", sa.Text(), nullable=False),
+        sa.Column("header_from", sa.Text(), nullable=False, server_default=""),
+        sa.Column("header_to", sa.Text(), nullable=False, server_default=""),
+        sa.Column("subject", sa.Text(), nullable=False, server_default=""),
+        sa.Column("size", sa.Integer(), nullable=False),
+        sa.Column("mime", sa.LargeBinary(), nullable=False),
+        sa.Index("ix_outbox_mailbox_email_id", "email_id", "id"),
     )
     return metadata
 
