@@ -14,13 +14,14 @@ import os
 from flask import Flask, current_app
 from worker_app import create_app as create_worker_app
 
+from flask_mail_outbox import OutboxMail
 from flask_mail_outbox.core import OutgoingEmail
 
 
 def create_app() -> Flask:
     """tests/worker_app.py's app, with the hook registered."""
     app = create_worker_app()
-    mail = app.extensions["mail_outbox"].ext
+    mail: OutboxMail = app.extensions["mail_outbox"].ext
 
     @mail.before_send
     def mark(email: OutgoingEmail) -> None:

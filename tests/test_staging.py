@@ -42,6 +42,7 @@ from smtpserver import FaultSMTPServer
 from flask_mail_outbox import InvalidMessage, Message, OutboxMail
 from flask_mail_outbox.core import OutgoingEmail, email_table
 from flask_mail_outbox.core._intercept import ORIGINAL_CC, ORIGINAL_TO, header_line
+from flask_mail_outbox.testing import OutboxTest
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -347,6 +348,31 @@ def test_a_stored_message_staging_cannot_edit_fails_the_attempt_unsent_and_the_r
         assert "Consequence: it is not sent on this attempt" in error
     finally:
         close_app(app, timeout=5)
+
+
+def test_the_test_kits_manual_delivery_goes_through_staging(db_url: str) -> None:
+    # OutboxTest.deliver() is the worker's own path: the hook and the redirect apply there.
+    app = make_app(db_url, TESTING=True, OUTBOX_REDIRECT_TO=[QA])
+    mail: OutboxMail = app.extensions["test_mail"]
+
+    @mail.before_send
+    def veto_invoices(email: OutgoingEmail) -> None:
+        if email.parsed["Subject"] == "Invoice":
+            email.veto("not from staging")
+
+    kit = OutboxTest(app, mode="manual")
+    try:
+        send(app, Message("Welcome", recipients=["ann@customer.org"], body="x"),
+             Message("Invoice", recipients=["ann@customer.org"], body="x"))
+        kit.assert_enqueued(count=2)
+        assert kit.deliver() == 2
+        [welcome] = kit.assert_sent(subject="Welcome", to="ann@customer.org")
+        assert welcome.to == ("ann@customer.org",)  # the row's recipients: the real ones
+        [invoice] = kit.emails(status="cancelled")
+        assert invoice.last_error == "vetoed by before_send: not from staging"
+    finally:
+        kit.close()
+        close_app(app)
 
 
 def test_header_text_is_validated() -> None:
