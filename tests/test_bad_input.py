@@ -339,11 +339,25 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_UNSUBSCRIBE_URL", 5),
     ("OUTBOX_BOUNCE_ADDRESS", "not an address"),
     ("OUTBOX_BOUNCE_ADDRESS", "b+x@example.com"),
+    ("OUTBOX_REDIRECT_TO", "qa@example.com"),  # a list is expected
+    ("OUTBOX_REDIRECT_TO", []),
+    ("OUTBOX_REDIRECT_TO", ["not an address"]),
+    ("OUTBOX_REDIRECT_TO", ["QA <qa@example.com>"]),  # bare addresses only
+    ("OUTBOX_REDIRECT_TO", ("qa@other.org",)),  # outside the allow-list below
+    ("OUTBOX_ALLOWED_RECIPIENTS", "*@example.com"),  # a list is expected
+    ("OUTBOX_ALLOWED_RECIPIENTS", []),
+    ("OUTBOX_ALLOWED_RECIPIENTS", ["*.example.com"]),
+    ("OUTBOX_ALLOWED_RECIPIENTS", ["qa*@example.com"]),
+    ("OUTBOX_ALLOWED_RECIPIENTS", ["*@not a domain"]),
+    ("OUTBOX_ALLOWED_RECIPIENTS", [42]),
     ("OUTBOX_INLINE_RETRY", 3),  # unknown key, with a suggestion
     ("MAIL_USE_TLS", True),  # with MAIL_USE_SSL below: exclusive
     ("SQLALCHEMY_DATABASE_URI", "sqlite://"),
 ]
-_TOGETHER = {("MAIL_USE_TLS", True): {"MAIL_USE_SSL": True}}
+_TOGETHER: dict[tuple[str, Any], dict[str, Any]] = {
+    ("MAIL_USE_TLS", True): {"MAIL_USE_SSL": True},
+    ("OUTBOX_REDIRECT_TO", ("qa@other.org",)): {"OUTBOX_ALLOWED_RECIPIENTS": ["*@example.com"]},
+}
 
 
 def test_every_key_the_library_reads_has_a_bad_value_case() -> None:
@@ -361,7 +375,8 @@ def test_bad_config_fails_at_init_naming_the_key_and_creates_nothing(
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = f"sqlite:///{database}"
     app.config[key] = value
-    app.config.update(_TOGETHER.get((key, value), {}))
+    app.config.update(next((extra for (k, v), extra in _TOGETHER.items()
+                            if (k, v) == (key, value)), {}))
     sqlalchemy = SQLAlchemy(app)
     with pytest.raises(ConfigError) as excinfo:
         OutboxMail(app)

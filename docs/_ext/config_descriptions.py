@@ -129,6 +129,17 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                             "email, signed with `SECRET_KEY`; the header "
                                             "From is unchanged, API transports are "
                                             "unaffected ([bounces](bounces.md))"),
+    "OUTBOX_REDIRECT_TO": ("list of str or None", "staging: every email goes to these bare "
+                                                  "addresses instead of its recipients, the "
+                                                  "original To and Cc kept in "
+                                                  "`X-Outbox-Original-To`/`-Cc`; the row keeps "
+                                                  "its real recipients "
+                                                  "([staging](guide/staging.md))"),
+    "OUTBOX_ALLOWED_RECIPIENTS": ("list of str or None", "staging: the only recipients mail "
+                                                         "goes to, `user@example.com` or "
+                                                         "`*@example.com`; an email with none "
+                                                         "ends `cancelled` unsent "
+                                                         "([staging](guide/staging.md))"),
     "OUTBOX_RUN_SCHEDULER": ("bool", "run the sweep jobs in serving processes (False: a "
                                      "script or a test that imports the app)"),
 }

@@ -26,6 +26,7 @@ from ..core._internal import (
     CONFIG_DEFAULTS,
     DeliveredMessage,
     Mode,
+    OutgoingEmail,
     QueuedRow,
     Status,
     Suppression,
@@ -102,6 +103,8 @@ class OutboxExtension:
         #: ``@mail.preview`` registrations, by template name (every app of this extension).
         self._previews: dict[str, list[Preview]] = {}
         self._locale_resolver: LocaleResolver | None = None
+        #: ``@mail.before_send`` functions, in registration order (every app of this extension).
+        self.before_send_hooks: list[Callable[[OutgoingEmail], None]] = []
         #: Flask-Mail's ``mail.state``: the Flask-Mail-compatible state of the app
         #: given here; None in the factory style (``init_app`` returns it instead).
         self.state: FlaskMailState | None = None
@@ -239,6 +242,28 @@ class OutboxExtension:
         if not callable(func):
             raise TypeError(f"@mail.locale_resolver decorates a function, got {func!r}")
         self._locale_resolver = func
+        return func
+
+    def before_send(self, func: Callable[[OutgoingEmail], None]
+                    ) -> Callable[[OutgoingEmail], None]:
+        """Register a function called with each email about to be delivered (a decorator).
+
+        It runs at delivery, in the delivery thread or the ``flask outbox worker``
+        process, inside an app context, once per attempt, with an
+        :class:`~flask_mail_outbox.core.OutgoingEmail` it may change (its
+        ``recipients``; ``set_header()``, ``remove_header()``) or veto
+        (``veto(reason)``: the email ends ``cancelled``). What it did is
+        recorded on the row. An exception it raises fails the attempt as a
+        transient failure (retried, then dead-lettered): the email is never
+        sent without it. See docs/guide/staging.md::
+
+            @mail.before_send
+            def tag_staging(email):
+                email.set_header("X-Environment", "staging")
+        """
+        if not callable(func):
+            raise TypeError(f"@mail.before_send decorates a function, got {func!r}")
+        self.before_send_hooks.append(func)
         return func
 
     # -- sending ----------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ..core._internal import (
     Mode,
     Outbox,
     OutboxConfig,
+    OutgoingEmail,
     Producer,
     QueuedRow,
     TestClock,
@@ -119,7 +120,7 @@ class AppState:
                 outbox = self._outbox = Outbox(
                     url, self.config, faults=self.faults, concurrency=self.concurrency,
                     callbacks=Callbacks(sent=self._sent, failed=self._failed,
-                                        events=self.tell_events),
+                                        events=self.tell_events, before_send=self.before_send),
                     clock=self.clock)
                 if self._prepare is not None:
                     self._prepare(outbox)
@@ -218,8 +219,12 @@ class AppState:
     def _sent(self, email: ClaimedEmail, provider_message_id: str | None) -> None:
         if not email_sent.receivers and not email_dispatched.receivers:
             return
+        # As sent: redirected, with before_send's changes (staging), when it was intercepted.
+        sent = email.interception
         message = DeliveredMessage(email_id=email.id, message_id=email.message_id,
-                                   sender=email.sender, send_to=email.recipients, mime=email.mime,
+                                   sender=email.sender,
+                                   send_to=email.recipients if sent is None else sent.recipients,
+                                   mime=email.mime if sent is None else sent.mime,
                                    provider_message_id=provider_message_id)
         self._signal(email_sent, email_id=email.id, message_id=email.message_id,
                      message=message, created_at=email.created_at)
@@ -244,6 +249,18 @@ class AppState:
             logger.exception("A receiver of the %s signal raised (email %s); what it "
                              "reports is recorded and delivery goes on", signal.name,
                              kwargs.get("email_id"))
+
+    def before_send(self, email: OutgoingEmail) -> None:
+        """The app's ``@mail.before_send`` functions, in order, in an app context (a veto
+        stops them); called by the core in the delivery thread or worker process."""
+        hooks = self.ext.before_send_hooks
+        if not hooks:
+            return
+        with self.app.app_context():
+            for hook in hooks:
+                hook(email)
+                if email.vetoed is not None:
+                    return
 
     # -- the background jobs -------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 from ._clock import TestClock
 from ._config import load_config
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
+from ._intercept import OutgoingEmail
 from ._leases import ClaimedEmail
 from ._models import (
     Status,
@@ -66,6 +67,7 @@ __all__ = [
     "Mode",
     "Outbox",
     "OutboxConfig",
+    "OutgoingEmail",
     "Producer",
     "QueuedRow",
     "Rate",

@@ -28,6 +28,7 @@ from ..transports import (
     is_builtin,
     transport_class,
 )
+from ._intercept import AllowList, allow_pattern
 from ._settings import DEFAULT_TRANSPORT, OutboxConfig, Rate, TransportSpec
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,10 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_TEMPLATE_INLINE_CSS": True,
     "OUTBOX_TEMPLATE_LOCALES": None,
     "OUTBOX_TEMPLATE_MAX_SUBJECT": 78,
+    # Staging (docs/guide/staging.md): every email to these addresses instead, and
+    # the only recipients mail may go to ("user@domain", "*@domain"); None: off.
+    "OUTBOX_REDIRECT_TO": None,
+    "OUTBOX_ALLOWED_RECIPIENTS": None,
     # Not a Flask-Mail key: lets a process that imports the
     # app without serving it (a script, a test) skip the sweep jobs.
     "OUTBOX_RUN_SCHEDULER": True,
@@ -278,7 +283,71 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         template_locales=_template_locales(keys.get("OUTBOX_TEMPLATE_LOCALES")),
         template_max_subject=keys.number("OUTBOX_TEMPLATE_MAX_SUBJECT", minimum=1,
                                          integer=True),
+        **_staging(keys),
     )
+
+
+def _staging(keys: _Keys) -> dict[str, Any]:
+    """OUTBOX_REDIRECT_TO and OUTBOX_ALLOWED_RECIPIENTS, checked against each other."""
+    allow_local = keys.flag("OUTBOX_ALLOW_LOCAL_ADDRESSES")
+    allowed = _allowed_recipients(keys.get("OUTBOX_ALLOWED_RECIPIENTS"), allow_local)
+    redirect = _redirect_to(keys.get("OUTBOX_REDIRECT_TO"), allow_local)
+    if redirect and allowed is not None:
+        allow_list = AllowList(allowed)
+        outside = [address for address in redirect if not allow_list.allows(address)]
+        if outside:
+            raise ConfigError("OUTBOX_REDIRECT_TO", f"{', '.join(outside)} is outside "
+                              "OUTBOX_ALLOWED_RECIPIENTS, so every redirected email would be "
+                              "blocked: add it there, or redirect elsewhere")
+    return {"redirect_to": redirect, "allowed_recipients": allowed}
+
+
+def _address_items(key: str, value: Any, example: str) -> list[Any]:
+    """A non-empty list (or tuple) of a staging key; ConfigError naming ``key`` otherwise."""
+    if isinstance(value, str):
+        raise ConfigError(key, f"expected a list, got the string {value!r}; write [{value!r}]")
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(key, f"expected a non-empty list such as {example}, or None for "
+                               f"none, got {value!r}")
+    return list(value)
+
+
+def _redirect_to(value: Any, allow_local: bool) -> tuple[str, ...] | None:
+    """OUTBOX_REDIRECT_TO: None, or bare addresses (ASCII, as a header must carry them)."""
+    key = "OUTBOX_REDIRECT_TO"
+    if value is None:
+        return None
+    addresses: list[str] = []
+    for item in _address_items(key, value, "['qa@example.com']"):
+        if not isinstance(item, str) or "<" in item:
+            raise ConfigError(key, f"expected bare addresses such as 'qa@example.com', "
+                                   f"got {item!r}")
+        try:
+            address = parse_address(item.strip(), allow_local).ascii
+        except AddressError as exc:
+            hint = ("; set OUTBOX_ALLOW_LOCAL_ADDRESSES = True for a local or test domain"
+                    if not allow_local else "")
+            raise ConfigError(key, f"{item!r} is not a valid email address ({exc}){hint}") \
+                from None
+        if address not in addresses:
+            addresses.append(address)
+    return tuple(addresses)
+
+
+def _allowed_recipients(value: Any, allow_local: bool) -> tuple[str, ...] | None:
+    """OUTBOX_ALLOWED_RECIPIENTS: None, or 'user@domain' and '*@domain' patterns."""
+    key = "OUTBOX_ALLOWED_RECIPIENTS"
+    if value is None:
+        return None
+    patterns: list[str] = []
+    for item in _address_items(key, value, "['*@example.com', 'qa@example.org']"):
+        try:
+            pattern = allow_pattern(item, allow_local=allow_local)
+        except ValueError as exc:
+            raise ConfigError(key, str(exc)) from None
+        if pattern not in patterns:
+            patterns.append(pattern)
+    return tuple(patterns)
 
 
 def _template_folder(value: Any) -> str:

@@ -39,6 +39,7 @@ from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Tran
 from ._clock import utcnow
 from ._database import KeptConnection
 from ._events import EventLog
+from ._intercept import BeforeSend, Intercepted, Interceptor, write_notes
 from ._leases import ClaimedEmail, Outcome, Reaped, Recorded
 from ._mailbox import Keeper
 from ._models import Status
@@ -128,14 +129,21 @@ def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None,
 
     Suppressed recipients are left out of the envelope (see :mod:`._suppression`);
     with ``verp`` the envelope sender is the row's VERP address (the header From
-    does not change).
+    does not change). An intercepted email (:mod:`._intercept`) goes to its
+    interception's recipients with its interception's bytes, signed as sent.
     """
-    mime = email.mime if dkim is None else dkim.signed(email.id, email.mime)
+    intercepted = email.interception
+    mime = email.mime if intercepted is None else intercepted.mime
+    recipients = email.deliverable if intercepted is None else intercepted.recipients
+    mime = mime if dkim is None else dkim.signed(email.id, mime)
     sender = email.sender if verp is None else verp.sender_for(email.id)
-    return Envelope(email_id=email.id, sender=sender, recipients=email.deliverable,
+    left_out = tuple(address for address, _ in email.suppressed)
+    if intercepted is not None:
+        left_out += intercepted.left_out
+    return Envelope(email_id=email.id, sender=sender, recipients=recipients,
                     mime=mime, message_id=email.message_id,
                     mail_options=email.mail_options, rcpt_options=email.rcpt_options,
-                    left_out=tuple(address for address, _ in email.suppressed))
+                    left_out=left_out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +161,7 @@ class Expired:
 
 
 #: What a delivery attempt comes to: a transport's result, or no send at all.
-Attempt = Result | Suppressed | Expired
+Attempt = Result | Suppressed | Expired | Intercepted
 
 
 def expired(email: ClaimedEmail, now: datetime | None = None) -> bool:
@@ -230,6 +238,8 @@ class BatchReport:
     # Every recipient suppressed, or past its expiry: ended without a send.
     suppressed: list[int] = dataclasses.field(default_factory=list)
     expired: list[int] = dataclasses.field(default_factory=list)
+    # Ended unsent by staging (a before_send veto, no allowed recipient): cancelled.
+    cancelled: list[int] = dataclasses.field(default_factory=list)
     # Transient failures, back to queued: (id, attempt, error).
     transient: list[tuple[int, int, TransientError]] = dataclasses.field(default_factory=list)
     not_claimed: list[int] = dataclasses.field(default_factory=list)
@@ -243,7 +253,7 @@ class BatchReport:
     def count(self) -> int:
         """Rows finished one way or another."""
         return (len(self.sent) + len(self.failed) + len(self.suppressed) + len(self.expired)
-                + len(self.transient) + len(self.released))
+                + len(self.cancelled) + len(self.transient) + len(self.released))
 
 
 @dataclasses.dataclass
@@ -256,8 +266,8 @@ class Waiter:
 
     def take(self, report: BatchReport) -> bool:
         """Note the outcomes of its ids in ``report``; True once it has them all."""
-        for name in ("sent", "failed", "suppressed", "expired", "not_claimed", "lost",
-                     "released"):
+        for name in ("sent", "failed", "suppressed", "expired", "cancelled", "not_claimed",
+                     "lost", "released"):
             mine = [i for i in getattr(report, name) if i in self.ids]
             getattr(self.report, name).extend(mine)
             self.ids.difference_update(mine)
@@ -299,12 +309,19 @@ class Callbacks:
     dead-lettered one; ``events(events)`` for the delivery events stored
     with a batch of outcomes. They run in a delivery thread; an exception they
     raise is logged and delivery goes on.
+
+    ``before_send(email)`` hears no outcome: it is called before each attempt,
+    in the delivery thread, with an :class:`~._intercept.OutgoingEmail` it may
+    change or veto (see :mod:`._intercept`); an exception it raises fails the
+    attempt as a transient failure.
     """
 
     sent: Callable[[ClaimedEmail, str | None], None] | None = None
     failed: Callable[[ClaimedEmail, TransportError | None], None] | None = None
     #: Delivery events stored with the outcomes (recipients left out as suppressed).
     events: Callable[[Sequence[DeliveryEvent]], None] | None = None
+    #: Called at delivery with each email about to go (``@mail.before_send``).
+    before_send: BeforeSend | None = None
 
 
 #: OUTBOX_AMBIGUOUS_RETRIES's default.
@@ -342,7 +359,7 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
 def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                 retry_now: bool, ambiguous_retries: int,
                 now: Callable[[], datetime]) -> Outcome:
-    if isinstance(result, (Suppressed, Expired)):
+    if isinstance(result, (Suppressed, Expired, Intercepted)):
         return _not_sent(email, result)
     if isinstance(result, Delivered):
         return _delivered(email, result)
@@ -350,8 +367,12 @@ def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                    ambiguous_retries=ambiguous_retries, now=now)
 
 
-def _not_sent(email: ClaimedEmail, result: Suppressed | Expired) -> Outcome:
-    """An email that ends without a send: every recipient suppressed, or past its expiry."""
+def _not_sent(email: ClaimedEmail, result: Suppressed | Expired | Intercepted) -> Outcome:
+    """An email that ends without a send: every recipient suppressed, past its expiry, or
+    ended by staging (cancelled, with why)."""
+    if isinstance(result, Intercepted):
+        return Outcome(email, Status.CANCELLED, give_back_attempt=True,
+                       error_message=result.reason)
     if isinstance(result, Suppressed):
         why = ", ".join(f"{address} ({reason})" for address, reason in email.suppressed)
         return Outcome(email, Status.SUPPRESSED, give_back_attempt=True,
@@ -506,6 +527,12 @@ class Delivery:
         self.releases = releases or Releases(store, config)
         #: What the ``mailbox`` transports delivered, written with the outcomes.
         self.mailbox = Keeper(transports, store)
+        #: Staging: OUTBOX_REDIRECT_TO, OUTBOX_ALLOWED_RECIPIENTS, before_send.
+        self.interceptor = Interceptor(
+            redirect_to=config.redirect_to, allowed=config.allowed_recipients,
+            before_send=self.callbacks.before_send,
+            allow_local=config.allow_local_addresses, allow_smtputf8=config.allow_smtputf8,
+            max_attempts=config.max_attempts)
 
     def release(self, claimed: Sequence[ClaimedEmail]) -> int:
         """Release claimed rows unsent (queued, attempt returned); stop renewing their leases."""
@@ -540,6 +567,35 @@ class Delivery:
         self.faults.recovered("suppression")
         return screened
 
+    def intercept(self, screened: Sequence[ClaimedEmail]
+                  ) -> tuple[list[ClaimedEmail], list[tuple[ClaimedEmail, Attempt]]]:
+        """Staging (:mod:`._intercept`) on screened emails that have a recipient left:
+        those to send, as intercepted, and those it ends unsent, with their results."""
+        if not self.interceptor.active:
+            return list(screened), []
+        going: list[ClaimedEmail] = []
+        ended: list[tuple[ClaimedEmail, Attempt]] = []
+        for email in screened:
+            try:
+                intercepted, result = self.interceptor.intercept(email)
+            except Exception as exc:  # noqa: BLE001 - reported; the attempt fails, retried
+                # The hook's own exceptions are handled inside; this is staging's fault.
+                _degrade.report(
+                    f"Staging could not prepare email {email.id} ({email.message_id}) for "
+                    f"delivery ({type(exc).__name__}: {clean_line(exc, 300)})",
+                    consequence="it is not sent on this attempt (never unintercepted): it is "
+                                "retried as a transient failure, and dead-lettered after "
+                                "OUTBOX_MAX_ATTEMPTS",
+                    fix="report this with the traceback below and the email's id",
+                    exc=exc)
+                intercepted, result = email, Failed(TransientError(
+                    f"staging failed: {type(exc).__name__}: {clean_line(exc, 300)}"))
+            if result is None:
+                going.append(intercepted)
+            else:
+                ended.append((intercepted, result))
+        return going, ended
+
     # -- delivering -------------------------------------------------------------------
 
     def finish(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]], *,
@@ -568,7 +624,8 @@ class Delivery:
             self.mailbox.forget(email.id for email, _ in done)
         errors: dict[int, TransportError] = {
             email.id: (result.error if isinstance(result, Failed) else TransientError(SPENT_LEASE))
-            for email, result in done if not isinstance(result, (Delivered, Suppressed, Expired))}
+            for email, result in done
+            if not isinstance(result, (Delivered, Suppressed, Expired, Intercepted))}
         for outcome in recorded:
             self._report(outcome, errors.get(outcome.email.id), report, policy)
         if stored:
@@ -601,9 +658,9 @@ class Delivery:
         elif outcome.status is Status.FAILED:
             report.failed.append(email.id)
             self._dead_lettered(outcome, error, policy)
-        elif outcome.status in (Status.SUPPRESSED, Status.EXPIRED):
-            (report.suppressed if outcome.status is Status.SUPPRESSED
-             else report.expired).append(email.id)
+        elif outcome.status in (Status.SUPPRESSED, Status.EXPIRED, Status.CANCELLED):
+            {Status.SUPPRESSED: report.suppressed, Status.EXPIRED: report.expired,
+             Status.CANCELLED: report.cancelled}[outcome.status].append(email.id)
             logger.info("Email %s (%s) was not sent: %s", email.id, email.message_id,
                         outcome.error_message)
         elif isinstance(error, NotAttempted):
@@ -767,12 +824,14 @@ class Delivery:
         raise last
 
     def _write_events(self, tx: Connection, recorded: list[Outcome]) -> list[DeliveryEvent]:
-        """The events recorded outcomes come with, written on ``tx``.
+        """The events recorded outcomes come with, written on ``tx`` (with what staging
+        did to them: :func:`._intercept.write_notes`).
 
         A recipient left out as suppressed is a ``rejected`` event; one the
         server refused as nonexistent (5.1.1, 5.1.2, 5.1.10) is a permanent
         ``bounced`` event, which puts the address on the suppression list.
         """
+        write_notes(tx, recorded)
         self.mailbox.keep_on(tx, recorded)
         events = []
         for outcome in recorded:

@@ -39,6 +39,18 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
+class Interception:
+    """What staging (:mod:`._intercept`) made of one attempt: its envelope, bytes, notes."""
+
+    recipients: tuple[str, ...]
+    mime: bytes
+    notes: tuple[str, ...]
+    #: Addresses its To and Cc headers name that its envelope does not go to: a
+    #: transport that addresses by the headers (a JSON API) leaves them out too.
+    left_out: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class ClaimedEmail:
     """A row this process holds a lease on, with what the transport needs."""
 
@@ -62,6 +74,8 @@ class ClaimedEmail:
     suppressed: tuple[tuple[str, str], ...] = ()
     #: ``send(expires_after=...)``: not delivered by then, it ends expired (naive UTC).
     expires_at: datetime | None = None
+    #: What staging made of this attempt (``_intercept``): None when it left it untouched.
+    interception: Interception | None = None
 
     @property
     def deliverable(self) -> tuple[str, ...]:

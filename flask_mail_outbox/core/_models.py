@@ -65,7 +65,8 @@ class Status(str, enum.Enum):
     SUPPRESSED = "suppressed"
     #: Not delivered before ``send(expires_after=...)``: ended unsent, not retried.
     EXPIRED = "expired"
-    #: Taken back by ``mail.cancel()`` while still queued.
+    #: Taken back by ``mail.cancel()`` while still queued, or ended unsent at delivery
+    #: by staging (a ``before_send`` veto, no recipient in OUTBOX_ALLOWED_RECIPIENTS).
     CANCELLED = "cancelled"
 
     def __str__(self) -> str:
@@ -147,6 +148,10 @@ class OutboxEmail(Base):
     template_name: Mapped[str | None] = mapped_column(sa.String(255))
     template_locale: Mapped[str | None] = mapped_column(sa.String(35))
     template_hash: Mapped[str | None] = mapped_column(sa.String(64))
+    # What staging did at delivery (OUTBOX_REDIRECT_TO, OUTBOX_ALLOWED_RECIPIENTS,
+    # @mail.before_send) to the last attempt it changed: a JSON list of short notes;
+    # NULL when nothing intercepted it (see _intercept).
+    intercepted: Mapped[str | None] = mapped_column(sa.Text())
 
     __table_args__ = (
         sa.CheckConstraint(STATUS_CHECK, name="ck_outbox_email_status"),

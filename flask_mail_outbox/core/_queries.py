@@ -60,6 +60,7 @@ from sqlalchemy.engine import Connection
 from .._events import EVENT_TYPES, DeliveryEvent
 from ._clock import utcnow
 from ._dialect import dialect_of
+from ._intercept import notes_of
 from ._models import (
     PRIORITIES,
     SEARCH_RECIPIENT_LENGTH,
@@ -344,6 +345,9 @@ class EmailDetail:
     template_name: str | None = None
     template_locale: str | None = None
     template_hash: str | None = None
+    #: What staging did at delivery to the last attempt it changed (OUTBOX_REDIRECT_TO,
+    #: OUTBOX_ALLOWED_RECIPIENTS, ``before_send``): short notes, none when nothing did.
+    intercepted: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,7 +544,7 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
         sa.select(*_LIST_COLUMNS, t.c.message_id, t.c.sender, t.c.due_at, t.c.failed_at,
                   t.c.size, t.c.mime, t.c.error_history, t.c.transport, t.c.priority,
                   t.c.provider_message_id, t.c.template_name, t.c.template_locale,
-                  t.c.template_hash)
+                  t.c.template_hash, t.c.intercepted)
         .where(t.c.id == email_id)
     ).first()
     if row is None:
@@ -561,6 +565,7 @@ def get_email(conn: Connection, email_id: int) -> EmailDetail | None:
         events=tuple(events), earlier_events=earlier_events,
         template_name=row.template_name, template_locale=row.template_locale,
         template_hash=row.template_hash,
+        intercepted=notes_of(row.intercepted),
     )
 
 

@@ -120,6 +120,10 @@ class OutboxConfig:
     template_inline_css: bool = True
     template_locales: tuple[str, ...] | None = None
     template_max_subject: int = 78
+    #: OUTBOX_REDIRECT_TO: every email goes to these addresses instead (None: off).
+    redirect_to: tuple[str, ...] | None = None
+    #: OUTBOX_ALLOWED_RECIPIENTS, normalised: ``user@domain`` and ``*@domain`` (None: off).
+    allowed_recipients: tuple[str, ...] | None = None
 
     def transport_spec(self, name: str) -> TransportSpec:
         """The transport called ``name`` (KeyError when there is none)."""

@@ -601,7 +601,8 @@ class Worker:
         for email in screened:
             if not email.deliverable:  # every recipient suppressed: ends without a send
                 self._on_result_of(email, Suppressed())
-        self.lanes.send([email for email in screened if email.deliverable], self._on_result)
+        going = self._intercepted([email for email in screened if email.deliverable])
+        self.lanes.send(going, self._on_result)
 
     def _screened(self, sendable: list[ClaimedEmail]) -> list[ClaimedEmail]:
         """``sendable`` with their suppressed recipients noted; all released if the list
@@ -653,6 +654,17 @@ class Worker:
         self.delivery.release(emails)
         self._settle(BatchReport(released=[email.id for email in emails]))
 
+    def _intercepted(self, emails: list[ClaimedEmail]) -> list[ClaimedEmail]:
+        """``emails`` as staging sends them (``Delivery.intercept``); those it ends, ended."""
+        going, ended = self.delivery.intercept(emails)
+        for email, result in ended:
+            self._on_result_of(email, result)
+        with self._cond:  # results are recorded with what interception made of them
+            for email in going:
+                if email.interception is not None and email.id in self._in_flight:
+                    self._in_flight[email.id] = email
+        return going
+
     def _on_result(self, envelope: Envelope, result: Result) -> None:
         """The transport's report (a transport thread): record it at the next round."""
         with self._cond:  # an RLock: _on_result_of takes it again without a wait
@@ -696,7 +708,7 @@ class Worker:
             for email_id, attempt, error in report.transient:
                 self._settle_transient(email_id, attempt, error, due_now=email_id in retry_now)
             self.intake.settled(itertools.chain(report.sent, report.failed, report.suppressed,
-                                                report.expired, report.lost,
+                                                report.expired, report.cancelled, report.lost,
                                                 report.not_claimed, report.released))
             self._cond.notify_all()
 
