@@ -273,6 +273,17 @@ def test_download_names_are_made_safe(name: str | None, safe: str) -> None:
     assert safe_filename(name, 2) == safe
 
 
+def test_download_names_cannot_disguise_their_type() -> None:
+    # A right-to-left override shows "invoice\u202egpj.exe" as "invoiceexe.jpg": the format
+    # characters go, so the name reads as the type it is.
+    assert safe_filename("invoice\u202egpj.exe", 0) == "invoicegpj.exe"
+    assert safe_filename("a\u200bb\u2066c\ufeff.txt", 0) == "abc.txt"
+    # A long name is cut in its stem: the extension the browser and the OS go by stays.
+    long = safe_filename("x" * 400 + ".pdf", 0)
+    assert long.endswith("….pdf") and len(long) <= 150
+    assert safe_filename("y" * 400, 0) == "y" * 149 + "…"
+
+
 def test_clear_needs_the_csrf_token_and_empties_the_mailbox(
         app: Flask, client: FlaskClient) -> None:
     send(app)
