@@ -366,6 +366,13 @@ def test_the_mailbox_table_is_in_the_catalog_with_its_index(app: Flask) -> None:
     (True, "127.0.0.1", "evil.example:5000", {}, False),  # DNS rebinding
     (True, "127.0.0.1", "localhost", {"X-Forwarded-For": "203.0.113.9"}, False),  # a proxy
     (True, "127.0.0.1", "localhost", {"Forwarded": "for=203.0.113.9"}, False),
+    # A proxy that adds only these (Traefik, Caddy, an nginx with proxy_set_header
+    # X-Forwarded-Proto, a chain noting itself in Via) is a proxy all the same.
+    (True, "127.0.0.1", "localhost", {"X-Forwarded-Proto": "https"}, False),
+    (True, "127.0.0.1", "localhost", {"X-Forwarded-Host": "shop.example"}, False),
+    (True, "127.0.0.1", "localhost", {"X-Forwarded-Server": "edge"}, False),
+    (True, "127.0.0.1", "localhost", {"Via": "1.1 edge"}, False),
+    (True, "::ffff:127.0.0.1", "localhost", {}, True),  # an IPv4 peer on a dual-stack socket
 ])
 def test_local_debug_only_opens_the_dashboard_as_flasks_debugger_would(
         db_url: str, debug: bool, remote: str, host: str, headers: dict[str, str],
