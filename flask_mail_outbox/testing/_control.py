@@ -303,7 +303,9 @@ def _check_transports(config: OutboxConfig, label: str) -> None:
             if not issubclass(spec.cls, MemoryTransport)]
     if real:
         name, kind = real[0]
+        why = ("the kit reads and scripts the memory transport only" if kind == "mailbox"
+               else "tests must not send real email")
         raise TestKitError(
-            f"{label}(app): a real transport {kind!r} is configured (transport "
-            f"{name!r}), and tests must not send real email; set TESTING = True (which sets "
+            f"{label}(app): a{' real' if kind != 'mailbox' else ''} transport {kind!r} is "
+            f"configured (transport {name!r}), and {why}; set TESTING = True (which sets "
             "MAIL_SUPPRESS_SEND) or OUTBOX_TRANSPORT = 'memory' in the test configuration")
