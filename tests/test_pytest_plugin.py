@@ -331,10 +331,11 @@ def test_isolated_under_xdist(pytester: pytest.Pytester) -> None:
             app.test_client().post("/signup", data={"email": f"user{n}@example.com"})
             [email] = outbox.assert_sent(count=1)
             assert email.recipients == (f"user{n}@example.com",)
-            print("worker", os.environ["PYTEST_XDIST_WORKER"])
+            assert os.environ["PYTEST_XDIST_WORKER"] in ("gw0", "gw1")  # run by a worker
     ''')
-    result = run(pytester, "-p", "xdist", "-n", "2", "-s")
+    result = run(pytester, "-p", "xdist", "-n", "2")
     result.assert_outcomes(passed=8)
+    result.stdout.fnmatch_lines(["*2 workers*"])
 
 
 def documented_postgres_fixtures() -> str:
