@@ -273,6 +273,17 @@ def test_download_names_are_made_safe(name: str | None, safe: str) -> None:
     assert safe_filename(name, 2) == safe
 
 
+def test_download_names_cannot_disguise_their_type() -> None:
+    # A right-to-left override shows "invoice\u202egpj.exe" as "invoiceexe.jpg": the format
+    # characters go, so the name reads as the type it is.
+    assert safe_filename("invoice\u202egpj.exe", 0) == "invoicegpj.exe"
+    assert safe_filename("a\u200bb\u2066c\ufeff.txt", 0) == "abc.txt"
+    # A long name is cut in its stem: the extension the browser and the OS go by stays.
+    long = safe_filename("x" * 400 + ".pdf", 0)
+    assert long.endswith("….pdf") and len(long) <= 150
+    assert safe_filename("y" * 400, 0) == "y" * 149 + "…"
+
+
 def test_clear_needs_the_csrf_token_and_empties_the_mailbox(
         app: Flask, client: FlaskClient) -> None:
     send(app)
@@ -355,6 +366,13 @@ def test_the_mailbox_table_is_in_the_catalog_with_its_index(app: Flask) -> None:
     (True, "127.0.0.1", "evil.example:5000", {}, False),  # DNS rebinding
     (True, "127.0.0.1", "localhost", {"X-Forwarded-For": "203.0.113.9"}, False),  # a proxy
     (True, "127.0.0.1", "localhost", {"Forwarded": "for=203.0.113.9"}, False),
+    # A proxy that adds only these (Traefik, Caddy, an nginx with proxy_set_header
+    # X-Forwarded-Proto, a chain noting itself in Via) is a proxy all the same.
+    (True, "127.0.0.1", "localhost", {"X-Forwarded-Proto": "https"}, False),
+    (True, "127.0.0.1", "localhost", {"X-Forwarded-Host": "shop.example"}, False),
+    (True, "127.0.0.1", "localhost", {"X-Forwarded-Server": "edge"}, False),
+    (True, "127.0.0.1", "localhost", {"Via": "1.1 edge"}, False),
+    (True, "::ffff:127.0.0.1", "localhost", {}, True),  # an IPv4 peer on a dual-stack socket
 ])
 def test_local_debug_only_opens_the_dashboard_as_flasks_debugger_would(
         db_url: str, debug: bool, remote: str, host: str, headers: dict[str, str],

@@ -151,6 +151,42 @@ def test_an_app_fixture_that_is_no_flask_app_is_named(pytester: pytest.Pytester)
          "OutboxMail")])
 
 
+def test_bad_set_up_and_bad_use_name_the_fixture(pytester: pytest.Pytester) -> None:
+    """A real transport in tests and a clock moved while a delivery thread runs: each error
+    names the fixture the test used (not the kit's inner class) and what to do."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_bad_use='''
+        import pytest
+        from conftest import create_app
+
+
+        @pytest.fixture
+        def app(tmp_path):  # no TESTING: the SMTP transport, as in production
+            return create_app({"OUTBOX_RUN_SCHEDULER": False,
+                               "SQLALCHEMY_DATABASE_URI": f"sqlite:///{tmp_path}/t.db"})
+
+
+        def test_real_transport(outbox):
+            pass
+    ''', test_thread='''
+        def test_advance_while_a_worker_runs(app, outbox_manual):
+            worker = app.extensions["mail_outbox"].outbox().worker
+            worker.hand_ticked = False
+            worker.start()  # a delivery thread started outside the kit
+            try:
+                outbox_manual.advance(60)
+            finally:
+                worker.stop(5)
+    ''')
+    result = run(pytester)
+    result.assert_outcomes(errors=1, failed=1)
+    result.stdout.fnmatch_lines_random([
+        ("*the `outbox` fixture (flask-mail-outbox): a real transport 'smtp' is configured*"
+         "set TESTING = True*"),
+        "*TestKitError: outbox_manual.advance(60): a delivery thread is running*",
+    ])
+
+
 def test_the_marker_is_registered_and_checked(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_marker='''
@@ -295,10 +331,11 @@ def test_isolated_under_xdist(pytester: pytest.Pytester) -> None:
             app.test_client().post("/signup", data={"email": f"user{n}@example.com"})
             [email] = outbox.assert_sent(count=1)
             assert email.recipients == (f"user{n}@example.com",)
-            print("worker", os.environ["PYTEST_XDIST_WORKER"])
+            assert os.environ["PYTEST_XDIST_WORKER"] in ("gw0", "gw1")  # run by a worker
     ''')
-    result = run(pytester, "-p", "xdist", "-n", "2", "-s")
+    result = run(pytester, "-p", "xdist", "-n", "2")
     result.assert_outcomes(passed=8)
+    result.stdout.fnmatch_lines(["*2 workers*"])
 
 
 def documented_postgres_fixtures() -> str:

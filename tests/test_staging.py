@@ -382,6 +382,12 @@ def test_header_text_is_validated() -> None:
                         ("X Env", "a"), ("X:Env", "a"), ("", "a"), ("To", "not <an address")]:
         with pytest.raises(InvalidMessage):
             header_line(name, value)
+    # Other control characters never reach the header raw (RFC 5322: printable ASCII and
+    # white space only; a vertical tab or form feed is a line break to some readers).
+    for control in "\x0b\x0c\x1c\x1e\x7f\x1b":
+        with pytest.raises(InvalidMessage, match=r"X-Env: contains a control character"):
+            header_line("X-Env", f"a{control}Bcc: x@y.org")
+    assert header_line("X-Env", "a\tb") == b"X-Env: a\tb"
 
 
 def test_before_send_decorates_functions_only(make_apps: MakeApps) -> None:

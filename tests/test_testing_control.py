@@ -348,6 +348,17 @@ def test_a_real_transport_is_refused_with_what_to_do(make_apps: MakeApps) -> Non
     assert app.extensions["mail_outbox"].clock is None  # nothing left behind
 
 
+def test_a_mailbox_transport_is_refused_as_what_it_is(make_apps: MakeApps) -> None:
+    # The example app's default: it sends nothing real, so "a real transport" and "tests
+    # must not send real email" would send the user looking for the wrong mistake.
+    app, _ = make_apps(OUTBOX_TRANSPORT="mailbox")
+    with pytest.raises(TestKitError) as refused:
+        OutboxControl(app)
+    said = str(refused.value)
+    assert "transport 'mailbox' is configured" in said and "real" not in said
+    assert "TESTING = True" in said and "OUTBOX_TRANSPORT = 'memory'" in said
+
+
 def test_bad_set_ups_are_refused(make_apps: MakeApps) -> None:
     app, _ = make_apps(TESTING=True)
     with pytest.raises(TestKitError, match=r"mode='auto'.*'inline', 'manual'"):

@@ -69,6 +69,9 @@ NOTE_LIMIT = 300
 NOTES_KEPT = 20
 
 _HEADER_NAME = re.compile(r"[!-9;-~]{1,76}")  # RFC 5322 ftext: printable ASCII but ":"
+#: Control characters but the tab: the header factory would write them raw (a vertical tab
+#: or form feed ends a line for some readers); CR, LF and NUL are refused before, as injection.
+_CONTROL = re.compile(r"[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +130,8 @@ def header_line(name: str, value: str) -> bytes:
     """``name: value`` as a folded header field (RFC 2047 where needed), without its CRLF.
 
     Raises ``InvalidMessage`` naming the header for a bad name, a CR, LF or NUL
-    in the value (header injection), or an address header that does not parse.
+    in the value (header injection), another control character but the tab, or
+    an address header that does not parse.
     """
     if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
         raise InvalidMessage("header", f"{name!r} is not a header name")
@@ -136,6 +140,9 @@ def header_line(name: str, value: str) -> bytes:
     if "\r" in value or "\n" in value or "\0" in value:
         raise InvalidMessage(name, f"contains a CR, LF or NUL character (header "
                                    f"injection?): {value[:80]!r}")
+    if _CONTROL.search(value):
+        raise InvalidMessage(name, f"contains a control character (a header holds printable "
+                                   f"text, spaces and tabs): {value[:80]!r}")
     header = SMTP.header_factory(name, value)
     if header.defects:
         raise InvalidMessage(name, f"{value[:80]!r} does not parse: {header.defects[0]}")

@@ -80,21 +80,24 @@ class OutboxControl:
 
     __test__ = False
 
-    def __init__(self, app: Flask, *, mode: str = "manual") -> None:
+    def __init__(self, app: Flask, *, mode: str = "manual", label: str = "OutboxControl") -> None:
+        #: What error messages call this control: the fixture's name under the pytest plugin
+        #: (``outbox.advance(60): ...``), so an error names what the test used.
+        self.label = label
         if mode not in MODES:
-            raise TestKitError(f"OutboxControl(app, mode={mode!r}): the mode is one of "
+            raise TestKitError(f"{label}(app, mode={mode!r}): the mode is one of "
                                f"{_choices(MODES)}")
         state = app.extensions.get(EXTENSION_KEY) if isinstance(app, Flask) else None
         if not isinstance(state, AppState):
             raise TestKitError(
-                f"OutboxControl(app): {app!r} has no flask-mail-outbox; pass the Flask app "
+                f"{label}(app): {app!r} has no flask-mail-outbox; pass the Flask app "
                 "under test, made with OutboxMail(app) or mail.init_app(app)")
         if state.clock is not None:
             raise TestKitError(
-                "OutboxControl(app): this app's outbox is under another test kit's control "
+                f"{label}(app): this app's outbox is under another test kit's control "
                 "already (a second outbox fixture or OutboxControl on the same app); use that "
                 "one, or close() it first")
-        _check_transports(state.config)
+        _check_transports(state.config, label)
         self.app = app
         self.mode = mode
         #: The outbox's clock while this control holds the app (see :meth:`advance`).
@@ -127,7 +130,7 @@ class OutboxControl:
                          if not isinstance(transport, MemoryTransport))
         if wrapped:
             raise TestKitError(
-                f"OutboxControl(app): transport(s) {_choices(wrapped)} are not plain memory "
+                f"{self.label}(app): transport(s) {_choices(wrapped)} are not plain memory "
                 "transports (a failover list wraps them); remove the failover entries in tests")
         for transport in transports.values():
             if isinstance(transport, MemoryTransport):
@@ -140,12 +143,12 @@ class OutboxControl:
     def _outbox(self, method: str) -> Outbox:
         """The app's core, checked to be still this control's."""
         if self._closed:
-            raise TestKitError(f"OutboxControl.{method}: this control is closed; make a new "
+            raise TestKitError(f"{self.label}.{method}: this control is closed; make a new "
                                "one (or use the outbox fixture) for another test")
         state = self._state
         if state.clock is not self.clock:
             raise TestKitError(
-                f"OutboxControl.{method}: the app's outbox is no longer on this control's "
+                f"{self.label}.{method}: the app's outbox is no longer on this control's "
                 "clock (AppState.use_clock() was called since); make a new control")
         return state.outbox()
 
@@ -154,12 +157,12 @@ class OutboxControl:
         scheduler = self._state.scheduler
         if outbox.has_worker and outbox.worker.running:
             raise TestKitError(
-                f"OutboxControl.{method}: a delivery thread is running for this app (its "
+                f"{self.label}.{method}: a delivery thread is running for this app (its "
                 "worker was started outside the test kit); let the kit drive delivery: "
                 "deliver() instead of starting a worker, or stop it (mail.stop()) first")
         if scheduler is not None and scheduler.pid == os.getpid():
             raise TestKitError(
-                f"OutboxControl.{method}: the app's sweep jobs run in a thread (started "
+                f"{self.label}.{method}: the app's sweep jobs run in a thread (started "
                 "after the kit took the app over); set OUTBOX_RUN_SCHEDULER = False in the "
                 "test configuration")
 
@@ -180,7 +183,7 @@ class OutboxControl:
         self._no_thread("deliver()", outbox)
         worker = outbox.worker
         if not (worker.hand_ticked and worker.dispatching):
-            raise TestKitError("OutboxControl.deliver(): the app's worker is not the kit's "
+            raise TestKitError(f"{self.label}.deliver(): the app's worker is not the kit's "
                                "(it was replaced behind the control); make a new control")
         # The leases of rows this worker still holds (waiting for a rate slot) are
         # renewed first: the clock may have jumped past them, the heartbeat's beat not.
@@ -203,7 +206,7 @@ class OutboxControl:
             self.clock.advance(seconds)
         except (ValueError, TypeError):
             raise TestKitError(
-                f"OutboxControl.advance({seconds!r}): the outbox's clock only moves forward; "
+                f"{self.label}.advance({seconds!r}): the outbox's clock only moves forward; "
                 "pass a number of seconds >= 0 or a timedelta >= 0") from None
 
     # -- failures and events -----------------------------------------------------------
@@ -221,7 +224,7 @@ class OutboxControl:
         try:
             self.failures.add(count, to=to, kind=kind, message=message)
         except ValueError as exc:
-            raise TestKitError(f"OutboxControl.fail_next(): {exc} (kinds: "
+            raise TestKitError(f"{self.label}.fail_next(): {exc} (kinds: "
                                f"{_choices(FAILURE_REPLIES)})") from None
 
     def simulate_event(self, email_id: int, kind: str, *, recipient: str | None = None,
@@ -237,21 +240,21 @@ class OutboxControl:
         method = f"simulate_event({email_id!r}, {kind!r})"
         outbox = self._outbox(method)
         if kind not in EVENT_KINDS:
-            raise TestKitError(f"OutboxControl.{method}: the kind is one of "
+            raise TestKitError(f"{self.label}.{method}: the kind is one of "
                                f"{_choices(EVENT_KINDS)}")
         if isinstance(email_id, bool) or not isinstance(email_id, int):
-            raise TestKitError(f"OutboxControl.{method}: email_id is the int id "
+            raise TestKitError(f"{self.label}.{method}: email_id is the int id "
                                "mail.send() returned")
         t = email_table
         with outbox.store.read() as conn:
             row = conn.execute(sa.select(t.c.status, t.c.recipients, t.c.transport)
                                .where(t.c.id == email_id)).first()
         if row is None:
-            raise TestKitError(f"OutboxControl.{method}: there is no email {email_id} in the "
+            raise TestKitError(f"{self.label}.{method}: there is no email {email_id} in the "
                                "outbox; pass an id mail.send() returned, once its transaction "
                                "committed")
         if row.status != Status.SENT.value:
-            raise TestKitError(f"OutboxControl.{method}: email {email_id} is {row.status!r}, "
+            raise TestKitError(f"{self.label}.{method}: email {email_id} is {row.status!r}, "
                                "not sent, and a provider reports only on sent mail; deliver() "
                                "it first")
         recipients = json.loads(row.recipients)
@@ -259,7 +262,7 @@ class OutboxControl:
             recipient = recipients[0]
         elif not isinstance(recipient, str) or recipient.lower() not in {
                 address.lower() for address in recipients}:
-            raise TestKitError(f"OutboxControl.{method}: {recipient!r} is not a recipient of "
+            raise TestKitError(f"{self.label}.{method}: {recipient!r} is not a recipient of "
                                f"email {email_id} ({', '.join(recipients)})")
         event_type, bounce_kind = EVENT_KINDS[kind]
         event = DeliveryEvent(
@@ -292,7 +295,7 @@ class OutboxControl:
         self.failures.clear()
 
 
-def _check_transports(config: OutboxConfig) -> None:
+def _check_transports(config: OutboxConfig, label: str) -> None:
     """Every transport of the app keeps mail in memory; else :class:`TestKitError`."""
     if config.suppress_send:
         return  # MAIL_SUPPRESS_SEND (TESTING): every name is one memory transport
@@ -300,7 +303,9 @@ def _check_transports(config: OutboxConfig) -> None:
             if not issubclass(spec.cls, MemoryTransport)]
     if real:
         name, kind = real[0]
+        why = ("the kit reads and scripts the memory transport only" if kind == "mailbox"
+               else "tests must not send real email")
         raise TestKitError(
-            f"OutboxControl(app): a real transport {kind!r} is configured (transport "
-            f"{name!r}), and tests must not send real email; set TESTING = True (which sets "
+            f"{label}(app): a{' real' if kind != 'mailbox' else ''} transport {kind!r} is "
+            f"configured (transport {name!r}), and {why}; set TESTING = True (which sets "
             "MAIL_SUPPRESS_SEND) or OUTBOX_TRANSPORT = 'memory' in the test configuration")

@@ -28,9 +28,10 @@ class OutboxTest(EmailAssertions):
 
     __test__ = False  # a name pytest would otherwise collect
 
-    def __init__(self, app: Flask, mode: str = "inline") -> None:
+    def __init__(self, app: Flask, mode: str = "inline", *, label: str = "OutboxTest") -> None:
         super().__init__(app)
-        self.control = OutboxControl(app, mode=mode)
+        # ``label``: what its errors call it (the pytest plugin gives the fixture's name).
+        self.control = OutboxControl(app, mode=mode, label=label)
 
     @property
     def clock(self) -> TestClock:

@@ -75,7 +75,15 @@ def _kit(request: pytest.FixtureRequest, fixture: str, mode: str) -> Iterator[Ou
         pytest.fail(f"the `{fixture}` fixture (flask-mail-outbox) takes your `app` fixture's "
                     f"Flask app, and it returned a {type(app).__name__}: make `app` return "
                     "(or yield) the Flask app that registers OutboxMail", pytrace=False)
-    kit = OutboxTest(app, mode=mode)
+    from flask_mail_outbox.testing import TestKitError
+
+    try:
+        kit = OutboxTest(app, mode=mode, label=fixture)
+    except TestKitError as exc:
+        # A set-up the kit cannot work with (a real transport, a second kit): said as the
+        # fixture's error, so the user sees which fixture and what to change.
+        pytest.fail(f"the `{fixture}` fixture (flask-mail-outbox): "
+                    f"{str(exc).removeprefix(f'{fixture}(app): ')}", pytrace=False)
     try:
         yield kit
     finally:

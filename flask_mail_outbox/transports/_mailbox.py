@@ -4,8 +4,8 @@
 the core records the delivery: the core writes the envelope into
 ``outbox_mailbox`` in the transaction that marks the email ``sent``
 (:mod:`flask_mail_outbox.core._mailbox`), so the inbox shows exactly what the
-outbox says it delivered, on any database URL (SQLite in memory included),
-with no second engine, and this layer never touches the schema (the
+outbox says it delivered, on the outbox's own database and engine (no
+second one), and this layer never touches the schema (the
 transports sit below the core and do not import it). The dashboard's
 Mailbox page lists it.
 """

@@ -125,7 +125,9 @@ def make_blueprint(mail: OutboxExtension, authorize: Callable[[], Any], *,
 
 #: Headers a reverse proxy adds: a request that carries one did not come from this machine
 #: directly, whatever its peer address says.
-_PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-IP")
+_PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto",
+                  "X-Forwarded-Server", "X-Forwarded-Port", "X-Forwarded-Prefix", "X-Real-IP",
+                  "Via")
 _refused_outside_debug = False
 
 
@@ -139,7 +141,7 @@ def local_debug_only() -> bool:
     * the request comes from a loopback address (127.0.0.0/8, ::1);
     * its ``Host`` names this machine (``localhost``, ``*.localhost`` or a
       loopback address): a page elsewhere cannot reach it by DNS rebinding;
-    * it carries no proxy header (``Forwarded``, ``X-Forwarded-For``, ...):
+    * it carries no proxy header (``Forwarded``, ``X-Forwarded-*``, ``Via``, ...):
       behind a reverse proxy on the same machine every request comes from
       127.0.0.1, so one that went through a proxy is refused.
 
@@ -173,9 +175,12 @@ def _loopback(value: str, *, names: bool = False) -> bool:
     if names and (value.lower() == "localhost" or value.lower().endswith(".localhost")):
         return True
     try:
-        return ipaddress.ip_address(value).is_loopback
+        address = ipaddress.ip_address(value)
     except ValueError:
         return False
+    # An IPv4 peer on a dual-stack socket (``flask run --host ::``) is ::ffff:127.0.0.1.
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return (mapped or address).is_loopback
 
 
 def csrf_token() -> str:

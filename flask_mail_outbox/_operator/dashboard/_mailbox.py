@@ -24,6 +24,7 @@ import dataclasses
 import email.policy
 import io
 import re
+import unicodedata
 from email.message import EmailMessage
 from email.parser import BytesParser
 
@@ -49,6 +50,8 @@ from ._previews import INLINE_STYLES_FLAG
 _MAX_ID = 2**63 - 1
 #: The most characters of a download's file name.
 _MAX_FILENAME = 150
+#: The longest extension kept whole when a long name is cut.
+_MAX_SUFFIX = 16
 _UNSAFE_IN_FILENAME = re.compile(r'[\\/:*?"<>|\x00-\x1f\x7f]+')
 NOTICES = {
     "cleared": "Mailbox cleared: {n} message(s) deleted.",
@@ -165,10 +168,24 @@ def _attachment_parts(mime: bytes) -> list[tuple[EmailMessage, bytes]]:
 
 
 def safe_filename(name: object, index: int) -> str:
-    """A download name: no path, no control or reserved character, not hidden, not empty."""
-    text = clean_line(name or "", _MAX_FILENAME * 2)
-    text = _UNSAFE_IN_FILENAME.sub("_", text).strip(" ._")
-    return text[-_MAX_FILENAME:] or f"attachment-{index + 1}"
+    """A download name: no path, no control, format or reserved character, not hidden,
+    not empty, at most :data:`_MAX_FILENAME` characters with its extension kept.
+
+    Format characters (category Cf) go: a right-to-left override would show
+    ``invoice<RLO>gpj.exe`` as ``invoiceexe.jpg``. A long name is cut in its stem,
+    so the extension the browser and the OS go by is the one it has.
+    """
+    raw = name if isinstance(name, str) else ""
+    if len(raw) > _MAX_FILENAME * 4:
+        raw = raw[:_MAX_FILENAME * 2] + raw[-_MAX_FILENAME:]
+    raw = "".join(c for c in raw if unicodedata.category(c) != "Cf")
+    stem, dot, suffix = raw.rpartition(".")
+    if not (dot and 0 < len(suffix) <= _MAX_SUFFIX):
+        stem, suffix = raw, ""
+    suffix = _UNSAFE_IN_FILENAME.sub("_", clean_line(suffix, _MAX_SUFFIX))
+    stem = _UNSAFE_IN_FILENAME.sub("_", clean_line(stem, _MAX_FILENAME - len(suffix) - bool(suffix)))
+    text = (f"{stem}.{suffix}" if suffix else stem).strip(" ._")
+    return text or f"attachment-{index + 1}"
 
 
 def _id_arg(field: str) -> int:
