@@ -96,6 +96,9 @@ DOCUMENTED: list[tuple[str, dict[str, Any], str, str | None, str, str]] = [
     ("email.bounced", {"bounce": {"type": "Undetermined", "subType": "Undetermined",
                                   "message": "unknown", "diagnosticCode": "smtp; 554 no"}},
      "bounced", "transient", "Undetermined / Undetermined: unknown", "smtp; 554 no"),
+    # An email.bounced without bounce.type (Resend's payloads of 2023): Resend documents the
+    # event as a permanent rejection, so the address is suppressed.
+    ("email.bounced", {}, "bounced", "permanent", "", ""),
     ("email.failed", {"failed": {"reason": "reached_daily_quota"}}, "rejected", None,
      "reached_daily_quota", ""),
     ("email.suppressed", {"suppressed": {"message": SUPPRESSED,

@@ -30,9 +30,9 @@ Resend ``type``             event
 ==========================  ===================================================
 ``email.delivered``         ``delivered``
 ``email.delivery_delayed``  ``deferred``
-``email.bounced``           ``bounced``: ``bounce.type`` Permanent ->
-                            ``permanent``, Transient and Undetermined ->
-                            ``transient``
+``email.bounced``           ``bounced``: ``bounce.type`` Transient and
+                            Undetermined -> ``transient``; Permanent, or
+                            no type (older payloads) -> ``permanent``
 ``email.complained``        ``complained``
 ``email.opened``            ``opened``
 ``email.clicked``           ``clicked`` (the link in ``description``)
@@ -170,7 +170,10 @@ class ResendReceiver(Receiver):
         mta_response = ""
         if kind == "email.bounced":
             bounce = json_object(data.get("bounce"))
-            bounce_kind = "permanent" if bounce.get("type") == "Permanent" else "transient"
+            # Resend documents email.bounced as a permanent rejection; only a bounce that
+            # says Transient or Undetermined is not (older payloads have no type at all).
+            bounce_kind = ("transient" if bounce.get("type") in ("Transient", "Undetermined")
+                           else "permanent")
             description = joined(": ", joined(" / ", bounce.get("type"), bounce.get("subType")),
                                   bounce.get("message"))
             mta_response = joined("; ", *_strings(bounce.get("diagnosticCode")))
