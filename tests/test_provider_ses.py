@@ -16,6 +16,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from email.message import EmailMessage
@@ -534,12 +535,14 @@ def test_a_shared_rate_limit_spaces_the_requests(
     rate, total = 10.0, 8
     app, _ = make_apps(OUTBOX_DURABLE=True, OUTBOX_LISTEN=False, OUTBOX_POLL_INTERVAL=0.05,
                        OUTBOX_TRANSPORTS={"default": _entry(fake.url, rate_limit="10/s")})
+    released = time.monotonic()  # no slot is before the commit
     _send(app, *[_plain(f"paced {i}") for i in range(total)])
     assert fake.wait_for(total, timeout=20)
     wait_rows(app, lambda rs: len(rs) == total and _status("sent")(rs), timeout=10)
     times = sorted(r.received_at for r in fake.sending())
-    # Loose: a first slot may come at once, then no faster than the rate.
-    assert times[-1] - times[0] >= (total - 1) / rate * 0.8, times
+    # From before the commit, which no slot precedes (late first requests catch up to
+    # their slots, so a span between received requests can shrink under load).
+    assert times[-1] - released >= (total - 2) / rate * 0.9, (released, times)
 
 
 # -- configuration and send()-time refusals ----------------------------------------------
