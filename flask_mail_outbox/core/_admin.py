@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from . import _ordering
 from ._database import Database
-from ._models import Status, attachment_table, email_table, event_table, setting_table
+from ._models import ENDED_SQL, Status, attachment_table, email_table, event_table, setting_table
 
 #: Keys :meth:`Admin.retry_all_failed` puts back per transaction (one
 #: advisory lock each on PostgreSQL, held until the transaction ends).
@@ -125,6 +125,24 @@ class Admin:
         old = (sa.select(t.c.id).where(t.c.status == Status.SENT.value,
                                        t.c.sent_at < sa.literal(older_than, sa.DateTime()))
                .order_by(t.c.sent_at).limit(batch))
+        return self._delete(old)
+
+    def delete_ended(self, *, older_than: datetime, batch: int) -> int:
+        """Delete up to ``batch`` rows that ended unsent before ``older_than``; how many.
+
+        ``suppressed``, ``expired`` and ``cancelled`` rows, by ``ended_at`` (when
+        they ended), in their partial index: its predicate is repeated as SQL
+        text, which the planner matches (bound parameters it would not).
+        """
+        t = email_table
+        old = (sa.select(t.c.id).where(sa.text(ENDED_SQL),
+                                       t.c.ended_at < sa.literal(older_than, sa.DateTime()))
+               .order_by(t.c.ended_at).limit(batch))
+        return self._delete(old)
+
+    def _delete(self, old: sa.Select[tuple[Any]]) -> int:
+        """Delete the rows ``old`` selects, with their attachments and events."""
+        t = email_table
         with self.db.write() as conn:
             ids = list(conn.execute(old).scalars())
             if ids:

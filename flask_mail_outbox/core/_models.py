@@ -73,6 +73,13 @@ class Status(str, enum.Enum):
         return self.value
 
 
+#: The terminal statuses an email ends in without being sent: ``ended_at`` says when.
+ENDED = (Status.SUPPRESSED, Status.EXPIRED, Status.CANCELLED)
+#: ``status IN (ENDED)`` as SQL: the predicate of their partial index, which a
+#: query must repeat word for word (values, not bound parameters) for the
+#: planner to use it.
+ENDED_SQL = "status IN ('suppressed', 'expired', 'cancelled')"
+
 #: The statuses the database accepts.
 STATUS_CHECK = ("status IN ('queued', 'sending', 'sent', 'failed', 'suppressed', 'expired', "
                 "'cancelled')")
@@ -127,6 +134,9 @@ class OutboxEmail(Base):
     search_subject: Mapped[str | None] = mapped_column(_search_text(SEARCH_SUBJECT_LENGTH))
     # When the row was last dead-lettered (the dashboard's failures per hour).
     failed_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    # When it ended without being sent (suppressed, expired, cancelled): what
+    # OUTBOX_RETENTION_DAYS and `flask outbox purge` count from, as from sent_at.
+    ended_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
     # Flask-Mail's mail_options / rcpt_options, as JSON {"mail": [...], "rcpt": [...]};
     # NULL when the message has none (nearly always).
     smtp_options: Mapped[str | None] = mapped_column(sa.Text())
@@ -174,6 +184,7 @@ class OutboxEmail(Base):
         # Dead letters and retention.
         sa.Index("ix_outbox_email_failed", "id", **_where("status = 'failed'")),
         sa.Index("ix_outbox_email_sent_at", "sent_at", **_where("status = 'sent'")),
+        sa.Index("ix_outbox_email_ended_at", "ended_at", **_where(ENDED_SQL)),
         # The dashboard: newest first within a status, and prefix search, both
         # paginated by keyset (the id breaks ties).
         sa.Index("ix_outbox_email_status_id", "status", "id"),

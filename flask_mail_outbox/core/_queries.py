@@ -62,6 +62,7 @@ from ._clock import utcnow
 from ._dialect import dialect_of
 from ._intercept import notes_of
 from ._models import (
+    ENDED_SQL,
     PRIORITIES,
     SEARCH_RECIPIENT_LENGTH,
     SEARCH_SUBJECT_LENGTH,
@@ -183,6 +184,15 @@ def count_sent_before(conn: Connection, older_than: datetime) -> int:
         sa.select(sa.func.count()).where(
             t.c.status == Status.SENT.value,
             t.c.sent_at < sa.literal(older_than, sa.DateTime()))
+    ).scalar_one())
+
+
+def count_ended_before(conn: Connection, older_than: datetime) -> int:
+    """How many rows ended unsent before ``older_than`` (what a purge would delete)."""
+    t = email_table
+    return int(conn.execute(
+        sa.select(sa.func.count()).where(
+            sa.text(ENDED_SQL), t.c.ended_at < sa.literal(older_than, sa.DateTime()))
     ).scalar_one())
 
 
@@ -657,6 +667,11 @@ class Reader:
         """``sent`` rows sent before ``older_than``."""
         with self.store.read() as conn:
             return count_sent_before(conn, older_than)
+
+    def count_ended_before(self, older_than: datetime) -> int:
+        """``suppressed``, ``expired`` and ``cancelled`` rows that ended before ``older_than``."""
+        with self.store.read() as conn:
+            return count_ended_before(conn, older_than)
 
     def email_outcome(self, email_id: int) -> sa.RowMapping:
         """One email's status, attempts and last error."""
