@@ -14,7 +14,14 @@ import sqlalchemy as sa
 
 from . import _ordering
 from ._database import Database
-from ._models import ENDED_SQL, Status, attachment_table, email_table, event_table, setting_table
+from ._models import (
+    Status,
+    attachment_table,
+    email_table,
+    ended_before,
+    event_table,
+    setting_table,
+)
 
 #: Keys :meth:`Admin.retry_all_failed` puts back per transaction (one
 #: advisory lock each on PostgreSQL, held until the transaction ends).
@@ -132,15 +139,17 @@ class Admin:
 
         ``suppressed``, ``expired`` and ``cancelled`` rows, by ``ended_at`` (when
         they ended), in their partial index: its predicate is repeated as SQL
-        text, which the planner matches (bound parameters it would not).
+        text, which the planner matches (bound parameters it would not). SQLite,
+        without statistics, would take the dashboard's ``(status, id)`` index and
+        sort every ended row: ``INDEXED BY`` pins it.
         """
-        t = email_table
-        old = (sa.select(t.c.id).where(sa.text(ENDED_SQL),
-                                       t.c.ended_at < sa.literal(older_than, sa.DateTime()))
-               .order_by(t.c.ended_at).limit(batch))
+        ended = ended_before("id", sqlite=self.db.dialect.name == "sqlite")
+        old = (sa.text(f"{ended.text} ORDER BY ended_at LIMIT :batch")
+               .bindparams(sa.bindparam("older_than", older_than, type_=sa.DateTime()),
+                           sa.bindparam("batch", batch, type_=sa.Integer())))
         return self._delete(old)
 
-    def _delete(self, old: sa.Select[tuple[Any]]) -> int:
+    def _delete(self, old: Any) -> int:
         """Delete the rows ``old`` selects, with their attachments and events."""
         t = email_table
         with self.db.write() as conn:

@@ -80,6 +80,21 @@ ENDED = (Status.SUPPRESSED, Status.EXPIRED, Status.CANCELLED)
 #: planner to use it.
 ENDED_SQL = "status IN ('suppressed', 'expired', 'cancelled')"
 
+
+def ended_before(what: str, *, sqlite: bool) -> sa.TextClause:
+    """``SELECT what`` of the rows that ended unsent before ``:older_than``.
+
+    In their partial index ``ix_outbox_email_ended_at``: its predicate is
+    written out (the planner matches that, not bound parameters), and on
+    SQLite the index is pinned with ``INDEXED BY``: without statistics its
+    planner takes the dashboard's ``(status, id)`` index and reads and sorts
+    every ended row.
+    """
+    hint = " INDEXED BY ix_outbox_email_ended_at" if sqlite else ""
+    return sa.text(f"SELECT {what} FROM outbox_email{hint}"
+                   f" WHERE {ENDED_SQL} AND ended_at < :older_than").bindparams(
+        sa.bindparam("older_than", type_=sa.DateTime()))
+
 #: The statuses the database accepts.
 STATUS_CHECK = ("status IN ('queued', 'sending', 'sent', 'failed', 'suppressed', 'expired', "
                 "'cancelled')")

@@ -62,7 +62,6 @@ from ._clock import utcnow
 from ._dialect import dialect_of
 from ._intercept import notes_of
 from ._models import (
-    ENDED_SQL,
     PRIORITIES,
     SEARCH_RECIPIENT_LENGTH,
     SEARCH_SUBJECT_LENGTH,
@@ -70,6 +69,7 @@ from ._models import (
     Status,
     attachment_table,
     email_table,
+    ended_before,
     event_table,
     search_key,
     setting_table,
@@ -189,11 +189,8 @@ def count_sent_before(conn: Connection, older_than: datetime) -> int:
 
 def count_ended_before(conn: Connection, older_than: datetime) -> int:
     """How many rows ended unsent before ``older_than`` (what a purge would delete)."""
-    t = email_table
-    return int(conn.execute(
-        sa.select(sa.func.count()).where(
-            sa.text(ENDED_SQL), t.c.ended_at < sa.literal(older_than, sa.DateTime()))
-    ).scalar_one())
+    statement = ended_before("count(*)", sqlite=conn.dialect.name == "sqlite")
+    return int(conn.execute(statement, {"older_than": older_than}).scalar_one())
 
 
 def email_outcome(conn: Connection, email_id: int) -> sa.RowMapping:
