@@ -199,26 +199,36 @@ def test_scrub_sent_drops_the_mime_of_ended_rows(
         close_app(app, timeout=5)
 
 
-def test_the_retention_query_reads_the_partial_index(
+def test_the_retention_queries_read_their_partial_indexes(
         app: Flask, smtp_server: FaultSMTPServer) -> None:
-    """Bounded on a million rows: the oldest ended rows, straight from their index."""
+    """Bounded on a million rows: the oldest rows, straight from their partial index.
+
+    Ended rows by ``ix_outbox_email_ended_at``, sent ones by
+    ``ix_outbox_email_sent_at``: the deleting batch and the purge's count.
+    """
     store = store_of(app)
     end_one_of_each(app, smtp_server, "p")
     captured: list[tuple[str, Any]] = []
 
     def capture(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        if statement.lstrip().upper().startswith("SELECT") and "ended_at" in statement:
+        if statement.lstrip().upper().startswith("SELECT") and "_at < " in statement:
             captured.append((statement, parameters))
 
+    cutoff = utc_now() - timedelta(days=30)
     sa_event.listen(store.engine, "before_cursor_execute", capture)
     try:
-        store.admin.delete_ended(older_than=utc_now() - timedelta(days=30), batch=1000)
+        store.admin.delete_ended(older_than=cutoff, batch=1000)
+        store.admin.delete_sent(older_than=cutoff, batch=1000)
         with app.app_context():
-            mail_of(app)._state().outbox().reader.count_ended_before(utc_now())
+            reader = mail_of(app)._state().outbox().reader
+            reader.count_ended_before(cutoff)
+            reader.count_sent_before(cutoff)
     finally:
         sa_event.remove(store.engine, "before_cursor_execute", capture)
-    assert len(captured) == 2, captured
+    assert len(captured) == 4, captured
     for statement, parameters in captured:
+        index = "ix_outbox_email_ended_at" if "ended_at <" in statement \
+            else "ix_outbox_email_sent_at"
         plan = query_plan(store.engine, statement, parameters)
-        assert "ix_outbox_email_ended_at" in plan, plan
-        assert "Seq Scan" not in plan and "SCAN outbox_email" not in plan, plan
+        assert index in plan, plan
+        assert "Seq Scan" not in plan and "TEMP B-TREE" not in plan, plan

@@ -18,8 +18,8 @@ from ._models import (
     Status,
     attachment_table,
     email_table,
-    ended_before,
     event_table,
+    retained_before,
     setting_table,
 )
 
@@ -128,23 +128,20 @@ class Admin:
 
     def delete_sent(self, *, older_than: datetime, batch: int) -> int:
         """Delete up to ``batch`` ``sent`` rows sent before ``older_than``; returns how many."""
-        t = email_table
-        old = (sa.select(t.c.id).where(t.c.status == Status.SENT.value,
-                                       t.c.sent_at < sa.literal(older_than, sa.DateTime()))
-               .order_by(t.c.sent_at).limit(batch))
-        return self._delete(old)
+        return self._delete_before(older_than, batch, ended=False)
 
     def delete_ended(self, *, older_than: datetime, batch: int) -> int:
         """Delete up to ``batch`` rows that ended unsent before ``older_than``; how many.
 
         ``suppressed``, ``expired`` and ``cancelled`` rows, by ``ended_at`` (when
-        they ended), in their partial index: its predicate is repeated as SQL
-        text, which the planner matches (bound parameters it would not). SQLite,
-        without statistics, would take the dashboard's ``(status, id)`` index and
-        sort every ended row: ``INDEXED BY`` pins it.
+        they ended).
         """
-        ended = ended_before("id", sqlite=self.db.dialect.name == "sqlite")
-        old = (sa.text(f"{ended.text} ORDER BY ended_at LIMIT :batch")
+        return self._delete_before(older_than, batch, ended=True)
+
+    def _delete_before(self, older_than: datetime, batch: int, *, ended: bool) -> int:
+        """The oldest ``batch`` rows of :func:`._models.retained_before`, deleted."""
+        rows = retained_before("id", ended=ended, sqlite=self.db.dialect.name == "sqlite")
+        old = (sa.text(f"{rows.text} ORDER BY {'ended_at' if ended else 'sent_at'} LIMIT :batch")
                .bindparams(sa.bindparam("older_than", older_than, type_=sa.DateTime()),
                            sa.bindparam("batch", batch, type_=sa.Integer())))
         return self._delete(old)

@@ -81,18 +81,21 @@ ENDED = (Status.SUPPRESSED, Status.EXPIRED, Status.CANCELLED)
 ENDED_SQL = "status IN ('suppressed', 'expired', 'cancelled')"
 
 
-def ended_before(what: str, *, sqlite: bool) -> sa.TextClause:
-    """``SELECT what`` of the rows that ended unsent before ``:older_than``.
+def retained_before(what: str, *, ended: bool, sqlite: bool) -> sa.TextClause:
+    """``SELECT what`` of the rows retention deletes that ended before ``:older_than``.
 
-    In their partial index ``ix_outbox_email_ended_at``: its predicate is
-    written out (the planner matches that, not bound parameters), and on
-    SQLite the index is pinned with ``INDEXED BY``: without statistics its
-    planner takes the dashboard's ``(status, id)`` index and reads and sorts
-    every ended row.
+    ``sent`` rows by ``sent_at``, or (``ended``) the ones that ended unsent by
+    ``ended_at``, each in its partial index (``ix_outbox_email_sent_at``,
+    ``ix_outbox_email_ended_at``): the predicate is written out (the planner
+    matches that, not bound parameters), and on SQLite the index is pinned
+    with ``INDEXED BY``: without statistics its planner takes the dashboard's
+    ``(status, id)`` index and reads and sorts every such row.
     """
-    hint = " INDEXED BY ix_outbox_email_ended_at" if sqlite else ""
+    status, column, index = ((ENDED_SQL, "ended_at", "ix_outbox_email_ended_at") if ended
+                             else ("status = 'sent'", "sent_at", "ix_outbox_email_sent_at"))
+    hint = f" INDEXED BY {index}" if sqlite else ""
     return sa.text(f"SELECT {what} FROM outbox_email{hint}"
-                   f" WHERE {ENDED_SQL} AND ended_at < :older_than").bindparams(
+                   f" WHERE {status} AND {column} < :older_than").bindparams(
         sa.bindparam("older_than", type_=sa.DateTime()))
 
 #: The statuses the database accepts.

@@ -69,8 +69,8 @@ from ._models import (
     Status,
     attachment_table,
     email_table,
-    ended_before,
     event_table,
+    retained_before,
     search_key,
     setting_table,
     tally_table,
@@ -179,17 +179,13 @@ def get_setting(conn: Connection, name: str) -> Any:
 
 def count_sent_before(conn: Connection, older_than: datetime) -> int:
     """How many ``sent`` rows were sent before ``older_than`` (what a purge would delete)."""
-    t = email_table
-    return int(conn.execute(
-        sa.select(sa.func.count()).where(
-            t.c.status == Status.SENT.value,
-            t.c.sent_at < sa.literal(older_than, sa.DateTime()))
-    ).scalar_one())
+    statement = retained_before("count(*)", ended=False, sqlite=conn.dialect.name == "sqlite")
+    return int(conn.execute(statement, {"older_than": older_than}).scalar_one())
 
 
 def count_ended_before(conn: Connection, older_than: datetime) -> int:
     """How many rows ended unsent before ``older_than`` (what a purge would delete)."""
-    statement = ended_before("count(*)", sqlite=conn.dialect.name == "sqlite")
+    statement = retained_before("count(*)", ended=True, sqlite=conn.dialect.name == "sqlite")
     return int(conn.execute(statement, {"older_than": older_than}).scalar_one())
 
 
