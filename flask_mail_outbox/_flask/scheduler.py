@@ -5,8 +5,9 @@ sweep at start, never blocking start-up or the first request, and then a
 periodic sweep every ``OUTBOX_SWEEP_INTERVAL_SECONDS`` (60 s in inline mode;
 in durable mode the dispatcher's reap and claim do that job, so the periodic
 sweep skips unless the interval was set explicitly). When
-``OUTBOX_RETENTION_DAYS`` is set, the periodic job also deletes older
-``sent`` rows. A failing sweep is reported at ERROR and never kills the
+``OUTBOX_RETENTION_DAYS`` is set, the periodic job also deletes the
+``sent``, ``suppressed``, ``expired`` and ``cancelled`` rows that ended longer
+ago (see :meth:`~flask_mail_outbox.core._admin.Admin.delete_ended`). A failing sweep is reported at ERROR and never kills the
 scheduler.
 """
 
