@@ -300,11 +300,11 @@ def test_cli_status_dlq_and_purge(make_apps: MakeApps, smtp_server: FaultSMTPSer
             sent_at=utcnow() - timedelta(days=40)))
         db.session.commit()
     result = runner.invoke(args=["outbox", "purge", "--older-than", "30", "--dry-run"])
-    assert result.exit_code == 0 and "1 sent email(s)" in result.output
+    assert result.exit_code == 0 and "1 sent and 0 suppressed" in result.output
     result = runner.invoke(args=["outbox", "purge", "--older-than", "30"], input="n\n")
     assert result.exit_code == 1 and len(rows(app)) == 2
     result = runner.invoke(args=["outbox", "purge", "--older-than", "30", "--yes"])
-    assert result.exit_code == 0 and "deleted 1 sent email(s)" in result.output
+    assert result.exit_code == 0 and "deleted 1 sent and 0 suppressed" in result.output
     assert [r["id"] for r in rows(app)] == [bad]
 
 

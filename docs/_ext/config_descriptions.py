@@ -108,9 +108,12 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "OUTBOX_TLS_VERIFY": ("bool", "verify the SMTP server's certificate (off: test servers only)"),
     "OUTBOX_TLS_CA_FILE": ("str or None", "a PEM bundle of a private CA"),
     "OUTBOX_RETENTION_DAYS": ("float (days) or None", "when set, the periodic job deletes "
-                                                      "`sent` rows older than this"),
-    "OUTBOX_SCRUB_SENT": ("bool", "drop the bodies and attachments of `sent` rows after "
-                                  "delivery (the dashboard shows them as scrubbed)"),
+                                                      "`sent`, `suppressed`, `expired` and "
+                                                      "`cancelled` rows that ended longer "
+                                                      "ago than this"),
+    "OUTBOX_SCRUB_SENT": ("bool", "drop the bodies and attachments of a row once it is "
+                                  "`sent`, `suppressed`, `expired` or `cancelled` (the "
+                                  "dashboard shows them as scrubbed)"),
     "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS": ("float (s)", "`health()` reports `queue_too_old` "
                                                           "when an email has been due longer"),
     "OUTBOX_WEBHOOK_PREFIX": ("str", "where provider webhooks are received: `POST "

@@ -5,8 +5,9 @@ sweep at start, never blocking start-up or the first request, and then a
 periodic sweep every ``OUTBOX_SWEEP_INTERVAL_SECONDS`` (60 s in inline mode;
 in durable mode the dispatcher's reap and claim do that job, so the periodic
 sweep skips unless the interval was set explicitly). When
-``OUTBOX_RETENTION_DAYS`` is set, the periodic job also deletes older
-``sent`` rows. A failing sweep is reported at ERROR and never kills the
+``OUTBOX_RETENTION_DAYS`` is set, the periodic job also deletes the
+``sent``, ``suppressed``, ``expired`` and ``cancelled`` rows that ended longer
+ago (see :meth:`~flask_mail_outbox.core._admin.Admin.delete_ended`). A failing sweep is reported at ERROR and never kills the
 scheduler.
 """
 
@@ -204,14 +205,18 @@ class SweepScheduler:
         cutoff = utcnow() - timedelta(days=days)
         try:
             total = 0
-            while True:
-                deleted = store.admin.delete_sent(older_than=cutoff, batch=1000)
-                total += deleted
-                if deleted < 1000:
-                    break
+            # Sent ones by sent_at; those that ended unsent (suppressed, expired,
+            # cancelled) by ended_at.
+            for delete in (store.admin.delete_sent, store.admin.delete_ended):
+                while True:
+                    deleted = delete(older_than=cutoff, batch=1000)
+                    total += deleted
+                    if deleted < 1000:
+                        break
         except Exception as exc:  # noqa: BLE001 - only retention; nothing is lost
-            logger.error("Could not delete sent emails older than OUTBOX_RETENTION_DAYS "
-                         "(%g); the table keeps growing until this works: %s", days, exc)
+            logger.error("Could not delete sent or ended emails older than "
+                         "OUTBOX_RETENTION_DAYS (%g); the table keeps growing until this "
+                         "works: %s", days, exc)
             return
         if total:
-            logger.info("Deleted %d sent email(s) older than %g day(s)", total, days)
+            logger.info("Deleted %d sent or ended email(s) older than %g day(s)", total, days)

@@ -405,33 +405,41 @@ def dlq_purge(days: float | None, yes: bool) -> None:
 @outbox_cli.command("purge")
 @_log_level_option()
 @click.option("--older-than", "days", type=click.FloatRange(0, min_open=True), required=True,
-              help="Delete sent emails sent more than DAYS ago.")
+              help="Delete emails sent, or ended unsent, more than DAYS ago.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--dry-run", is_flag=True, help="Only count them.")
 @click.option("--batch", type=click.IntRange(1), default=1000, show_default=True)
 def purge(days: float, yes: bool, dry_run: bool, batch: int) -> None:
-    """Delete old sent emails in batches (queued, sending and failed rows are kept)."""
+    """Delete old sent, suppressed, expired and cancelled emails in batches.
+
+    Queued, sending and failed rows are kept (`dlq purge` deletes dead letters).
+    """
     state = _state()
     outbox = state.outbox()
     store = outbox.store
     cutoff = utcnow() - timedelta(days=days)
-    total = outbox.reader.count_sent_before(cutoff)
+    sent = outbox.reader.count_sent_before(cutoff)
+    ended = outbox.reader.count_ended_before(cutoff)
+    total = sent + ended
+    what = f"{sent} sent and {ended} suppressed, expired or cancelled email(s)"
     if dry_run:
-        click.echo(f"{total} sent email(s) older than {days:g} day(s) would be deleted")
+        click.echo(f"{what} older than {days:g} day(s) would be deleted")
         state.stop(5)
         return
     if total and not yes:
-        click.confirm(f"Delete {total} sent email(s) older than {days:g} day(s)?", abort=True)
-    deleted = 0
+        click.confirm(f"Delete {what} older than {days:g} day(s)?", abort=True)
+    deleted = [0, 0]
     with click.progressbar(length=total, label="deleting", file=sys.stderr) as bar:
-        while True:
-            count = store.admin.delete_sent(older_than=cutoff, batch=batch)
-            deleted += count
-            bar.update(count)
-            if count < batch:
-                break
+        for which, delete in enumerate((store.admin.delete_sent, store.admin.delete_ended)):
+            while True:
+                count = delete(older_than=cutoff, batch=batch)
+                deleted[which] += count
+                bar.update(count)
+                if count < batch:
+                    break
     state.stop(5)
-    click.echo(f"deleted {deleted} sent email(s)")
+    click.echo(f"deleted {deleted[0]} sent and {deleted[1]} suppressed, expired or "
+               "cancelled email(s)")
 
 
 @outbox_cli.group("suppression")

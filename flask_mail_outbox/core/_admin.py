@@ -14,7 +14,14 @@ import sqlalchemy as sa
 
 from . import _ordering
 from ._database import Database
-from ._models import Status, attachment_table, email_table, event_table, setting_table
+from ._models import (
+    Status,
+    attachment_table,
+    email_table,
+    event_table,
+    retained_before,
+    setting_table,
+)
 
 #: Keys :meth:`Admin.retry_all_failed` puts back per transaction (one
 #: advisory lock each on PostgreSQL, held until the transaction ends).
@@ -121,10 +128,27 @@ class Admin:
 
     def delete_sent(self, *, older_than: datetime, batch: int) -> int:
         """Delete up to ``batch`` ``sent`` rows sent before ``older_than``; returns how many."""
+        return self._delete_before(older_than, batch, ended=False)
+
+    def delete_ended(self, *, older_than: datetime, batch: int) -> int:
+        """Delete up to ``batch`` rows that ended unsent before ``older_than``; how many.
+
+        ``suppressed``, ``expired`` and ``cancelled`` rows, by ``ended_at`` (when
+        they ended).
+        """
+        return self._delete_before(older_than, batch, ended=True)
+
+    def _delete_before(self, older_than: datetime, batch: int, *, ended: bool) -> int:
+        """The oldest ``batch`` rows of :func:`._models.retained_before`, deleted."""
+        rows = retained_before("id", ended=ended, sqlite=self.db.dialect.name == "sqlite")
+        old = (sa.text(f"{rows.text} ORDER BY {'ended_at' if ended else 'sent_at'} LIMIT :batch")
+               .bindparams(sa.bindparam("older_than", older_than, type_=sa.DateTime()),
+                           sa.bindparam("batch", batch, type_=sa.Integer())))
+        return self._delete(old)
+
+    def _delete(self, old: Any) -> int:
+        """Delete the rows ``old`` selects, with their attachments and events."""
         t = email_table
-        old = (sa.select(t.c.id).where(t.c.status == Status.SENT.value,
-                                       t.c.sent_at < sa.literal(older_than, sa.DateTime()))
-               .order_by(t.c.sent_at).limit(batch))
         with self.db.write() as conn:
             ids = list(conn.execute(old).scalars())
             if ids:

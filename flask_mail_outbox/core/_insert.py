@@ -209,7 +209,9 @@ def _insert_unless_stored(session: Session, strategy: Dialect, values: dict[str,
 
 
 def cancel_emails(session: Session, *, email_ids: Sequence[int] = (), key: str | None = None,
-                  idempotency_key: str | None = None) -> tuple[list[tuple[int, str | None]], int]:
+                  idempotency_key: str | None = None, scrub: bool = False,
+                  clock: Callable[[], datetime] = utcnow,
+                  dialect: Dialect | None = None) -> tuple[list[tuple[int, str | None]], int]:
     """Cancel queued rows in the caller's ``session`` (not committed); ``(cancelled, in_flight)``.
 
     ``cancelled``: ``(id, key)`` of each row moved from ``queued`` to
@@ -220,6 +222,8 @@ def cancel_emails(session: Session, *, email_ids: Sequence[int] = (), key: str |
     cancelled, never both. A cancelled key holder gives up its flag here;
     the next email of its key is handed the flag after the commit (see
     :meth:`._database.Database.advance_keys`), so a request never holds a key's line lock.
+    ``ended_at`` is "now" (``dialect``'s, on ``clock``), which retention counts
+    from; with ``scrub`` (``OUTBOX_SCRUB_SENT``) the MIME goes too.
     """
     t = email_table
     if email_ids:
@@ -229,10 +233,12 @@ def cancel_emails(session: Session, *, email_ids: Sequence[int] = (), key: str |
     else:
         where = t.c.idempotency_key == idempotency_key
     conn = email_connection(session)
+    now = (dialect or email_dialect(session)).now(clock)
+    ended: dict[str, Any] = {"ended_at": now, **({"mime": None} if scrub else {})}
     rows = conn.execute(
         t.update().where(where, t.c.status == "queued")
         .values(status="cancelled", key_head=False, lease_owner=None, lease_expires_at=None,
-                last_error="cancelled by mail.cancel() before it was sent")
+                last_error="cancelled by mail.cancel() before it was sent", **ended)
         .returning(t.c.id, t.c.key)).all()
     in_flight = conn.execute(sa.select(sa.func.count()).select_from(t)
                              .where(where, t.c.status == "sending")).scalar_one()

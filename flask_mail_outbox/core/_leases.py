@@ -33,7 +33,7 @@ from ..transports import FailedOver
 from . import _claim, _ordering
 from ._claim import CLAIM_RETURNING
 from ._database import Database
-from ._models import Status, email_table
+from ._models import ENDED, Status, email_table
 
 logger = logging.getLogger(__name__)
 
@@ -412,6 +412,10 @@ class Leases:
                 values["mime"] = None
         if outcome.status is Status.FAILED:
             values["failed_at"] = now
+        if outcome.status in ENDED:
+            values["ended_at"] = now
+            if scrub_sent:  # never sent, and never will be: done with, as a sent one
+                values["mime"] = None
         if outcome.status is Status.QUEUED:
             values["due_at"] = self.db.later_expr(outcome.due_in) if outcome.due_in else now
         if outcome.give_back_attempt:

@@ -73,6 +73,31 @@ class Status(str, enum.Enum):
         return self.value
 
 
+#: The terminal statuses an email ends in without being sent: ``ended_at`` says when.
+ENDED = (Status.SUPPRESSED, Status.EXPIRED, Status.CANCELLED)
+#: ``status IN (ENDED)`` as SQL: the predicate of their partial index, which a
+#: query must repeat word for word (values, not bound parameters) for the
+#: planner to use it.
+ENDED_SQL = "status IN ('suppressed', 'expired', 'cancelled')"
+
+
+def retained_before(what: str, *, ended: bool, sqlite: bool) -> sa.TextClause:
+    """``SELECT what`` of the rows retention deletes that ended before ``:older_than``.
+
+    ``sent`` rows by ``sent_at``, or (``ended``) the ones that ended unsent by
+    ``ended_at``, each in its partial index (``ix_outbox_email_sent_at``,
+    ``ix_outbox_email_ended_at``): the predicate is written out (the planner
+    matches that, not bound parameters), and on SQLite the index is pinned
+    with ``INDEXED BY``: without statistics its planner takes the dashboard's
+    ``(status, id)`` index and reads and sorts every such row.
+    """
+    status, column, index = ((ENDED_SQL, "ended_at", "ix_outbox_email_ended_at") if ended
+                             else ("status = 'sent'", "sent_at", "ix_outbox_email_sent_at"))
+    hint = f" INDEXED BY {index}" if sqlite else ""
+    return sa.text(f"SELECT {what} FROM outbox_email{hint}"
+                   f" WHERE {status} AND {column} < :older_than").bindparams(
+        sa.bindparam("older_than", type_=sa.DateTime()))
+
 #: The statuses the database accepts.
 STATUS_CHECK = ("status IN ('queued', 'sending', 'sent', 'failed', 'suppressed', 'expired', "
                 "'cancelled')")
@@ -127,6 +152,9 @@ class OutboxEmail(Base):
     search_subject: Mapped[str | None] = mapped_column(_search_text(SEARCH_SUBJECT_LENGTH))
     # When the row was last dead-lettered (the dashboard's failures per hour).
     failed_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    # When it ended without being sent (suppressed, expired, cancelled): what
+    # OUTBOX_RETENTION_DAYS and `flask outbox purge` count from, as from sent_at.
+    ended_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
     # Flask-Mail's mail_options / rcpt_options, as JSON {"mail": [...], "rcpt": [...]};
     # NULL when the message has none (nearly always).
     smtp_options: Mapped[str | None] = mapped_column(sa.Text())
@@ -174,6 +202,7 @@ class OutboxEmail(Base):
         # Dead letters and retention.
         sa.Index("ix_outbox_email_failed", "id", **_where("status = 'failed'")),
         sa.Index("ix_outbox_email_sent_at", "sent_at", **_where("status = 'sent'")),
+        sa.Index("ix_outbox_email_ended_at", "ended_at", **_where(ENDED_SQL)),
         # The dashboard: newest first within a status, and prefix search, both
         # paginated by keyset (the id breaks ties).
         sa.Index("ix_outbox_email_status_id", "status", "id"),

@@ -149,8 +149,14 @@ class Producer:
         See :func:`._insert.cancel_emails`: ``in_flight`` counts the rows named
         that are being sent already (not cancelled).
         """
+        dialect = email_dialect(session)
+        clock = utcnow
+        if self.clock is not None:  # a test's: "now" is its time on every database
+            dialect, clock = dialect.on_clock(), self.clock.now
         cancelled, in_flight = cancel_emails(session, email_ids=email_ids, key=key,
-                                             idempotency_key=idempotency_key)
+                                             idempotency_key=idempotency_key,
+                                             scrub=self.config.scrub_sent, clock=clock,
+                                             dialect=dialect)
         tickets = [Ticket(email_id=email_id, cancelled=True, key=row_key)
                    for email_id, row_key in cancelled]
         return tickets, in_flight

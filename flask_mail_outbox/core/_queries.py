@@ -70,6 +70,7 @@ from ._models import (
     attachment_table,
     email_table,
     event_table,
+    retained_before,
     search_key,
     setting_table,
     tally_table,
@@ -178,12 +179,14 @@ def get_setting(conn: Connection, name: str) -> Any:
 
 def count_sent_before(conn: Connection, older_than: datetime) -> int:
     """How many ``sent`` rows were sent before ``older_than`` (what a purge would delete)."""
-    t = email_table
-    return int(conn.execute(
-        sa.select(sa.func.count()).where(
-            t.c.status == Status.SENT.value,
-            t.c.sent_at < sa.literal(older_than, sa.DateTime()))
-    ).scalar_one())
+    statement = retained_before("count(*)", ended=False, sqlite=conn.dialect.name == "sqlite")
+    return int(conn.execute(statement, {"older_than": older_than}).scalar_one())
+
+
+def count_ended_before(conn: Connection, older_than: datetime) -> int:
+    """How many rows ended unsent before ``older_than`` (what a purge would delete)."""
+    statement = retained_before("count(*)", ended=True, sqlite=conn.dialect.name == "sqlite")
+    return int(conn.execute(statement, {"older_than": older_than}).scalar_one())
 
 
 def email_outcome(conn: Connection, email_id: int) -> sa.RowMapping:
@@ -657,6 +660,11 @@ class Reader:
         """``sent`` rows sent before ``older_than``."""
         with self.store.read() as conn:
             return count_sent_before(conn, older_than)
+
+    def count_ended_before(self, older_than: datetime) -> int:
+        """``suppressed``, ``expired`` and ``cancelled`` rows that ended before ``older_than``."""
+        with self.store.read() as conn:
+            return count_ended_before(conn, older_than)
 
     def email_outcome(self, email_id: int) -> sa.RowMapping:
         """One email's status, attempts and last error."""

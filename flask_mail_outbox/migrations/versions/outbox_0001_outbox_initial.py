@@ -93,6 +93,7 @@ def _tables() -> sa.MetaData:
         sa.Column("search_recipient", _search_text(320), nullable=True),
         sa.Column("search_subject", _search_text(200), nullable=True),
         sa.Column("failed_at", sa.DateTime(), nullable=True),
+        sa.Column("ended_at", sa.DateTime(), nullable=True),
         sa.Column("smtp_options", sa.Text(), nullable=True),
         sa.Column("priority", sa.SmallInteger(), nullable=False, server_default="1"),
         sa.Column("transport", sa.String(64), nullable=False, server_default="default"),
@@ -120,6 +121,8 @@ def _tables() -> sa.MetaData:
         # Dead letters and retention.
         sa.Index("ix_outbox_email_failed", "id", **_where("status = 'failed'")),
         sa.Index("ix_outbox_email_sent_at", "sent_at", **_where("status = 'sent'")),
+        sa.Index("ix_outbox_email_ended_at", "ended_at",
+                 **_where("status IN ('suppressed', 'expired', 'cancelled')")),
         # The dashboard: newest first within a status, prefix search.
         sa.Index("ix_outbox_email_status_id", "status", "id"),
         sa.Index("ix_outbox_email_search_recipient", "search_recipient", "id"),
