@@ -611,6 +611,14 @@ IDENTIFIERS_ONLY = {
     # The PostgreSQL claim: the module's constant SQL fragments, joined with and without
     # the reap; its values are the declared bind parameters.
     ("core/_claim.py", "_pg_statement(sql) gets non-literal SQL"),
+    # Retention's selects: the module's constant predicates, columns and index names, and
+    # the dialect's index hint (an index name); older_than and batch are bound.
+    ("core/_models.py", "SELECT {what} FROM outbox_email{hint} WHERE {status} AND {column}"),
+    ("core/_admin.py", "ORDER BY {('ended_at' if ended else 'sent_at')} LIMIT :batch"),
+    ("core/_admin.py", "_delete(old) gets non-literal SQL"),
+    # The ended rows' partial index: its predicate is the module constant ENDED_SQL, the
+    # very text retention's select writes out (so the planner matches the two).
+    ("core/_models.py", "_where(clause) gets non-literal SQL"),
 }
 
 

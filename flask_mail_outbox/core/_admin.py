@@ -140,7 +140,7 @@ class Admin:
 
     def _delete_before(self, older_than: datetime, batch: int, *, ended: bool) -> int:
         """The oldest ``batch`` rows of :func:`._models.retained_before`, deleted."""
-        rows = retained_before("id", ended=ended, sqlite=self.db.dialect.name == "sqlite")
+        rows = retained_before("id", ended=ended, index_hint=self.db.dialect.index_hint)
         old = (sa.text(f"{rows.text} ORDER BY {'ended_at' if ended else 'sent_at'} LIMIT :batch")
                .bindparams(sa.bindparam("older_than", older_than, type_=sa.DateTime()),
                            sa.bindparam("batch", batch, type_=sa.Integer())))

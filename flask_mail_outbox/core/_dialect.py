@@ -96,6 +96,10 @@ class Dialect(abc.ABC):
     #: earlier one open (a recorder may have finished that one, unseen, meanwhile).
     advances_at_commit: ClassVar[bool]
 
+    def index_hint(self, index: str) -> str:
+        """What follows a table's name to pin ``index`` for the planner ("": none needed)."""
+        return ""
+
     # -- engine and transactions ------------------------------------------------------
 
     @abc.abstractmethod
@@ -687,6 +691,10 @@ class SQLite(Dialect):
     advances_at_commit = False
     tally_ddl = SQLITE_TALLY_DDL
     tally_backfill = SQLITE_TALLY_BACKFILL
+
+    def index_hint(self, index: str) -> str:
+        # Without statistics (no ANALYZE) the planner may take another index.
+        return f" INDEXED BY {index}"
 
     def __init__(self) -> None:
         self._record_sent: dict[tuple[bool, bool], Any] = {}

@@ -17,6 +17,7 @@ pages cost the same on a million rows (keyset pagination, prefix range scans).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -81,19 +82,21 @@ ENDED = (Status.SUPPRESSED, Status.EXPIRED, Status.CANCELLED)
 ENDED_SQL = "status IN ('suppressed', 'expired', 'cancelled')"
 
 
-def retained_before(what: str, *, ended: bool, sqlite: bool) -> sa.TextClause:
+def retained_before(what: str, *, ended: bool,
+                    index_hint: Callable[[str], str]) -> sa.TextClause:
     """``SELECT what`` of the rows retention deletes that ended before ``:older_than``.
 
     ``sent`` rows by ``sent_at``, or (``ended``) the ones that ended unsent by
     ``ended_at``, each in its partial index (``ix_outbox_email_sent_at``,
     ``ix_outbox_email_ended_at``): the predicate is written out (the planner
-    matches that, not bound parameters), and on SQLite the index is pinned
-    with ``INDEXED BY``: without statistics its planner takes the dashboard's
-    ``(status, id)`` index and reads and sorts every such row.
+    matches that, not bound parameters), and ``index_hint`` (the dialect's:
+    ``INDEXED BY`` on SQLite) pins the index where the planner needs it: without
+    statistics SQLite's takes the dashboard's ``(status, id)`` index and reads
+    and sorts every such row.
     """
     status, column, index = ((ENDED_SQL, "ended_at", "ix_outbox_email_ended_at") if ended
                              else ("status = 'sent'", "sent_at", "ix_outbox_email_sent_at"))
-    hint = f" INDEXED BY {index}" if sqlite else ""
+    hint = index_hint(index)
     return sa.text(f"SELECT {what} FROM outbox_email{hint}"
                    f" WHERE {status} AND {column} < :older_than").bindparams(
         sa.bindparam("older_than", type_=sa.DateTime()))

@@ -179,13 +179,15 @@ def get_setting(conn: Connection, name: str) -> Any:
 
 def count_sent_before(conn: Connection, older_than: datetime) -> int:
     """How many ``sent`` rows were sent before ``older_than`` (what a purge would delete)."""
-    statement = retained_before("count(*)", ended=False, sqlite=conn.dialect.name == "sqlite")
+    statement = retained_before("count(*)", ended=False,
+                                index_hint=dialect_of(conn).index_hint)
     return int(conn.execute(statement, {"older_than": older_than}).scalar_one())
 
 
 def count_ended_before(conn: Connection, older_than: datetime) -> int:
     """How many rows ended unsent before ``older_than`` (what a purge would delete)."""
-    statement = retained_before("count(*)", ended=True, sqlite=conn.dialect.name == "sqlite")
+    statement = retained_before("count(*)", ended=True,
+                                index_hint=dialect_of(conn).index_hint)
     return int(conn.execute(statement, {"older_than": older_than}).scalar_one())
 
 
