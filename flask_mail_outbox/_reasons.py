@@ -130,7 +130,8 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
 
 _KEYWORD_PATTERNS = tuple((reason, re.compile(pattern)) for reason, pattern in KEYWORDS)
 _STATUS = re.compile(r"\b([245])\.(\d{1,3})\.(\d{1,3})\b")
-_REPLY_CODE = re.compile(r"\s*([245]\d\d)\b")
+# A reply code, after a diagnostic type (``smtp; 550 ...``) when there is one.
+_REPLY_CODE = re.compile(r"\s*(?:[a-z-]{1,16};\s*)?([245]\d\d)\b", re.IGNORECASE)
 
 
 def _read(text: object) -> str:
@@ -189,7 +190,7 @@ def smtp_reason(reply: object) -> str:
         return worded
     if reason is not None:
         return reason
-    code = _REPLY_CODE.match(text[:16])
+    code = _REPLY_CODE.match(text[:40])
     return _BASIC_CODES.get(code.group(1), "undefined") if code else "undefined"
 
 

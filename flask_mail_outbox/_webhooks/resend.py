@@ -65,6 +65,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from email.utils import parseaddr
@@ -106,6 +107,9 @@ EVENT_TYPES = {
     "email.failed": "rejected",
     "email.suppressed": "rejected",
 }
+
+#: An ``email.failed`` reason that is the account's (a quota, an unverified domain, a key).
+_ACCOUNT = re.compile(r"quota|domain|api.?key|verif|limit", re.IGNORECASE)
 
 
 class ResendReceiver(Receiver):
@@ -169,7 +173,7 @@ class ResendReceiver(Receiver):
         bounce_kind = None
         description = kind if event_type == "unknown" else ""
         mta_response = ""
-        reason = "complaint" if event_type == "complained" else None
+        reason = {"complained": "complaint", "deferred": "undefined"}.get(event_type)
         if kind == "email.bounced":
             bounce = json_object(data.get("bounce"))
             # Resend documents email.bounced as a permanent rejection; only a bounce that
@@ -185,8 +189,9 @@ class ResendReceiver(Receiver):
             description = joined("", json_object(data.get("click")).get("link"))
         elif kind == "email.failed":
             description = joined("", json_object(data.get("failed")).get("reason"))
-            reason = text_reason(description) or "undefined" if event_type in (
-                "bounced", "deferred", "rejected") else None
+            # Resend's refusal to send: the account's limits or setup, else its words.
+            reason = "account" if _ACCOUNT.search(description) else (
+                text_reason(description) or "undefined")
         elif kind == "email.suppressed":
             suppressed = json_object(data.get("suppressed"))
             description = joined(": ", suppressed.get("type"), suppressed.get("message")) \
