@@ -120,7 +120,7 @@ import flufl.bounce
 
 from ._events import DeliveryEvent, capped_payload, naive_utc
 from ._outside import clean_address, clean_line, clean_text
-from ._reasons import TEXT_READ, dsn_reason, text_reason
+from ._reasons import TEXT_READ, bounce_reason
 
 __all__ = ["KINDS", "TRANSPORT", "BounceReport", "NotMail", "read_bounce"]
 
@@ -764,7 +764,7 @@ class _Bounce:
             occurred_at=_time(block.get("last-attempt-date")) or self.date or arrival,
             bounce_kind=bounce_kind, description=described + (f" from {mta}" if mta else ""),
             mta_response=_typed(diagnostic)[1] if diagnostic else "",
-            reason=dsn_reason(status_text, diagnostic)
+            reason=bounce_reason(status_text, diagnostic, failed=event_type == "bounced")
             if event_type in ("bounced", "deferred") else None)
 
     # -- RFC 5965 ---------------------------------------------------------------------------
@@ -840,8 +840,9 @@ class _Bounce:
                 "bounce"))
         original = self.original_id()
         events = []
-        # The words of the bounce's own text say why (no DSN field does here).
-        reason = text_reason(self.explanation()) or "undefined"
+        # The bounce's own text says why (no DSN field does here): a status code in it,
+        # else its words.
+        explanation = self.explanation()
         for address, is_temporary in list(found.items())[:MAX_EVENTS]:
             summary = {"kind": "detected", "address": address, "temporary": is_temporary,
                        "subject": _one_line(_field(self.msg, "subject"), 200),
@@ -851,7 +852,7 @@ class _Bounce:
                 "deferred" if is_temporary else "bounced", address, occurred_at=self.date,
                 message_id=original, summary=summary,
                 bounce_kind=None if is_temporary else "permanent",
-                reason=reason,
+                reason=bounce_reason(explanation, explanation, failed=not is_temporary),
                 description=("delay warning" if is_temporary else "bounce")
                 + " recognised by flufl.bounce (not a standard DSN)"))
         named = ", ".join(list(found)[:3]) + (", ..." if len(found) > 3 else "")

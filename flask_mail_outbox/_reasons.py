@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["REASONS", "SISIMAI", "api_reason", "dsn_reason", "mailgun_reason",
+__all__ = ["REASONS", "SISIMAI", "api_reason", "bounce_reason", "dsn_reason", "mailgun_reason",
            "postmark_reason", "resend_reason", "sendgrid_reason", "ses_reason",
            "smtp_reason", "text_reason"]
 
@@ -105,7 +105,7 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                      r"(?:mailbox|user|recipient|address|account) (?:does not|doesn't) exist|"
                      r"(?:mailbox|user|recipient|address) not found|invalid (?:recipient|"
                      r"mailbox)|unknown (?:recipient|mailbox|address)|"
-                     r"recipient address rejected|user not found")),
+                     r"recipient address rejected|user not found|user (?:doesn't|does not) have")),
     ("host_unknown", (r"host unknown|unknown host|no such domain|domain (?:not found|does not "
                      r"exist)|host not found|nxdomain|unroutable|unrouteable|"
                      r"domain name not found")),
@@ -124,7 +124,8 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
     ("has_moved", r"has moved|moved to"),
     ("network_error", (r"connection (?:refused|timed out|reset)|network (?:error|unreachable)|"
                       r"no route to host|timed out")),
-    ("content", r"header|content rejected|message content|malformed message"),
+    ("content", r"header (?:syntax|error|rejected)|invalid header|content rejected|"
+                r"message content|malformed message"),
     ("policy", r"policy|not allowed|prohibited|denied|refused|rejected"),
 )
 
@@ -176,6 +177,18 @@ def dsn_reason(status: object, diagnostic: object = "") -> str:
     if not vague and reason is not None:
         return reason
     return text_reason(diagnostic_text) or reason or "undefined"
+
+
+def bounce_reason(status: object, diagnostic: object = "", *, failed: bool = True) -> str:
+    """:func:`dsn_reason`, except that a failure with a transient (4.x.x) status is
+    ``expired``: a server retried until it gave up (Postfix's queue lifetime,
+    Exim's retry timeout)."""
+    status_text = status if isinstance(status, str) else ""
+    diagnostic_text = diagnostic if isinstance(diagnostic, str) else ""
+    found = _STATUS.search(status_text[:TEXT_READ]) or _STATUS.search(diagnostic_text[:TEXT_READ])
+    if failed and found is not None and found.group(1) == "4":
+        return "expired"
+    return dsn_reason(status_text, diagnostic_text)
 
 
 def smtp_reason(reply: object) -> str:
