@@ -96,7 +96,7 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
     ("authentication", (r"\bdmarc\b|\bspf\b|\bdkim\b|not authenticated|unauthenticated "
                        r"(?:email|mail|message)|sender authentication")),
     ("virus", r"virus|malware|infected"),
-    ("spam", r"spam|junk mail|bulk mail|unsolicited"),
+    ("spam", r"\bspam\b|spam detected|junk mail|bulk mail|unsolicited"),
     ("mailbox_full", (r"mailbox (?:is )?full|quota|insufficient (?:disk )?(?:space|storage)|"
                      r"mailbox size limit|out of storage|storage full|full mailbox")),
     ("message_too_big", (r"too (?:big|large)|size exceeds|exceeds? (?:the )?(?:maximum )?"
@@ -106,6 +106,7 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                      r"(?:mailbox|user|recipient|address) not found|invalid (?:recipient|"
                      r"mailbox)|unknown (?:recipient|mailbox|address)|"
                      r"recipient address rejected|user not found|user (?:doesn't|does not) have")),
+    ("syntax_error", r"invalid '?to'? address|address syntax|syntax error|malformed address"),
     ("host_unknown", (r"host unknown|unknown host|no such domain|domain (?:not found|does not "
                      r"exist)|host not found|nxdomain|unroutable|unrouteable|"
                      r"domain name not found")),
@@ -124,8 +125,8 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
     ("has_moved", r"has moved|moved to"),
     ("network_error", (r"connection (?:refused|timed out|reset)|network (?:error|unreachable)|"
                       r"no route to host|timed out")),
-    ("content", r"header (?:syntax|error|rejected)|invalid header|content rejected|"
-                r"message content|malformed message"),
+    ("content", (r"header (?:syntax|error|rejected)|invalid header|content rejected|"
+                r"message content|malformed message")),
     ("policy", r"policy|not allowed|prohibited|denied|refused|rejected"),
 )
 
@@ -230,7 +231,9 @@ def api_reason(code: object, message: object) -> str:
             return _HTTP_CODES[number]
         if number >= 500:
             return "system_error"
-        return text_reason(text) or "undefined"
+        # The provider's words only: the outbox's own ("refused the message") say nothing.
+        detail = text[:TEXT_READ].partition("): ")[2] or text
+        return text_reason(detail) or "undefined"
     if number:
         return smtp_reason(f"{number} {text[:TEXT_READ]}")
     return text_reason(text) or "undefined"
