@@ -75,7 +75,8 @@ STATUS_CODES: dict[str, str] = {
     "3.1": "system_error", "3.2": "not_accepting", "3.4": "message_too_big",
     "4.1": "network_error", "4.2": "network_error", "4.3": "network_error",
     "4.4": "host_unknown", "4.5": "rate_limited", "4.6": "network_error", "4.7": "expired",
-    "5.3": "rate_limited",
+    "5.1": "syntax_error", "5.2": "syntax_error", "5.3": "rate_limited",
+    "5.4": "syntax_error", "5.5": "syntax_error",
     "7.7": "content", "7.13": "suspended", "7.17": "has_moved", "7.18": "has_moved",
     "7.20": "authentication", "7.21": "authentication", "7.22": "authentication",
     "7.23": "authentication", "7.24": "authentication", "7.25": "blocked",
@@ -85,7 +86,7 @@ STATUS_CODES: dict[str, str] = {
 #: RFC 3463's status subjects, for a detail not in :data:`STATUS_CODES`.
 SUBJECTS: dict[str, str] = {
     "1": "user_unknown", "2": "mailbox_full", "3": "system_error", "4": "network_error",
-    "5": "syntax_error", "6": "content", "7": "policy",
+    "6": "content", "7": "policy",
 }
 
 #: Statuses that say too little: the text's keywords decide when they find something.
@@ -248,12 +249,19 @@ def _word(value: object) -> str:
     return value.strip().lower()[:64] if isinstance(value, str) else ""
 
 
+def _look(table: dict[str, str], value: object) -> str | None:
+    """``table``'s reason for ``value``, its keys compared case-insensitively."""
+    word = _word(value)
+    return next((reason for key, reason in table.items() if key.lower() == word), None) \
+        if word else None
+
+
 #: SES bounceSubType -> reason (bounceType ``Undetermined`` is ``undefined``).
 SES_SUBTYPES: dict[str, str] = {
-    "noemail": "user_unknown", "suppressed": "suppressed",
-    "onaccountsuppressionlist": "suppressed", "mailboxfull": "mailbox_full",
-    "messagetoolarge": "message_too_big", "contentrejected": "content",
-    "attachmentrejected": "content",
+    "NoEmail": "user_unknown", "Suppressed": "suppressed",
+    "OnAccountSuppressionList": "suppressed", "MailboxFull": "mailbox_full",
+    "MessageTooLarge": "message_too_big", "ContentRejected": "content",
+    "AttachmentRejected": "content",
 }
 
 
@@ -261,26 +269,26 @@ def ses_reason(bounce_type: object, sub_type: object, diagnostic: object = "") -
     """The reason of an SES bounce: ``bounceType``, ``bounceSubType``, the diagnostic."""
     if _word(bounce_type) == "undetermined":
         return dsn_reason(diagnostic, diagnostic) if diagnostic else "undefined"
-    return SES_SUBTYPES.get(_word(sub_type)) or dsn_reason(diagnostic, diagnostic)
+    return _look(SES_SUBTYPES, sub_type) or dsn_reason(diagnostic, diagnostic)
 
 
 #: Postmark's bounce ``Type`` -> reason.
 POSTMARK_TYPES: dict[str, str] = {
-    "hardbounce": "user_unknown", "softbounce": "undefined", "transient": "undefined",
-    "bademailaddress": "syntax_error", "dnserror": "host_unknown",
-    "autoresponder": "undefined", "spamnotification": "spam", "spamcomplaint": "complaint",
-    "blocked": "blocked", "contentrelated": "content", "manuallydeactivated": "suppressed",
-    "unconfirmed": "account", "subscriptionchange": "suppressed",
-    "inboundmailboxfull": "mailbox_full", "addresschange": "has_moved",
-    "challengeverification": "policy", "virusnotification": "virus",
-    "smtpapierror": "syntax_error", "unknown": "undefined", "openrelaytest": "policy",
-    "dmarcpolicy": "authentication",
+    "HardBounce": "user_unknown", "SoftBounce": "undefined", "Transient": "undefined",
+    "BadEmailAddress": "syntax_error", "DnsError": "host_unknown",
+    "AutoResponder": "undefined", "SpamNotification": "spam", "SpamComplaint": "complaint",
+    "Blocked": "blocked", "ContentRelated": "content", "ManuallyDeactivated": "suppressed",
+    "Unconfirmed": "account", "SubscriptionChange": "suppressed",
+    "InboundMailboxFull": "mailbox_full", "AddressChange": "has_moved",
+    "ChallengeVerification": "policy", "VirusNotification": "virus",
+    "SMTPApiError": "syntax_error", "Unknown": "undefined", "OpenRelayTest": "policy",
+    "DMARCPolicy": "authentication",
 }
 
 
 def postmark_reason(bounce_type: object, details: object = "") -> str:
     """The reason of a Postmark bounce: its ``Type``, refined by ``Details`` when vague."""
-    reason = POSTMARK_TYPES.get(_word(bounce_type), "undefined")
+    reason = _look(POSTMARK_TYPES, bounce_type) or "undefined"
     if reason in ("undefined", "user_unknown"):
         worded = smtp_reason(details) if details else "undefined"
         if worded != "undefined" and (reason == "undefined" or worded in _DEAD):
@@ -293,15 +301,15 @@ _DEAD = frozenset({"user_unknown", "host_unknown", "suspended", "not_accepting"}
 
 #: SendGrid's bounce classification -> reason.
 SENDGRID_CLASSES: dict[str, str] = {
-    "invalid address": "user_unknown", "technical": "system_error", "content": "content",
-    "reputation": "blocked", "frequency or volume too high": "rate_limited",
-    "mailbox unavailable": "suspended", "unclassified": "undefined",
+    "Invalid Address": "user_unknown", "Technical": "system_error", "Content": "content",
+    "Reputation": "blocked", "Frequency or Volume Too High": "rate_limited",
+    "Mailbox Unavailable": "suspended", "Unclassified": "undefined",
 }
 
 
 def sendgrid_reason(classification: object, reason: object = "") -> str:
     """The reason of a SendGrid bounce: ``bounce_classification``, else its ``reason``."""
-    found = SENDGRID_CLASSES.get(_word(classification))
+    found = _look(SENDGRID_CLASSES, classification)
     if found is not None and found != "undefined":
         return found
     return smtp_reason(reason)
@@ -318,7 +326,7 @@ MAILGUN_REASONS: dict[str, str] = {
 
 def mailgun_reason(reason: object, severity: object = "", response: object = "") -> str:
     """The reason of a Mailgun failure: ``reason``, refined by the delivery status's reply."""
-    found = MAILGUN_REASONS.get(_word(reason), "undefined")
+    found = _look(MAILGUN_REASONS, reason) or "undefined"
     if found != "undefined":
         return found
     del severity  # permanence is the bounce kind's, not the reason's
@@ -327,16 +335,16 @@ def mailgun_reason(reason: object, severity: object = "", response: object = "")
 
 #: Resend's ``bounce.subType`` -> reason.
 RESEND_SUBTYPES: dict[str, str] = {
-    "general": "undefined", "noemail": "user_unknown", "suppressed": "suppressed",
-    "onaccountsuppressionlist": "suppressed", "mailboxfull": "mailbox_full",
-    "messagetoolarge": "message_too_big", "contentrejected": "content",
-    "attachmentrejected": "content",
+    "General": "undefined", "NoEmail": "user_unknown", "Suppressed": "suppressed",
+    "OnAccountSuppressionList": "suppressed", "MailboxFull": "mailbox_full",
+    "MessageTooLarge": "message_too_big", "ContentRejected": "content",
+    "AttachmentRejected": "content",
 }
 
 
 def resend_reason(bounce_type: object, sub_type: object, message: object = "") -> str:
     """The reason of a Resend bounce (SES's types underneath): ``type``, ``subType``, text."""
-    found = RESEND_SUBTYPES.get(_word(sub_type), "undefined")
+    found = _look(RESEND_SUBTYPES, sub_type) or "undefined"
     if found != "undefined":
         return found
     del bounce_type  # permanence is the bounce kind's
