@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -280,7 +281,8 @@ def test_every_table_names_only_reasons_of_the_vocabulary() -> None:
 
 # -- never raises, linear -----------------------------------------------------------------
 
-FUNCTIONS = [dsn_reason, lambda a, b: smtp_reason(a), api_reason, ses_reason, postmark_reason,
+#: Each mapping, called with two values (the second ignored by those that take one).
+FUNCTIONS: list[Callable[[object, object], str]] = [dsn_reason, lambda a, b: smtp_reason(a), api_reason, ses_reason, postmark_reason,
              sendgrid_reason, mailgun_reason, resend_reason,
              lambda a, b: bounce_reason(a, b, failed=True),
              lambda a, b: text_reason(a) or "undefined"]
