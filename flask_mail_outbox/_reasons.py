@@ -282,7 +282,7 @@ POSTMARK_TYPES: dict[str, str] = {
     "InboundMailboxFull": "mailbox_full", "AddressChange": "has_moved",
     "ChallengeVerification": "policy", "VirusNotification": "virus",
     "SMTPApiError": "syntax_error", "Unknown": "undefined", "OpenRelayTest": "policy",
-    "DMARCPolicy": "authentication",
+    "DMARCPolicy": "authentication", "TemplateRenderingFailed": "content",
 }
 
 

@@ -218,6 +218,7 @@ def test_ses_bounce_types(bounce_type: str, sub_type: str, diagnostic: str,
     ("DMARCPolicy", "", "authentication"),
     ("BadEmailAddress", "", "syntax_error"),
     ("Unconfirmed", "", "account"),
+    ("TemplateRenderingFailed", "", "content"),
     ("SomethingNew", "", "undefined"),
 ])
 def test_postmark_types(bounce_type: str, details: str, reason: str) -> None:
