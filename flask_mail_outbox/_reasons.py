@@ -106,7 +106,7 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                      r"(?:mailbox|user|recipient|address|account) (?:does not|doesn't) exist|"
                      r"(?:mailbox|user|recipient|address) not found|invalid (?:recipient|"
                      r"mailbox)|unknown (?:recipient|mailbox|address)|"
-                     r"recipient address rejected|user not found|user (?:doesn't|does not) have")),
+                     r"user not found|user (?:doesn't|does not) have")),
     ("syntax_error", r"invalid '?to'? address|address syntax|syntax error|malformed address"),
     ("host_unknown", (r"host unknown|unknown host|no such domain|domain (?:not found|does not "
                      r"exist)|host not found|nxdomain|unroutable|unrouteable|"

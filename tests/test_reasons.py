@@ -141,7 +141,10 @@ def test_each_bounce_sample_has_its_reason(name: str, reasons: list[str]) -> Non
     ("552 5.2.2 Mailbox full", "mailbox_full"),
     ("552 5.3.4 Message too big", "message_too_big"),
     ("554 5.7.1 Relay access denied", "relaying_denied"),
-    ("550 5.7.1 Recipient address rejected", "user_unknown"),
+    # Postfix's wording for any refusal of a recipient (here a policy's): not a dead address.
+    ("550 5.7.1 Recipient address rejected", "policy"),
+    ("550 5.7.1 Recipient address rejected: User unknown in virtual mailbox table",
+     "user_unknown"),
     ("550 5.7.26 This message does not have authentication information", "authentication"),
     ("421 4.7.0 Try again later, closing connection (rate limit)", "rate_limited"),
     ("450 4.2.1 The user you are trying to contact is receiving mail too quickly",
