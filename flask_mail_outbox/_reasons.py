@@ -272,14 +272,13 @@ def ses_reason(bounce_type: object, sub_type: object, diagnostic: object = "") -
     return _look(SES_SUBTYPES, sub_type) or dsn_reason(diagnostic, diagnostic)
 
 
-#: Postmark's bounce ``Type`` -> reason.
+#: Postmark's bounce ``Type`` (its documented list) -> reason.
 POSTMARK_TYPES: dict[str, str] = {
     "HardBounce": "user_unknown", "SoftBounce": "undefined", "Transient": "undefined",
     "BadEmailAddress": "syntax_error", "DnsError": "host_unknown",
     "AutoResponder": "undefined", "SpamNotification": "spam", "SpamComplaint": "complaint",
-    "Blocked": "blocked", "ContentRelated": "content", "ManuallyDeactivated": "suppressed",
-    "Unconfirmed": "account", "SubscriptionChange": "suppressed",
-    "InboundMailboxFull": "mailbox_full", "AddressChange": "has_moved",
+    "Blocked": "blocked", "ManuallyDeactivated": "suppressed", "Unconfirmed": "account",
+    "InboundError": "system_error", "AddressChange": "has_moved",
     "ChallengeVerification": "policy", "VirusNotification": "virus",
     "SMTPApiError": "syntax_error", "Unknown": "undefined", "OpenRelayTest": "policy",
     "DMARCPolicy": "authentication", "TemplateRenderingFailed": "content",
