@@ -120,6 +120,7 @@ import flufl.bounce
 
 from ._events import DeliveryEvent, capped_payload, naive_utc
 from ._outside import clean_address, clean_line, clean_text
+from ._reasons import TEXT_READ, bounce_reason
 
 __all__ = ["KINDS", "TRANSPORT", "BounceReport", "NotMail", "read_bounce"]
 
@@ -661,7 +662,8 @@ class _Bounce:
 
     def event(self, event_type: str, recipient: str | None, *, occurred_at: datetime | None,
               message_id: str | None, summary: dict[str, Any], bounce_kind: str | None = None,
-              description: str = "", mta_response: str = "") -> DeliveryEvent:
+              description: str = "", mta_response: str = "",
+              reason: str | None = None) -> DeliveryEvent:
         # What the message says is made safe to store here, once (recipient is an
         # address of _address's, the ids are of _message_id's: clean_address'd and cut).
         summary = {key: _clean_value(value) for key, value in summary.items()
@@ -673,9 +675,20 @@ class _Bounce:
         return DeliveryEvent(
             event_type=event_type, recipient=recipient, occurred_at=occurred_at,
             transport=TRANSPORT, provider_event_id=self.event_id(recipient),
-            email_id=self.email_id, bounce_kind=bounce_kind,
+            email_id=self.email_id, bounce_kind=bounce_kind, reason=reason,
             description=clean_line(description, 500), mta_response=clean_text(mta_response),
             message_id=message_id, payload=capped_payload(summary))
+
+    def explanation(self) -> str:
+        """The first text/plain part of the bounce's own, decoded, cut at ``TEXT_READ``."""
+        for part in self.parts:
+            if part.get_content_type() == "text/plain":
+                charset = part.get_content_charset() or "ascii"
+                try:
+                    return _decoded(part)[:TEXT_READ * 4].decode(charset, "replace")
+                except LookupError:  # an unknown charset name
+                    return _decoded(part)[:TEXT_READ * 4].decode("ascii", "replace")
+        return ""
 
     def matched(self) -> str:
         if self.email_id is not None:
@@ -750,7 +763,9 @@ class _Bounce:
             event_type, recipient, message_id=original, summary=summary,
             occurred_at=_time(block.get("last-attempt-date")) or self.date or arrival,
             bounce_kind=bounce_kind, description=described + (f" from {mta}" if mta else ""),
-            mta_response=_typed(diagnostic)[1] if diagnostic else "")
+            mta_response=_typed(diagnostic)[1] if diagnostic else "",
+            reason=bounce_reason(status_text, diagnostic, failed=event_type == "bounced")
+            if event_type in ("bounced", "deferred") else None)
 
     # -- RFC 5965 ---------------------------------------------------------------------------
 
@@ -792,7 +807,8 @@ class _Bounce:
         targets: list[str | None] = [*rcpts[:MAX_EVENTS]] or [None]
         events = _unique([self.event(event_type, rcpt, occurred_at=_time(arrival) or self.date,
                                      message_id=original, summary=summary,
-                                     description=description)
+                                     description=description,
+                                     reason="complaint" if event_type == "complained" else None)
                           for rcpt in targets])
         who = ", ".join(rcpts[:3]) + (", ..." if len(rcpts) > 3 else "") if rcpts \
             else "no recipient named"
@@ -824,6 +840,9 @@ class _Bounce:
                 "bounce"))
         original = self.original_id()
         events = []
+        # The bounce's own text says why (no DSN field does here): a status code in it,
+        # else its words.
+        explanation = self.explanation()
         for address, is_temporary in list(found.items())[:MAX_EVENTS]:
             summary = {"kind": "detected", "address": address, "temporary": is_temporary,
                        "subject": _one_line(_field(self.msg, "subject"), 200),
@@ -833,6 +852,7 @@ class _Bounce:
                 "deferred" if is_temporary else "bounced", address, occurred_at=self.date,
                 message_id=original, summary=summary,
                 bounce_kind=None if is_temporary else "permanent",
+                reason=bounce_reason(explanation, explanation, failed=not is_temporary),
                 description=("delay warning" if is_temporary else "bounce")
                 + " recognised by flufl.bounce (not a standard DSN)"))
         named = ", ".join(list(found)[:3]) + (", ..." if len(found) > 3 else "")

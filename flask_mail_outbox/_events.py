@@ -17,6 +17,7 @@ from typing import Any
 
 from ._errors import InvalidMessage
 from ._outside import clean_address, clean_line, clean_text
+from ._reasons import REASONS
 
 __all__ = ["BOUNCE_KINDS", "EVENT_TYPES", "PAYLOAD_LIMIT", "DeliveryEvent", "capped_payload",
            "naive_utc"]
@@ -65,6 +66,9 @@ class DeliveryEvent:
     provider_message_id: str | None = None
     message_id: str | None = None
     payload: str | None = dataclasses.field(default=None, repr=False)
+    #: Why it failed, one of :data:`flask_mail_outbox._reasons.REASONS` (None: not said,
+    #: or not a failure).
+    reason: str | None = None
     #: The stored row's id (None until stored).
     id: int | None = None
 
@@ -110,6 +114,9 @@ class DeliveryEvent:
         if self.bounce_kind is not None and self.bounce_kind not in BOUNCE_KINDS:
             raise InvalidMessage("bounce_kind", f"{self.bounce_kind!r} is not one of "
                                  f"{', '.join(BOUNCE_KINDS)}")
+        if self.reason is not None and self.reason not in REASONS:
+            raise InvalidMessage("reason", f"{self.reason!r:.80} is not one of "
+                                 f"{', '.join(REASONS)}")
         if self.bounce_kind is not None and self.event_type != "bounced":
             raise InvalidMessage("bounce_kind", "only a bounced event has a bounce kind")
         if self.occurred_at is not None and self.occurred_at.tzinfo is not None:

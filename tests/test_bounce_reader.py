@@ -255,7 +255,7 @@ def test_postfix_hard_bounce_in_full() -> None:
         description="Status 5.1.1 from mx.outbox-test.example",
         mta_response='unknown user: "nobody-here"',
         message_id="<176498070012.4242.17023845513306081729@example.com>",
-        payload=event.payload)
+        reason="user_unknown", payload=event.payload)
     assert event.suppresses == "bounced"
     assert summary(event) == {
         "kind": "dsn", "reporting_mta": "mx.outbox-test.example", "action": "failed",

@@ -118,8 +118,9 @@ def test_resend_bounce_end_to_end(resend_app: tuple[Flask, str], resend: FakeRes
     with app.app_context():
         (event,) = mail.events(email_id)
         entry = mail.suppression("gone@example.com")
-    assert (event.event_type, event.bounce_kind, event.recipient, event.transport) == (
-        "bounced", "permanent", "gone@example.com", "mail-resend")
+    assert (event.event_type, event.bounce_kind, event.recipient, event.transport,
+            event.reason) == (
+        "bounced", "permanent", "gone@example.com", "mail-resend", "undefined")
     assert event.mta_response.startswith("smtp; 550")
     assert [e.id for e in heard] == [event.id]
     assert entry is not None and (entry.reason, entry.source) == (
@@ -187,9 +188,10 @@ def test_ses_bounce_and_complaint_end_to_end(make_apps: MakeApps, moto: MotoSES,
         response = post(app, "default", *provider_ses.webhook_request(event, signer, now))
         assert response.status_code == 200, response.get_data(as_text=True)
     with app.app_context():
-        assert [(e.event_type, e.bounce_kind) for e in mail.events(bounced_id)] == [
-            ("bounced", "permanent")]
-        assert [e.event_type for e in mail.events(complained_id)] == ["complained"]
+        assert [(e.event_type, e.bounce_kind, e.reason) for e in mail.events(bounced_id)] == [
+            ("bounced", "permanent", "user_unknown")]
+        assert [(e.event_type, e.reason) for e in mail.events(complained_id)] == [
+            ("complained", "complaint")]
         assert mail.suppression("gone@example.com").reason == "bounced"  # type: ignore[union-attr]
         assert mail.suppression("angry@example.com").reason == "complained"  # type: ignore[union-attr]
     sent_before = len(moto.sent())
@@ -417,6 +419,8 @@ def test_hard_bounce_end_to_end(make_apps: MakeApps, provider: Provider) -> None
         entry = mail.suppression("gone@example.com")
     assert (event.event_type, event.bounce_kind, event.recipient, event.email_id) == (
         "bounced", "permanent", "gone@example.com", email_id)
+    # Why, as each provider's bounce says it (its type, or the reply it passes on).
+    assert event.reason == "user_unknown"
     assert entry is not None and entry.reason == "bounced"
     sends = provider.sends()
     [again] = send(app, Message("Again", ["gone@example.com"], "x"))

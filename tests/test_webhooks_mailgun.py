@@ -317,3 +317,29 @@ def test_check_secret_takes_a_signing_key() -> None:
 def test_refusal_count() -> None:
     """The count the report gives: bad requests plus bad secrets."""
     assert len(REFUSALS) + len(BAD_SECRETS) == 36
+
+
+def _status(code: int, message: str) -> dict[str, Any]:
+    return {"attempt-no": 1, "code": code, "description": "", "message": message}
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({}, "user_unknown"),  # the docs' sample: reason "bounce", 550 5.1.1
+    ({"reason": "generic", "delivery-status": _status(552, "5.2.2 Mailbox full")},
+     "mailbox_full"),
+    ({"reason": "suppress-bounce", "delivery-status": _status(605, "")}, "suppressed"),
+    ({"reason": "old", "severity": "temporary"}, "expired"),
+    ({"reason": "espblock", "severity": "temporary"}, "blocked"),
+    ({"reason": "generic", "severity": "temporary",
+      "delivery-status": _status(421, "4.7.0 Too many connections, slow down")},
+     "rate_limited"),
+])
+def test_a_failure_s_reason_is_mailgun_s_else_the_reply(extra: dict[str, Any],
+                                                       reason: str) -> None:
+    assert _one("failed", **extra).reason == reason
+
+
+def test_a_complaint_s_reason_and_a_delivery_s_none() -> None:
+    assert _one("complained").reason == "complaint"
+    assert _one("delivered").reason is None
+

@@ -298,3 +298,26 @@ def test_check_secret_takes_the_documented_form() -> None:
 def test_refusal_count() -> None:
     """The count the report gives: bad requests plus bad secrets."""
     assert len(REFUSALS) + len(BAD_SECRETS) == 29
+
+
+@pytest.mark.parametrize(("bounce_type", "type_code", "details", "reason"), [
+    ("HardBounce", 1, "smtp;550 5.1.1 The email account does not exist", "user_unknown"),
+    ("HardBounce", 1, "Test bounce details", "user_unknown"),
+    ("SoftBounce", 4096, "smtp;452 4.2.2 Mailbox full", "mailbox_full"),
+    ("DnsError", 256, "", "host_unknown"),
+    ("DMARCPolicy", 100009, "", "authentication"),
+    ("ManuallyDeactivated", 100002, "", "suppressed"),
+    ("Unconfirmed", 100003, "", "account"),
+])
+def test_a_bounce_s_reason_is_its_type_refined_by_its_details(
+        bounce_type: str, type_code: int, details: str, reason: str) -> None:
+    event = _receive(bounce_record(MESSAGE_ID, TO, bounce_type=bounce_type,
+                                   type_code=type_code, details=details))
+    assert event.reason == reason
+
+
+def test_a_complaint_and_a_subscription_change_have_their_reason() -> None:
+    assert _receive(spam_complaint_record(MESSAGE_ID, TO)).reason == "complaint"
+    assert _receive(subscription_change_record(MESSAGE_ID, TO)).reason == "suppressed"
+    assert _receive(delivery_record(MESSAGE_ID, TO)).reason is None
+

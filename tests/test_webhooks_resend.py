@@ -77,53 +77,56 @@ HARD = bounce()["message"]
 SUPPRESSED = ("Resend has suppressed sending to this address because it is on the "
               "account-level suppression list.")
 
-#: Resend type, data to add, normalized type, bounce kind, description, mta_response.
-DOCUMENTED: list[tuple[str, dict[str, Any], str, str | None, str, str]] = [
-    ("email.delivered", {}, "delivered", None, "", ""),
-    ("email.delivery_delayed", {}, "deferred", None, "", ""),
-    ("email.complained", {}, "complained", None, "", ""),
-    ("email.opened", {}, "opened", None, "", ""),
+#: Resend type, data to add, normalized type, bounce kind, description, mta_response,
+#: reason (None: the event is no failure).
+DOCUMENTED: list[tuple[str, dict[str, Any], str, str | None, str, str, str | None]] = [
+    ("email.delivered", {}, "delivered", None, "", "", None),
+    ("email.delivery_delayed", {}, "deferred", None, "", "", "undefined"),
+    ("email.complained", {}, "complained", None, "", "", "complaint"),
+    ("email.opened", {}, "opened", None, "", "", None),
     ("email.clicked", {"click": {"ipAddress": "122.115.53.11", "link": "https://resend.com",
                                  "timestamp": "2024-11-24T05:00:57.163Z",
                                  "userAgent": "Mozilla/5.0"}},
-     "clicked", None, "https://resend.com", ""),
+     "clicked", None, "https://resend.com", "", None),
     ("email.bounced", {"bounce": bounce("Permanent", "Suppressed")}, "bounced", "permanent",
      f"Permanent / Suppressed: {HARD}",
-     "smtp; 550 5.5.0 Requested action not taken: mailbox unavailable"),
+     "smtp; 550 5.5.0 Requested action not taken: mailbox unavailable", "suppressed"),
     ("email.bounced", {"bounce": bounce("Transient", "MailboxFull")}, "bounced", "transient",
      f"Transient / MailboxFull: {HARD}",
-     "smtp; 550 5.5.0 Requested action not taken: mailbox unavailable"),
+     "smtp; 550 5.5.0 Requested action not taken: mailbox unavailable", "mailbox_full"),
     ("email.bounced", {"bounce": {"type": "Undetermined", "subType": "Undetermined",
                                   "message": "unknown", "diagnosticCode": "smtp; 554 no"}},
-     "bounced", "transient", "Undetermined / Undetermined: unknown", "smtp; 554 no"),
+     "bounced", "transient", "Undetermined / Undetermined: unknown", "smtp; 554 no",
+     "policy"),
     # An email.bounced without bounce.type (Resend's payloads of 2023): Resend documents the
     # event as a permanent rejection, so the address is suppressed.
-    ("email.bounced", {}, "bounced", "permanent", "", ""),
+    ("email.bounced", {}, "bounced", "permanent", "", "", "undefined"),
     ("email.failed", {"failed": {"reason": "reached_daily_quota"}}, "rejected", None,
-     "reached_daily_quota", ""),
+     "reached_daily_quota", "", "account"),
     ("email.suppressed", {"suppressed": {"message": SUPPRESSED,
                                          "type": "OnAccountSuppressionList"}},
-     "rejected", None, f"OnAccountSuppressionList: {SUPPRESSED}", ""),
-    ("email.sent", {}, "unknown", None, "email.sent", ""),
-    ("email.scheduled", {}, "unknown", None, "email.scheduled", ""),
-    ("email.received", {}, "unknown", None, "email.received", ""),
-    ("contact.created", {}, "unknown", None, "contact.created", ""),
-    ("domain.updated", {}, "unknown", None, "domain.updated", ""),
+     "rejected", None, f"OnAccountSuppressionList: {SUPPRESSED}", "", "suppressed"),
+    ("email.sent", {}, "unknown", None, "email.sent", "", None),
+    ("email.scheduled", {}, "unknown", None, "email.scheduled", "", None),
+    ("email.received", {}, "unknown", None, "email.received", "", None),
+    ("contact.created", {}, "unknown", None, "contact.created", "", None),
+    ("domain.updated", {}, "unknown", None, "domain.updated", "", None),
 ]
 
 
 @pytest.mark.parametrize(("kind", "data", "event_type", "bounce_kind", "description",
-                          "mta_response"), DOCUMENTED,
+                          "mta_response", "reason"), DOCUMENTED,
                          ids=[f"{row[0]}-{row[3]}" for row in DOCUMENTED])
 def test_every_documented_event_type_is_normalized(
         receiver: ResendReceiver, secret: str, kind: str, data: dict[str, Any],
-        event_type: str, bounce_kind: str | None, description: str, mta_response: str) -> None:
+        event_type: str, bounce_kind: str | None, description: str, mta_response: str,
+        reason: str | None) -> None:
     event = resend_event(kind, **data)
     [got] = _events(receiver, secret, event)
     assert got == DeliveryEvent(
         event_type=event_type, recipient="delivered@resend.dev", occurred_at=CREATED,
         transport="mail-resend", provider_event_id=SVIX_ID, bounce_kind=bounce_kind,
-        description=description, mta_response=mta_response,
+        description=description, mta_response=mta_response, reason=reason,
         provider_message_id=SAMPLE_EMAIL_ID, payload=json.dumps(event, separators=(",", ":")))
     assert got.payload is not None and json.loads(got.payload) == event
 

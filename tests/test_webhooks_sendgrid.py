@@ -78,6 +78,22 @@ def test_dropped_is_rejected_with_the_reason() -> None:
     assert (event.event_type, event.bounce_kind) == ("rejected", None)
     assert event.description == "dropped: Bounced Address"
     assert event.suppresses is None
+    assert event.reason == "suppressed"  # SendGrid's own list left it out
+
+
+@pytest.mark.parametrize(("name", "extra", "reason"), [
+    ("dropped", {"reason": "Unsubscribed Address"}, "suppressed"),
+    ("dropped", {"reason": "Invalid SMTPAPI header"}, "undefined"),  # no reason fits
+    ("dropped", {"reason": "Spam Content (if spam checker app enabled)"}, "spam"),
+    ("bounce", {"bounce_classification": "Reputation"}, "blocked"),
+    ("bounce", {"bounce_classification": "Unclassified", "reason": "550 5.2.2 full"},
+     "mailbox_full"),
+    ("deferred", {"response": "421 4.7.0 Try again later: rate limit"}, "rate_limited"),
+    ("spamreport", {}, "complaint"),
+    ("delivered", {}, None),
+])
+def test_each_event_s_reason(name: str, extra: dict[str, Any], reason: str | None) -> None:
+    assert _one(name, **extra).reason == reason
 
 
 def test_deferred() -> None:

@@ -184,6 +184,32 @@ def test_a_delivery_delay_is_deferred_per_delayed_recipient(
     assert (event.description, event.mta_response) == (
         "TransientCommunicationFailure (4.4.1)",
         "smtp; 421 4.4.1 Unable to connect to remote host")
+    assert event.reason == "network_error"  # SES's delayType says why
+
+
+@pytest.mark.parametrize(("delay_type", "reason"), [
+    ("MailboxFull", "mailbox_full"), ("SpamDetected", "spam"), ("IPFailure", "blocked"),
+    ("SendingDeferral", "rate_limited"), ("RecipientServerError", "system_error"),
+    ("Undetermined", "network_error"),  # no reason of its own: the reply's 4.4.1
+])
+def test_a_delivery_delay_s_reason_is_its_delay_type_else_its_reply(
+        receiver: SESReceiver, signer: SNSSigner, delay_type: str, reason: str) -> None:
+    detail = delay_detail([ANN])
+    detail["delayType"] = delay_type
+    [event] = _events(receiver, signer, ses_event("DeliveryDelay", [ANN], detail))
+    assert event.reason == reason
+
+
+@pytest.mark.parametrize(("kind", "detail", "reason"), [
+    ("Reject", {"reason": "Bad content"}, "policy"),
+    ("Reject", {"reason": "Sending paused: DMARC policy"}, "authentication"),
+    ("Rendering Failure", {"errorMessage": "x", "templateName": "T"}, "content"),
+    ("Open", {"timestamp": "2017-08-09T22:00:19.652Z"}, None),
+])
+def test_a_rejection_s_reason(receiver: SESReceiver, signer: SNSSigner, kind: str,
+                              detail: dict[str, Any], reason: str | None) -> None:
+    [event] = _events(receiver, signer, ses_event(kind, [ANN], detail))
+    assert event.reason == reason
 
 
 RENDERING = "Attribute 'attributeName' is not present in the rendering data."

@@ -69,6 +69,7 @@ from typing import Any, ClassVar
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, capped_payload
+from .._reasons import mailgun_reason
 from ._base import (
     Received,
     Receiver,
@@ -184,11 +185,17 @@ class MailgunReceiver(Receiver):
         if recipient is None and name == "rejected":  # its recipients: the To header's
             recipients = [*_addresses(_text(headers, "to") or "")] or [None]
         per_address = recipients != [recipient]
+        reason = None
+        if event_type in ("bounced", "deferred", "rejected"):
+            reason = mailgun_reason(_text(data, "reason"), _text(data, "severity"),
+                                    mta_response or (_text(status, "description") or ""))
+        elif event_type == "complained":
+            reason = "complaint"
         return tuple(DeliveryEvent(
             event_type=event_type, bounce_kind=bounce_kind, recipient=outside_recipient(address),
             occurred_at=None if timestamp is None else _utc(timestamp), transport=self.name,
             provider_event_id=_bounded(f"{event_id}:{address}") if per_address else event_id,
-            description=description, mta_response=mta_response,
+            description=description, mta_response=mta_response, reason=reason,
             provider_message_id=message_id.strip().strip("<>") if message_id else None,
             payload=capped_payload(data)) for address in recipients)
 

@@ -93,6 +93,7 @@ from typing import Any, ClassVar
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, capped_payload, naive_utc
+from .._reasons import postmark_reason
 from ._base import (
     Received,
     Receiver,
@@ -204,8 +205,16 @@ class PostmarkReceiver(Receiver):
             raise WebhookRefused(400, f"the {record_type}'s ID is not a number")
         event_id = str(bounce_id) if bounce_id not in (None, "") else _derived_id(
             record_type, message_id, recipient, time_text)
+        reason = None
+        if event_type in ("bounced", "deferred", "rejected"):
+            reason = postmark_reason(_bounce_type(record) or _text(record, "Type"),
+                                     _text(record, "Details") or "") \
+                if record_type == "Bounce" else "suppressed"
+        elif event_type == "complained":
+            reason = "complaint"
         return DeliveryEvent(
             event_type=event_type, bounce_kind=bounce_kind, recipient=outside_recipient(recipient),
+            reason=reason,
             occurred_at=_time(time_field, time_text), transport=self.name,
             provider_event_id=event_id, description=description,
             mta_response=_text(record, "Details") or "",

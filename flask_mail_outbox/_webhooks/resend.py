@@ -65,6 +65,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from email.utils import parseaddr
@@ -72,6 +73,7 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, capped_payload, naive_utc
+from .._reasons import resend_reason, text_reason
 from ._base import (
     Received,
     Receiver,
@@ -105,6 +107,9 @@ EVENT_TYPES = {
     "email.failed": "rejected",
     "email.suppressed": "rejected",
 }
+
+#: An ``email.failed`` reason that is the account's (a quota, an unverified domain, a key).
+_ACCOUNT = re.compile(r"quota|domain|api.?key|verif|limit", re.IGNORECASE)
 
 
 class ResendReceiver(Receiver):
@@ -168,6 +173,7 @@ class ResendReceiver(Receiver):
         bounce_kind = None
         description = kind if event_type == "unknown" else ""
         mta_response = ""
+        reason = {"complained": "complaint", "deferred": "undefined"}.get(event_type)
         if kind == "email.bounced":
             bounce = json_object(data.get("bounce"))
             # Resend documents email.bounced as a permanent rejection; only a bounce that
@@ -177,14 +183,20 @@ class ResendReceiver(Receiver):
             description = joined(": ", joined(" / ", bounce.get("type"), bounce.get("subType")),
                                   bounce.get("message"))
             mta_response = joined("; ", *_strings(bounce.get("diagnosticCode")))
+            reason = resend_reason(bounce.get("type"), bounce.get("subType"),
+                                   mta_response or joined("", bounce.get("message")))
         elif kind == "email.clicked":
             description = joined("", json_object(data.get("click")).get("link"))
         elif kind == "email.failed":
             description = joined("", json_object(data.get("failed")).get("reason"))
+            # Resend's refusal to send: the account's limits or setup, else its words.
+            reason = "account" if _ACCOUNT.search(description) else (
+                text_reason(description) or "undefined")
         elif kind == "email.suppressed":
             suppressed = json_object(data.get("suppressed"))
             description = joined(": ", suppressed.get("type"), suppressed.get("message")) \
                 or "Resend's suppression list"
+            reason = "suppressed"
         recipients: list[str | None] = [*_recipients(data.get("to"))] or [None]
         if len(recipients) > 1 and (event_type == "complained" or bounce_kind == "permanent"):
             # Whose bounce is it? Resend does not say: one event without a recipient
@@ -199,7 +211,7 @@ class ResendReceiver(Receiver):
             provider_event_id=bounded_id(svix_id if len(recipients) <= 1
                                          else f"{svix_id}:{recipient}"),
             bounce_kind=bounce_kind, description=description, mta_response=mta_response,
-            provider_message_id=message_id, payload=payload)
+            reason=reason, provider_message_id=message_id, payload=payload)
             for recipient in recipients]
 
 

@@ -64,6 +64,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, capped_payload
+from .._reasons import sendgrid_reason, smtp_reason
 from ._base import (
     Received,
     Receiver,
@@ -140,11 +141,22 @@ class SendGridReceiver(Receiver):
         response = _text(event, "response", index) or (
             _text(event, "reason", index) if name == "bounce" else None)
         message_id = _text(event, "sg_message_id", index)
+        reason = None
+        if event_type == "bounced":
+            reason = sendgrid_reason(_text(event, "bounce_classification", index), response or "")
+        elif event_type == "deferred":
+            reason = smtp_reason(response or "")
+        elif event_type == "rejected":  # dropped: SendGrid's suppression or its own refusal
+            dropped = _text(event, "reason", index) or ""
+            reason = "suppressed" if "suppress" in dropped.lower() or "unsubscribed" in \
+                dropped.lower() or "bounced address" in dropped.lower() else smtp_reason(dropped)
+        elif event_type == "complained":
+            reason = "complaint"
         return DeliveryEvent(
             event_type=event_type, bounce_kind=bounce_kind,
             recipient=outside_recipient(_text(event, "email", index)), occurred_at=_time(event, index),
             transport=self.name, provider_event_id=_event_id(event, index),
-            description=description, mta_response=response or "",
+            description=description, mta_response=response or "", reason=reason,
             provider_message_id=message_id.partition(".")[0] if message_id else None,
             payload=capped_payload(event))
 

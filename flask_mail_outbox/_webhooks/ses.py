@@ -103,6 +103,7 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from .._errors import ConfigError
 from .._events import DeliveryEvent, capped_payload
+from .._reasons import ses_reason, smtp_reason, text_reason
 from ._base import (
     Received,
     Receiver,
@@ -437,17 +438,24 @@ class SESReceiver(Receiver):
             kinds = joined("/", bounce.get("bounceType"), bounce.get("bounceSubType"))
             return [base.one("bounced", entry.get("emailAddress"), bounce, bounce_kind=bounce_kind,
                              description=joined(" ", kinds, _parenthesized(entry.get("status"))),
-                             mta_response=_text(entry.get("diagnosticCode")))
+                             mta_response=_text(entry.get("diagnosticCode")),
+                             reason=ses_reason(bounce.get("bounceType"),
+                                               bounce.get("bounceSubType"),
+                                               joined(" ", entry.get("status"),
+                                                      entry.get("diagnosticCode"))))
                     for entry in _entries(bounce.get("bouncedRecipients"))] \
-                or base.each("bounced", bounce, bounce_kind=bounce_kind, description=kinds)
+                or base.each("bounced", bounce, bounce_kind=bounce_kind, description=kinds,
+                             reason=ses_reason(bounce.get("bounceType"),
+                                               bounce.get("bounceSubType")))
         if kind == "Complaint":
             complaint = json_object(event.get("complaint"))
             description = joined(": ", "complaint", complaint.get("complaintFeedbackType")
                                   or complaint.get("complaintSubType"))
             return [base.one("complained", entry.get("emailAddress"), complaint,
-                             description=description)
+                             description=description, reason="complaint")
                     for entry in _entries(complaint.get("complainedRecipients"))] \
-                or base.each("complained", complaint, description=description)
+                or base.each("complained", complaint, description=description,
+                             reason="complaint")
         if kind == "Delivery":
             delivery = json_object(event.get("delivery"))
             return base.each("delivered", delivery, _unique(_list(delivery.get("recipients"))),
@@ -457,18 +465,21 @@ class SESReceiver(Receiver):
             return [base.one("deferred", entry.get("emailAddress"), delay,
                              description=joined(" ", _text(delay.get("delayType")),
                                                  _parenthesized(entry.get("status"))),
-                             mta_response=_text(entry.get("diagnosticCode")))
+                             mta_response=_text(entry.get("diagnosticCode")),
+                             reason=_delay_reason(delay, entry))
                     for entry in _entries(delay.get("delayedRecipients"))] \
-                or base.each("deferred", delay, description=_text(delay.get("delayType")))
+                or base.each("deferred", delay, description=_text(delay.get("delayType")),
+                             reason=_delay_reason(delay, {}))
         if kind == "Reject":
             reject = json_object(event.get("reject"))
             return base.each("rejected", reject, description=joined(
-                ": ", "rejected by SES", reject.get("reason")))
+                ": ", "rejected by SES", reject.get("reason")),
+                reason=text_reason(_text(reject.get("reason"))) or "policy")
         if kind == "Rendering Failure":
             failure = json_object(event.get("failure"))
             return base.each("rejected", failure, description=joined(
                 ": ", "rendering failure", failure.get("templateName"),
-                failure.get("errorMessage")))
+                failure.get("errorMessage")), reason="content")
         if kind in ("Open", "Click"):
             detail = json_object(event.get(kind.lower()))
             return base.each("opened" if kind == "Open" else "clicked", detail,
@@ -483,6 +494,23 @@ class SESReceiver(Receiver):
                 ": ", "Subscription (topic preferences changed)",
                 subscription.get("contactList")))
         return base.each("unknown", {}, description=kind)
+
+
+#: SES's ``delayType`` -> reason (others: the diagnostic's).
+_DELAY_TYPES = {"MailboxFull": "mailbox_full", "SpamDetected": "spam",
+                "RecipientServerError": "system_error", "IPFailure": "blocked",
+                "TransientCommunicationFailure": "network_error",
+                "BYOIPHostNameLookupUnavailable": "network_error",
+                "SendingDeferral": "rate_limited"}
+
+
+def _delay_reason(delay: dict[str, Any], entry: Any) -> str:
+    """The reason of an SES delivery delay: its ``delayType``, else the recipient's reply."""
+    kind = delay.get("delayType")
+    if isinstance(kind, str) and kind in _DELAY_TYPES:
+        return _DELAY_TYPES[kind]
+    found = entry if isinstance(entry, dict) else {}
+    return smtp_reason(joined(" ", found.get("status"), found.get("diagnosticCode")))
 
 
 class _SESEvent:

@@ -35,6 +35,7 @@ from .. import _degrade
 from .._errors import PermanentError, TransientError, TransportError
 from .._events import DeliveryEvent
 from .._outside import TEXT_LIMIT, clean_line, clean_text
+from .._reasons import smtp_reason
 from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Transport
 from ._clock import utcnow
 from ._database import KeptConnection
@@ -839,11 +840,13 @@ class Delivery:
             if outcome.status in (Status.SENT, Status.SUPPRESSED):
                 events += [DeliveryEvent(
                     "rejected", recipient=address, transport=email.transport,
-                    email_id=email.id, description=f"on the suppression list ({reason}): "
+                    email_id=email.id, reason="suppressed",
+                    description=f"on the suppression list ({reason}): "
                     "left out of the envelope") for address, reason in email.suppressed]
             events += [DeliveryEvent(
                 "bounced", bounce_kind="permanent", recipient=address,
                 transport=email.transport, email_id=email.id, mta_response=reply,
+                reason=smtp_reason(reply),
                 description="refused by the server as an unknown recipient")
                 for address, reply in outcome.unknown_recipients]
         if not events:

@@ -214,7 +214,7 @@ class EventLog:
             rows.append({
                 "email_id": event.email_id, "transport": event.transport,
                 "provider_event_id": event.provider_event_id, "event_type": event.event_type,
-                "bounce_kind": event.bounce_kind, "recipient": event.recipient,
+                "bounce_kind": event.bounce_kind, "reason": event.reason, "recipient": event.recipient,
                 "occurred_at": event.occurred_at, "received_at": received,
                 "description": event.description, "mta_response": event.mta_response,
                 "payload": event.payload})
@@ -280,6 +280,6 @@ def event_of(row: Any) -> DeliveryEvent:
     return DeliveryEvent(
         id=row["id"], email_id=row["email_id"], transport=row["transport"],
         provider_event_id=row["provider_event_id"], event_type=row["event_type"],
-        bounce_kind=row["bounce_kind"], recipient=row["recipient"],
+        bounce_kind=row["bounce_kind"], reason=row["reason"], recipient=row["recipient"],
         occurred_at=row["occurred_at"], description=row["description"],
         mta_response=row["mta_response"], payload=row["payload"])

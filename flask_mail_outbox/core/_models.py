@@ -274,6 +274,8 @@ class OutboxEvent(Base):
     provider_event_id: Mapped[str | None] = mapped_column(sa.String(255))
     event_type: Mapped[str] = mapped_column(sa.String(16), nullable=False)
     bounce_kind: Mapped[str | None] = mapped_column(sa.String(16))
+    # Why it failed (flask_mail_outbox._reasons.REASONS), NULL when not a failure.
+    reason: Mapped[str | None] = mapped_column(sa.String(32))
     recipient: Mapped[str | None] = mapped_column(sa.String(320))
     occurred_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)
     received_at: Mapped[datetime] = mapped_column(sa.DateTime(), nullable=False)

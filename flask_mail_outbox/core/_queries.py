@@ -92,6 +92,7 @@ EVENTS_SHOWN = 200
 _EVENT_COLUMNS = (
     event_table.c.id, event_table.c.email_id, event_table.c.transport,
     event_table.c.provider_event_id, event_table.c.event_type, event_table.c.bounce_kind,
+    event_table.c.reason,
     event_table.c.recipient, event_table.c.occurred_at, event_table.c.description,
     event_table.c.mta_response,
 )
@@ -535,7 +536,8 @@ def email_events(conn: Connection, email_id: int,
     events = [DeliveryEvent(
         id=row.id, email_id=row.email_id, transport=row.transport,
         provider_event_id=row.provider_event_id, event_type=row.event_type,
-        bounce_kind=row.bounce_kind, recipient=row.recipient, occurred_at=row.occurred_at,
+        bounce_kind=row.bounce_kind, reason=row.reason, recipient=row.recipient,
+        occurred_at=row.occurred_at,
         description=row.description, mta_response=row.mta_response) for row in rows]
     events.reverse()
     return events, earlier

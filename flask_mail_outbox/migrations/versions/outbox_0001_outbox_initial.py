@@ -166,6 +166,7 @@ def _tables() -> sa.MetaData:
         sa.Column("provider_event_id", sa.String(255), nullable=True),
         sa.Column("event_type", sa.String(16), nullable=False),
         sa.Column("bounce_kind", sa.String(16), nullable=True),
+        sa.Column("reason", sa.String(32), nullable=True),
         sa.Column("recipient", sa.String(320), nullable=True),
         sa.Column("occurred_at", sa.DateTime(), nullable=False),
         sa.Column("received_at", sa.DateTime(), nullable=False),
