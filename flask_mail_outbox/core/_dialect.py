@@ -591,19 +591,11 @@ class Postgres(Dialect):
         return kept, recounted
 
 
-class PostgresOnClock(Postgres):
-    """PostgreSQL with "now" the caller's clock, bound: for a :class:`~._clock.TestClock` only.
-
-    Every statement that reads the database's ``now()`` in :class:`Postgres`
-    binds ``clock()`` here instead (the claim, the record, the inserts'
-    stamps, the rate schedule's epoch), as SQLite does; what a process with
-    no test clock runs is :class:`Postgres`'s, unchanged.
-    """
+class _CallersClock:
+    """The caller's ``clock()`` as "now", bound into each statement (SQLite's, and
+    PostgreSQL's under a test clock); ``epoch_now`` is the bound parameter ``now``."""
 
     database_clock = False
-
-    def on_clock(self) -> Dialect:
-        return self
 
     def now(self, clock: Clock) -> sa.ColumnElement[datetime]:
         return sa.literal(clock(), sa.DateTime())
@@ -616,6 +608,19 @@ class PostgresOnClock(Postgres):
 
     def epoch_now(self) -> sa.ColumnElement[float]:
         return sa.bindparam("now", type_=sa.Float())
+
+
+class PostgresOnClock(_CallersClock, Postgres):
+    """PostgreSQL with "now" the caller's clock, bound: for a :class:`~._clock.TestClock` only.
+
+    Every statement that reads the database's ``now()`` in :class:`Postgres`
+    binds ``clock()`` here instead (the claim, the record, the inserts'
+    stamps, the rate schedule's epoch), as SQLite does; what a process with
+    no test clock runs is :class:`Postgres`'s, unchanged.
+    """
+
+    def on_clock(self) -> Dialect:
+        return self
 
     def insert_one(self, conn: Connection, values: dict[str, Any], notify: bool) -> int:
         # created_at and due_at are stamped from the clock (database_clock is False).
@@ -682,11 +687,10 @@ SQLITE_TALLY_BACKFILL = (
 
 
 
-class SQLite(Dialect):
+class SQLite(_CallersClock, Dialect):
     """SQLite: one machine's clock, one writer at a time (``BEGIN IMMEDIATE``), no NOTIFY."""
 
     name = "sqlite"
-    database_clock = False
     listens = False
     advances_at_commit = False
     tally_ddl = SQLITE_TALLY_DDL
@@ -724,18 +728,6 @@ class SQLite(Dialect):
         # SQLITE_BUSY whatever the busy timeout; an immediate one waits for the
         # write lock.
         conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    def now(self, clock: Clock) -> sa.ColumnElement[datetime]:
-        return sa.literal(clock(), sa.DateTime())
-
-    def later(self, clock: Clock, seconds: float) -> sa.ColumnElement[datetime]:
-        return sa.literal(clock() + timedelta(seconds=seconds), sa.DateTime())
-
-    def ago(self, clock: Clock, seconds: float) -> sa.ColumnElement[datetime]:
-        return sa.literal(clock() - timedelta(seconds=seconds), sa.DateTime())
-
-    def epoch_now(self) -> sa.ColumnElement[float]:
-        return sa.bindparam("now", type_=sa.Float())
 
     def hour_number(self, column: Any) -> Any:
         return sa.cast(sa.func.strftime("%s", column), sa.Integer()) // 3600  # integer division
