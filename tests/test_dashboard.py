@@ -34,6 +34,7 @@ from conftest import (
     wait_rows,
 )
 from conftest import db as test_db
+from dashboard_helpers import Gate
 from flask import Flask
 from flask.testing import FlaskClient
 from smtpserver import FaultSMTPServer
@@ -53,18 +54,6 @@ from flask_mail_outbox.core._store import Store
 PREFIX = "/outbox"
 XSS = "<script>alert(1)</script>"
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
-
-
-class Gate:
-    """The ``authorize`` callable of a test: open or shut, and how often it was asked."""
-
-    def __init__(self) -> None:
-        self.open = True
-        self.calls = 0
-
-    def __call__(self) -> bool:
-        self.calls += 1
-        return self.open
 
 
 @pytest.fixture

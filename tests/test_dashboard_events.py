@@ -22,6 +22,7 @@ import pytest
 import sqlalchemy as sa
 from conftest import db as test_db
 from conftest import query_plan, rows, wait_rows
+from dashboard_helpers import Gate
 from flask import Flask
 from flask.testing import FlaskClient
 from smtpserver import FaultSMTPServer
@@ -35,16 +36,6 @@ PAGE_SIZE = 20
 XSS = "<script>alert(1)</script>"
 ESCAPED = "&lt;script&gt;alert(1)&lt;/script&gt;"
 T0 = datetime(2030, 1, 1, 12, 0, 0)
-
-
-class Gate:
-    """The ``authorize`` callable: open or shut."""
-
-    def __init__(self) -> None:
-        self.open = True
-
-    def __call__(self) -> bool:
-        return self.open
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from conftest import close_app, hand_ticked_worker, rows, wait_rows
+from dashboard_helpers import Gate
 from flask import Flask
 from flask.testing import FlaskClient
 from previews_helpers import (
@@ -36,16 +37,6 @@ from flask_mail_outbox._operator.dashboard import (
 
 PAGE = f"{PREFIX}/previews"
 SEND = f"{PREFIX}/previews/send"
-
-
-class Gate:
-    """``authorize``: open or shut."""
-
-    def __init__(self) -> None:
-        self.open = True
-
-    def __call__(self) -> bool:
-        return self.open
 
 
 @pytest.fixture

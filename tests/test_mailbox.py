@@ -22,6 +22,7 @@ import pytest
 import sqlalchemy as sa
 from conftest import close_app, make_app, poll, rows
 from conftest import db as test_db
+from dashboard_helpers import Gate
 from flask import Flask
 from flask.testing import FlaskClient
 from markupsafe import escape
@@ -43,16 +44,6 @@ PREFIX = "/outbox"
 BINARY = bytes(range(256)) * 3 + b"\r\n\n\r end"
 HTML = ('<html><body><h1 style="color: #c00">Welcome</h1><p>Hi <b>Ann</b></p>'
         "<script>parent.document.title='owned'</script></body></html>")
-
-
-class Gate:
-    """``authorize``: open or shut."""
-
-    def __init__(self) -> None:
-        self.open = True
-
-    def __call__(self) -> bool:
-        return self.open
 
 
 @pytest.fixture
