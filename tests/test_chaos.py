@@ -90,6 +90,9 @@ def test_twenty_sigkills_during_a_drain_lose_nothing(
     mail: OutboxMail = producer.extensions["test_mail"]
     seed = int(os.environ.get("CHAOS_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
+    # First, so a failing run can be replayed (CHAOS_SEED=<seed>) whatever fails after.
+    with capsys.disabled():
+        print(f"\n[chaos] seed={seed} (replay: CHAOS_SEED={seed})")
     with producer.app_context():
         for first in range(0, TOTAL, 500):
             for i in range(first, first + 500):
@@ -135,8 +138,8 @@ def test_twenty_sigkills_during_a_drain_lose_nothing(
     unknown = set(received_ids) - expected
     duplicates = sum(n - 1 for n in received_ids.values() if n > 1)
     in_flight = [k.in_flight for k in kills]
-    assert (lost, unknown) == (set(), set())
-    assert duplicates <= sum(in_flight), (duplicates, kills)
+    assert (lost, unknown) == (set(), set()), f"seed={seed}"
+    assert duplicates <= sum(in_flight), (f"seed={seed}", duplicates, kills)
     # Why a kill re-sends more than one message per connection (81-116 for 4 x 20 = 80):
     # a connection overlaps two messages by design. The reply to one message is recorded
     # in the loop's next round, coalesced over RECORD_WINDOW with the others, while the
@@ -146,7 +149,7 @@ def test_twenty_sigkills_during_a_drain_lose_nothing(
     # connection, more when the record's transaction is slow on a loaded machine. Only the
     # rows in flight under the killed leases bound it for sure (asserted above).
     # Most kills hit a worker mid-batch (the random window lets some batches end first).
-    assert sum(1 for n in in_flight if n) >= KILLS // 2, kills
+    assert sum(1 for n in in_flight if n) >= KILLS // 2, (f"seed={seed}", kills)
     # Every restarted row got another attempt; no row needed more than one per kill.
     assert max(r["attempts"] for r in current) <= 1 + KILLS
 

@@ -324,6 +324,39 @@ def test_worker_killed_during_data_is_redelivered_by_another_after_its_lease(
     assert b.terminate_and_wait(timeout=30) == 0
 
 
+def test_a_dead_workers_mail_goes_out_one_lease_later_though_the_other_worker_idles(
+        producer: Flask, spawn: Callable[..., Worker], smtp_server: FaultSMTPServer) -> None:
+    """Issue 41 item 2: the survivor, idle on LISTEN with a 40 s gap, wakes when the lease
+    runs out (a dead holder sends no NOTIFY), reaps, and claims the row again at once
+    (the PostgreSQL claim that reaped it could not take it: one snapshot per statement)."""
+    lease = 3.0
+    smtp_server.hold()
+    a = spawn("a", WORKER_LEASE_SECONDS=str(lease), **FAST)
+    a.wait_ready()
+    email_id = queue_one(producer, "held by a worker about to die")
+    assert smtp_server.wait_held(1, timeout=20), a.log()[-3000:]
+    b = spawn("b", WORKER_LEASE_SECONDS=str(lease), WORKER_POLL="40", WORKER_POLL_MAX="60")
+    # Idle on LISTEN: its gaps end at the lease A keeps renewing (about `lease` s), not at
+    # its 40 s poll.
+    b.wait_log(lambda w: sum(t.listening and t.claimed == 0 for t in w.ticks()) >= 2, 30,
+               "idle listening ticks")
+    assert all(t.gap < lease + 1 for t in b.ticks()[1:]), b.ticks()
+    a.proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    a.proc.wait(10)
+    assert smtp_server.wait_until(lambda: smtp_server.held == 0, timeout=10)
+    smtp_server.release()
+    assert smtp_server.wait_for(1, timeout=30), b.log()[-3000:]
+    took = time.monotonic() - killed
+    # One lease (its last renewal was at most that long ago), then one claim; the 40 s
+    # idle gap would have made it 40 s or more.
+    assert took < lease + 4, (took, b.ticks()[-6:])
+    [row] = wait_rows(producer, lambda r: r[0]["status"] == "sent", timeout=30.0, interval=0.1)
+    assert row["id"] == email_id and row["attempts"] == 2
+    assert smtp_server.message_ids() == [row["message_id"]]
+    assert b.terminate_and_wait(timeout=30) == 0
+
+
 # -- 3. NOTIFY wakes an idle worker -----------------------------------------------------
 
 

@@ -89,8 +89,8 @@ def _trace_ticks() -> None:
     original = Worker._schedule
 
     def schedule(self: Worker, started: float, *, claimed: int, full: bool,
-                 failed: bool) -> None:
-        original(self, started, claimed=claimed, full=full, failed=failed)
+                 failed: bool, wake_in: float | None = None) -> None:
+        original(self, started, claimed=claimed, full=full, failed=failed, wake_in=wake_in)
         wall_start = time.time() - (self.clock() - started)
         log.info("outbox-test tick n=%d start=%.3f gap=%.3f claimed=%d listening=%s "
                  "failed=%s", self.claims, wall_start, self._next_claim - started,

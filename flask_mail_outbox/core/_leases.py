@@ -209,6 +209,22 @@ class Leases:
             self._advance_reaped(reaped)
         return self._claimed(rows, owner), reaped
 
+    def next_expiry(self, conn: Connection) -> float | None:
+        """Seconds until the earliest lease of a ``sending`` row runs out (None: no such row).
+
+        A dispatcher that waits on NOTIFY asks this when its claim found
+        nothing: a process that died holding rows sends no NOTIFY, so the
+        waiting one wakes when their lease runs out instead of at its backstop.
+        Both times are the database clock's; one lookup on the lease index.
+        """
+        t = email_table
+        soonest, now = conn.execute(sa.select(sa.func.min(t.c.lease_expires_at),
+                                              self.db.now_expr())
+                                    .where(t.c.status == "sending")).one()
+        if soonest is None:
+            return None
+        return max(0.0, float((soonest - now).total_seconds()))
+
     def _advance_reaped(self, reaped: Reaped) -> None:
         """Order the keys of rows the PostgreSQL claim reaped, after it committed.
 

@@ -69,6 +69,8 @@ RECORD_WINDOW = 0.003
 #: signal handler, the worker's SIGTERM, stops it without being able to
 #: notify) or while ids wait for room.
 POLL_SLICE = 0.5
+#: Seconds past a lease's end at which a dispatcher waiting on NOTIFY claims (and reaps).
+LEASE_WAKE_MARGIN = 0.05
 
 
 class Unrecorded:
@@ -556,17 +558,35 @@ class Worker:
         self.reaps.found(len(claimed))
         self.last_claim_failed = False
         self.last_claimed = len(claimed)
-        self._schedule(started, claimed=len(claimed), full=full, failed=False)
+        # Rows just reaped are due now, but the PostgreSQL claim that reaped them could
+        # not take them (one snapshot per statement): claim again at once, as after a full
+        # claim. Idle on NOTIFY, wake when a lease runs out: a dead holder sends none.
+        wake = self._lease_runs_out() if not claimed and self.listening else None
+        self._schedule(started, claimed=len(claimed), full=full or bool(reaped),
+                       failed=False, wake_in=wake)
         try:
             self.delivery.report_reaped(reaped)
         finally:
             self._put(claimed)
 
-    def _schedule(self, started: float, *, claimed: int, full: bool, failed: bool) -> None:
+    def _lease_runs_out(self) -> float | None:
+        """Seconds until another claim's lease runs out (see ``Leases.next_expiry``); None: none
+        held, or the lookup failed (the backstop still applies)."""
+        try:
+            seconds = self._claims.run(self.store.leases.next_expiry)
+        except Exception:  # noqa: BLE001 - the next claim reports a database fault
+            return None
+        # Just past it: the reap takes leases that ran out strictly before "now".
+        return None if seconds is None else seconds + LEASE_WAKE_MARGIN
+
+    def _schedule(self, started: float, *, claimed: int, full: bool, failed: bool,
+                  wake_in: float | None = None) -> None:
         cap = self.config.listen_backstop_seconds if self.listening else None
         gap = self.backoff.after_claim(
             claimed=claimed, full=full, failed=failed,
             maximum=max(cap, self.config.poll_max_interval) if cap else None)
+        if wake_in is not None:
+            gap = min(gap, wake_in)
         # A rate-limited lane with more due claims again once its slots run low.
         ready = self.lanes.ready_at()
         with self._cond:
