@@ -303,6 +303,17 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
             # BEGIN IMMEDIATE, the reap, the claim: nothing else (no settings read).
             assert heads == ["BEGIN", "UPDATE", "UPDATE"] * 10
             assert all("lease_expires_at <" in s for s in seen[1::3])  # exactly 10 reaps
+        # Rounds on the dispatcher's own schedule (its backstop), not woken: once a lookup
+        # found no lease, an idle database costs the claim alone (a claim elsewhere follows
+        # a commit, whose NOTIFY wakes this dispatcher and looks again).
+        del seen[:]
+        for _ in range(3):
+            dispatcher._next_claim = 0.0  # due now, without a wake
+            dispatcher.step()
+            assert dispatcher.last_claimed == 0
+        heads = [statement.split()[0].upper() for statement in seen]
+        assert heads == (["WITH"] * 3 if backend == "postgresql"
+                         else ["BEGIN", "UPDATE", "UPDATE"] * 3)
     finally:
         close_app(app)
 

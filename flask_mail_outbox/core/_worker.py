@@ -155,6 +155,8 @@ class Worker:
         #: Results that came back, waiting for their record.
         self._results = Unrecorded()
         self._woken = False
+        #: Whether the last lookup of the earliest lease found one (see _lease_runs_out).
+        self._leases_seen = True
         self._busy = False  # in a round (between taking work and putting or recording it)
         #: Never starts a thread: a test or ``flask outbox worker --once`` calls
         #: :meth:`step` / :meth:`drain` itself.
@@ -449,7 +451,7 @@ class Worker:
                 with self._cond:  # a wake while there was no room waits for room
                     woken, self._woken = self._woken, False
                 if woken or self.clock() >= self._next_claim:
-                    self._claim_due(room)
+                    self._claim_due(room, woken=woken)
         finally:
             with self._cond:
                 self._busy = False
@@ -518,8 +520,11 @@ class Worker:
         self._put(claimed)
         return len(claimed)
 
-    def _claim_due(self, room: int) -> None:
-        """A dispatcher's claim of due rows, lane by lane (with the reap, at its intervals)."""
+    def _claim_due(self, room: int, *, woken: bool = False) -> None:
+        """A dispatcher's claim of due rows, lane by lane (with the reap, at its intervals).
+
+        ``woken``: by a wake (a commit, a NOTIFY) rather than its own schedule.
+        """
         started = self.clock()
         self.claims += 1
         self.last_claim_at = started
@@ -561,7 +566,7 @@ class Worker:
         # Rows just reaped are due now, but the PostgreSQL claim that reaped them could
         # not take them (one snapshot per statement): claim again at once, as after a full
         # claim. Idle on NOTIFY, wake when a lease runs out: a dead holder sends none.
-        wake = self._lease_runs_out() if not claimed and self.listening else None
+        wake = self._lease_runs_out(woken) if not claimed and self.listening else None
         self._schedule(started, claimed=len(claimed), full=full or bool(reaped),
                        failed=False, wake_in=wake)
         try:
@@ -569,13 +574,21 @@ class Worker:
         finally:
             self._put(claimed)
 
-    def _lease_runs_out(self) -> float | None:
+    def _lease_runs_out(self, woken: bool) -> float | None:
         """Seconds until another claim's lease runs out (see ``Leases.next_expiry``); None: none
-        held, or the lookup failed (the backstop still applies)."""
+        held, or the lookup failed (the backstop still applies).
+
+        Looked up after a wake, and after a lookup that found a lease, not on the
+        backstop ticks of an idle database: a claim elsewhere follows a commit, whose
+        NOTIFY woke this dispatcher too, so an idle tick costs one statement, not two.
+        """
+        if not (woken or self._leases_seen):
+            return None
         try:
             seconds = self._claims.run(self.store.leases.next_expiry)
         except Exception:  # noqa: BLE001 - the next claim reports a database fault
             return None
+        self._leases_seen = seconds is not None
         # Just past it: the reap takes leases that ran out strictly before "now".
         return None if seconds is None else seconds + LEASE_WAKE_MARGIN
 
