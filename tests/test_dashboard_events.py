@@ -570,7 +570,7 @@ def test_pages_change_nothing(dashboard: Flask, client: FlaskClient, mail: Outbo
                               events_rows: Any) -> None:
     (email_id,) = send(dashboard, mail)
     record(dashboard, mail, email_id, "bounced", 1, bounce_kind="permanent",
-           recipient="user0@example.com")
+           recipient="user0@example.com", reason="user_unknown")
     before = (rows(dashboard), events_rows(), suppression_rows(dashboard))
     assert [r["address"] for r in before[2]] == ["user0@example.com"]  # the bounce's doing
     for url in (f"/emails/{email_id}", "/emails?event=bounced", "/suppressions",
