@@ -13,6 +13,7 @@ route, ``mail.process_bounce()`` with DSN bytes, an SMTP server refusing at
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -27,6 +28,7 @@ import provider_ses
 import pytest
 import sqlalchemy as sa
 from conftest import MakeApps, db, rows, wait_rows
+from dashboard_helpers import Gate
 from flask import Flask
 from smtpserver import FaultSMTPServer
 from webhooks_helpers import TRANSPORTS, post, sign
@@ -418,3 +420,57 @@ def test_an_smtp_refusal_suppresses_for_good_only_for_a_dead_address(
         assert mail.suppression("gone@example.com") is not None
         assert mail.suppression("off@example.com") is not None
         assert mail.suppression("spam@example.com") is None
+
+
+# -- where the verdict is shown: the dashboard's email page, `flask outbox bounce` -------------
+
+
+def test_the_dashboard_shows_each_events_verdict(app: Flask, mail: OutboxMail) -> None:
+    app.register_blueprint(mail.dashboard_blueprint(authorize=Gate()), url_prefix="/outbox")
+    with app.app_context():
+        # Due in a day: it stays queued, the events are all that happens.
+        email_id = int(mail.send(Message("Hi", ["ann@example.com", "bob@example.com"], "x"),
+                                 send_after=timedelta(days=1)))
+        db.session.commit()
+        mail.record_event("bounced", email_id=email_id, recipient="ann@example.com",
+                          bounce_kind="permanent", reason="user_unknown",
+                          provider_event_id="1")
+        mail.record_event("bounced", email_id=email_id, recipient="bob@example.com",
+                          bounce_kind="permanent", mta_response="550 5.7.1 spam",
+                          provider_event_id="2")
+        for n in range(3, 5):
+            mail.record_event("bounced", email_id=email_id, recipient="bob@example.com",
+                              bounce_kind="transient", reason="mailbox_full",
+                              provider_event_id=str(n))
+        until = mail.events(email_id)[-1].suppressed_until
+        mail.record_event("delivered", email_id=email_id, recipient="carl@example.com",
+                          provider_event_id="5")
+    assert until is not None
+    page = app.test_client().get(f"/outbox/emails/{email_id}").get_data(as_text=True)
+    assert page.count("suppressed for good") == 1
+    assert page.count("not suppressed") == 2
+    assert page.count(f"suppressed until {until:%Y-%m-%d %H:%M}") == 1
+    assert page.count('class="verdict') == 4  # the delivery has none
+    assert "would have been" not in page
+
+
+def test_flask_outbox_bounce_logs_the_verdict(make_apps: MakeApps,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    app, mail = make_apps(TESTING=True, OUTBOX_BOUNCE_ADDRESS="bounces@example.com")
+    verp = app.extensions["mail_outbox"].config.verp
+    with app.app_context():
+        shared = mail.send(Message("Hi all", ["ann@example.com"], "x", cc=["bob@example.com"]))
+        alone = mail.send(Message("Hi", ["bob@example.com"], "x"))
+        db.session.commit()
+    with caplog.at_level(logging.INFO):
+        for email_id in (shared, alone):
+            raw = (f"X-Original-To: {verp.sender_for(email_id)}\r\n".encode()
+                   + POSTFIX_DSN.replace(b"nobody-here@example.com", b"bob@example.com")
+                   .replace(b"Message-Id: <", f"Message-Id: <{email_id}".encode()))
+            result = app.test_cli_runner().invoke(args=["outbox", "bounce"], input=raw)
+            assert result.exit_code == 0, result.output
+    said = [r.getMessage() for r in caplog.records if "flask outbox bounce: bounced" in
+            r.getMessage()]
+    assert len(said) == 2
+    assert said[0].endswith(": would have been suppressed for good (not applied)")
+    assert said[1].endswith(f"for email {alone}: suppressed for good")
