@@ -12,8 +12,10 @@ route, ``mail.process_bounce()`` with DSN bytes, an SMTP server refusing at
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -474,3 +476,32 @@ def test_flask_outbox_bounce_logs_the_verdict(make_apps: MakeApps,
     assert len(said) == 2
     assert said[0].endswith(": would have been suppressed for good (not applied)")
     assert said[1].endswith(f"for email {alone}: suppressed for good")
+
+
+# -- the documented table is the code's ---------------------------------------------------------
+
+
+def test_the_policy_table_on_the_events_page_is_made_from_the_code() -> None:
+    docs = Path(__file__).parent.parent / "docs"
+    page = (docs / "events.md").read_text(encoding="utf-8")
+    assert "```{outbox-policy}\n```" in page
+    assert "outbox_policy" in (docs / "conf.py").read_text(encoding="utf-8")
+    sys.path.insert(0, str(docs / "_ext"))
+    try:
+        outbox_policy = importlib.import_module("outbox_policy")
+    finally:
+        sys.path.remove(str(docs / "_ext"))
+    table = outbox_policy.rows()
+    assert [row[0] for row in table] == list(REASONS)
+    for reason, meaning, permanent, transient in table:
+        assert meaning == REASONS[reason]
+        assert (permanent == outbox_policy.FOR_GOOD) is (reason in DEAD_REASONS)
+        assert transient == outbox_policy.SOFT
+    rendered = "\n".join(outbox_policy.lines())
+    assert rendered.count(outbox_policy.FOR_GOOD) == len(DEAD_REASONS)
+    # The soft-bounce keys and their defaults are on the same page.
+    for key in ("OUTBOX_SOFT_BOUNCE_LIMIT` soft bounces of one address (3)",
+                "OUTBOX_SOFT_BOUNCE_WINDOW_DAYS` (7)", "OUTBOX_SOFT_BOUNCE_SUPPRESS_DAYS` (14)"):
+        assert key in page
+    rule = SoftBounceRule()
+    assert (rule.limit, rule.window_seconds / DAY, rule.suppress_seconds / DAY) == (3, 7, 14)
