@@ -35,7 +35,7 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 from webhooks_helpers import TRANSPORTS, post, sign
 
-from flask_mail_outbox import ConfigError, Message, OutboxMail
+from flask_mail_outbox import ConfigError, DeliveryEvent, InvalidMessage, Message, OutboxMail
 from flask_mail_outbox._policy import (
     DEAD_REASONS,
     SoftBounceRule,
@@ -505,3 +505,29 @@ def test_the_policy_table_on_the_events_page_is_made_from_the_code() -> None:
         assert key in page
     rule = SoftBounceRule()
     assert (rule.limit, rule.window_seconds / DAY, rule.suppress_seconds / DAY) == (3, 7, 14)
+
+
+def test_the_policy_decides_whatever_an_apps_event_says_and_a_bad_reason_is_refused(
+        app: Flask, mail: OutboxMail) -> None:
+    with app.app_context():
+        claimed = mail.record_event(DeliveryEvent(
+            "bounced", bounce_kind="permanent", reason="spam", recipient="ann@example.com",
+            verdict="permanent", applied=True))
+        shown = mail.record_event(DeliveryEvent(
+            "delivered", recipient="ann@example.com", verdict="until",
+            suppressed_until=datetime(2099, 1, 1)))
+        assert claimed is not None and shown is not None
+        assert (claimed.verdict, claimed.applied) == ("none", True)
+        assert (shown.verdict, shown.suppressed_until, shown.applied) == (None, None, False)
+        assert [(e.verdict, e.suppressed_until) for e in
+                (claimed, shown)] == [(r["verdict"], r["suppressed_until"])
+                                      for r in stored_events(app, "ann@example.com")]
+        assert mail.suppression("ann@example.com") is None
+        with pytest.raises(InvalidMessage) as caught:
+            mail.record_event("bounced", bounce_kind="permanent", reason="dead",
+                              recipient="bob@example.com")
+        assert caught.value.field == "reason"
+        with pytest.raises(InvalidMessage) as caught:
+            DeliveryEvent("bounced", bounce_kind="permanent", verdict="forever")
+        assert caught.value.field == "verdict"
+    assert stored_events(app, "bob@example.com") == []
