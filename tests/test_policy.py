@@ -35,7 +35,13 @@ from flask import Flask
 from smtpserver import FaultSMTPServer
 from webhooks_helpers import TRANSPORTS, post, sign
 
-from flask_mail_outbox import ConfigError, DeliveryEvent, InvalidMessage, Message, OutboxMail
+from flask_mail_outbox import (
+    ConfigError,
+    DeliveryEvent,
+    InvalidMessage,
+    Message,
+    OutboxMail,
+)
 from flask_mail_outbox._policy import (
     DEAD_REASONS,
     SoftBounceRule,
