@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from .._events import DeliveryEvent
-from .._policy import SoftBounceRule, conclude, is_soft_bounce
+from .._policy import POLICY_EVENTS, SoftBounceRule, conclude, is_soft_bounce
 from ._models import (
     SEARCH_RECIPIENT_LENGTH,
     email_table,
@@ -144,12 +144,16 @@ class EventLog:
         rule = self.soft_bounces
         now = self.store.clock()
         since = now - timedelta(seconds=rule.window_seconds) if rule.enabled else now
-        keys = {loose_key(e.recipient) for e in events if e.recipient is not None}
-        counted = self._soft_bounce_counts(conn, keys, since) if rule.enabled and keys else {}
+        # Keys only for the types the policy decides on; counts only for soft bounces.
+        keys = [loose_key(e.recipient) if e.recipient is not None
+                and e.event_type in POLICY_EVENTS else None for e in events]
+        soft_keys = {key for key, e in zip(keys, events, strict=True) if key is not None
+                     and is_soft_bounce(e.event_type, e.bounce_kind, e.reason)}
+        counted = (self._soft_bounce_counts(conn, soft_keys, since)
+                   if rule.enabled and soft_keys else {})
         concluded, updates = [], []
-        for event in events:
+        for event, key in zip(events, keys, strict=True):
             verdict, applied = None, False
-            key = None if event.recipient is None else loose_key(event.recipient)
             if key is not None:
                 applied = trusted is None or (event.email_id, key) in trusted
                 soft = (is_soft_bounce(event.event_type, event.bounce_kind, event.reason)
@@ -159,8 +163,9 @@ class EventLog:
                 verdict = conclude(event.event_type, event.bounce_kind, event.reason,
                                    soft_bounces=counted.get(key, 0) + int(soft and not applied),
                                    rule=rule, now=now)
-            if verdict is None:
-                concluded.append(event)
+            if verdict is None:  # whatever a caller's event said, none is stored
+                concluded.append(dataclasses.replace(event, verdict=None, suppressed_until=None,
+                                                     applied=False))
                 continue
             event = dataclasses.replace(event, verdict=verdict.verdict,
                                         suppressed_until=verdict.until, applied=applied)
