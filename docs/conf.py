@@ -25,6 +25,7 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "outbox_config",  # docs/_ext/outbox_config.py: the configuration reference
+    "outbox_policy",  # docs/_ext/outbox_policy.py: the suppression policy's reason table
 ]
 
 source_suffix = {".md": "markdown"}

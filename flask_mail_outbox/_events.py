@@ -17,6 +17,7 @@ from typing import Any
 
 from ._errors import InvalidMessage
 from ._outside import clean_address, clean_line, clean_text
+from ._policy import VERDICTS, for_good
 from ._reasons import REASONS
 
 __all__ = ["BOUNCE_KINDS", "EVENT_TYPES", "PAYLOAD_LIMIT", "DeliveryEvent", "capped_payload",
@@ -26,7 +27,8 @@ __all__ = ["BOUNCE_KINDS", "EVENT_TYPES", "PAYLOAD_LIMIT", "DeliveryEvent", "cap
 EVENT_TYPES = ("delivered", "bounced", "deferred", "rejected", "complained", "opened",
                "clicked", "unsubscribed", "unknown")
 
-#: A ``bounced`` event's kind: a permanent bounce suppresses the address.
+#: A ``bounced`` event's kind, the report's own class: a permanent bounce suppresses the
+#: address for good only for a reason that says it is dead (:mod:`._policy`).
 BOUNCE_KINDS = ("permanent", "transient")
 
 #: The most of a provider's raw payload kept with an event (bytes of UTF-8 JSON).
@@ -69,6 +71,17 @@ class DeliveryEvent:
     #: Why it failed, one of :data:`flask_mail_outbox._reasons.REASONS` (None: not said,
     #: or not a failure).
     reason: str | None = None
+    #: What the suppression policy concluded for the recipient when the event was stored:
+    #: ``permanent`` (suppressed for good), ``until`` (suppressed until
+    #: ``suppressed_until``: repeated soft bounces) or ``none``; None for an event with no
+    #: recipient or of a type the policy ignores (delivered, opened, clicked...).
+    verdict: str | None = None
+    #: The end of an ``until`` verdict's suppression (naive UTC), else None.
+    suppressed_until: datetime | None = None
+    #: Whether the verdict was applied to the suppression list. False for a report not
+    #: trusted to act (a bounce of a several-recipient email, or of none of ours): its
+    #: verdict is what the policy would have concluded, and nothing was suppressed.
+    applied: bool = False
     #: The stored row's id (None until stored).
     id: int | None = None
 
@@ -117,10 +130,20 @@ class DeliveryEvent:
         if self.reason is not None and self.reason not in REASONS:
             raise InvalidMessage("reason", f"{self.reason!r:.80} is not one of "
                                  f"{', '.join(REASONS)}")
+        if self.verdict is not None and self.verdict not in VERDICTS:
+            raise InvalidMessage("verdict", f"{self.verdict!r:.80} is not one of "
+                                 f"{', '.join(VERDICTS)}")
+        if not isinstance(self.applied, bool):
+            raise InvalidMessage("applied", f"expected a bool, got {self.applied!r:.80}")
+        if self.suppressed_until is not None and not isinstance(self.suppressed_until, datetime):
+            raise InvalidMessage("suppressed_until", f"expected None or a datetime, got "
+                                 f"{self.suppressed_until!r:.80}")
         if self.bounce_kind is not None and self.event_type != "bounced":
             raise InvalidMessage("bounce_kind", "only a bounced event has a bounce kind")
-        if self.occurred_at is not None and self.occurred_at.tzinfo is not None:
-            object.__setattr__(self, "occurred_at", naive_utc(self.occurred_at))
+        for name in ("occurred_at", "suppressed_until"):
+            moment = getattr(self, name)
+            if moment is not None and moment.tzinfo is not None:
+                object.__setattr__(self, name, naive_utc(moment))
         description = self.description
         if not_an_address:
             shown = clean_line(not_an_address, 200)
@@ -133,18 +156,16 @@ class DeliveryEvent:
 
     @property
     def suppresses(self) -> str | None:
-        """The suppression reason this event puts on its recipient, or None.
+        """The suppression reason this event puts on its recipient for good, or None.
 
-        A permanent bounce, a spam complaint and an unsubscribe do; a transient
-        bounce, a deferral and everything else do not.
+        A permanent bounce whose reason says the address is dead (user or host
+        unknown, suspended...), a spam complaint and an unsubscribe do
+        (:func:`flask_mail_outbox._policy.for_good`); a soft bounce (a full
+        mailbox, a spam block, any transient one), a deferral and everything else
+        do not. Repeated soft bounces may suppress for a bounded time: the
+        stored event's :attr:`verdict` says.
         """
-        if self.event_type == "bounced" and self.bounce_kind == "permanent":
-            return "bounced"
-        if self.event_type == "complained":
-            return "complained"
-        if self.event_type == "unsubscribed":
-            return "unsubscribed"
-        return None
+        return for_good(self.event_type, self.bounce_kind, self.reason)
 
 
 def naive_utc(moment: datetime) -> datetime:

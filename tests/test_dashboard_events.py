@@ -195,7 +195,9 @@ def test_the_email_page_shows_its_events_newest_last_and_escaped(
         ["2030-01-01 12:01:00", "deferred", "user0@example.com", "postmark",
          "Greylisted451 4.7.1 Try again later"],
         ["2030-01-01 12:05:00", "delivered", "user0@example.com", "app", ""],
-        ["2030-01-01 12:10:00", "bounced (permanent)", "user0@example.com", "postmark",
+        # The reason read from the reply, and the suppression policy's verdict.
+        ["2030-01-01 12:10:00", "bounced (permanent) user_unknown",
+         "user0@example.comsuppressed for good", "postmark",
          f"Hard bounce {XSS}550 5.1.1 <user0@example.com>: Recipient address rejected"],
     ]
     assert "<script" not in page and f"Hard bounce {ESCAPED}" in page
@@ -570,7 +572,7 @@ def test_pages_change_nothing(dashboard: Flask, client: FlaskClient, mail: Outbo
                               events_rows: Any) -> None:
     (email_id,) = send(dashboard, mail)
     record(dashboard, mail, email_id, "bounced", 1, bounce_kind="permanent",
-           recipient="user0@example.com")
+           recipient="user0@example.com", reason="user_unknown")
     before = (rows(dashboard), events_rows(), suppression_rows(dashboard))
     assert [r["address"] for r in before[2]] == ["user0@example.com"]  # the bounce's doing
     for url in (f"/emails/{email_id}", "/emails?event=bounced", "/suppressions",

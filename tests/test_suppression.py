@@ -223,7 +223,13 @@ def test_a_list_that_cannot_be_read_gives_the_rows_back(
 
 
 @pytest.mark.parametrize(("event", "reason"), [
-    ({"event_type": "bounced", "bounce_kind": "permanent"}, "bounced"),
+    ({"event_type": "bounced", "bounce_kind": "permanent", "reason": "user_unknown"}, "bounced"),
+    ({"event_type": "bounced", "bounce_kind": "permanent", "mta_response": "550 5.1.1 no"},
+     "bounced"),
+    # The policy: a permanent bounce that does not say the address is dead is soft.
+    ({"event_type": "bounced", "bounce_kind": "permanent", "reason": "spam"}, None),
+    ({"event_type": "bounced", "bounce_kind": "permanent"}, None),
+    ({"event_type": "bounced", "bounce_kind": "transient", "reason": "user_unknown"}, None),
     ({"event_type": "bounced", "bounce_kind": "transient"}, None),
     ({"event_type": "complained"}, "complained"),
     ({"event_type": "unsubscribed"}, "unsubscribed"),

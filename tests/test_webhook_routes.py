@@ -103,10 +103,12 @@ def test_resend_bounce_end_to_end(resend_app: tuple[Flask, str], resend: FakeRes
         heard.append(event)
 
     now = time.time()
+    # A dead address (5.1.1): the suppression policy makes it permanent.
+    dead = {**provider_resend.bounce("Permanent", "General"),
+            "diagnosticCode": ["smtp; 550 5.1.1 The email account does not exist"]}
     headers, body = provider_resend.webhook_request(provider_resend.resend_event(
         "email.bounced", email_id=row["provider_message_id"], to=["gone@example.com"],
-        bounce=provider_resend.bounce("Permanent", "General")), secret, now,
-        svix_id="msg_e2e_1")
+        bounce=dead), secret, now, svix_id="msg_e2e_1")
     with email_event.connected_to(on_event, app):
         response = post(app, "mail-resend", headers, body)
         assert response.status_code == 200
@@ -120,7 +122,8 @@ def test_resend_bounce_end_to_end(resend_app: tuple[Flask, str], resend: FakeRes
         entry = mail.suppression("gone@example.com")
     assert (event.event_type, event.bounce_kind, event.recipient, event.transport,
             event.reason) == (
-        "bounced", "permanent", "gone@example.com", "mail-resend", "undefined")
+        "bounced", "permanent", "gone@example.com", "mail-resend", "user_unknown")
+    assert (event.verdict, event.suppressed_until, event.applied) == ("permanent", None, True)
     assert event.mta_response.startswith("smtp; 550")
     assert [e.id for e in heard] == [event.id]
     assert entry is not None and (entry.reason, entry.source) == (
@@ -502,7 +505,7 @@ def test_a_retry_racing_its_original_in_another_order_never_deadlocks(
     log = app.extensions["mail_outbox"].outbox().events
     for round_number in range(8):
         events = [DeliveryEvent("bounced", bounce_kind="permanent", transport="sg",
-                                provider_event_id=f"{round_number}-{i}",
+                                reason="user_unknown", provider_event_id=f"{round_number}-{i}",
                                 recipient=f"r{round_number}-{i}@example.com")
                   for i in range(300)]
         barrier = threading.Barrier(2)

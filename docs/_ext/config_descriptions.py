@@ -116,6 +116,16 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                   "dashboard shows them as scrubbed)"),
     "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS": ("float (s)", "`health()` reports `queue_too_old` "
                                                           "when an email has been due longer"),
+    "OUTBOX_SOFT_BOUNCE_LIMIT": ("int", "soft bounces of one address within "
+                                        "`OUTBOX_SOFT_BOUNCE_WINDOW_DAYS` that suppress it for "
+                                        "`OUTBOX_SOFT_BOUNCE_SUPPRESS_DAYS`; 0: soft bounces never "
+                                        "suppress ([soft bounces](events.md#soft-bounces))"),
+    "OUTBOX_SOFT_BOUNCE_WINDOW_DAYS": ("float (days)", "how far back soft bounces are counted "
+                                                      "(at most 3650); 0: soft bounces never "
+                                                      "suppress"),
+    "OUTBOX_SOFT_BOUNCE_SUPPRESS_DAYS": ("float (days)", "how long repeated soft bounces "
+                                                        "suppress an address, from the last one "
+                                                        "(at most 3650); 0: they never do"),
     "OUTBOX_WEBHOOK_PREFIX": ("str", "where provider webhooks are received: `POST "
                                      "<prefix>/<transport name>` for each `OUTBOX_TRANSPORTS` "
                                      "entry with a `webhook_secret` "

@@ -22,6 +22,7 @@ from .._bounces import NotMail, read_bounce
 from .._compose.message import Address, Message
 from .._errors import ConfigError, InvalidMessage
 from .._events import DeliveryEvent, capped_payload, naive_utc
+from .._reasons import smtp_reason
 from ..core._internal import (
     CONFIG_DEFAULTS,
     DeliveredMessage,
@@ -470,15 +471,20 @@ class OutboxExtension:
                      recipient: str | None = None, occurred_at: datetime | None = None,
                      transport: str = "app", provider_event_id: str | None = None,
                      bounce_kind: str | None = None, description: str = "",
-                     mta_response: str = "", payload: Any = None) -> DeliveryEvent | None:
+                     mta_response: str = "", payload: Any = None,
+                     reason: str | None = None) -> DeliveryEvent | None:
         """Store a delivery event from a custom transport or an app's own webhook.
 
         The email is ``email_id``, or found by ``provider_message_id`` among
         the emails ``transport`` sent (so pass the sending transport's name
         with it), or by ``message_id`` (the Message-ID); an event that names none is kept
-        with ``email_id`` None. A permanent bounce, a complaint and an
-        unsubscribe put ``recipient`` on the suppression list, as a
-        provider's webhook does. Returns the stored event, or None when
+        with ``email_id`` None. ``reason`` says why it failed (one of the
+        reasons in docs/events.md); for a bounce without one it is read from
+        ``mta_response`` (``"550 5.1.1 ..."`` is ``user_unknown``). The
+        suppression policy decides as for a provider's webhook: a permanent
+        bounce for a dead address (user or host unknown, suspended...), a
+        complaint and an unsubscribe put ``recipient`` on the suppression list
+        for good; repeated soft bounces for a while. Returns the stored event, or None when
         ``(transport, provider_event_id)`` was stored before (a resend). Sends
         ``email_event``. Writes and commits at once, in the outbox's own
         transaction. A bad type or field is an ``InvalidMessage`` naming it.
@@ -491,7 +497,9 @@ class OutboxExtension:
                 transport=transport, provider_event_id=provider_event_id,
                 email_id=email_id, bounce_kind=bounce_kind, description=description,
                 mta_response=mta_response, provider_message_id=provider_message_id,
-                message_id=message_id, payload=capped_payload(payload))
+                message_id=message_id, payload=capped_payload(payload),
+                reason=smtp_reason(mta_response) if reason is None and event_type == "bounced"
+                and isinstance(mta_response, str) and mta_response.strip() else reason)
         if event.event_type == "bounced" and event.bounce_kind is None:
             raise InvalidMessage("bounce_kind", "a bounced event needs bounce_kind "
                                  "'permanent' or 'transient'")

@@ -21,6 +21,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from .._bounces import MAX_BYTES
 from .._compose.message import Message
 from .._errors import InvalidMessage, TemplateError
+from .._events import DeliveryEvent
 from .._flask.state import AppState, app_state
 from ..core._internal import (
     DURABLE_SETTING,
@@ -111,6 +112,16 @@ def _state() -> AppState:
         raise click.ClickException(
             "flask-mail-outbox is not registered on this app (call OutboxMail(app) or "
             "mail.init_app(app) in your app factory)") from None
+
+
+def _verdict_said(event: DeliveryEvent) -> str:
+    """What the suppression policy concluded for an event's recipient, for a log line."""
+    if event.verdict is None:
+        return ""
+    said = {"permanent": "suppressed for good", "none": "not suppressed"}.get(
+        event.verdict, f"suppressed until {event.suppressed_until:%Y-%m-%d %H:%M} UTC"
+        if event.suppressed_until else "suppressed until a time")
+    return f": {said}" if event.applied else f": would have been {said} (not applied)"
 
 
 def _extension() -> OutboxExtension:
@@ -662,6 +673,6 @@ def bounce() -> None:
     finally:
         mail.stop()
     for event in events:
-        log.info("flask outbox bounce: %s %s%s for email %s", event.event_type,
+        log.info("flask outbox bounce: %s %s%s for email %s%s", event.event_type,
                  f"({event.bounce_kind}) " if event.bounce_kind else "", event.recipient,
-                 event.email_id)
+                 event.email_id, _verdict_said(event))

@@ -20,6 +20,7 @@ from .._compose.dkim import DKIMSigner, signed_header_names, signer_from
 from .._compose.links import UnsubscribeLinks
 from .._compose.verp import VerpAddresses
 from .._errors import ConfigError
+from .._policy import SoftBounceRule
 from .._providers import PROVIDERS
 from .._webhooks import receiver_class
 from ..transports import (
@@ -113,6 +114,11 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_RETENTION_DAYS": None,
     "OUTBOX_SCRUB_SENT": False,
     "OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS": 600.0,
+    # Soft bounces (docs/events.md#soft-bounces): this many of one address within the
+    # window suppress it for this long; 0 in any of them: soft bounces never suppress.
+    "OUTBOX_SOFT_BOUNCE_LIMIT": 3,
+    "OUTBOX_SOFT_BOUNCE_WINDOW_DAYS": 7.0,
+    "OUTBOX_SOFT_BOUNCE_SUPPRESS_DAYS": 14.0,
     # Provider webhooks: POST <prefix>/<transport name>, for each transport with a
     # webhook_secret in its OUTBOX_TRANSPORTS entry.
     "OUTBOX_WEBHOOK_PREFIX": "/outbox/webhooks",
@@ -271,6 +277,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         health_max_queued_age_seconds=keys.number("OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS",
                                                   minimum=0, strict_minimum=True),
         run_scheduler=keys.flag("OUTBOX_RUN_SCHEDULER"),
+        soft_bounces=_soft_bounces(keys),
         html_to_text=keys.flag("OUTBOX_HTML_TO_TEXT"),
         allow_smtputf8=keys.flag("OUTBOX_ALLOW_SMTPUTF8"),
         dkim=_dkim_signer(keys),
@@ -285,6 +292,24 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
                                          integer=True),
         **_staging(keys),
     )
+
+
+def _soft_bounces(keys: _Keys) -> SoftBounceRule:
+    """OUTBOX_SOFT_BOUNCE_*: the bounded suppression of repeated soft bounces."""
+    days = {}
+    for key in ("OUTBOX_SOFT_BOUNCE_WINDOW_DAYS", "OUTBOX_SOFT_BOUNCE_SUPPRESS_DAYS"):
+        days[key] = keys.number(key, minimum=0)
+        if days[key] > _MAX_SOFT_BOUNCE_DAYS:  # bounded: a time the databases can store
+            raise ConfigError(key, f"must be at most {_MAX_SOFT_BOUNCE_DAYS} days, got "
+                                   f"{days[key]:g}")
+    return SoftBounceRule(
+        limit=keys.number("OUTBOX_SOFT_BOUNCE_LIMIT", minimum=0, integer=True),
+        window_seconds=days["OUTBOX_SOFT_BOUNCE_WINDOW_DAYS"] * 86400.0,
+        suppress_seconds=days["OUTBOX_SOFT_BOUNCE_SUPPRESS_DAYS"] * 86400.0)
+
+
+#: The longest soft-bounce window or suppression (days): ten years.
+_MAX_SOFT_BOUNCE_DAYS = 3650
 
 
 def _staging(keys: _Keys) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from .. import _degrade
 from .._errors import PermanentError, TransientError, TransportError
 from .._events import DeliveryEvent
 from .._outside import TEXT_LIMIT, clean_line, clean_text
+from .._policy import for_good
 from .._reasons import smtp_reason
 from ..transports import Delivered, Envelope, Failed, NotAttempted, Result, Transport
 from ._clock import utcnow
@@ -47,7 +48,6 @@ from ._models import Status
 from ._releases import Releases
 from ._retry import Decision, RetryPolicy
 from ._store import Store
-from ._suppression import UNKNOWN_RECIPIENT
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -171,12 +171,14 @@ def expired(email: ClaimedEmail, now: datetime | None = None) -> bool:
 
 
 def unknown_recipients(result: Attempt) -> tuple[tuple[str, str], ...]:
-    """Recipients a server refused as nonexistent (5.1.1, 5.1.2, 5.1.10): (address, reply)."""
+    """Recipients a server refused for good, the policy says (a 5xx whose reason is a
+    dead address: 5.1.1, 5.1.2, 5.1.10, "no such user"...): (address, reply)."""
     refused: Mapping[str, tuple[int, str]] = (
         result.refused if isinstance(result, Delivered) else
         result.error.refused if isinstance(result, Failed) else {})
     return tuple((address, f"{code} {text}") for address, (code, text) in refused.items()
-                 if code >= 500 and UNKNOWN_RECIPIENT.match(text))
+                 if code >= 500
+                 and for_good("bounced", "permanent", smtp_reason(f"{code} {text}")))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,11 @@ values in ONE transaction: signature nonces first (a token seen before
 refuses the whole batch), then each event's email found by the provider's
 message id (among the emails of the event's transport) or the Message-ID, then the events themselves (a provider's resend
 of one already stored is ignored, by the unique ``(transport,
-provider_event_id)``), then the suppressions the new ones call for (a
-permanent bounce, a complaint, an unsubscribe).
+provider_event_id)``), then what the suppression policy
+(:mod:`flask_mail_outbox._policy`) concludes for each new one's recipient,
+stored on the event and applied to the list: for good (a bounce for a reason
+that says the address is dead, a complaint, an unsubscribe), until a time
+(the address's soft bounces reached the limit within the window), or not.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from .._events import DeliveryEvent
+from .._policy import POLICY_EVENTS, SoftBounceRule, conclude, is_soft_bounce
 from ._models import (
     SEARCH_RECIPIENT_LENGTH,
     email_table,
@@ -52,7 +57,8 @@ class RecordedEvents:
     ``duplicates``: how many were already stored (resends, ignored);
     ``unmatched``: how many of the new ones name no known email;
     ``suppressed``: the addresses the new events put on the list, with the reason
-    (an entry that applies to all mail is not narrowed to ``unsubscribed``).
+    (an entry that applies to all mail is not narrowed to ``unsubscribed``; a
+    bounded one, for soft bounces, is ``bounced`` too).
     """
 
     new: tuple[DeliveryEvent, ...] = ()
@@ -64,9 +70,12 @@ class RecordedEvents:
 class EventLog:
     """Delivery events in one database."""
 
-    def __init__(self, store: Store, suppressions: Suppressions) -> None:
+    def __init__(self, store: Store, suppressions: Suppressions, *,
+                 soft_bounces: SoftBounceRule | None = None) -> None:
         self.store = store
         self.suppressions = suppressions
+        #: OUTBOX_SOFT_BOUNCE_*: when repeated soft bounces suppress an address.
+        self.soft_bounces = soft_bounces or SoftBounceRule()
 
     def record(self, events: Sequence[DeliveryEvent], *, nonces: Sequence[str] = (),
                nonce_transport: str = "", source: str | None = None,
@@ -79,8 +88,9 @@ class EventLog:
         report), which names an email by a VERP token or a Message-ID that
         every recipient of that email has seen. Such an event suppresses
         only the one recipient of a one-recipient email (filled in when the
-        report names nobody); the others are stored, and suppress nothing.
-        Raises :class:`Replayed` when a nonce was seen before; nothing is
+        report names nobody); the others are stored, and suppress nothing:
+        their verdict is what the policy would have concluded, and their soft
+        bounces are not counted. Raises :class:`Replayed` when a nonce was seen before; nothing is
         written then.
         """
         with self.store.write() as tx:
@@ -101,13 +111,91 @@ class EventLog:
         if unauthenticated:
             matched, trusted = self._sole_recipients(tx, matched)
         new, duplicates = self._insert(tx, matched)
-        entries = [(loose_key(e.recipient), reason, source or f"{e.transport} {e.event_type}")
-                   for e in new if (reason := e.suppresses) and e.recipient
-                   and (trusted is None or (e.email_id, loose_key(e.recipient)) in trusted)]
+        new = self._conclude(tx, new, trusted)
+        entries, bounded = [], []
+        for event in new:
+            if not event.applied or event.recipient is None:
+                continue
+            entry = (loose_key(event.recipient), "bounced" if event.verdict == "until"
+                     else event.suppresses or "", source or f"{event.transport} {event.event_type}")
+            if event.verdict == "permanent":
+                entries.append(entry)
+            elif event.verdict == "until" and event.suppressed_until is not None:
+                bounded.append((*entry, event.suppressed_until))
         self.suppressions.put(tx, entries)
+        self.suppressions.put_until(tx, bounded)
         return RecordedEvents(new=tuple(new), duplicates=duplicates,
                               unmatched=sum(e.email_id is None for e in new),
-                              suppressed=tuple((key, reason) for key, reason, _ in entries))
+                              suppressed=(*((key, reason) for key, reason, _ in entries),
+                                          *((key, reason) for key, reason, _, _ in bounded)))
+
+    def _conclude(self, conn: Connection, events: list[DeliveryEvent],
+                  trusted: set[tuple[int | None, str]] | None) -> list[DeliveryEvent]:
+        """``events`` (stored just now) with the policy's verdict, written to their rows.
+
+        An event is *applied* when it may act on the list: every event of an
+        authenticated source, and an unauthenticated one only for the sole
+        recipient of its email (``trusted``). A soft bounce counts toward the
+        bounded suppression only when applied: anyone can send a bounce naming
+        an address, and counted forgeries would suppress it as surely as real
+        ones. An unapplied event still gets the verdict the policy would have
+        concluded, counting the address's applied soft bounces and itself.
+        """
+        rule = self.soft_bounces
+        now = self.store.clock()
+        since = now - timedelta(seconds=rule.window_seconds) if rule.enabled else now
+        # Keys only for the types the policy decides on; counts only for soft bounces.
+        keys = [loose_key(e.recipient) if e.recipient is not None
+                and e.event_type in POLICY_EVENTS else None for e in events]
+        soft_keys = {key for key, e in zip(keys, events, strict=True) if key is not None
+                     and is_soft_bounce(e.event_type, e.bounce_kind, e.reason)}
+        counted = (self._soft_bounce_counts(conn, soft_keys, since)
+                   if rule.enabled and soft_keys else {})
+        concluded, updates = [], []
+        for event, key in zip(events, keys, strict=True):
+            verdict, applied = None, False
+            if key is not None:
+                applied = trusted is None or (event.email_id, key) in trusted
+                soft = (is_soft_bounce(event.event_type, event.bounce_kind, event.reason)
+                        and event.occurred_at is not None and event.occurred_at > since)
+                if soft and applied:
+                    counted[key] = counted.get(key, 0) + 1
+                verdict = conclude(event.event_type, event.bounce_kind, event.reason,
+                                   soft_bounces=counted.get(key, 0) + int(soft and not applied),
+                                   rule=rule, now=now)
+            if verdict is None:  # whatever a caller's event said, none is stored
+                concluded.append(dataclasses.replace(event, verdict=None, suppressed_until=None,
+                                                     applied=False))
+                continue
+            event = dataclasses.replace(event, verdict=verdict.verdict,
+                                        suppressed_until=verdict.until, applied=applied)
+            concluded.append(event)
+            updates.append({"_id": event.id, "_verdict": event.verdict,
+                            "_until": event.suppressed_until,
+                            "_key": key if applied else None})
+        if updates:
+            t = event_table
+            conn.execute(t.update().where(t.c.id == sa.bindparam("_id")).values(
+                verdict=sa.bindparam("_verdict"), suppressed_until=sa.bindparam("_until"),
+                applied_to=sa.bindparam("_key")), updates)
+        return concluded
+
+    @staticmethod
+    def _soft_bounce_counts(conn: Connection, keys: Iterable[str],
+                            since: datetime) -> dict[str, int]:
+        """How many applied soft bounces each address in ``keys`` has since ``since``."""
+        t = event_table
+        wanted = sorted(keys)
+        counts: dict[str, int] = {}
+        for start in range(0, len(wanted), _CHUNK):
+            rows = conn.execute(
+                sa.select(t.c.applied_to, sa.func.count())
+                .where(t.c.applied_to.in_(wanted[start:start + _CHUNK]),
+                       t.c.event_type == "bounced", t.c.verdict != "permanent",
+                       t.c.occurred_at > since)
+                .group_by(t.c.applied_to)).all()
+            counts.update((key, int(number)) for key, number in rows)
+        return counts
 
     def _take_nonces(self, conn: Connection, transport: str, nonces: Sequence[str]) -> None:
         t = nonce_table
@@ -282,4 +370,5 @@ def event_of(row: Any) -> DeliveryEvent:
         provider_event_id=row["provider_event_id"], event_type=row["event_type"],
         bounce_kind=row["bounce_kind"], reason=row["reason"], recipient=row["recipient"],
         occurred_at=row["occurred_at"], description=row["description"],
-        mta_response=row["mta_response"], payload=row["payload"])
+        mta_response=row["mta_response"], payload=row["payload"], verdict=row["verdict"],
+        suppressed_until=row["suppressed_until"], applied=row["applied_to"] is not None)

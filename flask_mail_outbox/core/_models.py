@@ -283,6 +283,14 @@ class OutboxEvent(Base):
     mta_response: Mapped[str] = mapped_column(sa.Text(), nullable=False, server_default="")
     # The provider's JSON for this event, at most 64 KiB.
     payload: Mapped[str | None] = mapped_column(sa.Text())
+    # What the suppression policy concluded for the recipient (flask_mail_outbox._policy):
+    # 'permanent', 'until' (suppressed_until) or 'none'; NULL: no recipient, or a type the
+    # policy ignores. A report not trusted to act stores what it would have concluded.
+    verdict: Mapped[str | None] = mapped_column(sa.String(16))
+    suppressed_until: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    # The suppression key the verdict was applied to; NULL when it was not (no verdict, or
+    # a report not trusted to act). An address's soft bounces are counted by it.
+    applied_to: Mapped[str | None] = mapped_column(sa.String(320))
 
     __table_args__ = (
         sa.UniqueConstraint("transport", "provider_event_id",
@@ -291,6 +299,9 @@ class OutboxEvent(Base):
         sa.Index("ix_outbox_event_email", "email_id", "occurred_at", "id"),
         # The dashboard's filter by latest event: the candidates of one type.
         sa.Index("ix_outbox_event_type", "event_type", "email_id"),
+        # An address's recent soft bounces (the bounded suppression's count).
+        sa.Index("ix_outbox_event_applied_to", "applied_to", "occurred_at",
+                 **_where("applied_to IS NOT NULL")),
     )
 
 

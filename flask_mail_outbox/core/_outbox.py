@@ -108,7 +108,8 @@ class Outbox:
         self.reader = Reader(self.store)
         #: The suppression list, and the delivery events (which add to it).
         self.suppressions = Suppressions(self.store)
-        self.events = EventLog(self.store, self.suppressions)
+        self.events = EventLog(self.store, self.suppressions,
+                               soft_bounces=config.soft_bounces)
         #: What this process releases when it stops (see :meth:`stop`).
         self.releases = Releases(self.store, self.config)
         self._transports = dict(transports) if transports is not None else None

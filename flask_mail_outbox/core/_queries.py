@@ -94,7 +94,8 @@ _EVENT_COLUMNS = (
     event_table.c.provider_event_id, event_table.c.event_type, event_table.c.bounce_kind,
     event_table.c.reason,
     event_table.c.recipient, event_table.c.occurred_at, event_table.c.description,
-    event_table.c.mta_response,
+    event_table.c.mta_response, event_table.c.verdict, event_table.c.suppressed_until,
+    event_table.c.applied_to,
 )
 
 
@@ -538,7 +539,9 @@ def email_events(conn: Connection, email_id: int,
         provider_event_id=row.provider_event_id, event_type=row.event_type,
         bounce_kind=row.bounce_kind, reason=row.reason, recipient=row.recipient,
         occurred_at=row.occurred_at,
-        description=row.description, mta_response=row.mta_response) for row in rows]
+        description=row.description, mta_response=row.mta_response, verdict=row.verdict,
+        suppressed_until=row.suppressed_until, applied=row.applied_to is not None)
+        for row in rows]
     events.reverse()
     return events, earlier
 

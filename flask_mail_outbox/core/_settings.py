@@ -12,6 +12,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from .._compose.ambient import ComposeOptions
+from .._policy import SoftBounceRule
 from ..transports import SMTPSettings, Transport, TransportSettings
 from ._retry import RetryPolicy
 
@@ -124,6 +125,8 @@ class OutboxConfig:
     redirect_to: tuple[str, ...] | None = None
     #: OUTBOX_ALLOWED_RECIPIENTS, normalised: ``user@domain`` and ``*@domain`` (None: off).
     allowed_recipients: tuple[str, ...] | None = None
+    #: OUTBOX_SOFT_BOUNCE_*: repeated soft bounces suppress an address for a bounded time.
+    soft_bounces: SoftBounceRule = dataclasses.field(default_factory=SoftBounceRule)
 
     def transport_spec(self, name: str) -> TransportSpec:
         """The transport called ``name`` (KeyError when there is none)."""

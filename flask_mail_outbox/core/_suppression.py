@@ -32,10 +32,6 @@ if TYPE_CHECKING:
 #: Why an address is suppressed.
 REASONS = ("bounced", "complained", "unsubscribed", "manual")
 
-#: SMTP enhanced status codes (RFC 3463) of a recipient that does not exist:
-#: bad mailbox, bad system (domain), and no such user (RFC 7505's null MX, 5.1.10).
-UNKNOWN_RECIPIENT = re.compile(r"^\s*5\.1\.(1|2|10)\b")
-
 #: Addresses per ``IN`` list (SQLite's default limit on bound parameters is 32,766).
 _CHUNK = 500
 _LIST_UNSUBSCRIBE = re.compile(rb"(?:^|\n)list-unsubscribe:", re.IGNORECASE)
@@ -176,6 +172,34 @@ class Suppressions:
                   "created_at": insert.excluded.created_at,
                   "expires_at": insert.excluded.expires_at},
             where=where), rows)
+
+    def put_until(self, conn: Connection,
+                  entries: Sequence[tuple[str, str, str, datetime]]) -> None:
+        """Upsert bounded ``(key, reason, source, expires_at)`` entries on ``conn``.
+
+        A bounded entry never replaces a permanent one, nor shortens a bounded
+        one: it takes an address that is not on the list, or one whose entry
+        lapses sooner (a lapsed one among them).
+        """
+        if not entries:
+            return
+        t = suppression_table
+        now = self.store.clock()
+        latest: dict[str, tuple[str, str, str, datetime]] = {}
+        for entry in entries:
+            if entry[0] not in latest or entry[3] > latest[entry[0]][3]:
+                latest[entry[0]] = entry
+        rows = [{"address": key, "reason": reason, "source": source[:255],
+                 "created_at": now, "expires_at": until}
+                for key, reason, source, until in sorted(latest.values())]
+        insert = self.store.dialect.insert(t)
+        conn.execute(insert.on_conflict_do_update(
+            index_elements=[t.c.address],
+            set_={"reason": insert.excluded.reason, "source": insert.excluded.source,
+                  "created_at": insert.excluded.created_at,
+                  "expires_at": insert.excluded.expires_at},
+            where=sa.and_(t.c.expires_at.is_not(None),
+                          t.c.expires_at < insert.excluded.expires_at)), rows)
 
     def remove(self, address: str) -> bool:
         """Take ``address`` off the list; True if it was on it.

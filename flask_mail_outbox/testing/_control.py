@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from .._events import DeliveryEvent
+from .._reasons import REASONS
 from .._flask.state import EXTENSION_KEY, AppState
 from ..core._internal import Outbox, OutboxConfig, Status, TestClock, email_table
 from ..transports import MemoryTransport
@@ -47,6 +48,13 @@ EVENT_KINDS: dict[str, tuple[str, str | None]] = {
     "soft_bounced": ("bounced", "transient"),
     "complained": ("complained", None),
     "unsubscribed": ("unsubscribed", None),
+}
+
+#: The reason a simulated event of each kind has when ``reason=`` is not given: a hard
+#: bounce is a mailbox that does not exist, a soft one a full mailbox.
+DEFAULT_REASONS: dict[str, str | None] = {
+    "delivered": None, "bounced": "user_unknown", "soft_bounced": "mailbox_full",
+    "complained": "complaint", "unsubscribed": None,
 }
 
 #: Real seconds :meth:`OutboxControl.deliver` waits at most for the transport's results.
@@ -228,14 +236,20 @@ class OutboxControl:
                                f"{_choices(FAILURE_REPLIES)})") from None
 
     def simulate_event(self, email_id: int, kind: str, *, recipient: str | None = None,
-                       description: str | None = None) -> DeliveryEvent:
+                       description: str | None = None,
+                       reason: str | None = None) -> DeliveryEvent:
         """Record a provider's event for sent email ``email_id``, as a verified webhook does.
 
-        ``kind``: ``"delivered"``, ``"bounced"`` (hard), ``"soft_bounced"``,
-        ``"complained"`` or ``"unsubscribed"``; ``recipient``: one of its
-        recipients (the first by default). A hard bounce, a complaint and an
-        unsubscribe suppress the recipient; ``email_event`` is sent. Returns
-        the stored event.
+        ``kind``: ``"delivered"``, ``"bounced"`` (permanent), ``"soft_bounced"``
+        (transient), ``"complained"`` or ``"unsubscribed"``; ``recipient``: one
+        of its recipients (the first by default); ``reason``: why it failed, one
+        of the reasons (:data:`DEFAULT_REASONS` by default: a bounce is
+        ``user_unknown``, a soft bounce ``mailbox_full``), for the failure kinds
+        only. The suppression policy decides as for a real event: a bounce for
+        a dead address, a complaint and an unsubscribe suppress the recipient
+        for good, repeated soft bounces for a while (``bounced`` with
+        ``reason="spam"`` is a soft one). ``email_event`` is sent. Returns the
+        stored event, with the policy's ``verdict`` and ``suppressed_until``.
         """
         method = f"simulate_event({email_id!r}, {kind!r})"
         outbox = self._outbox(method)
@@ -245,6 +259,14 @@ class OutboxControl:
         if isinstance(email_id, bool) or not isinstance(email_id, int):
             raise TestKitError(f"{self.label}.{method}: email_id is the int id "
                                "mail.send() returned")
+        if reason is None:
+            reason = DEFAULT_REASONS[kind]
+        elif kind in ("delivered", "unsubscribed"):
+            raise TestKitError(f"{self.label}.{method}: reason= is for a failure (bounced, "
+                               f"soft_bounced, complained), not {kind}")
+        elif not isinstance(reason, str) or reason not in REASONS:
+            raise TestKitError(f"{self.label}.{method}: reason {reason!r:.80} is not one of "
+                               f"{_choices(REASONS)}")
         t = email_table
         with outbox.store.read() as conn:
             row = conn.execute(sa.select(t.c.status, t.c.recipients, t.c.transport)
@@ -268,7 +290,7 @@ class OutboxControl:
         event = DeliveryEvent(
             event_type, recipient=recipient, occurred_at=self.clock.now(),
             transport=row.transport, provider_event_id=f"simulated-{uuid.uuid4().hex}",
-            email_id=email_id, bounce_kind=bounce_kind,
+            email_id=email_id, bounce_kind=bounce_kind, reason=reason,
             description=description if description is not None
             else f"simulated by the test kit ({kind})")
         # A verified webhook's path: stored with its suppression in one transaction,

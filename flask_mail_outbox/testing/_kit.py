@@ -56,15 +56,19 @@ class OutboxTest(EmailAssertions):
         self.control.fail_next(count, to=to, kind=kind, message=message)
 
     def simulate_event(self, email_id: int, kind: str, *, recipient: str | None = None,
-                       description: str | None = None) -> DeliveryEvent:
+                       description: str | None = None,
+                       reason: str | None = None) -> DeliveryEvent:
         """Record a delivery event for a sent email as a verified webhook would.
 
-        ``kind``: ``"delivered"``, ``"bounced"`` (hard), ``"soft_bounced"``,
-        ``"complained"`` or ``"unsubscribed"``; the suppression list and the
-        ``email_event`` signal behave as in production.
+        ``kind``: ``"delivered"``, ``"bounced"`` (permanent), ``"soft_bounced"``,
+        ``"complained"`` or ``"unsubscribed"``; ``reason``: why it failed (a
+        bounce is ``user_unknown`` by default, a soft bounce ``mailbox_full``);
+        the suppression policy, the list and the ``email_event`` signal behave
+        as in production, and the returned event carries the policy's
+        ``verdict`` and ``suppressed_until``.
         """
         return self.control.simulate_event(email_id, kind, recipient=recipient,
-                                           description=description)
+                                           description=description, reason=reason)
 
     def close(self) -> None:
         """Put the real clock back and stop what the kit started (idempotent)."""

@@ -173,10 +173,15 @@ def _tables() -> sa.MetaData:
         sa.Column("description", sa.Text(), nullable=False, server_default=""),
         sa.Column("mta_response", sa.Text(), nullable=False, server_default=""),
         sa.Column("payload", sa.Text(), nullable=True),
+        sa.Column("verdict", sa.String(16), nullable=True),
+        sa.Column("suppressed_until", sa.DateTime(), nullable=True),
+        sa.Column("applied_to", sa.String(320), nullable=True),
         sa.UniqueConstraint("transport", "provider_event_id",
                             name="uq_outbox_event_provider_event_id"),
         sa.Index("ix_outbox_event_email", "email_id", "occurred_at", "id"),
         sa.Index("ix_outbox_event_type", "event_type", "email_id"),
+        sa.Index("ix_outbox_event_applied_to", "applied_to", "occurred_at",
+                 **_where("applied_to IS NOT NULL")),
     )
     sa.Table(
         "outbox_suppression",
