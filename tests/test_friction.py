@@ -1,0 +1,161 @@
+"""Issue 41's first-day frictions: what a new user meets before any email goes out.
+
+The worker's exit status with no database, the texts of four log lines, the
+suppression list's count under ``--prefix``, and ``cancel abc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import MakeApps, free_port
+from smtpserver import FaultSMTPServer
+
+from flask_mail_outbox import Message
+from flask_mail_outbox._webhooks._base import WebhookRefused, check_timestamp
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+PACKAGE = REPO / "flask_mail_outbox"
+
+
+def outbox_command(db_url: str, *args: str,
+                   timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``flask outbox ARGS`` in its own process, for an app that configures no logging."""
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{REPO}",
+           "DEPLOY_DB_URL": db_url, "DEPLOY_SMTP_PORT": str(free_port())}
+    return subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "gunicorn_app:create_app", "outbox", *args],
+        env=env, cwd=str(TESTS), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+# --- item 3: the worker with no database ---------------------------------------------------
+
+@pytest.mark.parametrize("once", [True, False], ids=["once", "long-running"])
+def test_a_worker_without_the_outbox_tables_exits_78_in_one_line(db_url: str,
+                                                                 once: bool) -> None:
+    """``db_url`` is an empty database (the fixture drops the outbox tables on PostgreSQL;
+    the SQLite file does not exist yet): no traceback, the migration command, exit 78."""
+    started = time.monotonic()
+    result = outbox_command(db_url, "worker", *(["--once"] if once else []))
+    assert result.returncode == 78, result.stdout + result.stderr
+    assert time.monotonic() - started < 30, "the long-running worker must not wait"
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert "the outbox tables do not exist" in line and "flask db upgrade heads" in line
+    assert "email(s) handled" not in result.stdout
+
+
+def test_a_worker_that_cannot_reach_the_database_exits_75_without_the_password() -> None:
+    url = f"postgresql+psycopg://outbox:s3cret-pw@127.0.0.1:{free_port()}/outbox"
+    result = outbox_command(url, "worker", "--once")
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert "cannot reach the database postgresql+psycopg://outbox:***@127.0.0.1" in line
+    assert "s3cret-pw" not in result.stderr + result.stdout
+
+
+def test_a_worker_once_with_its_tables_still_exits_0(make_apps: MakeApps,
+                                                    db_url: str) -> None:
+    make_apps()  # creates the tables
+    result = outbox_command(db_url, "worker", "--once")
+    assert result.returncode == 0, result.stderr
+    assert "worker --once: 0 email(s) handled" in result.stdout
+
+
+# --- item 7: log texts ---------------------------------------------------------------------
+
+def test_a_full_mailbox_is_not_blamed_on_the_server_settings(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    smtp_server.refuse_recipient("full@example.com", 452, "4.2.2 Mailbox full")
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_INLINE_RETRIES=0)
+    caplog.set_level(logging.INFO, logger="flask_mail_outbox")
+    with app.app_context():
+        email_id = mail.send(Message("x", recipients=["full@example.com"], body="x"))
+        from conftest import db
+        db.session.commit()
+        assert mail.wait_idle(20)
+    [error] = [r for r in caplog.records if r.levelno == logging.ERROR
+               and f"Email {email_id} could not be delivered" in r.getMessage()]
+    fix = error.getMessage().split("Fix: ", 1)[1]
+    assert "MAIL_SERVER" not in fix and "MAIL_PORT" not in fix
+    assert "recipient's mailbox (mailbox_full)" in fix
+    assert f"flask outbox cancel {email_id}" in fix
+
+
+def test_a_refused_connection_still_points_at_the_server_settings(
+        make_apps: MakeApps, caplog: pytest.LogCaptureFixture) -> None:
+    app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(),
+                          OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2)
+    with app.app_context():
+        email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
+        from conftest import db
+        db.session.commit()
+        assert mail.wait_idle(20)
+    [error] = [r for r in caplog.records if r.levelno == logging.ERROR
+               and f"Email {email_id} could not be delivered" in r.getMessage()]
+    assert "Fix: check the transport's settings (MAIL_SERVER and MAIL_PORT" in \
+        error.getMessage()
+
+
+@pytest.mark.parametrize(("offset", "said"), [(-601, "601 s ago"),
+                                              (+420, "420 s in the future")])
+def test_a_webhook_timestamp_outside_the_window_says_ago_or_ahead(offset: int,
+                                                                 said: str) -> None:
+    now = 1_800_000_000.0
+    with pytest.raises(WebhookRefused) as refused:
+        check_timestamp(now + offset, now)
+    assert f"the signed timestamp is {said}," in str(refused.value)
+    assert "from now" not in str(refused.value)
+
+
+def test_no_log_text_doubles_a_quote_after_a_repr() -> None:
+    """``transport 'default''s learned rate``: a possessive after ``%r``/``!r}`` reads as
+    a doubled quote."""
+    found = [f"{path.relative_to(REPO)}:{number}"
+             for path in PACKAGE.rglob("*.py")
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"(%r|!r\})'s\b", line)]
+    assert found == []
+
+
+def test_cancel_abc_names_the_argument_and_the_accepted_forms(make_apps: MakeApps) -> None:
+    app, _ = make_apps()
+    result = app.test_cli_runner().invoke(args=["outbox", "cancel", "abc"])
+    assert result.exit_code == 2
+    assert "'abc' is not an email id" in result.output
+    assert "IDS" in result.output and "--key" in result.output
+    assert "integer range" not in result.output
+    dlq = app.test_cli_runner().invoke(args=["outbox", "dlq", "retry", "0"])
+    assert dlq.exit_code == 2 and "'0' is not an email id" in dlq.output
+    assert "--all" in dlq.output
+
+
+# --- item 9: suppression list --prefix -----------------------------------------------------
+
+def test_suppression_list_counts_further_matches_of_the_prefix(make_apps: MakeApps) -> None:
+    app, mail = make_apps()
+    with app.app_context():
+        for address in ("alice@example.com", "bob@example.com", "gina@example.com",
+                        "gisela@example.com", "gita@example.com"):
+            mail.suppress(address)
+    runner = app.test_cli_runner()
+    one = runner.invoke(args=["outbox", "suppression", "list", "--prefix", "gin"])
+    assert one.exit_code == 0 and "gina@example.com" in one.output
+    assert "more" not in one.output, one.output
+    first = runner.invoke(args=["outbox", "suppression", "list", "--prefix", "gi",
+                                "--limit", "1"])
+    assert "gina@example.com" in first.output
+    assert "... 2 more starting with 'gi'" in first.output, first.output
+    every = runner.invoke(args=["outbox", "suppression", "list", "--limit", "2"])
+    assert "... 3 more (" in every.output, every.output
