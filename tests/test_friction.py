@@ -159,3 +159,31 @@ def test_suppression_list_counts_further_matches_of_the_prefix(make_apps: MakeAp
     assert "... 2 more starting with 'gi'" in first.output, first.output
     every = runner.invoke(args=["outbox", "suppression", "list", "--limit", "2"])
     assert "... 3 more (" in every.output, every.output
+
+
+# --- item 6: missing tables at send() ------------------------------------------------------
+
+def test_send_without_the_outbox_tables_says_how_to_create_them(make_apps: MakeApps) -> None:
+    from conftest import db
+
+    from flask_mail_outbox import ConfigError
+    from flask_mail_outbox.core import metadata
+
+    app, mail = make_apps()
+    with app.app_context():
+        metadata.drop_all(db.engine)
+        for send in (lambda: mail.send(Message("x", recipients=["a@example.com"], body="x")),
+                     lambda: mail.send_many([Message("x", recipients=["a@example.com"],
+                                                     body="x")] * 2)):
+            with pytest.raises(ConfigError) as raised:
+                send()
+            db.session.rollback()
+            text = str(raised.value)
+            assert text.startswith("SQLALCHEMY_DATABASE_URI: the outbox tables do not exist")
+            assert "flask db upgrade heads" in text and "mail.create_all()" in text
+            assert "INSERT" not in text and raised.value.__suppress_context__
+        # The app's own tables are untouched and usable: only the outbox's were missing.
+        mail.create_all()
+        email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
+        db.session.commit()
+        assert email_id >= 1
