@@ -187,3 +187,56 @@ def test_send_without_the_outbox_tables_says_how_to_create_them(make_apps: MakeA
         email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
         db.session.commit()
         assert email_id >= 1
+
+
+# --- item 8: a database the outbox does not run on -----------------------------------------
+
+@pytest.mark.parametrize(("uri", "mysql"), [("mysql+pymysql://app:pw@db.example.com/app", True),
+                                           ("mariadb://app:pw@db.example.com/app", True),
+                                           ("mssql+pyodbc://app:pw@dsn", False)])
+def test_init_app_refuses_an_unsupported_database_naming_the_key(uri: str,
+                                                                 mysql: bool) -> None:
+    """Refused from the URL alone, before any engine: none of these drivers is installed,
+    and the message, not a ModuleNotFoundError, is what the user sees from init_app."""
+    from flask import Flask
+    from flask_sqlalchemy import SQLAlchemy
+
+    from flask_mail_outbox import ConfigError, OutboxMail
+
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = uri
+    with pytest.raises(ConfigError) as refused:
+        OutboxMail(app, db=SQLAlchemy())  # a db not yet bound to the app: no engine made
+    text = str(refused.value)
+    assert refused.value.key == "SQLALCHEMY_DATABASE_URI"
+    assert "postgresql+psycopg://" in text and "sqlite:///" in text
+    assert ("MySQL and MariaDB are not supported" in text) is mysql
+    assert "pw" not in text
+    assert "mail_outbox" not in app.extensions
+
+
+def test_a_plain_postgresql_url_means_what_the_docs_say(pg_database: str | None,
+                                                      smtp_server: FaultSMTPServer) -> None:
+    """SQLAlchemy 2.0 reads ``postgresql://`` as psycopg2, 2.1 as psycopg 3 (docs/deploying.md);
+    on 2.1 such a URL delivers end to end."""
+    import sqlalchemy as sa
+    from conftest import close_app, db, empty_postgres, make_app, require_postgres
+
+    require_postgres()
+    assert pg_database is not None
+    version = tuple(int(part) for part in sa.__version__.split(".")[:2])
+    driver = sa.make_url("postgresql://").get_dialect().driver
+    assert driver == ("psycopg" if version >= (2, 1) else "psycopg2")
+    if driver != "psycopg":
+        return  # psycopg2 is not installed here: the docs tell 2.0 users to name psycopg
+    url = empty_postgres(pg_database).replace("postgresql+psycopg://", "postgresql://", 1)
+    assert url.startswith("postgresql://")
+    app = make_app(url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
+    try:
+        with app.app_context():
+            app.extensions["test_mail"].send(Message("plain", recipients=["a@example.com"],
+                                                     body="x"))
+            db.session.commit()
+        assert smtp_server.wait_for(1, timeout=20)
+    finally:
+        close_app(app)
