@@ -240,3 +240,81 @@ def test_a_plain_postgresql_url_means_what_the_docs_say(pg_database: str | None,
         assert smtp_server.wait_for(1, timeout=20)
     finally:
         close_app(app)
+
+
+def test_the_dashboard_table_of_docs_operations_lists_every_page(tmp_path: Path) -> None:
+    """Every page (GET route) of the dashboard's blueprint is a row of docs/operations.md's
+    table, and every row is a page."""
+    from conftest import close_app, make_app
+    from dashboard_helpers import Gate
+
+    app = make_app(f"sqlite:///{tmp_path / 'dashboard.db'}")
+    try:
+        app.register_blueprint(app.extensions["test_mail"].dashboard_blueprint(
+            authorize=Gate()), url_prefix="/outbox")
+        pages = {re.sub(r"<int:\w+>", "<id>", rule.rule.removeprefix("/outbox"))
+                 for rule in app.url_map.iter_rules()
+                 if rule.endpoint.startswith("outbox_dashboard.") and "GET" in (rule.methods or ())
+                 and not rule.endpoint.endswith(".static")}
+    finally:
+        close_app(app)
+    text = (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
+    table = text.split("| page | shows | actions (POST) |", 1)[1].split("\n\n", 1)[0]
+    rows = set(re.findall(r"^\| `([^`]+)`", table, re.M))
+    assert pages == rows
+
+
+# --- item 8: every documented signature is the code's --------------------------------------
+
+def documented_signatures() -> list[tuple[str, str, str]]:
+    """``(where, method, parameters)`` of every ``mail.NAME(...)`` written as a signature
+    (with a bare ``*,``: a call never has one) in a backtick span of README.md or docs/."""
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for match in re.finditer(r"`mail\.(\w+)\(([^`]*)\)`", text):
+            params = " ".join(match.group(2).split())
+            if re.search(r"(^|, )\*, ", params):
+                line = text.count("\n", 0, match.start()) + 1
+                found.append((f"{page.relative_to(REPO)}:{line}", match.group(1), params))
+    return found
+
+
+def test_every_documented_signature_matches_the_code() -> None:
+    import ast
+    import inspect
+
+    from flask_mail_outbox import OutboxMail
+
+    checked = 0
+    problems = []
+    for where, method, params in documented_signatures():
+        try:
+            tree = ast.parse(f"def f({params}): pass")
+        except SyntaxError:  # "messages, ...": an abbreviation, not a signature
+            continue
+        function = tree.body[0]
+        assert isinstance(function, ast.FunctionDef)
+        args = function.args
+        documented: dict[str, object] = {}
+        positional = [*args.posonlyargs, *args.args]
+        for arg, default in zip(positional[::-1], args.defaults[::-1]):
+            documented[arg.arg] = ast.literal_eval(default)
+        documented.update({arg.arg: inspect.Parameter.empty for arg in positional
+                           if arg.arg not in documented})
+        for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+            documented[arg.arg] = (inspect.Parameter.empty if kw_default is None
+                                   else ast.literal_eval(kw_default))
+        if args.vararg is not None:
+            documented["*"] = inspect.Parameter.empty
+        if args.kwarg is not None:  # its name is the docs' choice (**message_fields)
+            documented["**"] = inspect.Parameter.empty
+        stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+        code = {stars.get(p.kind, name): p.default
+                for name, p in inspect.signature(getattr(OutboxMail, method)).parameters.items()
+                if name != "self"}
+        if documented != code:
+            problems.append(f"{where}: mail.{method}({params}) but the code has {code}")
+        checked += 1
+    assert checked >= 6
+    assert problems == []
