@@ -1,8 +1,9 @@
 """Type and meaning of every configuration key, for docs/configuration.md.
 
-Keys and defaults are not written here: the ``{outbox-config}`` directive takes them from
-``flask_mail_outbox.core._config._DEFAULTS``. Every key there needs an entry here and every
-entry here a key there (the build warns, and tests/test_docs.py fails, otherwise).
+Keys and defaults are not written here: ``python docs/_ext/outbox_config.py`` takes them from
+``flask_mail_outbox.core._config._DEFAULTS`` and writes the table into the page; run it after
+a change here or there. Every key there needs an entry here and every entry here a key there
+(the build warns, and tests/test_docs.py fails, otherwise).
 Each value is ``(type, meaning)`` in MyST Markdown, on one line.
 """
 
