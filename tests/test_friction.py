@@ -260,7 +260,7 @@ def test_the_dashboard_table_of_docs_operations_lists_every_page(tmp_path: Path)
         close_app(app)
     text = (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
     table = text.split("| page | shows | actions (POST) |", 1)[1].split("\n\n", 1)[0]
-    rows = set(re.findall(r"^\| `([^`]+)`", table, re.M))
+    rows = set(re.findall(r"^\| `([^`]+)`", table, re.MULTILINE))
     assert pages == rows
 
 

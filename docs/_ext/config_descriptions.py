@@ -123,7 +123,8 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                      "([events and suppression](events.md))"),
     "OUTBOX_UNSUBSCRIBE_URL": ("str or None", "an absolute https URL: "
                                               "`Message(list_unsubscribe=True)` links to it "
-                                              "plus a token signed with `SECRET_KEY`, and its "
+                                              "plus an opaque token encrypted with a key from "
+                                              "`SECRET_KEY`, and its "
                                               "path takes the one-click POST "
                                               "([one-click unsubscribe](events.md#one-click-"
                                               "unsubscribe))"),
