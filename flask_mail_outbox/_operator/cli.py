@@ -261,7 +261,13 @@ def _check_database(command: str, state: AppState) -> None:
         sys.exit(code)
 
 
-class _EmailIds(click.ParamType):
+if TYPE_CHECKING:  # generic from click 8.2 on; Flask 3.0 allows older ones at run time
+    _IntParamType = click.ParamType[int]
+else:
+    _IntParamType = click.ParamType
+
+
+class _EmailIds(_IntParamType):
     """An email's id, as `status`, `dlq list` and the dashboard show it: a whole number."""
 
     name = "ID"
