@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 from conftest import MakeApps, free_port
+from flask import Flask
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox import Message
+from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._webhooks._base import WebhookRefused, check_timestamp
 
 TESTS = Path(__file__).resolve().parent
@@ -73,39 +74,38 @@ def test_a_worker_once_with_its_tables_still_exits_0(make_apps: MakeApps,
 
 # --- item 7: log texts ---------------------------------------------------------------------
 
+def left_queued_fix(app: Flask, mail: OutboxMail, caplog: pytest.LogCaptureFixture,
+                    to: str) -> str:
+    """The Fix of the ERROR that reports one email, to ``to``, left queued by inline delivery."""
+    from conftest import db
+
+    with app.app_context():
+        email_id = mail.send(Message("x", recipients=[to], body="x"))
+        db.session.commit()
+        assert mail.wait_idle(20)
+    [error] = [r for r in caplog.records if r.levelno == logging.ERROR
+               and f"Email {email_id} could not be delivered" in r.getMessage()]
+    return error.getMessage().split("Fix: ", 1)[1].replace(str(email_id), "<id>")
+
+
 def test_a_full_mailbox_is_not_blamed_on_the_server_settings(
         make_apps: MakeApps, smtp_server: FaultSMTPServer,
         caplog: pytest.LogCaptureFixture) -> None:
     smtp_server.refuse_recipient("full@example.com", 452, "4.2.2 Mailbox full")
     app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                           OUTBOX_INLINE_RETRIES=0)
-    caplog.set_level(logging.INFO, logger="flask_mail_outbox")
-    with app.app_context():
-        email_id = mail.send(Message("x", recipients=["full@example.com"], body="x"))
-        from conftest import db
-        db.session.commit()
-        assert mail.wait_idle(20)
-    [error] = [r for r in caplog.records if r.levelno == logging.ERROR
-               and f"Email {email_id} could not be delivered" in r.getMessage()]
-    fix = error.getMessage().split("Fix: ", 1)[1]
+    fix = left_queued_fix(app, mail, caplog, "full@example.com")
     assert "MAIL_SERVER" not in fix and "MAIL_PORT" not in fix
     assert "recipient's mailbox (mailbox_full)" in fix
-    assert f"flask outbox cancel {email_id}" in fix
+    assert "flask outbox cancel <id>" in fix
 
 
 def test_a_refused_connection_still_points_at_the_server_settings(
         make_apps: MakeApps, caplog: pytest.LogCaptureFixture) -> None:
     app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(),
                           OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2)
-    with app.app_context():
-        email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
-        from conftest import db
-        db.session.commit()
-        assert mail.wait_idle(20)
-    [error] = [r for r in caplog.records if r.levelno == logging.ERROR
-               and f"Email {email_id} could not be delivered" in r.getMessage()]
-    assert "Fix: check the transport's settings (MAIL_SERVER and MAIL_PORT" in \
-        error.getMessage()
+    fix = left_queued_fix(app, mail, caplog, "a@example.com")
+    assert fix.startswith("check the transport's settings (MAIL_SERVER and MAIL_PORT")
 
 
 @pytest.mark.parametrize(("offset", "said"), [(-601, "601 s ago"),
