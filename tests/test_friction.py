@@ -309,7 +309,8 @@ def test_every_documented_signature_matches_the_code() -> None:
             documented["*"] = inspect.Parameter.empty
         if args.kwarg is not None:  # its name is the docs' choice (**message_fields)
             documented["**"] = inspect.Parameter.empty
-        stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+        stars: dict[inspect._ParameterKind, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
+                                                     inspect.Parameter.VAR_KEYWORD: "**"}
         code = {stars.get(p.kind, name): p.default
                 for name, p in inspect.signature(getattr(OutboxMail, method)).parameters.items()
                 if name != "self"}
