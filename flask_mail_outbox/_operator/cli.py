@@ -180,7 +180,9 @@ def worker(concurrency: int | None, once: bool, shutdown_timeout: float) -> None
     Any number of workers, on any number of machines sharing one PostgreSQL,
     cooperate: each claims its rows with FOR UPDATE SKIP LOCKED under a lease.
     SIGTERM or SIGINT stops claiming, lets sends in flight finish (or releases
-    them after --shutdown-timeout) and exits 0.
+    them after --shutdown-timeout) and exits 0. At start, with or without --once,
+    it exits 75 (EX_TEMPFAIL) when the database cannot be reached and 78
+    (EX_CONFIG) when the outbox tables do not exist, in one line.
     """
     state = _state()
     if concurrency is not None and state.current_outbox() is None:
