@@ -9,6 +9,7 @@ from sqlalchemy import MetaData
 from sqlalchemy.orm import DeclarativeBase
 
 from flask_mail_outbox import OutboxMail
+from flask_mail_outbox.migrations import guard_package_versions
 
 
 class Base(DeclarativeBase):
@@ -31,5 +32,8 @@ class Base(DeclarativeBase):
 
 db = SQLAlchemy(model_class=Base)
 migrate = Migrate()
+# A revision on the outbox branch (a merge, `revision --head outbox@head`) would be written
+# into the package's own folder, which is this checkout's in an editable install: refused.
+migrate.configure(guard_package_versions)
 babel = Babel()
 mail = OutboxMail()

@@ -102,9 +102,23 @@ def test_the_configuration_reference_describes_exactly_the_keys_in_the_code() ->
         assert type_.strip() and meaning.strip(), key
 
 
-def test_the_configuration_page_renders_the_reference() -> None:
-    text = (DOCS / "configuration.md").read_text(encoding="utf-8")
-    assert "```{outbox-config}" in text
+def test_the_configuration_page_commits_the_table_the_code_makes() -> None:
+    """docs/configuration.md reads the same on GitHub as on the site: its table is committed,
+    and is exactly what ``python docs/_ext/outbox_config.py`` makes from the code now."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import outbox_config
+        block = outbox_config.committed((DOCS / "configuration.md").read_text(encoding="utf-8"))
+        expected = outbox_config.generated()
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    assert block is not None, "docs/configuration.md lost its outbox-config markers"
+    assert block == expected, (
+        "docs/configuration.md's table is not the code's: run "
+        "`python docs/_ext/outbox_config.py` and commit the page")
+    from flask_mail_outbox.core._config import _DEFAULTS
+
+    assert all(f"| `{key}` |" in block for key in _DEFAULTS)
 
 
 # --- the API page -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """``list_unsubscribe=True``: the outbox makes the one-click link and answers it.
 
-The URL is ``OUTBOX_UNSUBSCRIBE_URL`` plus a token naming the one recipient,
-signed with ``SECRET_KEY``. Its route takes RFC 8058's POST
+The URL is ``OUTBOX_UNSUBSCRIBE_URL`` plus an opaque token naming the one recipient,
+encrypted with a key from ``SECRET_KEY``. Its route takes RFC 8058's POST
 (``List-Unsubscribe=One-Click``) and suppresses the address for bulk mail;
 a GET only shows a confirmation page; a bad token gets 400 and writes nothing.
 """
@@ -325,3 +325,55 @@ def test_a_link_made_before_links_named_their_email_still_works(app: Flask) -> N
         assert client.post(f"/outbox/unsubscribe/{token}", data=ONE_CLICK).status_code == 200
     assert suppressions(app) == [("reader@example.com", "unsubscribed", "list-unsubscribe")]
     assert event_count(app) == 1
+
+
+def test_the_token_is_opaque_a_forwarded_link_does_not_show_the_address(app: Flask) -> None:
+    """Issue 41: the token used to be the address in URL-safe base64 (signed, readable)."""
+    import base64
+
+    msg = newsletter(["Reader.Name+news@example.com"])
+    url = link_of(app, msg)
+    token = url.rsplit("/", 1)[1]
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", token)  # one path segment, no dots
+    decoded = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+    assert "reader" not in token.lower() and b"reader" not in decoded.lower()
+    assert b"example.com" not in decoded.lower()
+    assert msg.msgId.strip("<>").split("@")[0].encode() not in decoded
+    # Still resolved by the server alone: no row, no database.
+    with app.app_context():
+        links = app.extensions["mail_outbox"].config.unsubscribe_links
+    assert links.named_by(token) == ("reader.name+news@example.com", msg.msgId)
+    assert app.test_client().post(path_of(url), data=ONE_CLICK).status_code == 200
+    assert suppressions(app)[0][:2] == ("reader.name+news@example.com", "unsubscribed")
+
+
+def test_a_signed_readable_link_of_before_keeps_working_with_its_email(app: Flask) -> None:
+    """Links already in inboxes, made as [address, message id] signed and readable."""
+    from itsdangerous import URLSafeSerializer
+
+    email_id, path = sent_newsletter(app)
+    from flask_mail_outbox.core import email_table as t
+
+    with app.app_context(), db.engine.connect() as conn:
+        stored = conn.execute(sa.select(t.c.message_id).where(t.c.id == email_id)).scalar_one()
+    token = URLSafeSerializer(b"test", salt="flask-mail-outbox.unsubscribe").dumps(
+        ["reader@example.com", stored.strip("<>")])
+    assert app.test_client().post(f"/outbox/unsubscribe/{token}",
+                                  data=ONE_CLICK).status_code == 200
+    with app.app_context():
+        (event,) = mail_of(app).events(email_id)
+    assert (event.event_type, event.recipient) == ("unsubscribed", "reader@example.com")
+    assert path != f"/outbox/unsubscribe/{token}"  # the new link of that email is opaque
+
+
+@pytest.mark.parametrize("mangle", [
+    lambda token: token[:-1] + ("A" if token[-1] != "A" else "B"),  # the last character
+    lambda token: "B" + token[1:] if token[0] != "B" else "C" + token[1:],  # the format byte
+    lambda token: token[:10],                                          # cut short
+    lambda token: token + "!",                                         # not base64
+])
+def test_an_altered_opaque_token_gets_400_and_writes_nothing(app: Flask, mangle: Any) -> None:
+    token = link_of(app, newsletter()).rsplit("/", 1)[1]
+    response = app.test_client().post(f"/outbox/unsubscribe/{mangle(token)}", data=ONE_CLICK)
+    assert response.status_code in (400, 404)
+    assert suppressions(app) == [] and event_count(app) == 0

@@ -1,8 +1,9 @@
 """Type and meaning of every configuration key, for docs/configuration.md.
 
-Keys and defaults are not written here: the ``{outbox-config}`` directive takes them from
-``flask_mail_outbox.core._config._DEFAULTS``. Every key there needs an entry here and every
-entry here a key there (the build warns, and tests/test_docs.py fails, otherwise).
+Keys and defaults are not written here: ``python docs/_ext/outbox_config.py`` takes them from
+``flask_mail_outbox.core._config._DEFAULTS`` and writes the table into the page; run it after
+a change here or there. Every key there needs an entry here and every entry here a key there
+(the build warns, and tests/test_docs.py fails, otherwise).
 Each value is ``(type, meaning)`` in MyST Markdown, on one line.
 """
 
@@ -132,7 +133,8 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                      "([events and suppression](events.md))"),
     "OUTBOX_UNSUBSCRIBE_URL": ("str or None", "an absolute https URL: "
                                               "`Message(list_unsubscribe=True)` links to it "
-                                              "plus a token signed with `SECRET_KEY`, and its "
+                                              "plus an opaque token encrypted with a key from "
+                                              "`SECRET_KEY`, and its "
                                               "path takes the one-click POST "
                                               "([one-click unsubscribe](events.md#one-click-"
                                               "unsubscribe))"),

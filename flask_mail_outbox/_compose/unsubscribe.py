@@ -7,9 +7,10 @@ Only https (never plain http, which would carry the unsubscribe token in
 clear) and ``mailto:`` URIs with a valid address are accepted.
 
 ``list_unsubscribe=True`` has the outbox make the URL: :class:`UnsubscribeLinks`
-joins ``OUTBOX_UNSUBSCRIBE_URL`` and a token naming the one recipient, signed
-with the app's ``SECRET_KEY`` by itsdangerous (Flask's own signing library),
-so the route that receives it needs no database row to know whom it names.
+joins ``OUTBOX_UNSUBSCRIBE_URL`` and an opaque token naming the one recipient,
+encrypted and authenticated with a key derived from the app's ``SECRET_KEY``, so
+the route that receives it needs no database row to know whom it names, and the
+URL does not show the address.
 """
 
 from __future__ import annotations

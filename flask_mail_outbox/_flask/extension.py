@@ -124,12 +124,13 @@ class OutboxExtension:
                 "A flask-mail-outbox extension is already registered on this app. "
                 "Create one OutboxMail per app and call init_app(app) once "
                 "(use the existing app.extensions['mail_outbox'].ext).")
+        # First: the database's kind needs no engine, and names the key to change.
+        _check_database_uri(app.config.get("SQLALCHEMY_DATABASE_URI"))
         db = db or self._db or app.extensions.get("sqlalchemy")
         if db is None:
             raise RuntimeError(
                 "flask-mail-outbox needs Flask-SQLAlchemy: create SQLAlchemy(app) (or call "
                 "db.init_app(app)) before OutboxMail(app), or pass OutboxMail(app, db=db).")
-        _check_database_uri(app.config.get("SQLALCHEMY_DATABASE_URI"))
         _check_unknown_keys(app.config)
         config = load_config(app.config, instance_path=app.instance_path,
                              testing=bool(app.config.get("TESTING")))

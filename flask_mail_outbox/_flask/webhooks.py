@@ -10,7 +10,7 @@ confirmation. A refusal writes nothing.
 
 ``OUTBOX_UNSUBSCRIBE_URL``'s path takes the RFC 8058 one-click POST
 (``List-Unsubscribe=One-Click``) to ``<path>/<token>``: the address the
-signed token names is suppressed for bulk mail, an ``unsubscribed`` event is
+opaque token names is suppressed for bulk mail, an ``unsubscribed`` event is
 stored with the email the token names (under that email's transport), and
 ``email_unsubscribed`` is sent. A link POSTed again stores nothing and sends
 nothing (the event's id is the link's). A GET or a HEAD shows a page with a

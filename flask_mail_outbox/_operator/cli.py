@@ -191,11 +191,14 @@ def worker(concurrency: int | None, once: bool, shutdown_timeout: float) -> None
     Any number of workers, on any number of machines sharing one PostgreSQL,
     cooperate: each claims its rows with FOR UPDATE SKIP LOCKED under a lease.
     SIGTERM or SIGINT stops claiming, lets sends in flight finish (or releases
-    them after --shutdown-timeout) and exits 0.
+    them after --shutdown-timeout) and exits 0. At start, with or without --once,
+    it exits 75 (EX_TEMPFAIL) when the database cannot be reached and 78
+    (EX_CONFIG) when the outbox tables do not exist, in one line.
     """
     state = _state()
     if concurrency is not None and state.current_outbox() is None:
         state.concurrency = concurrency
+    _check_database("worker" + (" --once" if once else ""), state)
     worker = state.outbox().dispatch(hand_ticked=True)  # its loop runs here, in the foreground
     log = logging.getLogger("flask_mail_outbox.worker")
     _log_start("worker" + (" --once" if once else ""), mode="durable (a worker always is)",
@@ -228,6 +231,72 @@ def worker(concurrency: int | None, once: bool, shutdown_timeout: float) -> None
             signal.signal(sig, handler)
         state.stop(shutdown_timeout)
     log.info("outbox worker stopped")
+
+
+#: sysexits.h EX_CONFIG: the outbox tables do not exist (a deploy that skipped the
+#: migrations); restarting changes nothing until someone runs them.
+EX_CONFIG = 78
+
+
+def _check_database(command: str, state: AppState) -> None:
+    """Exit at once, in one line, when the worker cannot work: 75 (EX_TEMPFAIL) when the
+    database cannot be reached, 78 (EX_CONFIG) when the outbox tables do not exist.
+
+    One indexed read (the health check's). A worker that started against no database
+    would otherwise log a traceback per part and exit 0 (``--once``) or wait in silence
+    for a database that a deploy forgot: a supervisor (cron, systemd, Kubernetes) sees
+    the code and restarts it later (75) or stops restarting it (78). A database that
+    goes away after the start is ridden out by the running loop, as ever.
+    """
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from .. import _degrade
+
+    try:
+        state.outbox().reader.health_figures()
+    except SQLAlchemyError as exc:
+        with current_app.app_context():
+            url = state.db.engine.url.render_as_string(hide_password=True)
+        missing = _degrade.tables_missing(exc)
+        if missing is not None:
+            click.echo(f"flask outbox {command}: the outbox tables do not exist in {url} "
+                       f"({missing}): create them with `flask db upgrade heads` (see "
+                       "docs/migrations.md), or mail.create_all() in development; "
+                       f"exit {EX_CONFIG}", err=True)
+            code = EX_CONFIG
+        else:
+            verb = "reach" if _degrade.database_unreachable(exc) else "use"
+            click.echo(f"flask outbox {command}: cannot {verb} the database {url} "
+                       f"({type(exc).__name__}): check that it runs and accepts this "
+                       f"user, and SQLALCHEMY_DATABASE_URI; exit {EX_TEMPFAIL}", err=True)
+            code = EX_TEMPFAIL
+        state.stop(0)
+        sys.exit(code)
+
+
+if TYPE_CHECKING:  # generic from click 8.2 on; Flask 3.0 allows older ones at run time
+    _IntParamType = click.ParamType[int]
+else:
+    _IntParamType = click.ParamType
+
+
+class _EmailIds(_IntParamType):
+    """An email's id, as `status`, `dlq list` and the dashboard show it: a whole number."""
+
+    name = "ID"
+
+    def __init__(self, command: str, other: str) -> None:
+        self.command, self.other = command, other
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        if text.isascii() and text.isdigit() and 1 <= int(text) <= 2**63 - 1:
+            return int(text)
+        self.fail(f"{value!r} is not an email id: give the ids as whole numbers from 1 "
+                  f"(`flask outbox {self.command} 12 13`), or {self.other}", param, ctx)
 
 
 @outbox_cli.command("durable")
@@ -371,7 +440,7 @@ def dlq_list(limit: int) -> None:
 
 @dlq.command("retry")
 @_log_level_option()
-@click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
+@click.argument("ids", nargs=-1, type=_EmailIds("dlq retry", "--all"))
 @click.option("--all", "retry_all", is_flag=True, help="Every dead letter.")
 def dlq_retry(ids: tuple[int, ...], retry_all: bool) -> None:
     """Put dead letters back in the queue (attempts reset, due now)."""
@@ -467,7 +536,11 @@ def suppression_list(limit: int, prefix: str | None) -> None:
     state = _state()
     outbox = state.outbox()
     entries = outbox.suppressions.entries(limit=limit, prefix=prefix)
-    total = outbox.suppressions.count()
+    more = 0
+    if len(entries) == limit:
+        # Further matches of the prefix, not every entry on the list.
+        more = (len(outbox.suppressions.entries(prefix=prefix, after=entries[-1].address))
+                if prefix else outbox.suppressions.count() - limit)
     state.stop(5)
     if not entries:
         click.echo("the suppression list is empty" if not prefix else "no entry matches")
@@ -479,8 +552,9 @@ def suppression_list(limit: int, prefix: str | None) -> None:
                  if entry.expires_at else "")
         click.echo(f"{entry.address:<40}  {entry.reason:<12}  {since:<19}  "
                    f"{entry.source}{until}")
-    if total > len(entries):
-        click.echo(f"... {total - len(entries)} more (--limit, --prefix, or export)")
+    if more > 0:
+        click.echo(f"... {more} more" + (f" starting with {prefix!r}" if prefix else "")
+                   + " (--limit, --prefix, or export)")
 
 
 @suppression.command("add")
@@ -584,7 +658,8 @@ def templates_check(names: tuple[str, ...], locales: tuple[str, ...]) -> None:
 
 @outbox_cli.command("cancel")
 @_log_level_option()
-@click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
+@click.argument("ids", nargs=-1, type=_EmailIds("cancel", "--key KEY for every queued "
+                                                 "email of a key"))
 @click.option("--key", default=None, help="Every queued email of this key.")
 def cancel(ids: tuple[int, ...], key: str | None) -> None:
     """Cancel queued emails by id, or every queued email of a --key (commits).

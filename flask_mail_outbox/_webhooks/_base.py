@@ -229,7 +229,9 @@ def check_timestamp(timestamp: Any, now: float) -> float:
     if not math.isfinite(value):
         raise WebhookRefused(403, "the signed timestamp is not a finite number")
     if abs(now - value) > TOLERANCE_SECONDS:
-        raise WebhookRefused(403, f"the signed timestamp is {now - value:+.0f} s from now, "
-                             f"outside the {TOLERANCE_SECONDS:g} s window (a replay, or a "
-                             "clock that is wrong)")
+        when = (f"{now - value:.0f} s ago" if value < now
+                else f"{value - now:.0f} s in the future")
+        raise WebhookRefused(403, f"the signed timestamp is {when}, outside the "
+                             f"{TOLERANCE_SECONDS:g} s window (a replay, or a clock that "
+                             "is wrong)")
     return value

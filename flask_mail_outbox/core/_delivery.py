@@ -710,9 +710,7 @@ class Delivery:
                         "OUTBOX_SWEEP_INTERVAL_SECONDS) or a durable dispatcher takes it when "
                         f"due, and it is dead-lettered if attempt {self.policy.max_attempts} "
                         "(OUTBOX_MAX_ATTEMPTS) fails too",
-            fix="check the transport's settings (MAIL_SERVER and MAIL_PORT for SMTP, the "
-                "entry's API settings for a provider) and that it accepts mail; "
-                "`flask outbox status` shows what waits")
+            fix=_left_queued_fix(email_id, error))
 
     def report_reaped(self, reaped: Reaped) -> None:
         """Report what a reap found: rows whose sender died mid-delivery."""
@@ -865,3 +863,30 @@ class Delivery:
             first = args[0] if args else None
             logger.exception("An outcome callback raised (email %s); the email's outcome is "
                              "recorded and delivery goes on", getattr(first, "id", None))
+
+
+#: Reasons (:mod:`.._reasons`) of a reply about the recipient's mailbox, not the transport.
+_RECIPIENT_REASONS = frozenset({"user_unknown", "host_unknown", "suspended", "has_moved",
+                                "not_accepting", "mailbox_full"})
+#: Reasons of a reply about this email's content or its sender's standing.
+_MESSAGE_REASONS = frozenset({"message_too_big", "content", "spam", "virus", "authentication",
+                              "policy", "blocked", "relaying_denied"})
+
+
+def _left_queued_fix(email_id: int, error: Exception) -> str:
+    """The Fix of an email left queued, chosen by the reply: the transport's settings only
+    when the failure can be theirs (no reply, a lost connection, a login, a 421)."""
+    reply = (f"{error.code} {error.message}" if isinstance(error, TransportError)
+             and error.code and not getattr(error, "transport_fault", False) else "")
+    reason = smtp_reason(reply) if reply else "undefined"
+    if reason in _RECIPIENT_REASONS:
+        return (f"nothing in the transport's settings: the reply is about the recipient's "
+                f"mailbox ({reason}), which only the recipient can change; it is retried as "
+                f"it is, and `flask outbox cancel {email_id}` stops it")
+    if reason in _MESSAGE_REASONS:
+        return (f"the reply is about this email or its sender ({reason}), not the "
+                "transport's settings: read it, correct the message or the sender's domain "
+                f"(SPF, DKIM), or stop it with `flask outbox cancel {email_id}`")
+    return ("check the transport's settings (MAIL_SERVER and MAIL_PORT for SMTP, the "
+            "entry's API settings for a provider) and that it accepts mail; "
+            "`flask outbox status` shows what waits")

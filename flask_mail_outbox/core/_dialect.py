@@ -894,8 +894,12 @@ def dialect_named(name: str) -> Dialect:
     try:
         return _DIALECTS[name]
     except KeyError:
-        raise ConfigError("SQLALCHEMY_DATABASE_URI",
-                          f"the outbox runs on PostgreSQL or SQLite, not {name!r}") from None
+        raise ConfigError(
+            "SQLALCHEMY_DATABASE_URI",
+            f"the outbox runs on PostgreSQL ('postgresql+psycopg://user:password@host/db') "
+            f"or SQLite ('sqlite:///app.db') only, not {name!r}"
+            + ("; MySQL and MariaDB are not supported" if name in ("mysql", "mariadb")
+               else "")) from None
 
 
 def dialect_of(bind: Engine | Connection | sa.URL) -> Dialect:

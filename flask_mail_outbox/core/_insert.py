@@ -10,7 +10,8 @@ that is :class:`._store.Store`'s, on its own engine.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -18,6 +19,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from .. import _degrade
+from .._errors import ConfigError
 from . import _ordering
 from ._clock import utcnow
 from ._dialect import Dialect, dialect_of
@@ -40,6 +43,31 @@ def email_dialect(session: Session) -> Dialect:
 def email_connection(session: Session) -> Connection:
     """``session``'s connection to the database it writes emails to, in its transaction."""
     return session.connection(bind_arguments={"clause": _INSERT_CLAUSE})
+
+
+@contextmanager
+def tables_needed() -> Iterator[None]:
+    """Turn the driver's "no such table: outbox_email" (with the whole INSERT) into one
+    :class:`ConfigError` that says how to create the tables.
+
+    Only after a statement failed: the happy path runs no extra query. The key is
+    SQLALCHEMY_DATABASE_URI, the setting that names the database without them. A
+    ConfigError rather than a new class: it is a setup step not done, like a database
+    the outbox cannot run on, and it needs no new public name.
+    """
+    try:
+        yield
+    except sa.exc.DBAPIError as exc:
+        missing = _degrade.tables_missing(exc)
+        if missing is None:
+            raise
+        # from None: the chained driver error would print the whole INSERT again.
+        raise ConfigError(
+            "SQLALCHEMY_DATABASE_URI",
+            f"the outbox tables do not exist in this database ({missing}): create them with "
+            "`flask db upgrade heads` (Flask-Migrate, see docs/migrations.md), or "
+            "mail.create_all() after db.create_all() in development and tests; roll back "
+            "this session's transaction") from None
 
 
 def insert_email(session: Session, values: dict[str, Any], attachments: Sequence[dict[str, Any]],
@@ -67,14 +95,15 @@ def insert_email(session: Session, values: dict[str, Any], attachments: Sequence
     values = dict(values)
     values.update(search_values(values["recipients"] if recipients is None else recipients,
                                 values["subject"]))
-    if values.get("key") is None and values.get("idempotency_key") is None:
-        email_id = _insert_plain(session, strategy, values, clock, notify)
-        created, waits = True, False
-    else:
-        email_id, created, waits = _insert_keyed(session, strategy, values, clock, notify)
-    if created and attachments:
-        session.execute(attachment_table.insert(),
-                        [dict(row, email_id=email_id) for row in attachments])
+    with tables_needed():
+        if values.get("key") is None and values.get("idempotency_key") is None:
+            email_id = _insert_plain(session, strategy, values, clock, notify)
+            created, waits = True, False
+        else:
+            email_id, created, waits = _insert_keyed(session, strategy, values, clock, notify)
+        if created and attachments:
+            session.execute(attachment_table.insert(),
+                            [dict(row, email_id=email_id) for row in attachments])
     return email_id, created, waits
 
 
@@ -105,15 +134,17 @@ def insert_emails(session: Session, rows: Sequence[tuple[dict[str, Any], Sequenc
         results.append((email_id, waits))
         rest = rows[1:]
     batch = [_batch_values(values, key, strategy, clock) for values, _ in rest]
-    if batch:
-        ids = strategy.insert_rows(email_connection(session), batch, notify)
-        waits = key is not None and strategy.advances_at_commit
-        results.extend((email_id, waits) for email_id in ids)
-    attachments = [dict(att, email_id=email_id)
-                   for (email_id, _), (_, atts) in zip(results[len(rows) - len(rest):], rest)
-                   for att in atts]
-    if attachments:
-        session.execute(attachment_table.insert(), attachments)
+    with tables_needed():
+        if batch:
+            ids = strategy.insert_rows(email_connection(session), batch, notify)
+            waits = key is not None and strategy.advances_at_commit
+            results.extend((email_id, waits) for email_id in ids)
+        attachments = [dict(att, email_id=email_id)
+                       for (email_id, _), (_, atts) in zip(results[len(rows) - len(rest):],
+                                                           rest)
+                       for att in atts]
+        if attachments:
+            session.execute(attachment_table.insert(), attachments)
     return results
 
 

@@ -124,7 +124,7 @@ class Lane:
             found = self.learnable.exists()
         except Exception as exc:  # noqa: BLE001 - unpaced until a refusal learns it again
             _degrade.report(
-                f"Could not read transport {self.name!r}'s learned rate (outbox_rate)",
+                f"Could not read the learned rate of transport {self.name!r} (outbox_rate)",
                 consequence="this process sends unpaced until the server throttles it, and "
                             "draws the refusals that teach it the rate again",
                 fix="check the database connection and that the outbox tables are migrated "
@@ -265,13 +265,13 @@ class Lanes:
             slots = rate.take(count)
         except RateForgotten:
             lane.rate, lane.looked = None, False
-            logger.info("Transport %r's learned rate was deleted (outbox_rate): it sends "
+            logger.info("The learned rate of transport %r was deleted (outbox_rate): it sends "
                         "unpaced until its server throttles it again", lane.name)
             return None
         except Exception as exc:  # noqa: BLE001 - reported; the emails still go, paced here
             self.faults.failing(
                 f"rate-{rate.name}",
-                f"Could not take slots of transport {rate.name!r}'s shared rate",
+                f"Could not take slots of the shared rate of transport {rate.name!r}",
                 consequence=f"this process paces its {count} email(s) at the rate last in "
                             f"force ({rate.current:.3g} msg/s) by itself, so processes "
                             "sharing the rate may together send faster than it until the "
@@ -305,7 +305,7 @@ class Lanes:
         try:
             cut = rate.throttled(sent_at)
         except Exception:
-            logger.exception("Could not cut transport %r's shared rate after a "
+            logger.exception("Could not cut the shared rate of transport %r after a "
                              "throttled reply", lane.name)
             return
         if cut is not None and rate.learned:

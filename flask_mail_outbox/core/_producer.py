@@ -42,6 +42,7 @@ from ._insert import (
     email_dialect,
     insert_email,
     insert_emails,
+    tables_needed,
 )
 from ._listen import notify_statement
 from ._ordering import advance
@@ -237,8 +238,10 @@ class Producer:
 
     def _notifies(self, dialect: Dialect) -> bool:
         """Whether a commit of new rows sends the NOTIFY (durable mode, PostgreSQL, LISTEN)."""
-        return (dialect.listens and self.config.listen
-                and self._outbox().mode() is Mode.DURABLE)
+        if not (dialect.listens and self.config.listen):
+            return False
+        with tables_needed():  # the mode's first read is send()'s first query on PostgreSQL
+            return self._outbox().mode() is Mode.DURABLE
 
     def _deliver_soon(self, ids: list[int], *, urgent: set[int], scheduled: list[int]) -> None:
         try:

@@ -26,7 +26,15 @@ module itself needs neither Flask-Migrate nor Alembic) uses them in three steps.
    If you already have an ``include_object`` hook, pass
    ``combine_include_object(your_hook)`` instead.
 
-3. Create the tables: ``flask db upgrade heads``.
+3. Keep your revisions out of the package: in the same ``@migrate.configure`` hook (or
+   wherever the config is made), ``guard_package_versions(config)``. With two version
+   locations Alembic writes a new revision into the folder of the first head it builds
+   on, and for ``flask db merge outbox@head app@head`` or ``flask db revision --head
+   outbox@head`` that is this package's: a revision of yours lost with the next install
+   (or, in an editable install, written into a checkout of the library). The guard
+   removes such a file at once and stops the command with what to do instead.
+
+4. Create the tables: ``flask db upgrade heads``.
 
 Your history and the ``outbox`` branch stay two heads, never merged: a revision of yours
 that needs the outbox tables declares ``depends_on = "outbox_0001"``. When an upgrade of
@@ -45,7 +53,8 @@ from sqlalchemy import exc as sa_exc
 
 from ..core._internal import TABLE_NAMES
 
-__all__ = ["BRANCH_LABEL", "VERSIONS_DIR", "combine_include_object", "include_object"]
+__all__ = ["BRANCH_LABEL", "VERSIONS_DIR", "combine_include_object", "guard_package_versions",
+           "include_object"]
 
 #: Absolute path of the folder holding the ``outbox`` branch's revision files.
 VERSIONS_DIR: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "versions")
@@ -54,6 +63,55 @@ VERSIONS_DIR: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ve
 BRANCH_LABEL = "outbox"
 
 IncludeObject = Callable[[Any, str | None, str, bool, Any], bool]
+
+#: The guard's name in Alembic's registry of post-write hooks (its ``type``).
+GUARD_HOOK_TYPE = "flask_mail_outbox_guard"
+#: The guard's name in the config's ``[post_write_hooks]`` section.
+_GUARD_HOOK_NAME = "outbox_guard"
+
+
+def guard_package_versions(config: Any) -> Any:
+    """Make Alembic refuse a new revision written into the package's own folder; ``config``.
+
+    For Flask-Migrate, call it in your ``@migrate.configure`` hook (it returns the config,
+    so ``migrate.configure(guard_package_versions)`` works too). It adds a post-write hook,
+    first in ``[post_write_hooks]`` (a formatter of yours still runs on your revisions).
+    Alembic runs it on every file that ``revision``, ``migrate`` or ``merge`` writes; a
+    file in :data:`VERSIONS_DIR` is deleted and the command fails with
+    ``alembic.util.CommandError`` saying what to run instead. Alembic has no option to
+    choose the folder of a merge: it takes that of the first head named, which is why the
+    file is refused rather than moved. Post-write hooks set in ``pyproject.toml`` (Alembic
+    1.16) are not read once this adds its ``.ini`` section: name them in
+    ``alembic.ini`` instead.
+    """
+    from alembic.script import write_hooks
+
+    write_hooks.register(GUARD_HOOK_TYPE)(_refuse_a_revision_in_the_package)
+    section = "post_write_hooks"
+    named = (config.get_section_option(section, "hooks") or ""
+             if config.file_config.has_section(section) else "")
+    hooks = [name for name in named.replace(",", " ").split() if name != _GUARD_HOOK_NAME]
+    config.set_section_option(section, "hooks", ", ".join([_GUARD_HOOK_NAME, *hooks]))
+    config.set_section_option(section, f"{_GUARD_HOOK_NAME}.type", GUARD_HOOK_TYPE)
+    return config
+
+
+def _refuse_a_revision_in_the_package(path: str, options: Any) -> None:
+    """The post-write hook: delete a revision file written into :data:`VERSIONS_DIR`."""
+    written = os.path.realpath(path)
+    if os.path.dirname(written) != os.path.realpath(VERSIONS_DIR):
+        return
+    os.remove(written)
+    from alembic.util import CommandError
+
+    raise CommandError(
+        f"Alembic wrote the new revision {os.path.basename(written)} into flask-mail-outbox's "
+        f"own folder ({VERSIONS_DIR}) because it builds on the outbox branch's head; it was "
+        "deleted (the next install of the package would lose it). Write your revisions on "
+        "your own branch: `flask db migrate --head app@head` or `flask db revision --head "
+        "app@head`, with `--version-path migrations/versions` when Alembic asks. Do not "
+        "merge the outbox branch: a revision that needs its tables declares "
+        "depends_on = \"outbox_0001\" (docs/migrations.md)")
 
 
 def _table_name_of(object: Any, name: str | None, type_: str) -> str | None:
