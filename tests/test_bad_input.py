@@ -294,6 +294,10 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_LISTEN", 2),
     ("OUTBOX_LISTEN_URL", ""),
     ("OUTBOX_LISTEN_BACKSTOP_SECONDS", 0),
+    ("OUTBOX_SOFT_BOUNCE_LIMIT", -1),
+    ("OUTBOX_SOFT_BOUNCE_LIMIT", 1.5),
+    ("OUTBOX_SOFT_BOUNCE_WINDOW_DAYS", "a week"),
+    ("OUTBOX_SOFT_BOUNCE_SUPPRESS_DAYS", 4000),  # past the most a database time holds here
     ("OUTBOX_RUN_WORKER", "both"),
     ("OUTBOX_RATE_LIMIT", 0),
     ("OUTBOX_RATE_LIMIT", float("inf")),
@@ -397,10 +401,11 @@ def test_bad_config_fails_at_init_naming_the_key_and_creates_nothing(
 # (arguments, exit code, text the output must contain)
 CLI_CASES: list[tuple[list[str], int, str]] = [
     (["dlq", "retry", "999999"], 1, "not dead letters: 999999"),
-    (["dlq", "retry", "0"], 2, "0 is not in the range 1<=x<="),
-    (["dlq", "retry", "99999999999999999999999"], 2, "is not in the range"),
+    (["dlq", "retry", "0"], 2, "'0' is not an email id: give the ids as whole numbers from 1"),
+    (["dlq", "retry", "99999999999999999999999"], 2,
+     "'99999999999999999999999' is not an email id"),
     (["dlq", "retry", "-3"], 2, "No such option '-3'"),
-    (["dlq", "retry", "abc"], 2, "'abc' is not a valid integer"),
+    (["dlq", "retry", "abc"], 2, "'abc' is not an email id: give the ids as whole numbers"),
     (["dlq", "retry"], 2, "give dead-letter ids, or --all"),
     (["dlq", "retry", "1", "--all"], 2, "give dead-letter ids, or --all"),
     (["dlq", "list", "--limit", "0"], 2, "--limit"),
