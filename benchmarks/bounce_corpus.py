@@ -47,6 +47,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flask_mail_outbox._bounces import NotMail, read_bounce
 from flask_mail_outbox._policy import for_good
@@ -133,7 +134,9 @@ def _row(name: str, record: dict[str, object], status: str, reason: str, hard: i
                       else "complained")
     elif reason == "delivered":
         event_type = "delivered"
-    elif action == "delayed":
+    elif action == "delayed" and reason != "expired":
+        # sisimai calls every expired message delayed; the MTA that gave up on one
+        # says failed (a bounce, transient): only a warning while it still tries is deferred.
         event_type = "deferred"
     else:
         event_type = "bounced"
@@ -173,10 +176,7 @@ def score(rows: list[tuple[Row, Path]]) -> Score:
                          for e in events)
             cause = "an auto-reply read as a bounce"
         else:
-            ok = any(e.event_type == row.event_type  # type: ignore[attr-defined]
-                     and (row.event_type != "bounced"
-                          or e.bounce_kind == row.bounce_kind)  # type: ignore[attr-defined]
-                     for e in mine)
+            ok = any(_right(row, e) for e in mine)
             cause = _cause(row, events, mine)
         if ok:
             result.recognized += 1
@@ -199,6 +199,19 @@ def score(rows: list[tuple[Row, Path]]) -> Score:
             else:
                 result.reasons[f"{row.reason} -> ours {ours_reason}"].append(row.sample)
     return result
+
+
+def _right(row: Row, event: Any) -> bool:
+    """Whether ``event`` is what ``row`` expects.
+
+    A transient failure the reader calls a delay (``deferred``: the MTA still
+    tries) counts as right: both say transient, neither suppresses. sisimai
+    calls some delay warnings failed ("THIS IS A WARNING MESSAGE ONLY").
+    """
+    if event.event_type == row.event_type:
+        return row.event_type != "bounced" or event.bounce_kind == row.bounce_kind
+    return (row.event_type, row.bounce_kind, event.event_type) == (
+        "bounced", "transient", "deferred")
 
 
 def _cause(row: Row, events: list[object], mine: list[object]) -> str:
