@@ -216,6 +216,7 @@ def test_a_reply_quoting_recipients_is_no_bounce_though_flufl_reads_one() -> Non
     assert (report.kind, report.events) == ("not-a-bounce", ())
 
 
+@pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_provider_event_id_is_the_bounce_message_id_and_the_recipient(name: str) -> None:
     raw = sample(name)
     own = email.message_from_bytes(raw)["Message-ID"]
