@@ -125,6 +125,8 @@ def sisimai_rows(root: Path, reference: Path) -> tuple[list[Row], Path]:
 
 def _row(name: str, record: dict[str, object], status: str, reason: str, hard: int) -> Row:
     recipient = str(record.get("recipient") or "") or None
+    if recipient and recipient.endswith(".invalid"):
+        recipient = None  # sisimai's placeholder for a report that names no recipient
     action = str(record.get("action") or "")
     kind: str | None = None
     if reason == "vacation":
@@ -169,8 +171,9 @@ def score(rows: list[tuple[Row, Path]]) -> Score:
                 cache[path] = []
         events = cache[path]
         result.rows += 1
-        wanted = (row.recipient or "").lower()
-        mine = [e for e in events if (getattr(e, "recipient", None) or "").lower() == wanted]
+        wanted = _plain(row.recipient)
+        mine = [e for e in events if wanted in (_plain(getattr(e, "recipient", None)),
+                                                _plain(_final(e)))]
         if row.event_type is None:
             ok = not any(getattr(e, "event_type", "") in ("bounced", "deferred", "complained")
                          for e in events)
@@ -199,6 +202,23 @@ def score(rows: list[tuple[Row, Path]]) -> Score:
             else:
                 result.reasons[f"{row.reason} -> ours {ours_reason}"].append(row.sample)
     return result
+
+
+def _plain(address: str | None) -> str:
+    """An address compared: lower case, a quoted local part unquoted."""
+    return (address or "").replace('"', "").lower()
+
+
+def _final(event: Any) -> str | None:
+    """A DSN event's Final-Recipient address.
+
+    The reader names a DSN recipient by its Original-Recipient (the address as
+    sent: the one to suppress), sisimai by its Final-Recipient (after
+    forwarding): both name the same recipient block.
+    """
+    payload = getattr(event, "payload", None) or {}
+    value = payload.get("final_recipient") if isinstance(payload, dict) else None
+    return value.partition(";")[2].strip() if isinstance(value, str) and ";" in value else value
 
 
 def _right(row: Row, event: Any) -> bool:

@@ -202,7 +202,7 @@ _COPY_MARKERS = re.compile(
 #: sender such as MAILER-DAEMON, or a subject such as "Undelivered Mail". A person's reply or
 #: an auto-reply (vacation, out of office) never is one.
 _DAEMON = re.compile(
-    r"mailer[-_ ]?daemon|postmaster|mail ?delivery|mail administrator|mail ?system|"
+    r"mailer[-_ ]?daemon|post_?master|mail ?delivery|mail administrator|mail ?system|"
     r"\bmailer\b|\bmdaemon\b|delivery (?:status|subsystem)|\bbounces?\b|\bmail ?gw\b",
     re.IGNORECASE)
 _BOUNCE_SUBJECT = re.compile(
@@ -226,16 +226,15 @@ _COPY_START = re.compile(
     r"[ \t]*(?:-{2,}|={2,}|\*{2,})?[ \t]*(?:below this line is a copy|this is a copy of|"
     r"(?:original|unsent|returned|rejected|bounced) message(?: headers?)?(?: follows?)?[ \t]*"
     r"(?:-|:|\.|$)|message headers? follows?|headers? of (?:the )?(?:original|returned)|"
-    r"the header of the original|enclosed is a copy|original message (?:was|header)|"
-    r"included is a copy|the original message)", re.IGNORECASE)
+    r"the header of the original|enclosed is a copy|included is a copy|below is a copy)",
+    re.IGNORECASE)
 
 #: An address's parts, read from an ``@`` outwards (bounded: linear in the text).
 _LOCAL_END = re.compile(r"[A-Za-z0-9.!#$%&*+?^_~-]{1,64}\Z")
 _DOMAIN = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9-]{0,62}\.)+[A-Za-z]{2,24}(?![A-Za-z0-9-])")
 
 #: Local parts that are a mail system's own, never a failed recipient.
-_SYSTEM_LOCALS = frozenset({"mailer-daemon", "postmaster", "double-bounce", "mailerdaemon",
-                            "mailer_daemon", "root", "noreply", "no-reply", "abuse"})
+_SYSTEM_LOCALS = frozenset({"mailer-daemon", "double-bounce", "mailerdaemon", "mailer_daemon"})
 
 #: Words of a delay warning (the MTA still tries) and of a message given up after retries.
 _STILL_TRYING = re.compile(
@@ -1008,6 +1007,10 @@ class _Bounce:
         html: list[str] = []
         for part in self.parts:
             ctype = part.get_content_type()
+            payload = part.get_payload()
+            if part.get_content_maintype() == "multipart" and isinstance(payload, str):
+                # A multipart whose boundary the parser did not find: its body is text.
+                ctype = "text/plain"
             if ctype not in ("text/plain", "text/html") or part.is_multipart():
                 continue
             charset = part.get_content_charset() or "utf-8"
@@ -1055,15 +1058,15 @@ class _Bounce:
         if failed:
             return failed[:MAX_EVENTS]
         named = [address for address, _ in _text_addresses(text)
-                 if not _excluded(address, excluded)]
-        if self.returned is not None and named:
+                 if address.rpartition("@")[0].lower() not in _SYSTEM_LOCALS]
+        sent_to: set[str] = set()
+        if self.returned is not None:
+            # The returned message's own recipients, even one that is its sender too.
             sent_to = {a.lower() for a in (_address(v) for v in _addresses(
                 _fields(self.returned, "to", _ADDRESS_HEADERS)
                 + _fields(self.returned, "cc", _ADDRESS_HEADERS))) if a}
-            mine = [address for address in named if address.lower() in sent_to]
-            if mine:
-                return mine
-        return named
+        return [address for address in named
+                if address.lower() in sent_to or not _excluded(address, excluded)]
 
     # -- Amazon SES notifications mailed by SNS --------------------------------------------
 
@@ -1137,7 +1140,7 @@ class _Bounce:
 
 _TAG = re.compile(r"<[^<>]*>")
 _HEADER_LINE = re.compile(r"[ \t>]*(?:message-id|in-reply-to|references|from|sender|reply-to|"
-                          r"return-path|x-[a-z-]*id)[ \t]*:", re.IGNORECASE)
+                          r"return-path|to|cc|bcc|x-[a-z-]*id)[ \t]*:", re.IGNORECASE)
 _CANDIDATE = re.compile(r"([A-Za-z0-9.!#$%&*+?^_~-]{1,64})@((?:[A-Za-z0-9][A-Za-z0-9-]{0,62}\.)"
                         r"{1,8}[A-Za-z]{2,24})(?![A-Za-z0-9-])")
 _DSN_FIELD = re.compile(r"^[ \t]*(?:reporting-mta|final-recipient|original-recipient|action)"
