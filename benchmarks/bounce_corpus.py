@@ -123,6 +123,11 @@ def sisimai_rows(root: Path, reference: Path) -> tuple[list[Row], Path]:
     return rows, samples
 
 
+#: ARF types that are no recipient's complaint (the reader's documented choice; sisimai
+#: counts them as feedback): scored as "no event".
+_NOT_COMPLAINTS = ("auth-failure", "not-spam")
+
+
 def _row(name: str, record: dict[str, object], status: str, reason: str, hard: int) -> Row:
     recipient = str(record.get("recipient") or "") or None
     if recipient and recipient.endswith(".invalid"):
@@ -131,6 +136,8 @@ def _row(name: str, record: dict[str, object], status: str, reason: str, hard: i
     kind: str | None = None
     if reason == "vacation":
         event_type: str | None = None
+    elif record.get("feedbacktype") in _NOT_COMPLAINTS:
+        event_type = None  # a DMARC failure report: the outbox reads no complaint in it
     elif reason == "feedback":
         event_type = ("unsubscribed" if record.get("feedbacktype") == "opt-out"
                       else "complained")
@@ -217,6 +224,11 @@ def _final(event: Any) -> str | None:
     forwarding): both name the same recipient block.
     """
     payload = getattr(event, "payload", None) or {}
+    if isinstance(payload, str):
+        try:
+            payload = json.loads(payload)
+        except ValueError:
+            payload = {}
     value = payload.get("final_recipient") if isinstance(payload, dict) else None
     return value.partition(";")[2].strip() if isinstance(value, str) and ";" in value else value
 

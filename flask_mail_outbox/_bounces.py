@@ -245,7 +245,8 @@ _STILL_TRYING = re.compile(
     re.IGNORECASE)
 _GAVE_UP = re.compile(
     r"retry time(?:out)? (?:exceeded|expired)|expired|failing for a long time|"
-    r"did not accept our requests to connect|cannot send message for|"
+    r"did not accept our requests to connect|cannot send message for|not delivered within|"
+    r"was aborted after|failed \d+ attempts|multiple retries|have been failing|"
     r"too long in (?:the )?queue|in the queue too long|could not be delivered within|maximum (?:queue|retry) time|"
     r"queue lifetime|delivery time|message timeout|timed out in queue|"
     r"will not (?:be retried|retry)|no more retries|undeliverable for",
@@ -681,7 +682,7 @@ class _Bounce:
             return detected if detected.events else report
         if self.arf_part is not None:
             return self._arf(self.arf_part)
-        notification = self._ses_notification()
+        notification = self._ses_notification() or self._hotmail_complaint()
         if notification is not None:
             return notification
         if self.looks_like_bounce():
@@ -1068,6 +1069,25 @@ class _Bounce:
         return [address for address in named
                 if address.lower() in sent_to or not _excluded(address, excluded)]
 
+    # -- Hotmail's complaints before ARF ----------------------------------------------------
+
+    def _hotmail_complaint(self) -> BounceReport | None:
+        """Hotmail's complaint ("complaint about message from <ip>", the message attached
+        with an ``X-HmXmrOriginalRecipient`` header), or None."""
+        if self.returned is None or not _HOTMAIL_COMPLAINT.match(_field(self.msg, "subject")):
+            return None
+        named = [a for a in (_address(v) for v in _fields(
+            self.returned, "x-hmxmroriginalrecipient", _ADDRESS_HEADERS)) if a]
+        if not named:
+            return None
+        original = self.original_id()
+        events = [self.event("complained", address, occurred_at=self.date, message_id=original,
+                             summary={"kind": "hotmail", "original_message_id": original},
+                             reason="complaint", description="complaint from Hotmail (not ARF)")
+                  for address in named[:MAX_EVENTS]]
+        return BounceReport("arf", _unique(events), _one_line(
+            f"a Hotmail complaint (not ARF) for {', '.join(named[:3])}; {self.matched()}"))
+
     # -- Amazon SES notifications mailed by SNS --------------------------------------------
 
     def _ses_notification(self) -> BounceReport | None:
@@ -1075,13 +1095,15 @@ class _Bounce:
         if self.msg.is_multipart():
             return None
         body = _decoded(self.msg)
-        start = body.find(b'{"notificationType"')
-        if start < 0 or start > 2000:
+        start = body.find(b"{")
+        if start < 0 or start > 2000 or b"notificationType" not in body[:4000]:
             return None
         end = body.rfind(b"}")
         try:
             # SNS folds the JSON's long line; a fold is no part of the JSON.
             data = json.loads(re.sub(rb"\r?\n ?", b"", body[start:end + 1]))
+            if isinstance(data, dict) and isinstance(data.get("Message"), str):
+                data = json.loads(data["Message"])  # the SNS envelope around it
         except ValueError:
             return None
         if not isinstance(data, dict):
@@ -1139,6 +1161,7 @@ class _Bounce:
 
 
 _TAG = re.compile(r"<[^<>]*>")
+_HOTMAIL_COMPLAINT = re.compile(r"\s*complaint about message from ", re.IGNORECASE)
 _HEADER_LINE = re.compile(r"[ \t>]*(?:message-id|in-reply-to|references|from|sender|reply-to|"
                           r"return-path|to|cc|bcc|x-[a-z-]*id)[ \t]*:", re.IGNORECASE)
 _CANDIDATE = re.compile(r"([A-Za-z0-9.!#$%&*+?^_~-]{1,64})@((?:[A-Za-z0-9][A-Za-z0-9-]{0,62}\.)"

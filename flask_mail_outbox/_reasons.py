@@ -75,6 +75,7 @@ STATUS_CODES: dict[str, str] = {
     "3.1": "system_error", "3.2": "not_accepting", "3.4": "message_too_big",
     "4.1": "network_error", "4.2": "network_error", "4.3": "network_error",
     "4.4": "host_unknown", "4.5": "rate_limited", "4.6": "network_error", "4.7": "expired",
+    "4.316": "expired",
     "5.1": "syntax_error", "5.2": "syntax_error", "5.3": "rate_limited",
     "5.4": "syntax_error", "5.5": "syntax_error",
     "7.7": "content", "7.13": "suspended", "7.17": "has_moved", "7.18": "has_moved",
