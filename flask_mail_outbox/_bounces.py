@@ -842,6 +842,8 @@ class _Bounce:
         failed = action.startswith("fail") or action in ("error", "expired")  # OpenSMTPD, SendGrid
         reason = bounce_reason(status_text, diagnostic, failed=failed) \
             if failed or action == "delayed" else None
+        if reason is not None:
+            reason = self._refined(reason, status_text, diagnostic, recipient, failed)
         if failed:
             event_type = "bounced"
             # Without a Status, the Diagnostic-Code's own code says the class.
@@ -873,6 +875,19 @@ class _Bounce:
             bounce_kind=bounce_kind, description=described + (f" from {mta}" if mta else ""),
             mta_response=_typed(diagnostic)[1] if diagnostic else "",
             reason=reason)
+
+    def _refined(self, reason: str, status: str, diagnostic: str, recipient: str | None,
+                 failed: bool) -> str:
+        """A DSN block's ``reason``, read again with the bounce's text about ``recipient``
+        when its fields say no more than "undefined" (a bare 5.0.0, no Diagnostic-Code)."""
+        context = diagnostic
+        if reason == "undefined" and recipient:
+            text = self.explanation_text()
+            window = _window(text, recipient, _positions(text, {recipient: False}))
+            if window:
+                context = f"{diagnostic}\n{window}"
+                reason = bounce_reason(status, context, failed=failed)
+        return _filtered(reason, context)
 
     # -- RFC 5965 ---------------------------------------------------------------------------
 
@@ -1161,6 +1176,8 @@ class _Bounce:
 
 
 _TAG = re.compile(r"<[^<>]*>")
+_AT_DATA = re.compile(r"end of data|after data|>>> data\b|in reply to data|after the data",
+                      re.IGNORECASE)
 _HOTMAIL_COMPLAINT = re.compile(r"\s*complaint about message from ", re.IGNORECASE)
 _HEADER_LINE = re.compile(r"[ \t>]*(?:message-id|in-reply-to|references|from|sender|reply-to|"
                           r"return-path|to|cc|bcc|x-[a-z-]*id)[ \t]*:", re.IGNORECASE)
@@ -1265,7 +1282,17 @@ def _classify(window: str, text: str) -> tuple[str, str | None, str]:
         reason = bounce_reason(text, text)
     if gave_up:
         return "bounced", "transient", "expired"
-    return "bounced", "transient" if klass == "4" else "permanent", reason
+    return ("bounced", "transient" if klass == "4" else "permanent",
+            _filtered(reason, window or text))
+
+
+def _filtered(reason: str, context: str) -> str:
+    """``reason``, except that an unknown user refused only after the message's content
+    (at DATA: the address was accepted first) is the receiver's filter, ``policy``: it
+    says nothing lasting about the address (sisimai's "filtered")."""
+    if reason == "user_unknown" and _AT_DATA.search(context[:_EXPLANATION_CHARS]):
+        return "policy"
+    return reason
 
 
 def _reply_class(diagnostic: str) -> str:

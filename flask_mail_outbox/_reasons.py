@@ -53,8 +53,8 @@ SISIMAI: dict[str, str] = {
     "has_moved": "hasmoved", "not_accepting": "notaccept", "mailbox_full": "mailboxfull",
     "message_too_big": "mesgtoobig, exceedlimit", "content": "contenterror",
     "spam": "spamdetected", "virus": "virusdetected", "blocked": "blocked, requireptr, "
-    "badreputation", "authentication": "authfailure", "policy": "policyviolation, rejected, "
-    "securityerror", "rate_limited": "speeding, toomanyconn", "expired": "expired",
+    "badreputation", "authentication": "authfailure",
+    "policy": "policyviolation, rejected, filtered, securityerror", "rate_limited": "speeding, toomanyconn", "expired": "expired",
     "relaying_denied": "norelaying", "network_error": "networkerror",
     "system_error": "systemerror, systemfull, mailererror", "syntax_error": "syntaxerror",
     "account": "(none: the sending account's own fault)", "suppressed": "suppressed",
@@ -91,7 +91,9 @@ SUBJECTS: dict[str, str] = {
 }
 
 #: Statuses that say too little: the text's keywords decide when they find something.
-_VAGUE = frozenset({"0.0", "7.0", "7.1", "3.0", "1.0", "2.0", "4.0", "5.0", "6.0"})
+_VAGUE = frozenset({"0.0", "7.0", "7.1", "3.0", "1.0", "2.0", "4.0", "5.0", "6.0",
+                    # Office 365 refuses an unknown recipient of a domain with 5.4.1.
+                    "4.1"})
 
 #: Keywords in a diagnostic's text, most specific first (lowercased text is searched).
 KEYWORDS: tuple[tuple[str, str], ...] = (
@@ -107,11 +109,18 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                      r"(?:mailbox|user|recipient|address|account) (?:does not|doesn't) exist|"
                      r"(?:mailbox|user|recipient|address) not found|invalid (?:recipient|"
                      r"mailbox)|unknown (?:recipient|mailbox|address)|"
-                     r"user not found|user (?:doesn't|does not) have")),
+                     r"user not found|user (?:doesn't|does not) have|user not exist|"
+                     r"not listed in (?:the )?(?:domino )?directory|recipient name is not "
+                     r"recognized|address (?:couldn't|could not) be found|invalid final "
+                     r"delivery userid|mailbox unavailable|recipient address rejected|"
+                     r"(?<!sender )(?<!domain )address rejected|please check if address is "
+                     r"correct|ディレクトリのリストにありません")),
     ("syntax_error", r"invalid '?to'? address|address syntax|syntax error|malformed address"),
+    ("not_accepting", r"no smtp service|null mx|no mx record|does not accept (?:any )?mail"),
     ("host_unknown", (r"host unknown|unknown host|no such domain|domain (?:not found|does not "
                      r"exist)|host not found|nxdomain|unroutable|unrouteable|"
-                     r"domain name not found")),
+                     r"domain name not found|domain is not reachable|dns lookup fail|"
+                     r"\bhost [a-z0-9.-]{1,255} not found|[a-z0-9-]\.[a-z]{2,24} does not exist")),
     ("suspended", r"suspended|disabled|deactivated|inactive|account (?:is )?(?:closed|locked)"),
     ("relaying_denied", (r"relay(?:ing)? (?:access )?(?:denied|not permitted|prohibited)|"
                         r"not permitted to relay|unable to relay|relay not|relaying denied")),
