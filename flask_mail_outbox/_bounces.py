@@ -881,13 +881,14 @@ class _Bounce:
         """A DSN block's ``reason``, read again with the bounce's text about ``recipient``
         when its fields say no more than "undefined" (a bare 5.0.0, no Diagnostic-Code)."""
         context = diagnostic
-        if reason == "undefined" and recipient:
+        if recipient:
             text = self.explanation_text()
             window = _window(text, recipient, _positions(text, {recipient: False}))
             if window:
                 context = f"{diagnostic}\n{window}"
-                reason = bounce_reason(status, context, failed=failed)
-        return _filtered(reason, context)
+                if reason == "undefined":
+                    reason = bounce_reason(status, context, failed=failed)
+        return _filtered(reason, context, status)
 
     # -- RFC 5965 ---------------------------------------------------------------------------
 
@@ -1286,13 +1287,17 @@ def _classify(window: str, text: str) -> tuple[str, str | None, str]:
             _filtered(reason, window or text))
 
 
-def _filtered(reason: str, context: str) -> str:
+def _filtered(reason: str, context: str, status: str = "") -> str:
     """``reason``, except that an unknown user refused only after the message's content
-    (at DATA: the address was accepted first) is the receiver's filter, ``policy``: it
-    says nothing lasting about the address (sisimai's "filtered")."""
-    if reason == "user_unknown" and _AT_DATA.search(context[:_EXPLANATION_CHARS]):
-        return "policy"
-    return reason
+    (at DATA: the address was accepted first), with no 5.1.x status naming the address,
+    is the receiver's filter, ``policy``: it says nothing lasting about the address
+    (sisimai's "filtered")."""
+    if reason != "user_unknown":
+        return reason
+    code = _STATUS.search(f"{status}\n{context[:_EXPLANATION_CHARS]}")
+    if code is not None and code.group(2) == "1":  # a 5.1.x names the address itself
+        return reason
+    return "policy" if _AT_DATA.search(context[:_EXPLANATION_CHARS]) else reason
 
 
 def _reply_class(diagnostic: str) -> str:

@@ -105,6 +105,10 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                      r"mailbox size limit|out of storage|storage full|full mailbox")),
     ("message_too_big", (r"too (?:big|large)|size exceeds|exceeds? (?:the )?(?:maximum )?"
                         r"(?:allowed )?(?:message )?size|message size|size limit")),
+    # A recipient's own filter, refusing this sender or this message (sisimai's filtered).
+    ("policy", (r"refused due to recipient preferences|user reject|user refuses to|"
+               r"message rejected due to user rules|you have been blocked by the recipient|"
+               r"only accepting mail from specific")),
     ("user_unknown", (r"user unknown|unknown user|no such (?:user|mailbox|recipient|address)|"
                      r"(?:mailbox|user|recipient|address|account) (?:does not|doesn't) exist|"
                      r"(?:mailbox|user|recipient|address) not found|invalid (?:recipient|"
