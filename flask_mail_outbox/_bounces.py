@@ -1177,6 +1177,7 @@ class _Bounce:
 
 
 _TAG = re.compile(r"<[^<>]*>")
+_NO_ACCOUNT = re.compile(r"(?:doesn't|does not) have an? [^\s]{1,100} account", re.IGNORECASE)
 _AT_DATA = re.compile(r"end of data|after data|>>> data\b|in reply to data|after the data",
                       re.IGNORECASE)
 _HOTMAIL_COMPLAINT = re.compile(r"\s*complaint about message from ", re.IGNORECASE)
@@ -1297,6 +1298,8 @@ def _filtered(reason: str, context: str, status: str = "") -> str:
     code = _STATUS.search(f"{status}\n{context[:_EXPLANATION_CHARS]}")
     if code is not None and code.group(2) == "1":  # a 5.1.x names the address itself
         return reason
+    if _NO_ACCOUNT.search(context[:_EXPLANATION_CHARS]):
+        return reason  # Yahoo checks its users at DATA, and says so
     return "policy" if _AT_DATA.search(context[:_EXPLANATION_CHARS]) else reason
 
 

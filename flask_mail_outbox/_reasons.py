@@ -116,9 +116,8 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                      r"user not found|user (?:doesn't|does not) have|user not exist|"
                      r"not listed in (?:the )?(?:domino )?directory|recipient name is not "
                      r"recognized|address (?:couldn't|could not) be found|invalid final "
-                     r"delivery userid|mailbox unavailable|recipient address rejected|"
-                     r"(?<!sender )(?<!domain )address rejected|please check if address is "
-                     r"correct|ディレクトリのリストにありません")),
+                     r"delivery userid|please check if address is "
+                     r"correct|not listed in public name|ディレクトリのリストにありません")),
     ("syntax_error", r"invalid '?to'? address|address syntax|syntax error|malformed address"),
     ("not_accepting", r"no smtp service|null mx|no mx record|does not accept (?:any )?mail"),
     ("host_unknown", (r"host unknown|unknown host|no such domain|domain (?:not found|does not "
@@ -142,7 +141,13 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                       r"no route to host|timed out")),
     ("content", (r"header (?:syntax|error|rejected)|invalid header|content rejected|"
                 r"message content|malformed message")),
-    ("policy", r"policy|not allowed|prohibited|denied|refused|rejected"),
+    ("system_error", r"mailer error|system error|internal error"),
+    ("content", r"media error"),
+    ("relaying_denied", r"no relaying"),
+    ("policy", r"policy|not allowed|prohibited"),
+    # Postfix's and Office 365's refusal of a recipient, when no words above say why.
+    ("user_unknown", r"recipient address rejected: access denied"),
+    ("policy", r"denied|refused|rejected"),
 )
 
 _KEYWORD_PATTERNS = tuple((reason, re.compile(pattern)) for reason, pattern in KEYWORDS)
@@ -183,13 +188,15 @@ def dsn_reason(status: object, diagnostic: object = "") -> str:
 
     A specific enhanced code decides (5.1.1 is ``user_unknown`` whatever the
     text says); a vague one (5.0.0, 5.7.1...) lets the text's keywords refine
-    it. With no Status the diagnostic's own code is read.
+    it. The diagnostic's own code, the receiving server's, comes before the
+    Status, which the reporting MTA may have made up (Sendmail writes 5.1.1
+    over a "550 5.7.1 IP address blacklisted").
     """
     status_text = status if isinstance(status, str) else ""
     diagnostic_text = diagnostic if isinstance(diagnostic, str) else ""
-    reason, vague = _status_reason(status_text[:TEXT_READ])
+    reason, vague = _status_reason(diagnostic_text[:TEXT_READ])
     if reason is None:
-        reason, vague = _status_reason(diagnostic_text[:TEXT_READ])
+        reason, vague = _status_reason(status_text[:TEXT_READ])
     if not vague and reason is not None:
         return reason
     return text_reason(diagnostic_text) or reason or "undefined"
