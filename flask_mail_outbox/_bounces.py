@@ -1177,6 +1177,10 @@ class _Bounce:
 
 
 _TAG = re.compile(r"<[^<>]*>")
+_ADDRESS_REASONS = frozenset({"user_unknown", "host_unknown", "suspended", "has_moved",
+                              "not_accepting"})
+_AT_MAIL_FROM = re.compile(r"after mail from|in reply to mail from|>>> mail from",
+                           re.IGNORECASE)
 _NO_ACCOUNT = re.compile(r"(?:doesn't|does not) have an? [^\s]{1,100} account", re.IGNORECASE)
 _AT_DATA = re.compile(r"end of data|after data|>>> data\b|in reply to data|after the data",
                       re.IGNORECASE)
@@ -1289,10 +1293,16 @@ def _classify(window: str, text: str) -> tuple[str, str | None, str]:
 
 
 def _filtered(reason: str, context: str, status: str = "") -> str:
-    """``reason``, except that an unknown user refused only after the message's content
-    (at DATA: the address was accepted first), with no 5.1.x status naming the address,
-    is the receiver's filter, ``policy``: it says nothing lasting about the address
-    (sisimai's "filtered")."""
+    """``reason``, except where the SMTP dialogue shows the address was not the cause.
+
+    A refusal at MAIL FROM is about the sender ("Unroutable sender address"):
+    ``policy``, whatever words it uses. An unknown user refused only after the
+    message's content (at DATA: the address was accepted first), with no 5.1.x
+    status naming the address, is the receiver's filter, ``policy`` too: it
+    says nothing lasting about the address (sisimai's "filtered").
+    """
+    if reason in _ADDRESS_REASONS and _AT_MAIL_FROM.search(context[:_EXPLANATION_CHARS]):
+        return "policy"  # refused at MAIL FROM: about the sender, not the recipient
     if reason != "user_unknown":
         return reason
     code = _STATUS.search(f"{status}\n{context[:_EXPLANATION_CHARS]}")

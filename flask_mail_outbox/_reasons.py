@@ -116,10 +116,11 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                      r"user not found|user (?:doesn't|does not) have|user not exist|"
                      r"not listed in (?:the )?(?:domino )?directory|recipient name is not "
                      r"recognized|address (?:couldn't|could not) be found|invalid final "
-                     r"delivery userid|please check if address is "
-                     r"correct|not listed in public name|ディレクトリのリストにありません")),
+                     r"delivery userid|please check if address is correct|and other "
+                     r"recipients in the same domain|not listed in public name|ディレクトリのリストにありません")),
     ("syntax_error", r"invalid '?to'? address|address syntax|syntax error|malformed address"),
-    ("not_accepting", r"no smtp service|null mx|no mx record|does not accept (?:any )?mail"),
+    ("not_accepting", (r"no smtp service|null mx|no mx record|no mx found|"
+                      r"does not accept (?:any )?mail")),
     ("host_unknown", (r"host unknown|unknown host|no such domain|domain (?:not found|does not "
                      r"exist)|host not found|nxdomain|unroutable|unrouteable|"
                      r"domain name not found|domain is not reachable|dns lookup fail|"
