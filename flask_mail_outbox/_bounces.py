@@ -840,6 +840,8 @@ class _Bounce:
         diagnostic = block.get("diagnostic-code")
         bounce_kind = None
         failed = action.startswith("fail") or action in ("error", "expired")  # OpenSMTPD, SendGrid
+        # OpenSMTPD mails its give-up as "delayed" with 4.4.7, delivery time expired.
+        failed = failed or (action == "delayed" and status.endswith(".4.7"))
         reason = bounce_reason(status_text, diagnostic, failed=failed) \
             if failed or action == "delayed" else None
         if reason is not None:
