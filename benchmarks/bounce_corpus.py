@@ -13,7 +13,8 @@ the project's own, tests/bounces/<mta>/), and prints
   address is suppressed for good) equals the expected one (sisimai's
   ``hardbounce``);
 - reason agreement: our reason's sisimai counterpart
-  (:data:`flask_mail_outbox._reasons.SISIMAI`) against the expected reason;
+  (:data:`flask_mail_outbox._reasons.SISIMAI`) against sisimai's reason, or our
+  reason against the one our own expectations name;
 - the misses, by cause, with the samples.
 
 Inputs (one of):
@@ -203,7 +204,8 @@ def score(rows: list[tuple[Row, Path]]) -> Score:
         if row.event_type == "bounced" and row.reason:
             result.reason_rows += 1
             ours_reason = next((e.reason for e in mine), None)  # type: ignore[attr-defined]
-            names = {n.strip() for n in SISIMAI.get(ours_reason or "", "").split(",")}
+            names = {n.strip() for n in SISIMAI.get(ours_reason or "", "").split(",")} \
+                if row.source == "sisimai" else {ours_reason}
             if row.reason in names:
                 result.reason_agreed += 1
             else:

@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import dataclasses
 import email
 import email.errors
@@ -670,6 +671,7 @@ class _Bounce:
         self.envelope: str | None = None
         self.email_id: int | None = None
         self._explanation: str | None = None
+        self._positions: _Positions | None = None
 
     def read(self) -> BounceReport:
         if self.is_dsn:
@@ -885,7 +887,7 @@ class _Bounce:
         context = diagnostic
         if recipient:
             text = self.explanation_text()
-            window = _window(text, recipient, _positions(text, {recipient: False}))
+            window = _window(text, recipient, self.text_positions())
             if window:
                 context = f"{diagnostic}\n{window}"
                 if reason == "undefined":
@@ -975,7 +977,7 @@ class _Bounce:
                 "bounce"))
         original = self.original_id()
         events = []
-        positions = _positions(text, found)
+        positions = self.text_positions()
         for address, flufl_temporary in list(found.items())[:MAX_EVENTS]:
             # The bounce's own text says why and how lasting (no DSN field does here): the
             # words after the address, else the whole text.
@@ -1045,6 +1047,12 @@ class _Bounce:
             text = _TAG.sub(" ", "\n".join(html)).replace("&lt;", "<").replace("&gt;", ">")
         self._explanation = _before_copy(text[:_EXPLANATION_CHARS])
         return self._explanation
+
+    def text_positions(self) -> _Positions:
+        """Where the explanation names each address (scanned once)."""
+        if self._positions is None:
+            self._positions = _Positions(self.explanation_text())
+        return self._positions
 
     def not_recipients(self) -> set[str]:
         """Addresses a bounce's text names that are no failed recipient: the bounce's own
@@ -1249,21 +1257,30 @@ def _excluded(address: str, excluded: set[str]) -> bool:
     return address.lower() in excluded or local in _SYSTEM_LOCALS
 
 
-def _positions(text: str, addresses: dict[str, bool]) -> dict[str, int]:
-    """Where each address is first named in ``text`` (case-insensitively; missing: none)."""
-    wanted = {address.lower() for address in addresses}
-    return {address.lower(): position for address, position in _text_addresses(text)
-            if address.lower() in wanted}
+class _Positions:
+    """Where each address is first named in a text (case-insensitively), and the next
+    address named after a place: one scan of the text, then a lookup per recipient."""
+
+    def __init__(self, text: str) -> None:
+        self.first: dict[str, int] = {}
+        for address, position in _text_addresses(text):
+            self.first.setdefault(address.lower(), position)
+        self.starts = sorted(self.first.values())
+
+    def after(self, start: int) -> int | None:
+        """The first position of an address named after ``start``, if any."""
+        index = bisect.bisect_right(self.starts, start)
+        return self.starts[index] if index < len(self.starts) else None
 
 
-def _window(text: str, address: str, positions: dict[str, int]) -> str:
+def _window(text: str, address: str, positions: _Positions) -> str:
     """The text about ``address``: from its line's start, :data:`_WINDOW` characters on,
     up to the next address named ("" when the text does not name it)."""
-    start = positions.get(address.lower())
+    start = positions.first.get(address.lower())
     if start is None:
         return ""
-    following = [p for p in positions.values() if p > start]
-    end = min([start + _WINDOW, *following])
+    following = positions.after(start)
+    end = start + _WINDOW if following is None else min(start + _WINDOW, following)
     return text[text.rfind("\n", 0, start) + 1:end]
 
 
