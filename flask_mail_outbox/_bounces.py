@@ -1051,7 +1051,7 @@ class _Bounce:
     def text_positions(self) -> _Positions:
         """Where the explanation names each address (scanned once)."""
         if self._positions is None:
-            self._positions = _Positions(self.explanation_text())
+            self._positions = _Positions(self.explanation_text(), self.not_recipients())
         return self._positions
 
     def not_recipients(self) -> set[str]:
@@ -1259,13 +1259,15 @@ def _excluded(address: str, excluded: set[str]) -> bool:
 
 class _Positions:
     """Where each address is first named in a text (case-insensitively), and the next
-    address named after a place: one scan of the text, then a lookup per recipient."""
+    recipient named after a place (a sender's address is no end of a recipient's lines):
+    one scan of the text, then a lookup per recipient."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, excluded: set[str]) -> None:
         self.first: dict[str, int] = {}
         for address, position in _text_addresses(text):
             self.first.setdefault(address.lower(), position)
-        self.starts = sorted(self.first.values())
+        self.starts = sorted(position for address, position in self.first.items()
+                             if not _excluded(address, excluded))
 
     def after(self, start: int) -> int | None:
         """The first position of an address named after ``start``, if any."""
