@@ -1071,6 +1071,15 @@ class _Bounce:
         for value in ids:
             for address, _ in _text_addresses(value[:_ADDRESS_CHARS]):
                 found.add(address.lower())
+        # Headers of the returned message quoted in the text (Zoho's): its Message-ID
+        # and its sender are no recipients.
+        for line in self.explanation_text().splitlines():
+            quoted = _SENDER_LINE.match(line) if "@" in line else None
+            if quoted is not None:
+                named = _line_addresses(line)
+                # A Message-ID is no address at all; a From: names one sender (qmail's
+                # "From: <sender> RCPT: <recipient>" names the recipient after it).
+                found.update(a.lower() for a in (named if quoted.group(1) else named[:1]))
         return found
 
     def text_recipients(self, text: str, excluded: set[str]) -> list[str]:
@@ -1197,6 +1206,8 @@ _AT_DATA = re.compile(r"end of data|after data|>>> data\b|in reply to data|after
 _HOTMAIL_COMPLAINT = re.compile(r"\s*complaint about message from ", re.IGNORECASE)
 _HEADER_LINE = re.compile(r"[ \t>]*(?:message-id|in-reply-to|references|from|sender|reply-to|"
                           r"return-path|to|cc|bcc|x-[a-z-]*id)[ \t]*:", re.IGNORECASE)
+_SENDER_LINE = re.compile(r"[ \t>]*(?:(message-id|in-reply-to|references|x-[a-z-]*id)|from|"
+                          r"sender|reply-to|return-path)[ \t]*:", re.IGNORECASE)
 _CANDIDATE = re.compile(r"([A-Za-z0-9.!#$%&*+?^_~-]{1,64})@((?:[A-Za-z0-9][A-Za-z0-9-]{0,62}\.)"
                         r"{1,8}[A-Za-z]{2,24})(?![A-Za-z0-9-])")
 _DSN_FIELD = re.compile(r"^[ \t]*(?:reporting-mta|final-recipient|original-recipient|action)"
@@ -1249,6 +1260,13 @@ def _text_addresses(text: str) -> list[tuple[str, int]]:
                         return list(found.items())
         offset += len(line)
     return list(found.items())
+
+
+def _line_addresses(line: str) -> list[str]:
+    """The addresses one line names (bounded: a line of the explanation)."""
+    found = (clean_address(f"{m.group(1).lstrip('.')}@{m.group(2)}")
+             for m in _CANDIDATE.finditer(line))
+    return [address for address in found if address]
 
 
 def _excluded(address: str, excluded: set[str]) -> bool:

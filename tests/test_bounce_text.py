@@ -56,7 +56,8 @@ def test_dragonfly_text_names_its_recipient() -> None:
         b"mx.example.net [192.0.2.25] did not like our RCPT TO:\n"
         b"550 5.1.1 <gone@example.net>: Recipient address rejected: User unknown\n\n"
         b"Message headers follow.\n\nTo: <gone@example.net>\nFrom: <app@example.com>\n"
-        b"Cc: <copied@example.net>\nMessage-Id: <orig@example.com>\n")
+        b"Cc: <copied@example.net>\nMessage-Id: <orig@example.com>\n\n"
+        b"Hello, write back to friend@example.org.\n")
     report = read_bounce(raw)
     assert report.kind == "detected"
     assert events(report) == [("bounced", "gone@example.net", "permanent", "user_unknown")]
@@ -150,6 +151,37 @@ def test_the_bounce_senders_and_message_ids_are_no_recipients() -> None:
     assert [e.recipient for e in report.events] == ["gone@example.net",
                                                     "postmaster@mx.example.org"]
     assert "1234.5678@mail.example.com" not in {e.recipient for e in report.events}
+
+
+def test_zoho_quoted_headers_give_no_message_id_and_no_sender() -> None:
+    """Zoho quotes the returned headers in its text, without a marker: flufl.bounce names
+    the Message-ID and the sender there as failed addresses; neither is one."""
+    raw = text_bounce(
+        b"This message was created automatically by mail delivery software.\n"
+        b"A message that you sent could not be delivered to one or more of its "
+        b"recipients. This is a permanent error.\n\n"
+        b"gone@example.net Invalid Address, ERROR_CODE :550, ERROR_CODE :5.1.1 "
+        b"<gone@example.net>... User Unknown\n\n\n"
+        b"Received:from mail.example.com by mx.example.com\n"
+        b"Message-ID:<14a3e1b4b5a.10b1a4c5610175.858838608@mail.example.com>\n"
+        b"From:Ann <ann@mail.example.com>\nTo:<gone@example.net>\nSubject:hello\n",
+        sender=b"mailer-daemon@mail.example.com", subject=b"Undelivered Mail Returned to Sender")
+    import email
+
+    import flufl.bounce
+    _, permanent = flufl.bounce.all_failures(email.message_from_bytes(raw))
+    assert b"14a3e1b4b5a.10b1a4c5610175.858838608@mail.example.com" in permanent
+    assert events(read_bounce(raw)) == [
+        ("bounced", "gone@example.net", "permanent", "user_unknown")]
+
+
+def test_status_and_diagnostic_codes_that_differ_the_diagnostic_says_why() -> None:
+    """Sendmail writes Status 5.1.1 over the remote's "550 5.7.1 IP address blacklisted"."""
+    event = only(read_bounce(dsn(b"Final-Recipient: rfc822; ann@example.net\nAction: failed\n"
+                                 b"Status: 5.1.1\nDiagnostic-Code: SMTP; 550 5.7.1 IP address "
+                                 b"blacklisted by recipient\n")))
+    assert (event.reason, for_good(event.event_type, event.bounce_kind, event.reason)) == (
+        "blocked", None)
 
 
 def test_a_text_bounce_naming_no_valid_address_has_no_recipient() -> None:
