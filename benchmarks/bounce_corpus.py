@@ -79,6 +79,8 @@ class Score:
     disagreements: dict[str, list[str]] = field(
         default_factory=lambda: collections.defaultdict(list))
     reasons: dict[str, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
+    #: Events naming an address no row expects (a sender, a Message-ID, a stray address).
+    strays: list[str] = field(default_factory=list)
 
 
 _ENTRY = re.compile(r"'(\d+)'\s*=>\s*\[((?:\s*\[[^\]]*\]\s*,?)+)\s*\]")
@@ -210,6 +212,14 @@ def score(rows: list[tuple[Row, Path]]) -> Score:
                 result.reason_agreed += 1
             else:
                 result.reasons[f"{row.reason} -> ours {ours_reason}"].append(row.sample)
+    wanted_by: dict[Path, set[str]] = collections.defaultdict(set)
+    for row, path in rows:
+        wanted_by[path].add(_plain(row.recipient))
+    for path, events in cache.items():
+        for event in events:
+            names = {_plain(getattr(event, "recipient", None)), _plain(_final(event))}
+            if getattr(event, "recipient", None) and not names & wanted_by[path]:
+                result.strays.append(f"{path.name}: {getattr(event, 'recipient', '')}")
     return result
 
 
@@ -267,6 +277,9 @@ def report(title: str, result: Score, verbose: bool) -> None:
     print(f"recognized:          {pct(result.recognized, result.rows)}")
     print(f"hard/soft agreement: {pct(result.agreed, result.rows)}")
     print(f"reason agreement:    {pct(result.reason_agreed, result.reason_rows)} (bounces)")
+    print(f"stray recipients:    {len(result.strays)} (events naming an address no row "
+          "expects)" + (": " + ", ".join(result.strays[:None if verbose else 6])
+                        if result.strays else ""))
     for heading, table in (("misses by cause", result.misses),
                            ("hard/soft disagreements", result.disagreements),
                            ("reason disagreements", result.reasons)):
