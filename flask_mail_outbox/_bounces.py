@@ -14,12 +14,21 @@ Which reader, in this order:
    forwarded message): an RFC 3464 DSN, kind ``"dsn"``. Some relays re-wrap a
    DSN in ``multipart/mixed``; the part is what counts, not the top type;
 2. a ``message/feedback-report`` part: an RFC 5965 ARF report, kind ``"arf"``;
-3. otherwise flufl.bounce (``all_failures``, Mailman's detectors for qmail,
-   Exim's and Yahoo's texts, old Sendmail and Exchange, ...): kind
-   ``"detected"`` when it finds an address, ``"not-a-bounce"`` when not.
+3. an Amazon SES notification mailed by SNS (its JSON), kind ``"detected"``;
+   Hotmail's complaint from before ARF, kind ``"arf"``;
+4. in a message that says it is a bounce (:meth:`_Bounce.looks_like_bounce`:
+   a mail system's sender or a bounce's subject, and no sign of a reply or
+   an auto-reply), DSN fields written into its text (Amazon WorkMail): kind
+   ``"dsn"``;
+5. otherwise flufl.bounce (``all_failures``, Mailman's detectors for qmail,
+   Exim's and Yahoo's texts, old Sendmail and Exchange, ...), its addresses
+   kept only in a message that says it is a bounce and when they are no
+   sender and no Message-ID; else, in such a message, the addresses its text
+   names (:meth:`_Bounce.text_recipients`): kind ``"detected"`` when either
+   finds an address, ``"not-a-bounce"`` when not. The words and the code
+   after each address say its event, permanence and reason (:func:`_classify`).
    A DSN whose status part names no recipient (Google Workspace sends such)
-   is given to flufl.bounce too, and stays a ``"dsn"`` without events when
-   it finds nobody either.
+   is read so too, and stays a ``"dsn"`` without events when nobody is found.
 
 Anyone can mail the bounce address, so every step is linear in the input and
 bounded: the first :data:`MAX_BYTES` of a message are read, up to its
@@ -36,8 +45,10 @@ What an event stores of the message goes through :mod:`._outside` once.
 what the message says                           event (bounce kind)
 ==============================================  =========================================
 DSN ``Action: failed`` (or ``failure``,         ``bounced``: ``permanent`` for a 5.x.x
-OpenSMTPD's ``error``, SendGrid's               ``Status``, ``transient`` otherwise (Gmail
-``expired``), per recipient block               gives up on a 4.x.x with ``failed``)
+OpenSMTPD's ``error``, SendGrid's               ``Status`` (none: the Diagnostic-Code's
+``expired``; OpenSMTPD's ``delayed`` with       code), ``transient`` for a 4.x.x (Gmail
+``4.4.7``, its give-up), per recipient block    gives up on a 4.x.x with ``failed``) and
+                                                for an ``expired`` reason (5.4.7)
 DSN ``Action: delayed``                         ``deferred`` (the MTA is still trying)
 DSN ``Action: delivered`` / ``expanded``        ``delivered`` (only sent when the sender
                                                 asked for NOTIFY=SUCCESS; kept if it comes)
@@ -51,10 +62,11 @@ other, or none                                  (else the returned message's ``T
 ARF ``opt-out``                                 ``unsubscribed``
 ARF ``auth-failure`` (RFC 6591 DMARC/SPF/DKIM   no event: a report about who sent with our
 failure report), ``not-spam``                   domain, not about a recipient
-flufl.bounce permanent failure                  ``bounced`` (``permanent``)
-flufl.bounce temporary failure                  ``deferred``: its temporary failures are
-                                                delay warnings (its SimpleWarning and the
-                                                DSN ``delayed`` action), not given-up mail
+a text bounce (flufl.bounce's or ours)          ``bounced``: ``transient`` for a 4xx or
+                                                words of a give-up after retries ("retry
+                                                timeout exceeded"), else ``permanent``;
+                                                ``deferred`` for a delay warning ("will
+                                                keep trying")
 ==============================================  =========================================
 
 A DSN recipient is its ``Original-Recipient`` (the address as the sender

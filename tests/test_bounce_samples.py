@@ -55,6 +55,8 @@ def test_every_file_has_its_expectations_and_every_case_is_there(mta: str) -> No
     files = {path.name for path in (SAMPLES / mta).glob("*.eml")}
     assert files == set(expected(mta))
     assert {name.removesuffix(".eml") for name in files} == CASES[mta]
+    sources = (SAMPLES / "SOURCES.md").read_text(encoding="utf-8")
+    assert {name for name in files if f"`{mta}/{name}`" not in sources} == set()
 
 
 @pytest.mark.parametrize(("mta", "name"), _params())
