@@ -969,7 +969,7 @@ class _Bounce:
                 f"flufl.bounce failed on it ({type(exc).__name__}): taken as not a bounce"))
         if not self.looks_like_bounce():
             # flufl.bounce reads the quoted To: of a person's reply as a failure.
-            permanent, temporary = set(), set()
+            permanent = temporary = frozenset()
         excluded = self.not_recipients()
         found: dict[str, bool] = {}
         for addresses, is_temporary in ((permanent, False), (temporary, True)):

@@ -210,7 +210,7 @@ def test_a_reply_quoting_recipients_is_no_bounce_though_flufl_reads_one() -> Non
     """flufl.bounce reads the quoted To: of Zimbra's ordinary reply as a failed address;
     the message is a person's reply ("Re:", from a person), so the reader drops it."""
     raw = sample("zimbra-reply-quoting-recipients.eml")
-    temporary, permanent = flufl.bounce.all_failures(email.message_from_bytes(raw))
+    _, permanent = flufl.bounce.all_failures(email.message_from_bytes(raw))
     assert permanent == {b"xxx@hotmail.com"}  # what flufl.bounce alone says
     report = read_bounce(raw)
     assert (report.kind, report.events) == ("not-a-bounce", ())

@@ -9,8 +9,10 @@ the wording that the reader keys on), with addresses of example domains.
 
 from __future__ import annotations
 
+import email
 import json
 
+import flufl.bounce
 import pytest
 
 from flask_mail_outbox._bounces import BounceReport, read_bounce
@@ -166,9 +168,6 @@ def test_zoho_quoted_headers_give_no_message_id_and_no_sender() -> None:
         b"Message-ID:<14a3e1b4b5a.10b1a4c5610175.858838608@mail.example.com>\n"
         b"From:Ann <ann@mail.example.com>\nTo:<gone@example.net>\nSubject:hello\n",
         sender=b"mailer-daemon@mail.example.com", subject=b"Undelivered Mail Returned to Sender")
-    import email
-
-    import flufl.bounce
     _, permanent = flufl.bounce.all_failures(email.message_from_bytes(raw))
     assert b"14a3e1b4b5a.10b1a4c5610175.858838608@mail.example.com" in permanent
     assert events(read_bounce(raw)) == [
