@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -51,6 +52,9 @@ def exim_unavailable() -> str | None:
     """Why a private Exim cannot run on this machine, or None when it can."""
     if not EXIM_BINARY.is_file():
         return f"Exim is not unpacked (no {EXIM_BINARY}); {INSTALL_HINT}"
+    if EXIM_BINARY.stat().st_mode & stat.S_ISUID:
+        # Set-uid, Exim's deliveries (as Debian-exim) would not find libidn in EXIM_ROOT.
+        return f"{EXIM_BINARY} is still set-uid; chmod u-s it (see .ci/run)"
     if os.geteuid() != 0:
         return f"a private Exim runs as root in a mount namespace; this is uid {os.geteuid()}"
     if shutil.which("unshare") is None:
