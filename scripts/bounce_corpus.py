@@ -1,6 +1,8 @@
+#!/usr/bin/env python3
 """Score the bounce reader on a directory of real bounces with known answers.
 
-Kept apart from the suite: it reads samples from outside the repository (or
+Kept apart from the suite (and out of benchmarks/, whose scenarios use the public API
+only: this reads the reader and the policy themselves): it reads samples from outside the repository (or
 the project's own, tests/bounces/<mta>/), and prints
 
 - recognized: the share of expected (sample, recipient) rows for which
@@ -34,8 +36,8 @@ Inputs (one of):
     (tests/bounces/ of this repository): ``{"<file name>": [{"recipient",
     "event_type", "bounce_kind", "hard", "reason"}, ...]}``.
 
-Run: ``python -m benchmarks.bounce_corpus --own tests/bounces`` (from the
-repository root), ``-v`` to list every miss.
+Run: ``python scripts/bounce_corpus.py --own tests/bounces`` (from the repository
+root), ``-v`` to list every miss.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flask_mail_outbox._bounces import NotMail, read_bounce
 from flask_mail_outbox._policy import for_good
