@@ -897,7 +897,7 @@ class _Bounce:
         """A DSN block's ``reason``, read again with the bounce's text about ``recipient``
         when its fields say no more than "undefined" (a bare 5.0.0, no Diagnostic-Code)."""
         context = diagnostic
-        if recipient:
+        if recipient and (reason == "undefined" or reason in _ADDRESS_REASONS):
             text = self.explanation_text()
             window = _window(text, recipient, self.text_positions())
             if window:
