@@ -36,6 +36,11 @@ from typing import Any, Self
 
 import pytest
 from aiosmtpd.controller import Controller
+from conftest import db, wait_rows
+from flask import Flask
+from postfix import free_port
+
+from flask_mail_outbox import Message, OutboxMail
 
 EXIM_ROOT = Path(os.environ.get("OUTBOX_EXIM_ROOT", "/opt/outbox-exim"))
 EXIM_BINARY = EXIM_ROOT / "usr" / "sbin" / "exim4"
@@ -70,13 +75,6 @@ def require_exim() -> None:
     if REQUIRE_EXIM:
         pytest.fail(f"Exim tests are required (CI / OUTBOX_REQUIRE_EXIM) but {reason}")
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 #: The loopback server's refusal of each local part.
@@ -283,3 +281,30 @@ class PrivateExim:
                 raise RuntimeError(f"{len(found)} bounces containing {containing!r} after "
                                    f"{timeout:g}s\n{self._diagnostics()}")
             time.sleep(0.05)
+
+
+# -- the app's side, shared by the live-MTA tests ----------------------------------------
+
+
+def mail_of(app: Flask) -> OutboxMail:
+    mail: OutboxMail = app.extensions["test_mail"]
+    return mail
+
+
+def send(app: Flask, to: str, subject: str = "Hello") -> int:
+    with app.app_context():
+        email_id = mail_of(app).send(Message(subject, [to], "Hi"))
+        db.session.commit()
+    return email_id
+
+
+def sent(app: Flask, email_id: int) -> dict[str, Any]:
+    """Row ``email_id`` once the worker has finished with it."""
+    found = wait_rows(app, lambda rs: any(r["id"] == email_id and r["status"] not in
+                                          ("queued", "sending") for r in rs), timeout=15)
+    return next(r for r in found if r["id"] == email_id)
+
+
+def feed(app: Flask, raw: bytes) -> Any:
+    """``flask outbox bounce`` with ``raw`` on standard input."""
+    return app.test_cli_runner().invoke(args=["outbox", "bounce"], input=raw)

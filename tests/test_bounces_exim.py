@@ -11,15 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from bounces_helpers import PrivateExim, RefusingServer, require_exim
-from conftest import close_app, db, make_app, rows, wait_rows
+from bounces_helpers import (
+    PrivateExim,
+    RefusingServer,
+    feed,
+    mail_of,
+    require_exim,
+    send,
+    sent,
+)
+from conftest import close_app, db, make_app, rows
 from flask import Flask
 
-from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._policy import for_good
 from flask_mail_outbox.core import event_table, suppression_table
 
@@ -41,24 +47,6 @@ def app(db_url: str, mta: PrivateExim) -> Iterator[Flask]:
     close_app(app, timeout=5)
 
 
-def mail_of(app: Flask) -> OutboxMail:
-    mail: OutboxMail = app.extensions["test_mail"]
-    return mail
-
-
-def send(app: Flask, to: str) -> int:
-    with app.app_context():
-        email_id = mail_of(app).send(Message("Hello", [to], "Hi"))
-        db.session.commit()
-    return email_id
-
-
-def sent(app: Flask, email_id: int) -> dict[str, Any]:
-    found = wait_rows(app, lambda rs: any(r["id"] == email_id and r["status"] not in
-                                          ("queued", "sending") for r in rs), timeout=15)
-    return next(r for r in found if r["id"] == email_id)
-
-
 def bounce_of(app: Flask, mta: PrivateExim, email_id: int) -> bytes:
     """Exim's bounce of ``email_id``: by the Message-ID it returns (unique across the tests
     sharing the instance), mailed to its VERP address."""
@@ -67,10 +55,6 @@ def bounce_of(app: Flask, mta: PrivateExim, email_id: int) -> bytes:
     verp = app.extensions["mail_outbox"].config.verp
     assert b"Envelope-to: " + verp.sender_for(email_id).encode() in raw
     return raw
-
-
-def feed(app: Flask, raw: bytes) -> Any:
-    return app.test_cli_runner().invoke(args=["outbox", "bounce"], input=raw)
 
 
 def suppressions(app: Flask) -> int:
