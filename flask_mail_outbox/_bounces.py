@@ -14,12 +14,21 @@ Which reader, in this order:
    forwarded message): an RFC 3464 DSN, kind ``"dsn"``. Some relays re-wrap a
    DSN in ``multipart/mixed``; the part is what counts, not the top type;
 2. a ``message/feedback-report`` part: an RFC 5965 ARF report, kind ``"arf"``;
-3. otherwise flufl.bounce (``all_failures``, Mailman's detectors for qmail,
-   Exim's and Yahoo's texts, old Sendmail and Exchange, ...): kind
-   ``"detected"`` when it finds an address, ``"not-a-bounce"`` when not.
+3. an Amazon SES notification mailed by SNS (its JSON), kind ``"detected"``;
+   Hotmail's complaint from before ARF, kind ``"arf"``;
+4. in a message that says it is a bounce (:meth:`_Bounce.looks_like_bounce`:
+   a mail system's sender or a bounce's subject, and no sign of a reply or
+   an auto-reply), DSN fields written into its text (Amazon WorkMail): kind
+   ``"dsn"``;
+5. otherwise flufl.bounce (``all_failures``, Mailman's detectors for qmail,
+   Exim's and Yahoo's texts, old Sendmail and Exchange, ...), its addresses
+   kept only in a message that says it is a bounce and when they are no
+   sender and no Message-ID; else, in such a message, the addresses its text
+   names (:meth:`_Bounce.text_recipients`): kind ``"detected"`` when either
+   finds an address, ``"not-a-bounce"`` when not. The words and the code
+   after each address say its event, permanence and reason (:func:`_classify`).
    A DSN whose status part names no recipient (Google Workspace sends such)
-   is given to flufl.bounce too, and stays a ``"dsn"`` without events when
-   it finds nobody either.
+   is read so too, and stays a ``"dsn"`` without events when nobody is found.
 
 Anyone can mail the bounce address, so every step is linear in the input and
 bounded: the first :data:`MAX_BYTES` of a message are read, up to its
@@ -36,8 +45,10 @@ What an event stores of the message goes through :mod:`._outside` once.
 what the message says                           event (bounce kind)
 ==============================================  =========================================
 DSN ``Action: failed`` (or ``failure``,         ``bounced``: ``permanent`` for a 5.x.x
-OpenSMTPD's ``error``, SendGrid's               ``Status``, ``transient`` otherwise (Gmail
-``expired``), per recipient block               gives up on a 4.x.x with ``failed``)
+OpenSMTPD's ``error``, SendGrid's               ``Status`` (none: the Diagnostic-Code's
+``expired``; OpenSMTPD's ``delayed`` with       code), ``transient`` for a 4.x.x (Gmail
+``4.4.7``, its give-up), per recipient block    gives up on a 4.x.x with ``failed``) and
+                                                for an ``expired`` reason (5.4.7)
 DSN ``Action: delayed``                         ``deferred`` (the MTA is still trying)
 DSN ``Action: delivered`` / ``expanded``        ``delivered`` (only sent when the sender
                                                 asked for NOTIFY=SUCCESS; kept if it comes)
@@ -51,10 +62,11 @@ other, or none                                  (else the returned message's ``T
 ARF ``opt-out``                                 ``unsubscribed``
 ARF ``auth-failure`` (RFC 6591 DMARC/SPF/DKIM   no event: a report about who sent with our
 failure report), ``not-spam``                   domain, not about a recipient
-flufl.bounce permanent failure                  ``bounced`` (``permanent``)
-flufl.bounce temporary failure                  ``deferred``: its temporary failures are
-                                                delay warnings (its SimpleWarning and the
-                                                DSN ``delayed`` action), not given-up mail
+a text bounce (flufl.bounce's or ours)          ``bounced``: ``transient`` for a 4xx or
+                                                words of a give-up after retries ("retry
+                                                timeout exceeded"), else ``permanent``;
+                                                ``deferred`` for a delay warning ("will
+                                                keep trying")
 ==============================================  =========================================
 
 A DSN recipient is its ``Original-Recipient`` (the address as the sender
@@ -100,12 +112,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import dataclasses
 import email
+import email.errors
+import email.header
 import email.parser
 import email.policy
 import hashlib
 import itertools
+import json
 import logging
 import quopri
 import re
@@ -120,7 +136,7 @@ import flufl.bounce
 
 from ._events import DeliveryEvent, capped_payload, naive_utc
 from ._outside import clean_address, clean_line, clean_text
-from ._reasons import TEXT_READ, bounce_reason
+from ._reasons import TEXT_READ, bounce_reason, ses_reason
 
 __all__ = ["KINDS", "TRANSPORT", "BounceReport", "NotMail", "read_bounce"]
 
@@ -194,6 +210,63 @@ _COPY_MARKERS = re.compile(
     rb"|Enclosed is a copy of the message|The header of the original message is following)"
     rb"\.?[ \t]*-*[ \t]*\r?$",
     re.MULTILINE | re.IGNORECASE)
+
+#: A bounce written as text (no DSN part) is read only from a message that looks like one: a
+#: sender such as MAILER-DAEMON, or a subject such as "Undelivered Mail". A person's reply or
+#: an auto-reply (vacation, out of office) never is one.
+_DAEMON = re.compile(
+    r"mailer[-_ ]?daemon|post_?master|mail ?delivery|mail administrator|mail ?system|"
+    r"\bmailer\b|\bmdaemon\b|delivery (?:status|subsystem)|\bbounces?\b|\bmail ?gw\b",
+    re.IGNORECASE)
+_BOUNCE_SUBJECT = re.compile(
+    r"undeliver|undelivered|not (?:be )?delivered|delivery (?:status|fail|problem|report|"
+    r"notification|error|incomplete|delay)|returned mail|return(?:ed)? to sender|failure "
+    r"notice|delivery failed|non[- ]?delivery|nondeliver|could not (?:be )?(?:sent|delivered)|"
+    r"mail system error|delayed mail|could not send|message (?:not delivered|delayed|"
+    r"rejected|blocked)|error sending|mail failure|has failed|failed delivery|"
+    r"unable to deliver|delivery warning|mail error",
+    re.IGNORECASE)
+_REPLY_SUBJECT = re.compile(r"\s*(?:re|fwd?|aw|sv|antw|wg)\s*:", re.IGNORECASE)
+_AUTO_REPLY_SUBJECT = re.compile(
+    r"\s*(?:\[?auto|out of (?:the )?office|automatic reply|away\b|vacation|abwesen|absence|"
+    r"r[eé]ponse automatique|autoreply)", re.IGNORECASE)
+
+#: What a text bounce's explanation is read for: the first characters of its own text.
+_EXPLANATION_CHARS = 16_000
+
+#: Where the returned copy starts in a text bounce (read line by line: linear).
+_COPY_START = re.compile(
+    r"[ \t]*(?:-{2,}|={2,}|\*{2,})?[ \t]*(?:below this line is a copy|this is a copy of|"
+    r"(?:original|unsent|returned|rejected|bounced) message(?: headers?)?(?: follows?)?[ \t]*"
+    r"(?:-|:|\.|$)|message headers? follows?|headers? of (?:the )?(?:original|returned)|"
+    r"the header of the original|enclosed is a copy|included is a copy|below is a copy)",
+    re.IGNORECASE)
+
+#: An address's parts, read from an ``@`` outwards (bounded: linear in the text).
+_LOCAL_END = re.compile(r"[A-Za-z0-9.!#$%&*+?^_~-]{1,64}\Z")
+_DOMAIN = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9-]{0,62}\.)+[A-Za-z]{2,24}(?![A-Za-z0-9-])")
+
+#: Local parts that are a mail system's own, never a failed recipient.
+_SYSTEM_LOCALS = frozenset({"mailer-daemon", "double-bounce", "mailerdaemon", "mailer_daemon"})
+
+#: Words of a delay warning (the MTA still tries) and of a message given up after retries.
+_STILL_TRYING = re.compile(
+    r"will (?:continue|keep) (?:to try|trying|retrying)|still (?:be )?(?:trying|retrying)|"
+    r"not yet been delivered|will be retried|will retry|this is a warning|warning message only|"
+    r"do not need to resend|delivery (?:has been |is )?delayed|will try (?:again|to deliver)|"
+    r"delay(?:ed)? for|temporarily deferred|retry (?:for|until)",
+    re.IGNORECASE)
+_GAVE_UP = re.compile(
+    r"retry time(?:out)? (?:exceeded|expired)|expired|failing for a long time|"
+    r"did not accept our requests to connect|cannot send message for|not delivered within|"
+    r"was aborted after|failed \d+ attempts|multiple retries|have been failing|"
+    r"too long in (?:the )?queue|in the queue too long|could not be delivered within|maximum (?:queue|retry) time|"
+    r"queue lifetime|delivery time|message timeout|timed out in queue|"
+    r"will not (?:be retried|retry)|no more retries|undeliverable for",
+    re.IGNORECASE)
+
+#: How far after a recipient's address its text is read for its status and reason.
+_WINDOW = 800
 
 _STATUS = re.compile(r"\b([245])\.(\d{1,3})\.(\d{1,3})\b")
 _MESSAGE_ID = re.compile(r"<[^<>\s]+>")
@@ -348,9 +421,16 @@ def _typed(value: str) -> tuple[str, str]:
 
 
 def _address(value: str) -> str | None:
-    """The email address ``value`` is (``rfc822;`` typed, or bare), or None."""
+    """The email address ``value`` is (``rfc822;`` typed, or bare), or None.
+
+    An RFC 821 source route before it (``@relay.example:user@example.org``)
+    is dropped; a value that is only a route (``@mx.example.org``) is none.
+    """
     _, text = _typed(value)
-    return clean_address(text.strip().strip("<>").strip())
+    text = text.strip().strip("<>").strip()
+    if text.startswith("@"):
+        text = text.partition(":")[2]
+    return clean_address(text)
 
 
 def _addresses(values: list[str]) -> list[str]:
@@ -486,22 +566,44 @@ def _blocks_of(text: str) -> list[_Block]:
         if current is not None and name is not None:
             current.fields.append((name, _text(" ".join(lines))))
 
+    names: set[str] = set()
     for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
         if not line.strip():
             end_field()
             current, name, lines = None, None, []
             continue
         match = None if line[:1] in " \t" else _FIELD.fullmatch(line)
+        if match is not None and current is not None and _starts_recipient(
+                match.group(1).lower(), names):
+            # A recipient's block begun where no blank line ended the last one.
+            end_field()
+            current, name, lines = None, None, []
         if current is None:
             current = _Block()
             blocks.append(current)
+            names = set()
         if match is not None:
             end_field()
             name, lines = match.group(1).lower(), [match.group(2)]
+            names.add(name)
         elif name is not None:
             lines.append(line)
     end_field()
     return [block for block in blocks if block.fields]
+
+
+def _starts_recipient(name: str, names: set[str]) -> bool:
+    """Whether a field ``name`` begins another recipient's block, after ``names``.
+
+    A second ``Final-Recipient`` does; so does a second ``Original-Recipient``,
+    or one after a recipient's ``Final-Recipient`` and ``Status`` (it comes
+    before the ``Status``, just before or after ``Final-Recipient``).
+    """
+    if name == "final-recipient":
+        return "final-recipient" in names
+    if name == "original-recipient":
+        return "original-recipient" in names or {"final-recipient", "status"} <= names
+    return False
 
 
 def _report_blocks(part: Message) -> list[_Block]:
@@ -580,6 +682,8 @@ class _Bounce:
         self.candidates = self._candidates()
         self.envelope: str | None = None
         self.email_id: int | None = None
+        self._explanation: str | None = None
+        self._positions: _Positions | None = None
 
     def read(self) -> BounceReport:
         if self.is_dsn:
@@ -592,6 +696,17 @@ class _Bounce:
             return detected if detected.events else report
         if self.arf_part is not None:
             return self._arf(self.arf_part)
+        notification = self._ses_notification() or self._hotmail_complaint()
+        if notification is not None:
+            return notification
+        if self.looks_like_bounce():
+            # DSN fields written into the text (Amazon WorkMail): read as a DSN.
+            blocks = _blocks_of(_text_report(self.explanation_text()))
+            if any(block.has("final-recipient") for block in blocks):
+                self.dsn_blocks = blocks
+                report = self._dsn()
+                if report.events:
+                    return report
         return self._detected()
 
     # -- what every event shares ----------------------------------------------------------
@@ -738,9 +853,20 @@ class _Bounce:
         status = status_match.group(0) if status_match else ""
         diagnostic = block.get("diagnostic-code")
         bounce_kind = None
-        if action.startswith("fail") or action in ("error", "expired"):  # OpenSMTPD, SendGrid
+        failed = action.startswith("fail") or action in ("error", "expired")  # OpenSMTPD, SendGrid
+        # OpenSMTPD mails its give-up as "delayed" with 4.4.7, delivery time expired.
+        failed = failed or (action == "delayed" and status.endswith(".4.7"))
+        reason = bounce_reason(status_text, diagnostic, failed=failed) \
+            if failed or action == "delayed" else None
+        if reason is not None:
+            reason = self._refined(reason, status_text, diagnostic, recipient, failed)
+        if failed:
             event_type = "bounced"
-            bounce_kind = "permanent" if status.startswith("5.") else "transient"
+            # Without a Status, the Diagnostic-Code's own code says the class.
+            klass = status[:1] or _reply_class(diagnostic)
+            # A message a server kept until it gave up (a 4.x.x, or a 5.4.7 "expired")
+            # is a transient failure: the address may well be alive.
+            bounce_kind = "permanent" if klass == "5" and reason != "expired" else "transient"
             described = f"Status {status}" if status else f"Action {action_text}, no Status"
         elif action == "delayed":
             event_type, described = "deferred", f"Status {status or 'missing'}"
@@ -764,8 +890,21 @@ class _Bounce:
             occurred_at=_time(block.get("last-attempt-date")) or self.date or arrival,
             bounce_kind=bounce_kind, description=described + (f" from {mta}" if mta else ""),
             mta_response=_typed(diagnostic)[1] if diagnostic else "",
-            reason=bounce_reason(status_text, diagnostic, failed=event_type == "bounced")
-            if event_type in ("bounced", "deferred") else None)
+            reason=reason)
+
+    def _refined(self, reason: str, status: str, diagnostic: str, recipient: str | None,
+                 failed: bool) -> str:
+        """A DSN block's ``reason``, read again with the bounce's text about ``recipient``
+        when its fields say no more than "undefined" (a bare 5.0.0, no Diagnostic-Code)."""
+        context = diagnostic
+        if recipient and (reason == "undefined" or reason in _ADDRESS_REASONS):
+            text = self.explanation_text()
+            window = _window(text, recipient, self.text_positions())
+            if window:
+                context = f"{diagnostic}\n{window}"
+                if reason == "undefined":
+                    reason = bounce_reason(status, context, failed=failed)
+        return _filtered(reason, context, status)
 
     # -- RFC 5965 ---------------------------------------------------------------------------
 
@@ -828,37 +967,411 @@ class _Bounce:
                       "to flufl.bounce with the message", type(exc).__name__, exc)
             return BounceReport("not-a-bounce", (), _one_line(
                 f"flufl.bounce failed on it ({type(exc).__name__}): taken as not a bounce"))
+        if not self.looks_like_bounce():
+            # flufl.bounce reads the quoted To: of a person's reply as a failure.
+            permanent = temporary = frozenset()
+        excluded = self.not_recipients()
         found: dict[str, bool] = {}
         for addresses, is_temporary in ((permanent, False), (temporary, True)):
             for value in sorted(addresses):
                 address = _address(value.decode("ascii", "replace"))
-                if address:
+                # flufl.bounce may name the returned message's sender or its Message-ID.
+                if address and not _excluded(address, excluded):
                     found.setdefault(address, is_temporary)
+        by = "flufl.bounce"
+        text = self.explanation_text()
+        if not found and self.looks_like_bounce():
+            found = dict.fromkeys(self.text_recipients(text, excluded), False)
+            by = "its text"
         if not found:
             return BounceReport("not-a-bounce", (), (
                 "no delivery-status or feedback-report part, and flufl.bounce recognised no "
                 "bounce"))
         original = self.original_id()
         events = []
-        # The bounce's own text says why (no DSN field does here): a status code in it,
-        # else its words.
-        explanation = self.explanation()
-        for address, is_temporary in list(found.items())[:MAX_EVENTS]:
-            summary = {"kind": "detected", "address": address, "temporary": is_temporary,
+        positions = self.text_positions()
+        for address, flufl_temporary in list(found.items())[:MAX_EVENTS]:
+            # The bounce's own text says why and how lasting (no DSN field does here): the
+            # words after the address, else the whole text.
+            window = _window(text, address, positions)
+            event_type, bounce_kind, reason = _classify(window, text)
+            if event_type == "deferred" and not flufl_temporary and by == "flufl.bounce" \
+                    and not _STILL_TRYING.search(window):
+                event_type, bounce_kind = "bounced", "transient"
+            summary = {"kind": "detected", "address": address,
+                       "temporary": event_type == "deferred",
                        "subject": _one_line(_field(self.msg, "subject"), 200),
                        "from": _one_line(_field(self.msg, "from"), 200),
                        "original_message_id": original}
             events.append(self.event(
-                "deferred" if is_temporary else "bounced", address, occurred_at=self.date,
-                message_id=original, summary=summary,
-                bounce_kind=None if is_temporary else "permanent",
-                reason=bounce_reason(explanation, explanation, failed=not is_temporary),
-                description=("delay warning" if is_temporary else "bounce")
-                + " recognised by flufl.bounce (not a standard DSN)"))
+                event_type, address, occurred_at=self.date, message_id=original,
+                summary=summary, bounce_kind=bounce_kind, reason=reason,
+                description=("delay warning" if event_type == "deferred" else "bounce")
+                + f" recognised by {by} (not a standard DSN)"))
         named = ", ".join(list(found)[:3]) + (", ..." if len(found) > 3 else "")
         return BounceReport("detected", _unique(events), _one_line(
-            f"a non-standard bounce recognised by flufl.bounce for {named}"
+            f"a non-standard bounce recognised by {by} for {named}"
             f"{_unread(len(found), 'addresses')}; {self.matched()}"))
+
+    # -- text bounces, read here -------------------------------------------------------------
+
+    def looks_like_bounce(self) -> bool:
+        """Whether the message says it is a bounce: a mail system's sender or a bounce's
+        subject, and no sign of a reply or an auto-reply."""
+        subject = _decoded_header(self.msg.get("subject"))
+        sender = _text(self.msg.get("from"))[:500]
+        daemon = bool(_DAEMON.search(sender))
+        if any(self.msg.get(name) is not None
+               for name in ("x-autoreply", "x-autorespond", "x-autoresponder")):
+            return False
+        if _text(self.msg.get("precedence")).lower() == "auto_reply":
+            return False
+        bounce_subject = bool(_BOUNCE_SUBJECT.search(subject))
+        if not daemon and (_REPLY_SUBJECT.match(subject) or not bounce_subject):
+            return False
+        return not (_AUTO_REPLY_SUBJECT.match(subject) and not bounce_subject)
+
+    def explanation_text(self) -> str:
+        """The bounce's own words: its text parts (else its HTML's text), up to the
+        returned copy, the first :data:`_EXPLANATION_CHARS` characters."""
+        if self._explanation is not None:
+            return self._explanation
+        plain: list[str] = []
+        html: list[str] = []
+        for part in self.parts:
+            ctype = part.get_content_type()
+            payload = part.get_payload()
+            if part.get_content_maintype() == "multipart" and isinstance(payload, str):
+                # A multipart whose boundary the parser did not find: its body is text.
+                ctype = "text/plain"
+            if ctype not in ("text/plain", "text/html") or part.is_multipart():
+                continue
+            charset = part.get_content_charset() or "utf-8"
+            data = _decoded(part)[:_EXPLANATION_CHARS * 2]
+            try:
+                text = data.decode(charset, "replace")
+            except LookupError:  # an unknown charset name
+                text = data.decode("utf-8", "replace")
+            (plain if ctype == "text/plain" else html).append(text)
+        if plain:
+            text = "\n".join(plain)
+        else:
+            text = _TAG.sub(" ", "\n".join(html)).replace("&lt;", "<").replace("&gt;", ">")
+        self._explanation = _before_copy(text[:_EXPLANATION_CHARS])
+        return self._explanation
+
+    def text_positions(self) -> _Positions:
+        """Where the explanation names each address (scanned once)."""
+        if self._positions is None:
+            self._positions = _Positions(self.explanation_text(), self.not_recipients())
+        return self._positions
+
+    def not_recipients(self) -> set[str]:
+        """Addresses a bounce's text names that are no failed recipient: the bounce's own
+        sender and recipient, the returned message's sender, parts of Message-IDs."""
+        values: list[str] = []
+        for name in ("from", "sender", "reply-to", "to", "return-path", "delivered-to",
+                     "envelope-to", "x-envelope-to"):
+            values += _fields(self.msg, name, _ADDRESS_HEADERS)
+        ids = [_field(self.msg, name) for name in ("message-id", "in-reply-to", "references")]
+        if self.returned is not None:
+            for name in ("from", "sender", "reply-to", "return-path"):
+                values += _fields(self.returned, name, _ADDRESS_HEADERS)
+            ids += [_field(self.returned, name)
+                    for name in ("message-id", "in-reply-to", "references")]
+        found = {a.lower() for a in (_address(v) for v in _addresses(values)) if a}
+        for value in ids:
+            for address, _ in _text_addresses(value[:_ADDRESS_CHARS]):
+                found.add(address.lower())
+        # Headers of the returned message quoted in the text (Zoho's): its Message-ID
+        # and its sender are no recipients.
+        for line in self.explanation_text().splitlines():
+            quoted = _SENDER_LINE.match(line) if "@" in line else None
+            if quoted is not None:
+                named = _line_addresses(line)
+                # A Message-ID is no address at all; a From: names one sender (qmail's
+                # "From: <sender> RCPT: <recipient>" names the recipient after it).
+                found.update(a.lower() for a in (named if quoted.group(1) else named[:1]))
+        return found
+
+    def text_recipients(self, text: str, excluded: set[str]) -> list[str]:
+        """The failed recipients a text bounce names.
+
+        Exim's ``X-Failed-Recipients`` when it has one; else the addresses of its
+        text that are no sender and no Message-ID (:meth:`not_recipients`),
+        those the returned message was sent to first when it names any.
+        """
+        failed = [a for a in (_address(v) for v in _addresses(_fields(
+            self.msg, "x-failed-recipients", _ADDRESS_HEADERS))) if a]
+        if failed:
+            return failed[:MAX_EVENTS]
+        named = [address for address, _ in _text_addresses(text)
+                 if address.rpartition("@")[0].lower() not in _SYSTEM_LOCALS]
+        sent_to: set[str] = set()
+        if self.returned is not None:
+            # The returned message's own recipients, even one that is its sender too.
+            sent_to = {a.lower() for a in (_address(v) for v in _addresses(
+                _fields(self.returned, "to", _ADDRESS_HEADERS)
+                + _fields(self.returned, "cc", _ADDRESS_HEADERS))) if a}
+        return [address for address in named
+                if address.lower() in sent_to or not _excluded(address, excluded)]
+
+    # -- Hotmail's complaints before ARF ----------------------------------------------------
+
+    def _hotmail_complaint(self) -> BounceReport | None:
+        """Hotmail's complaint ("complaint about message from <ip>", the message attached
+        with an ``X-HmXmrOriginalRecipient`` header), or None."""
+        if self.returned is None or not _HOTMAIL_COMPLAINT.match(_field(self.msg, "subject")):
+            return None
+        named = [a for a in (_address(v) for v in _fields(
+            self.returned, "x-hmxmroriginalrecipient", _ADDRESS_HEADERS)) if a]
+        if not named:
+            return None
+        original = self.original_id()
+        events = [self.event("complained", address, occurred_at=self.date, message_id=original,
+                             summary={"kind": "hotmail", "original_message_id": original},
+                             reason="complaint", description="complaint from Hotmail (not ARF)")
+                  for address in named[:MAX_EVENTS]]
+        return BounceReport("arf", _unique(events), _one_line(
+            f"a Hotmail complaint (not ARF) for {', '.join(named[:3])}; {self.matched()}"))
+
+    # -- Amazon SES notifications mailed by SNS --------------------------------------------
+
+    def _ses_notification(self) -> BounceReport | None:
+        """An SES bounce or complaint notification (JSON mailed by SNS), or None."""
+        if self.msg.is_multipart():
+            return None
+        body = _decoded(self.msg)
+        start = body.find(b"{")
+        if start < 0 or start > 2000 or b"notificationType" not in body[:4000]:
+            return None
+        end = body.rfind(b"}")
+        try:
+            # SNS folds the JSON's long line; a fold is no part of the JSON.
+            data = json.loads(re.sub(rb"\r?\n ?", b"", body[start:end + 1]))
+            if isinstance(data, dict) and isinstance(data.get("Message"), str):
+                data = json.loads(data["Message"])  # the SNS envelope around it
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        kind = str(data.get("notificationType") or "")
+        details = data.get(kind.lower())
+        if not isinstance(details, dict):
+            return None
+        events = []
+        original = None
+        mail = data.get("mail")
+        if isinstance(mail, dict):
+            common = mail.get("commonHeaders")
+            if isinstance(common, dict):
+                original = _message_id(str(common.get("messageId") or ""))
+        if kind == "Bounce":
+            bounce_type = str(details.get("bounceType") or "")
+            sub_type = str(details.get("bounceSubType") or "")
+            listed = details.get("bouncedRecipients")
+            bounce_kind = "transient" if bounce_type == "Transient" else "permanent"
+            for item in listed if isinstance(listed, list) else []:
+                if not isinstance(item, dict):
+                    continue
+                diagnostic = str(item.get("diagnosticCode") or "")
+                recipient = _address(str(item.get("emailAddress") or ""))
+                events.append(self.event(
+                    "bounced", recipient, occurred_at=self.date, message_id=original,
+                    summary={"kind": "ses", "bounce_type": bounce_type,
+                             "bounce_sub_type": sub_type, "diagnostic_code": diagnostic},
+                    bounce_kind=bounce_kind, mta_response=diagnostic,
+                    reason=ses_reason(bounce_type, sub_type, diagnostic),
+                    description=f"SES {bounce_type or 'bounce'} {sub_type}".strip()))
+        elif kind == "Complaint":
+            listed = details.get("complainedRecipients")
+            for item in listed if isinstance(listed, list) else []:
+                if isinstance(item, dict):
+                    events.append(self.event(
+                        "complained", _address(str(item.get("emailAddress") or "")),
+                        occurred_at=self.date, message_id=original,
+                        summary={"kind": "ses", "feedback_type": str(
+                            details.get("complaintFeedbackType") or "")},
+                        reason="complaint", description="SES complaint"))
+        elif kind == "Delivery":
+            listed = details.get("recipients")
+            for item in listed if isinstance(listed, list) else []:
+                events.append(self.event(
+                    "delivered", _address(str(item)), occurred_at=self.date,
+                    message_id=original, summary={"kind": "ses"},
+                    description="SES delivery"))
+        else:
+            return None
+        return BounceReport("detected", _unique(events[:MAX_EVENTS]), _one_line(
+            f"an Amazon SES {kind.lower()} notification for {len(events)} recipients; "
+            f"{self.matched()}"))
+
+
+_TAG = re.compile(r"<[^<>]*>")
+_ADDRESS_REASONS = frozenset({"user_unknown", "host_unknown", "suspended", "has_moved",
+                              "not_accepting"})
+_AT_MAIL_FROM = re.compile(r"after mail from|in reply to mail from|>>> mail from",
+                           re.IGNORECASE)
+_NO_ACCOUNT = re.compile(r"(?:doesn't|does not) have an? [^\s]{1,100} account", re.IGNORECASE)
+_AT_DATA = re.compile(r"end of data|after data|>>> data\b|in reply to data|after the data",
+                      re.IGNORECASE)
+_HOTMAIL_COMPLAINT = re.compile(r"\s*complaint about message from ", re.IGNORECASE)
+_HEADER_LINE = re.compile(r"[ \t>]*(?:message-id|in-reply-to|references|from|sender|reply-to|"
+                          r"return-path|to|cc|bcc|x-[a-z-]*id)[ \t]*:", re.IGNORECASE)
+_SENDER_LINE = re.compile(r"[ \t>]*(?:(message-id|in-reply-to|references|x-[a-z-]*id)|from|"
+                          r"sender|reply-to|return-path)[ \t]*:", re.IGNORECASE)
+_CANDIDATE = re.compile(r"([A-Za-z0-9.!#$%&*+?^_~-]{1,64})@((?:[A-Za-z0-9][A-Za-z0-9-]{0,62}\.)"
+                        r"{1,8}[A-Za-z]{2,24})(?![A-Za-z0-9-])")
+_DSN_FIELD = re.compile(r"^[ \t]*(?:reporting-mta|final-recipient|original-recipient|action)"
+                        r"[ \t]*:", re.IGNORECASE | re.MULTILINE)
+
+
+def _decoded_header(value: Any) -> str:
+    """A header's text with its RFC 2047 words decoded (a broken one as it is), one line."""
+    text = _text(value)[:500]
+    if "=?" not in text:
+        return text
+    try:
+        return _text(str(email.header.make_header(email.header.decode_header(text))))
+    except (UnicodeError, LookupError, ValueError, email.errors.HeaderParseError):
+        return text
+
+
+def _before_copy(text: str) -> str:
+    """``text`` up to the line where a returned copy starts (none: all of it)."""
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        if _COPY_START.match(line):
+            return text[:offset]
+        offset += len(line)
+    return text
+
+
+def _text_report(text: str) -> str:
+    """The DSN fields written into a bounce's text, from the first one on ("" if none)."""
+    found = _DSN_FIELD.search(text)
+    return text[found.start():] if found else ""
+
+
+def _text_addresses(text: str) -> list[tuple[str, int]]:
+    """The addresses ``text`` names, once each, with where each is first; bounded.
+
+    Lines that are a quoted header naming a sender or a Message-ID are skipped.
+    """
+    found: dict[str, int] = {}
+    lowered: set[str] = set()
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        if "@" in line and not _HEADER_LINE.match(line):
+            for match in _CANDIDATE.finditer(line):
+                address = clean_address(f"{match.group(1).lstrip('.')}@{match.group(2)}")
+                if address and address.lower() not in lowered:
+                    lowered.add(address.lower())
+                    found[address] = offset + match.start()
+                    if len(found) >= MAX_EVENTS:
+                        return list(found.items())
+        offset += len(line)
+    return list(found.items())
+
+
+def _line_addresses(line: str) -> list[str]:
+    """The addresses one line names (bounded: a line of the explanation)."""
+    found = (clean_address(f"{m.group(1).lstrip('.')}@{m.group(2)}")
+             for m in _CANDIDATE.finditer(line))
+    return [address for address in found if address]
+
+
+def _excluded(address: str, excluded: set[str]) -> bool:
+    """Whether ``address`` is no failed recipient (a system's own, or ``excluded``)."""
+    local = address.rpartition("@")[0].lower()
+    return address.lower() in excluded or local in _SYSTEM_LOCALS
+
+
+class _Positions:
+    """Where each address is first named in a text (case-insensitively), and the next
+    recipient named after a place (a sender's address is no end of a recipient's lines):
+    one scan of the text, then a lookup per recipient."""
+
+    def __init__(self, text: str, excluded: set[str]) -> None:
+        self.first: dict[str, int] = {}
+        for address, position in _text_addresses(text):
+            self.first.setdefault(address.lower(), position)
+        self.starts = sorted(position for address, position in self.first.items()
+                             if not _excluded(address, excluded))
+
+    def after(self, start: int) -> int | None:
+        """The first position of an address named after ``start``, if any."""
+        index = bisect.bisect_right(self.starts, start)
+        return self.starts[index] if index < len(self.starts) else None
+
+
+def _window(text: str, address: str, positions: _Positions) -> str:
+    """The text about ``address``: from its line's start, :data:`_WINDOW` characters on,
+    up to the next address named ("" when the text does not name it)."""
+    start = positions.first.get(address.lower())
+    if start is None:
+        return ""
+    following = positions.after(start)
+    end = start + _WINDOW if following is None else min(start + _WINDOW, following)
+    return text[text.rfind("\n", 0, start) + 1:end]
+
+
+def _classify(window: str, text: str) -> tuple[str, str | None, str]:
+    """(event type, bounce kind, reason) of a recipient of a text bounce.
+
+    A delay warning (the MTA still tries, and says it did not give up) is
+    ``deferred``; a message given up after retries (Exim's "retry timeout
+    exceeded", qmail's "in the queue too long"), or refused with a 4xx, a
+    transient bounce; anything else a permanent one. The status or reply code
+    in the recipient's own lines decides the class, else the text's first.
+    """
+    gave_up = _GAVE_UP.search(window) or _GAVE_UP.search(text)
+    if not gave_up and _STILL_TRYING.search(text):
+        return "deferred", None, bounce_reason(window or text, window or text, failed=False)
+    klass = ""
+    for source in (window, text):
+        found = _STATUS.search(source) or _REPLY.search(source)
+        if found is not None:
+            klass = found.group(1)
+            break
+    reason = bounce_reason(window, window) if window else "undefined"
+    if reason == "undefined":
+        reason = bounce_reason(text, text)
+    if gave_up:
+        return "bounced", "transient", "expired"
+    return ("bounced", "transient" if klass == "4" else "permanent",
+            _filtered(reason, window or text))
+
+
+def _filtered(reason: str, context: str, status: str = "") -> str:
+    """``reason``, except where the SMTP dialogue shows the address was not the cause.
+
+    A refusal at MAIL FROM is about the sender ("Unroutable sender address"):
+    ``policy``, whatever words it uses. An unknown user refused only after the
+    message's content (at DATA: the address was accepted first), with no 5.1.x
+    status naming the address, is the receiver's filter, ``policy`` too: it
+    says nothing lasting about the address (sisimai's "filtered").
+    """
+    if reason in _ADDRESS_REASONS and _AT_MAIL_FROM.search(context[:_EXPLANATION_CHARS]):
+        return "policy"  # refused at MAIL FROM: about the sender, not the recipient
+    if reason != "user_unknown":
+        return reason
+    code = _STATUS.search(f"{status}\n{context[:_EXPLANATION_CHARS]}")
+    if code is not None and code.group(2) == "1":  # a 5.1.x names the address itself
+        return reason
+    if _NO_ACCOUNT.search(context[:_EXPLANATION_CHARS]):
+        return reason  # Yahoo checks its users at DATA, and says so
+    return "policy" if _AT_DATA.search(context[:_EXPLANATION_CHARS]) else reason
+
+
+def _reply_class(diagnostic: str) -> str:
+    """The class (``"5"``, ``"4"``) a diagnostic's status or reply code says, or ""."""
+    text = _typed(diagnostic)[1][:TEXT_READ] if diagnostic else ""
+    found = _STATUS.search(text) or _REPLY.search(text[:200])
+    return found.group(1) if found else ""
+
+
+_REPLY = re.compile(r"(?<![\d.])([45])\d\d(?![\d.])")
 
 
 def _unread(count: int, what: str) -> str:

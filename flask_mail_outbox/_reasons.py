@@ -53,8 +53,8 @@ SISIMAI: dict[str, str] = {
     "has_moved": "hasmoved", "not_accepting": "notaccept", "mailbox_full": "mailboxfull",
     "message_too_big": "mesgtoobig, exceedlimit", "content": "contenterror",
     "spam": "spamdetected", "virus": "virusdetected", "blocked": "blocked, requireptr, "
-    "badreputation", "authentication": "authfailure", "policy": "policyviolation, rejected, "
-    "securityerror", "rate_limited": "speeding, toomanyconn", "expired": "expired",
+    "badreputation", "authentication": "authfailure",
+    "policy": "policyviolation, rejected, filtered, securityerror", "rate_limited": "speeding, toomanyconn", "expired": "expired",
     "relaying_denied": "norelaying", "network_error": "networkerror",
     "system_error": "systemerror, systemfull, mailererror", "syntax_error": "syntaxerror",
     "account": "(none: the sending account's own fault)", "suppressed": "suppressed",
@@ -75,6 +75,7 @@ STATUS_CODES: dict[str, str] = {
     "3.1": "system_error", "3.2": "not_accepting", "3.4": "message_too_big",
     "4.1": "network_error", "4.2": "network_error", "4.3": "network_error",
     "4.4": "host_unknown", "4.5": "rate_limited", "4.6": "network_error", "4.7": "expired",
+    "4.316": "expired",
     "5.1": "syntax_error", "5.2": "syntax_error", "5.3": "rate_limited",
     "5.4": "syntax_error", "5.5": "syntax_error",
     "7.7": "content", "7.13": "suspended", "7.17": "has_moved", "7.18": "has_moved",
@@ -90,7 +91,9 @@ SUBJECTS: dict[str, str] = {
 }
 
 #: Statuses that say too little: the text's keywords decide when they find something.
-_VAGUE = frozenset({"0.0", "7.0", "7.1", "3.0", "1.0", "2.0", "4.0", "5.0", "6.0"})
+_VAGUE = frozenset({"0.0", "7.0", "7.1", "3.0", "1.0", "2.0", "4.0", "5.0", "6.0",
+                    # Office 365 refuses an unknown recipient of a domain with 5.4.1.
+                    "4.1"})
 
 #: Keywords in a diagnostic's text, most specific first (lowercased text is searched).
 KEYWORDS: tuple[tuple[str, str], ...] = (
@@ -102,15 +105,26 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                      r"mailbox size limit|out of storage|storage full|full mailbox")),
     ("message_too_big", (r"too (?:big|large)|size exceeds|exceeds? (?:the )?(?:maximum )?"
                         r"(?:allowed )?(?:message )?size|message size|size limit")),
+    # A recipient's own filter, refusing this sender or this message (sisimai's filtered).
+    ("policy", (r"refused due to recipient preferences|user reject|user refuses to|"
+               r"message rejected due to user rules|you have been blocked by the recipient|"
+               r"only accepting mail from specific")),
     ("user_unknown", (r"user unknown|unknown user|no such (?:user|mailbox|recipient|address)|"
                      r"(?:mailbox|user|recipient|address|account) (?:does not|doesn't) exist|"
                      r"(?:mailbox|user|recipient|address) not found|invalid (?:recipient|"
                      r"mailbox)|unknown (?:recipient|mailbox|address)|"
-                     r"user not found|user (?:doesn't|does not) have")),
+                     r"user not found|user (?:doesn't|does not) have|user not exist|"
+                     r"not listed in (?:the )?(?:domino )?directory|recipient name is not "
+                     r"recognized|address (?:couldn't|could not) be found|invalid final "
+                     r"delivery userid|please check if address is correct|and other "
+                     r"recipients in the same domain|not listed in public name|ディレクトリのリストにありません")),
     ("syntax_error", r"invalid '?to'? address|address syntax|syntax error|malformed address"),
+    ("not_accepting", (r"no smtp service|null mx|no mx record|no mx found|"
+                      r"does not accept (?:any )?mail")),
     ("host_unknown", (r"host unknown|unknown host|no such domain|domain (?:not found|does not "
                      r"exist)|host not found|nxdomain|unroutable|unrouteable|"
-                     r"domain name not found")),
+                     r"domain name not found|domain is not reachable|dns lookup fail|"
+                     r"\bhost [a-z0-9.-]{1,255} not found|[a-z0-9-]\.[a-z]{2,24} does not exist")),
     ("suspended", r"suspended|disabled|deactivated|inactive|account (?:is )?(?:closed|locked)"),
     ("relaying_denied", (r"relay(?:ing)? (?:access )?(?:denied|not permitted|prohibited)|"
                         r"not permitted to relay|unable to relay|relay not|relaying denied")),
@@ -128,7 +142,13 @@ KEYWORDS: tuple[tuple[str, str], ...] = (
                       r"no route to host|timed out")),
     ("content", (r"header (?:syntax|error|rejected)|invalid header|content rejected|"
                 r"message content|malformed message")),
-    ("policy", r"policy|not allowed|prohibited|denied|refused|rejected"),
+    ("system_error", r"mailer error|system error|internal error"),
+    ("content", r"media error"),
+    ("relaying_denied", r"no relaying"),
+    ("policy", r"policy|not allowed|prohibited"),
+    # Postfix's and Office 365's refusal of a recipient, when no words above say why.
+    ("user_unknown", r"recipient address rejected: access denied"),
+    ("policy", r"denied|refused|rejected"),
 )
 
 _KEYWORD_PATTERNS = tuple((reason, re.compile(pattern)) for reason, pattern in KEYWORDS)
@@ -169,13 +189,15 @@ def dsn_reason(status: object, diagnostic: object = "") -> str:
 
     A specific enhanced code decides (5.1.1 is ``user_unknown`` whatever the
     text says); a vague one (5.0.0, 5.7.1...) lets the text's keywords refine
-    it. With no Status the diagnostic's own code is read.
+    it. The diagnostic's own code, the receiving server's, comes before the
+    Status, which the reporting MTA may have made up (Sendmail writes 5.1.1
+    over a "550 5.7.1 IP address blacklisted").
     """
     status_text = status if isinstance(status, str) else ""
     diagnostic_text = diagnostic if isinstance(diagnostic, str) else ""
-    reason, vague = _status_reason(status_text[:TEXT_READ])
+    reason, vague = _status_reason(diagnostic_text[:TEXT_READ])
     if reason is None:
-        reason, vague = _status_reason(diagnostic_text[:TEXT_READ])
+        reason, vague = _status_reason(status_text[:TEXT_READ])
     if not vague and reason is not None:
         return reason
     return text_reason(diagnostic_text) or reason or "undefined"

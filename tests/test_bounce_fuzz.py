@@ -55,6 +55,29 @@ EXTREME_DATES = [
 ]
 
 
+#: A text bounce flufl.bounce does not know (DragonFly's shape): the reader's own text path.
+OWN_TEXT = (b"From: MAILER-DAEMON <>\nTo: app@example.com\nSubject: Mail delivery failed\n"
+            b"Message-Id: <t1@mx.example.org>\nDate: Mon, 07 Dec 2026 18:00:00 +0000\n\n"
+            b"There was an error delivering your mail to <gone@example.net>.\n\n"
+            b"550 5.1.1 <gone@example.net>: Recipient address rejected: User unknown\n\n"
+            b"Message headers follow.\n\nTo: <gone@example.net>\nFrom: <app@example.com>\n")
+#: An SES notification mailed by SNS.
+SES = (b"From: SES <no-reply@sns.amazonaws.com>\nTo: app@example.com\n"
+       b"Subject: AWS Notification Message\n\n"
+       b'{"notificationType":"Bounce","bounce":{"bounceType":"Permanent",'
+       b'"bouncedRecipients":[{"emailAddress":"gone@example.net"}]}}\n')
+
+
+def _own_text(value: bytes) -> bytes:
+    return OWN_TEXT.replace(b"There was", value + b"\nThere was")
+
+
+def _html_bounce(value: bytes) -> bytes:
+    return (b"From: MAILER-DAEMON@mx.example.org\nTo: app@example.com\n"
+            b"Subject: Undeliverable\nMIME-Version: 1.0\nContent-Type: text/html\n\n"
+            b"<p>Delivery to <b>gone@example.net</b> failed: user unknown.</p>" + value)
+
+
 def _dsn_field(value: bytes) -> bytes:
     return DSN.replace(DIAGNOSTIC, b"Diagnostic-Code: X-Postfix; " + value)
 
@@ -122,6 +145,28 @@ SHAPES: dict[str, tuple[Callable[[int], bytes], int]] = {
     "long text lines": (lambda n: TEXT.replace(b"\n\n", b"\n\n" + b" " * n + b"x\n", 1), 20000),
     "many text lines": (lambda n: TEXT + b"<a@example.com>:\nSorry, no mailbox here.\n\n" * n,
                         2000),
+    # The text path (a bounce no DSN and no flufl.bounce detector reads): runs of what an
+    # address is made of, addresses by the thousand, the copy's markers, HTML tags, DSN
+    # fields in text, two-block DSNs without a blank line, a big SES notification.
+    "text: a run of local-part characters": (lambda n: _own_text(b"a" * n + b"@"), 20000),
+    "text: many @": (lambda n: _own_text(b"a@" * n), 8000),
+    "text: a long domain": (lambda n: _own_text(b"x@" + b"a." * n + b"1"), 8000),
+    "text: many addresses": (lambda n: _own_text(b"".join(
+        b"<r%d@example.net>: 550 5.1.1 user unknown\n" % i for i in range(n))), 1000),
+    "text: many markers": (lambda n: _own_text(b"---- Original message ----\n" * n), 4000),
+    "text: many tags": (lambda n: _html_bounce(b"<" * n + b"<b>" * n), 8000),
+    "text: dsn fields": (lambda n: OWN_TEXT.replace(b"\n\nMessage headers", b"\n\n" + b"".join(
+        b"Final-Recipient: rfc822; r%d@example.net\nAction: failed\nStatus: 5.1.1\n" % i
+        for i in range(n)) + b"\nMessage headers"), 500),
+    "dsn blocks without blank lines": (lambda n: DSN.replace(
+        b"Final-Recipient: rfc822; nobody-here",
+        b"Final-Recipient: rfc822; x@example.com\nAction: failed\nStatus: 5.1.1\n" * n
+        + b"Final-Recipient: rfc822; nobody-here"), 1000),
+    "ses: many recipients": (lambda n: SES.replace(b'[{"emailAddress":"gone@example.net"}]',
+                                                   b"[" + b",".join(
+        b'{"emailAddress":"r%d@example.net"}' % i for i in range(n)) + b"]"), 2000),
+    "ses: a folded notification": (lambda n: SES.replace(b'"Permanent"', b'"Perm' + b"\n " * n
+                                                         + b'anent"'), 8000),
     # What no database or terminal takes: NULs, invalid UTF-8 and encoded surrogates.
     "nuls in the report": (lambda n: _dsn_field(b"\x00" * n), 20000),
     "invalid utf-8": (lambda n: _dsn_field(b"\xff\xfe\xed\xa0\x80" * n), 8000),
@@ -249,6 +294,11 @@ PLACES = [
     (ARF, b"Arrival-Date: ", b"Arrival-Date: {}"),
     (TEXT, b"\n\n", b"\n\n{}\n"),
     (TEXT, b"From: ", b"From: {}"),
+    (OWN_TEXT, b"There was", b"{}There was"),
+    (OWN_TEXT, b"Subject: Mail", b"Subject: {}Mail"),
+    (OWN_TEXT, b"550 5.1.1", b"{} 5.1.1"),
+    (SES, b'"gone@example.net"', b'"{}"'),
+    (SES, b'"Permanent"', b'"{}"'),
 ]
 
 

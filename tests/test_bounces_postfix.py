@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import close_app, db, make_app, rows, wait_rows
+from bounces_helpers import feed, mail_of, send, sent
+from conftest import close_app, db, make_app, rows
 from flask import Flask
 from postfix import PrivatePostfix, require_postfix
 
-from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.core import event_table, suppression_table
 
 BOUNCES = "bounces@outbox.test"
@@ -42,24 +41,6 @@ def app(db_url: str, mta: PrivatePostfix) -> Iterator[Flask]:
     close_app(app, timeout=5)
 
 
-def mail_of(app: Flask) -> OutboxMail:
-    mail: OutboxMail = app.extensions["test_mail"]
-    return mail
-
-
-def send(app: Flask, to: str, subject: str = "Hello") -> int:
-    with app.app_context():
-        email_id = mail_of(app).send(Message(subject, [to], "Hi"))
-        db.session.commit()
-    return email_id
-
-
-def sent(app: Flask, email_id: int) -> dict[str, Any]:
-    found = wait_rows(app, lambda rs: any(r["id"] == email_id and r["status"] not in
-                                          ("queued", "sending") for r in rs), timeout=15)
-    return next(r for r in found if r["id"] == email_id)
-
-
 def bounce_of(app: Flask, mta: PrivatePostfix, email_id: int) -> bytes:
     """Postfix's DSN for ``email_id``, from the ``bounces`` mailbox (by its Message-ID,
     unique across the tests sharing the instance; its VERP token is checked too)."""
@@ -68,10 +49,6 @@ def bounce_of(app: Flask, mta: PrivatePostfix, email_id: int) -> bytes:
     verp = app.extensions["mail_outbox"].config.verp
     assert verp.sender_for(email_id).encode() in raw
     return raw
-
-
-def feed(app: Flask, raw: bytes) -> Any:
-    return app.test_cli_runner().invoke(args=["outbox", "bounce"], input=raw)
 
 
 def counts(app: Flask) -> tuple[int, int]:
