@@ -81,13 +81,17 @@ def test_exim_bounce_is_read_and_suppresses_only_a_dead_address(
         entry = mail_of(app).suppression(to)
     assert (event.event_type, event.bounce_kind, event.recipient, event.reason) == (
         "bounced", "permanent", to, reason)
-    # What the policy concludes for the address (_policy.for_good); the event log applies
-    # it (issue 40 item 2): the dead address is suppressed here for good.
+    # What the policy concludes for the address (_policy.for_good), stored on the event
+    # and applied by the event log (issue 40 item 2): the dead address is suppressed for
+    # good; one soft bounce of a full mailbox suppresses nothing.
     assert (for_good(event.event_type, event.bounce_kind, event.reason) == "bounced") \
         is suppressed
+    assert event.verdict == ("permanent" if suppressed else "none")
     if suppressed:
-        assert entry is not None and entry.reason == "bounced"
+        assert entry is not None and entry.reason == "bounced" and entry.expires_at is None
         assert suppressions(app) == 1
+    else:
+        assert entry is None and suppressions(app) == 0
     assert [r["id"] for r in rows(app)] == [email_id]
     with app.app_context(), db.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(event_table)).scalar_one() == 1
