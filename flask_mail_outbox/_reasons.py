@@ -279,8 +279,11 @@ def _look(table: dict[str, str], value: object) -> str | None:
 
 
 #: SES bounceSubType -> reason (bounceType ``Undetermined`` is ``undefined``).
+#: ``Suppressed`` is SES's global list of addresses that recently bounced as not existing:
+#: the address is dead (``user_unknown``); ``OnAccountSuppressionList`` is the account's own
+#: list, which a complaint may have put it on, so it stays ``suppressed``.
 SES_SUBTYPES: dict[str, str] = {
-    "NoEmail": "user_unknown", "Suppressed": "suppressed",
+    "NoEmail": "user_unknown", "Suppressed": "user_unknown",
     "OnAccountSuppressionList": "suppressed", "MailboxFull": "mailbox_full",
     "MessageTooLarge": "message_too_big", "ContentRejected": "content",
     "AttachmentRejected": "content",
@@ -297,7 +300,8 @@ def ses_reason(bounce_type: object, sub_type: object, diagnostic: object = "") -
 #: Postmark's bounce ``Type`` (its documented list) -> reason.
 POSTMARK_TYPES: dict[str, str] = {
     "HardBounce": "user_unknown", "SoftBounce": "undefined", "Transient": "undefined",
-    "BadEmailAddress": "syntax_error", "DnsError": "host_unknown",
+    # An address Postmark found invalid: it will never take mail (dead, as a hard bounce).
+    "BadEmailAddress": "user_unknown", "DnsError": "host_unknown",
     "AutoResponder": "undefined", "SpamNotification": "spam", "SpamComplaint": "complaint",
     "Blocked": "blocked", "ManuallyDeactivated": "suppressed", "Unconfirmed": "account",
     "InboundError": "system_error", "AddressChange": "has_moved",
@@ -337,8 +341,9 @@ def sendgrid_reason(classification: object, reason: object = "") -> str:
 
 
 #: Mailgun's failure ``reason`` -> reason (``generic`` is read from the MTA's reply).
+#: ``suppress-bounce``: the address is on the account's bounce list (it hard-bounced).
 MAILGUN_REASONS: dict[str, str] = {
-    "suppress-bounce": "suppressed", "suppress-complaint": "suppressed",
+    "suppress-bounce": "user_unknown", "suppress-complaint": "suppressed",
     "suppress-unsubscribe": "suppressed", "old": "expired", "bounce": "undefined",
     "espblock": "blocked", "greylisted": "policy", "blacklisted": "blocked",
     "generic": "undefined", "hardfail": "undefined",
@@ -356,7 +361,7 @@ def mailgun_reason(reason: object, severity: object = "", response: object = "")
 
 #: Resend's ``bounce.subType`` -> reason.
 RESEND_SUBTYPES: dict[str, str] = {
-    "General": "undefined", "NoEmail": "user_unknown", "Suppressed": "suppressed",
+    "General": "undefined", "NoEmail": "user_unknown", "Suppressed": "user_unknown",
     "OnAccountSuppressionList": "suppressed", "MailboxFull": "mailbox_full",
     "MessageTooLarge": "message_too_big", "ContentRejected": "content",
     "AttachmentRejected": "content",

@@ -327,7 +327,7 @@ def _status(code: int, message: str) -> dict[str, Any]:
     ({}, "user_unknown"),  # the docs' sample: reason "bounce", 550 5.1.1
     ({"reason": "generic", "delivery-status": _status(552, "5.2.2 Mailbox full")},
      "mailbox_full"),
-    ({"reason": "suppress-bounce", "delivery-status": _status(605, "")}, "suppressed"),
+    ({"reason": "suppress-bounce", "delivery-status": _status(605, "")}, "user_unknown"),
     ({"reason": "old", "severity": "temporary"}, "expired"),
     ({"reason": "espblock", "severity": "temporary"}, "blocked"),
     ({"reason": "generic", "severity": "temporary",

@@ -90,7 +90,7 @@ DOCUMENTED: list[tuple[str, dict[str, Any], str, str | None, str, str, str | Non
      "clicked", None, "https://resend.com", "", None),
     ("email.bounced", {"bounce": bounce("Permanent", "Suppressed")}, "bounced", "permanent",
      f"Permanent / Suppressed: {HARD}",
-     "smtp; 550 5.5.0 Requested action not taken: mailbox unavailable", "suppressed"),
+     "smtp; 550 5.5.0 Requested action not taken: mailbox unavailable", "user_unknown"),
     ("email.bounced", {"bounce": bounce("Transient", "MailboxFull")}, "bounced", "transient",
      f"Transient / MailboxFull: {HARD}",
      "smtp; 550 5.5.0 Requested action not taken: mailbox unavailable", "mailbox_full"),
