@@ -49,3 +49,53 @@ def test_a_list_of_fallbacks_still_opens_links_of_the_old_key() -> None:
     old = UnsubscribeLinks(BASE, ("old key",)).url_for("a@example.com").rsplit("/", 1)[1]
     assert config.unsubscribe_links.named_by(old) == ("a@example.com", None)
     assert config.unsubscribe_links.secret_keys == ("old key", "the current key")
+
+
+def test_a_rate_paced_dispatcher_does_not_spin_on_a_lease_it_cannot_reap(
+        pg_database: str | None) -> None:
+    """Issue 41 item 2's lease wake, when no lane has room (a slow rate holds a paced row):
+    a dead worker's lease that already ran out woke the dispatcher every 0.05 s for the
+    lookup, while no claim (so no reap) could run before the lane opened (up to an hour
+    here). The row is reaped by the claim that the lane's opening schedules, as before."""
+    import time
+
+    import sqlalchemy as sa
+    from conftest import close_app, db, empty_postgres, make_app, require_postgres, rows
+
+    from flask_mail_outbox import Message
+
+    require_postgres()
+    assert pg_database is not None
+    app = make_app(empty_postgres(pg_database), OUTBOX_DURABLE=True, OUTBOX_TRANSPORT="null",
+                   OUTBOX_RATE_LIMIT=1 / 3600, OUTBOX_RUN_WORKER=False)
+    try:
+        runtime = app.extensions["mail_outbox"].outbox()
+        dispatcher = runtime.dispatch(hand_ticked=True)
+        with app.app_context():
+            for subject in ("sent at once", "paced an hour", "held by a dead worker"):
+                app.extensions["test_mail"].send(
+                    Message(subject, recipients=["a@example.com"], body="x"))
+            db.session.commit()
+        for _ in range(3):  # one row a claim (the rate's block): sent, then paced
+            dispatcher._woken = True
+            dispatcher.step()
+            time.sleep(0.2)
+        assert dispatcher.listening
+        assert sorted(str(r["status"]) for r in rows(app)) == ["queued", "sending", "sent"]
+        with app.app_context(), db.engine.begin() as conn:  # a worker died holding it
+            conn.execute(sa.text(
+                "UPDATE outbox_email SET status = 'sending', lease_owner = 'dead', "
+                "lease_expires_at = now() AT TIME ZONE 'utc' - interval '5 seconds' "
+                "WHERE status = 'queued'"))
+        seen: list[str] = []
+        sa.event.listen(runtime.engine, "before_cursor_execute",
+                        lambda conn, cursor, statement, *args: seen.append(statement))
+        dispatcher._woken = True  # a NOTIFY: the lookup runs once
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:
+            dispatcher.step()
+            time.sleep(0.01)
+        lookups = [s for s in seen if "min(outbox_email.lease_expires_at)" in s]
+        assert len(lookups) <= 1, len(lookups)  # 15 or more without the fix
+    finally:
+        close_app(app)
