@@ -99,3 +99,28 @@ def test_a_rate_paced_dispatcher_does_not_spin_on_a_lease_it_cannot_reap(
         assert len(lookups) <= 1, len(lookups)  # 15 or more without the fix
     finally:
         close_app(app)
+
+
+def test_suppression_list_counts_further_prefix_matches_without_reading_them(
+        make_apps: Any) -> None:
+    """Issue 41 item 9's count read every further match of the prefix (each a row, into
+    memory) to count them: all but a few of a large list for ``--prefix a``."""
+    import sqlalchemy as sa
+
+    app, mail = make_apps()
+    with app.app_context():
+        for number in range(12):
+            mail.suppress(f"a{number:02}@example.com")
+        mail.suppress("b@example.com")
+    engine = app.extensions["mail_outbox"].outbox().engine
+    seen: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute",
+                    lambda conn, cursor, statement, *args: seen.append(statement))
+    listed = app.test_cli_runner().invoke(
+        args=["outbox", "suppression", "list", "--prefix", "a", "--limit", "2"])
+    assert listed.exit_code == 0, listed.output
+    assert "... 10 more starting with 'a'" in listed.output, listed.output
+    reads = [s for s in seen if "outbox_suppression" in s and s.lstrip().upper().startswith(
+        "SELECT")]
+    # The page (LIMIT 2) and one count: no unbounded read of the rows.
+    assert all("LIMIT" in s.upper() or "count(" in s.lower() for s in reads), reads
