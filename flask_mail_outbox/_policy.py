@@ -62,7 +62,7 @@ class SoftBounceRule:
     """Bounded suppression of an address that bounces softly again and again.
 
     ``limit`` soft bounces of one address within ``window_seconds`` suppress
-    it for ``suppress_seconds`` from the last of them. Any of the three at 0
+    it for ``suppress_seconds`` from when the last of them is recorded. Any of the three at 0
     turns the rule off (soft bounces then never suppress).
     """
 

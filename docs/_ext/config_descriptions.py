@@ -125,8 +125,9 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                                       "(at most 3650); 0: soft bounces never "
                                                       "suppress"),
     "OUTBOX_SOFT_BOUNCE_SUPPRESS_DAYS": ("float (days)", "how long repeated soft bounces "
-                                                        "suppress an address, from the last one "
-                                                        "(at most 3650); 0: they never do"),
+                                                        "suppress an address, from when the last one "
+                                                        "is recorded (at most 3650); 0: they "
+                                                        "never do"),
     "OUTBOX_WEBHOOK_PREFIX": ("str", "where provider webhooks are received: `POST "
                                      "<prefix>/<transport name>` for each `OUTBOX_TRANSPORTS` "
                                      "entry with a `webhook_secret` "

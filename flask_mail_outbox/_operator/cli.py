@@ -538,9 +538,8 @@ def suppression_list(limit: int, prefix: str | None) -> None:
     entries = outbox.suppressions.entries(limit=limit, prefix=prefix)
     more = 0
     if len(entries) == limit:
-        # Further matches of the prefix, not every entry on the list.
-        more = (len(outbox.suppressions.entries(prefix=prefix, after=entries[-1].address))
-                if prefix else outbox.suppressions.count() - limit)
+        # Further matches of the prefix, not every entry on the list; counted, not read.
+        more = max(0, outbox.suppressions.count(prefix=prefix) - limit)
     state.stop(5)
     if not entries:
         click.echo("the suppression list is empty" if not prefix else "no entry matches")

@@ -646,24 +646,40 @@ def _verp(config: Mapping[str, Any], value: Any) -> VerpAddresses | None:
         raise ConfigError(key, f"the local part must be at most {MAX_BOUNCE_LOCAL_PART} "
                           "characters without '+': the outbox appends '+<token>' to it "
                           "(RFC 5321 allows 64 in all)")
-    secret = config.get("SECRET_KEY")
-    if not secret or not isinstance(secret, (str, bytes)):
-        raise ConfigError(key, "the VERP tokens are signed with the app's SECRET_KEY, which "
-                          "is not set: set SECRET_KEY before init_app")
-    fallbacks = config.get("SECRET_KEY_FALLBACKS") or []
-    return VerpAddresses(addr.ascii, (*fallbacks, secret))
+    return VerpAddresses(addr.ascii, _secret_keys(config, key, "the VERP tokens are signed"))
 
 
 def _unsubscribe_links(config: Mapping[str, Any], url: str | None) -> UnsubscribeLinks | None:
     """The one-click URL maker: OUTBOX_UNSUBSCRIBE_URL signed with SECRET_KEY (and fallbacks)."""
     if url is None:
         return None
+    return UnsubscribeLinks(url, _secret_keys(config, "OUTBOX_UNSUBSCRIBE_URL",
+                                              "the one-click links are sealed"))
+
+
+def _secret_keys(config: Mapping[str, Any], key: str, what: str) -> tuple[str | bytes, ...]:
+    """SECRET_KEY_FALLBACKS then SECRET_KEY, each a non-empty str or bytes.
+
+    A str given as the fallbacks would be read character by character, each a one-letter
+    key (and an empty key is a known one): anyone could then make a VERP address (a
+    forged bounce suppresses) or an unsubscribe link for any address. Refused instead.
+    """
     secret = config.get("SECRET_KEY")
     if not secret or not isinstance(secret, (str, bytes)):
-        raise ConfigError("OUTBOX_UNSUBSCRIBE_URL", "the one-click links are signed with the "
-                          "app's SECRET_KEY, which is not set: set SECRET_KEY before init_app")
+        raise ConfigError(key, f"{what} with the app's SECRET_KEY, which is not set: set "
+                          "SECRET_KEY before init_app")
     fallbacks = config.get("SECRET_KEY_FALLBACKS") or []
-    return UnsubscribeLinks(url, (*fallbacks, secret))
+    if not isinstance(fallbacks, (list, tuple)):
+        raise ConfigError("SECRET_KEY_FALLBACKS", f"expected a list of the old keys, such as "
+                          f"['old key'], got a {type(fallbacks).__name__} (a string would "
+                          "make each of its characters a key)")
+    for index, fallback in enumerate(fallbacks):
+        if not fallback or not isinstance(fallback, (str, bytes)):
+            raise ConfigError("SECRET_KEY_FALLBACKS", f"item {index} must be a non-empty "
+                              f"string (an old SECRET_KEY), got a {type(fallback).__name__}"
+                              + (" that is empty" if isinstance(fallback, (str, bytes))
+                                 else ""))
+    return (*fallbacks, secret)
 
 
 def parse_rate(key: str, value: Any) -> Rate | None:

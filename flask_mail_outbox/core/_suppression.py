@@ -238,13 +238,9 @@ class Suppressions:
                 prefix: str | None = None) -> list[Suppression]:
         """Entries in force, by address (keyset: ``after`` the last one seen)."""
         t = suppression_table
-        query = sa.select(t).where(sa.or_(t.c.expires_at.is_(None),
-                                          t.c.expires_at > self.store.now_expr()))
+        query = sa.select(t).where(*self._in_force(prefix))
         if after is not None:
             query = query.where(t.c.address > after)
-        if prefix:
-            low = prefix.strip().lower()
-            query = query.where(t.c.address >= low, t.c.address < low + "\U0010ffff")
         query = query.order_by(t.c.address)
         if limit is not None:
             query = query.limit(limit)
@@ -261,13 +257,22 @@ class Suppressions:
                 return
             after = page[-1].address
 
-    def count(self) -> int:
-        """How many entries are in force."""
+    def count(self, *, prefix: str | None = None) -> int:
+        """How many entries are in force (of addresses that start with ``prefix``)."""
         t = suppression_table
         with self.store.read() as conn:
             return int(conn.execute(sa.select(sa.func.count()).select_from(t).where(
-                sa.or_(t.c.expires_at.is_(None), t.c.expires_at > self.store.now_expr()))
-            ).scalar_one())
+                *self._in_force(prefix))).scalar_one())
+
+    def _in_force(self, prefix: str | None) -> list[Any]:
+        """The WHERE of the entries in force, of addresses starting with ``prefix`` if given."""
+        t = suppression_table
+        where: list[Any] = [sa.or_(t.c.expires_at.is_(None),
+                                   t.c.expires_at > self.store.now_expr())]
+        if prefix:
+            low = prefix.strip().lower()
+            where += [t.c.address >= low, t.c.address < low + "\U0010ffff"]
+        return where
 
 
 def _entry(row: Any) -> Suppression:

@@ -532,11 +532,13 @@ class Worker:
         reaped = Reaped()
         full = False
         reap = self.reaps.due(started)
+        tried = False  # whether any lane had room: only its claim can reap
         try:
             for lane in self.lanes:
                 limit = lane.claim_limit(room - len(claimed))
                 if limit <= 0:
                     continue
+                tried = True
                 got, lane_reaped = self._claim_on_kept_connection(limit, reap=reap,
                                                                   transport=lane.name)
                 if reap:
@@ -565,8 +567,12 @@ class Worker:
         self.last_claimed = len(claimed)
         # Rows just reaped are due now, but the PostgreSQL claim that reaped them could
         # not take them (one snapshot per statement): claim again at once, as after a full
-        # claim. Idle on NOTIFY, wake when a lease runs out: a dead holder sends none.
-        wake = self._lease_runs_out(woken) if not claimed and self.listening else None
+        # claim. Idle on NOTIFY, wake when a lease runs out: a dead holder sends none. Not
+        # when no lane had room (paced by a rate): no claim, so no reap, could take the
+        # row before a lane opens (ready_at), and a lease already out would wake it every
+        # LEASE_WAKE_MARGIN until then.
+        wake = (self._lease_runs_out(woken) if not claimed and tried and self.listening
+                else None)
         self._schedule(started, claimed=len(claimed), full=full or bool(reaped),
                        failed=False, wake_in=wake)
         try:

@@ -31,8 +31,8 @@ import sqlalchemy as sa
 from flask import Flask
 
 from .._events import DeliveryEvent
-from .._reasons import REASONS
 from .._flask.state import EXTENSION_KEY, AppState
+from .._reasons import REASONS
 from ..core._internal import Outbox, OutboxConfig, Status, TestClock, email_table
 from ..transports import MemoryTransport
 from ..transports._simple import FAILURE_REPLIES, Failures
