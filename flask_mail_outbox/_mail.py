@@ -19,6 +19,7 @@ from ._flask.state import EXTENSION_KEY, AppState
 from ._operator import health as health_check
 from ._operator.cli import outbox_cli
 from ._operator.dashboard import make_blueprint
+from .migrations import guard_package_versions
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy
@@ -43,6 +44,7 @@ class OutboxMail(OutboxExtension):
         """
         state = super().init_app(app, db)
         app.cli.add_command(outbox_cli)
+        _guard_migrations(app)
         return state
 
     def dashboard_blueprint(self, authorize: Any, **options: Any) -> Any:
@@ -98,3 +100,16 @@ class OutboxMail(OutboxExtension):
         from ._operator import metrics
 
         metrics.install(registered, registry)
+
+
+def _guard_migrations(app: Flask) -> None:
+    """Keep a user's Alembic revisions out of the package (see ``guard_package_versions``).
+
+    Registered on the app's Flask-Migrate object when it was set up before this
+    extension; with Migrate set up after, the app registers it itself (the
+    migrations page says how). Idempotent: the guard is added once.
+    """
+    found = app.extensions.get("migrate")
+    callbacks = getattr(getattr(found, "migrate", None), "configure_callbacks", None)
+    if isinstance(callbacks, list) and guard_package_versions not in callbacks:
+        callbacks.append(guard_package_versions)

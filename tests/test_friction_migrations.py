@@ -141,3 +141,25 @@ def test_a_merge_or_a_revision_on_the_outbox_branch_never_lands_in_the_package(
     project.ok('flask db revision --head app@head -m "ours"')
     assert len(project.own_revisions()) == len(mine) + 1
     assert package_folder() == before
+
+
+def test_the_guard_is_registered_on_a_migrate_set_up_before_the_outbox(tmp_path: Path) -> None:
+    from flask import Flask
+    from flask_migrate import Migrate
+    from flask_sqlalchemy import SQLAlchemy
+
+    from flask_mail_outbox import OutboxMail
+    from flask_mail_outbox.migrations import guard_package_versions
+
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = f"sqlite:///{tmp_path / 'a.db'}"
+    db = SQLAlchemy(app)
+    migrate = Migrate(app, db)
+    OutboxMail(app)
+    assert migrate.configure_callbacks == [guard_package_versions]
+    # A second app on the same Migrate object does not add it twice.
+    other = Flask("other")
+    other.config["SQLALCHEMY_DATABASE_URI"] = f"sqlite:///{tmp_path / 'b.db'}"
+    migrate.init_app(other, SQLAlchemy(other))
+    OutboxMail(other)
+    assert migrate.configure_callbacks == [guard_package_versions]
