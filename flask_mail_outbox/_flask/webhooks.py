@@ -225,7 +225,9 @@ def _unsubscribe(state: AppState, token: str) -> Response:
                      "<p>It may have been cut or changed. Use the link from the email "
                      "itself.</p>", status=400)
     address, message_id = named
-    shown = html.escape(address)
+    # Masked: a forwarded newsletter's link must not show its reader's address to
+    # whoever opens it (the token is opaque for the same reason).
+    shown = html.escape(masked(address))
     # Only a POST unsubscribes (RFC 8058). A GET, and a HEAD (a link checker's, even
     # with the one-click body), shows the page and changes nothing.
     if request.method != "POST":
@@ -276,6 +278,14 @@ def _unsubscribe(state: AppState, token: str) -> Response:
 
     response.call_on_close(tell)
     return response
+
+
+def masked(address: str) -> str:
+    """``address`` as the unsubscribe page shows it: ``r•••@example.com``."""
+    local, at, domain = address.rpartition("@")
+    if not at:
+        return "•••"
+    return f"{local[:1]}•••@{domain}"
 
 
 def _link_event_id(address: str, message_id: str | None) -> str:

@@ -121,7 +121,11 @@ def _verdict_said(event: DeliveryEvent) -> str:
     said = {"permanent": "suppressed for good", "none": "not suppressed"}.get(
         event.verdict, f"suppressed until {event.suppressed_until:%Y-%m-%d %H:%M} UTC"
         if event.suppressed_until else "suppressed until a time")
-    return f": {said}" if event.applied else f": would have been {said} (not applied)"
+    if event.applied:
+        return f": {said}"
+    if event.verdict == "none":
+        return ": would not have been suppressed (not applied)"
+    return f": would have been {said} (not applied)"
 
 
 def _extension() -> OutboxExtension:
