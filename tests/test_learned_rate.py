@@ -23,9 +23,12 @@ from smtpserver import FaultSMTPServer
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.core import Rate
 from flask_mail_outbox.core._rate import (
+    _PROBE_CURVE,
+    _PROBE_OFFSET,
     LEARNED_CAP,
     LEARNED_CUT,
     LEARNED_PLATEAU_SECONDS,
+    LEARNED_PROBE_SECONDS,
     SharedRate,
     effective_rate,
 )
@@ -91,44 +94,53 @@ def test_a_learned_rate_starts_at_what_was_accepted_and_follows_its_curve(
         _mark_sent(app, 5, store.clock() - timedelta(seconds=30))
         _mark_sent(app, 12, store.clock() - timedelta(seconds=0.5))
 
-        # Learned like a cut to the accepted rate: 12/s held, 0.7 of it at first.
-        assert rate.learn(sending_for=5.0) == pytest.approx(12 * LEARNED_CUT)
-        assert _rate_row(app) == {"name": "default", "tat": wall.now, "cut_rate": 12.0,
-                                  "cut_at": wall.now}
-        assert other.exists() and other.current == 12.0
+        # A first guess, in force at once: the 12/s accepted, stored on the steep
+        # side of the curve (its value there times the stored rate is 12).
+        assert rate.learn(sending_for=5.0) == pytest.approx(12.0)
+        assert _rate_row(app) == {"name": "default", "tat": wall.now,
+                                  "cut_rate": pytest.approx(12.0 / _PROBE_CURVE),
+                                  "cut_at": wall.now - _PROBE_OFFSET}
+        assert _PROBE_OFFSET == LEARNED_PLATEAU_SECONDS + LEARNED_PROBE_SECONDS
+        assert other.exists() and other.current == pytest.approx(12.0)
         # Another process learning later keeps the stored rate.
-        _mark_sent(app, 30, store.clock())
-        assert other.learn(sending_for=5.0) == pytest.approx(12 * LEARNED_CUT)
-        assert _rate_row(app)["cut_rate"] == 12.0  # type: ignore[index]
+        _mark_sent(app, 30, store.clock() - timedelta(seconds=5))
+        assert other.learn(sending_for=0.1) == pytest.approx(12.0)
+        assert _rate_row(app)["cut_rate"] == pytest.approx(12.0 / _PROBE_CURVE)  # type: ignore[index]
 
-        # The slots follow the curve: 0.7 of the held rate, back at it after the
-        # plateau's seconds, flat around it, then probing up to twice it.
+        # It probes: x1.32 (2 / 1.518) in the 0.59 s up to the stored rate's cap...
         first = rate.take(4)
-        assert (first.start, first.spacing) == (mono.now, pytest.approx(1 / 8.4))
-        cut_at = wall.now
-        for seconds in (1.0, 2.0, 3.0, 4.0):
-            wall.now = cut_at + seconds
-            expected = _curve(12.0, seconds)
-            assert expected == pytest.approx(effective_rate(None, 12.0, cut_at, wall.now))
-            assert rate.take(1).spacing == pytest.approx(1 / expected)
-        assert [round(_curve(12.0, s), 3) for s in (0, 1, 2, 3, 4, 5)] == [
-            8.4, 11.55, 12.0, 12.45, 15.6, 24.0]
-        # At the cap and not saturated (the last slot is past): it stays there.
-        wall.now = cut_at + 6.0
-        assert rate.take(100).spacing == pytest.approx(1 / 24.0)
-        assert _rate_row(app)["cut_rate"] == 12.0  # type: ignore[index]
-        # Saturated at the cap (100 slots ahead): the cap becomes the held rate.
-        wall.now += 0.1
-        assert rate.take(1).spacing == pytest.approx(1 / 24.0)
+        assert (first.start, first.spacing) == (mono.now, pytest.approx(1 / 12.0))
+        step = 2.0 / _PROBE_CURVE
+        learned_at = wall.now
+        wall.now = learned_at + 0.2
+        assert 12.0 < 1 / rate.take(1).spacing < 12.0 * step
+        wall.now = learned_at + 0.6  # at the cap; the schedule not saturated: it stays
+        assert rate.take(1).spacing == pytest.approx(1 / (12.0 * step))
+        assert _rate_row(app)["cut_rate"] == pytest.approx(12.0 / _PROBE_CURVE)  # type: ignore[index]
+        # ...and on from there while the schedule is saturated (the slot just
+        # taken is still ahead): the same steep step again, from where it is:
+        # doubling about every 1.5 s.
+        assert rate.take(100).spacing == pytest.approx(1 / (12.0 * step))
         row = _rate_row(app)
         assert row is not None
-        assert (row["cut_rate"], row["cut_at"]) == (24.0, pytest.approx(
-            wall.now - LEARNED_PLATEAU_SECONDS))
+        assert (row["cut_rate"], row["cut_at"]) == (
+            pytest.approx(12.0 * step / _PROBE_CURVE), pytest.approx(wall.now - _PROBE_OFFSET))
+        wall.now += 0.1
+        assert 12.0 * step < 1 / rate.take(1).spacing < 12.0 * step * step
+        wall.now += 0.5
+        assert rate.take(1).spacing == pytest.approx(1 / (12.0 * step * step))
+        assert step ** (1.5 / 0.588) == pytest.approx(2.0, rel=0.02)
+        # The curve after a cut: 0.7 of the rate held, back at it after the
+        # plateau's seconds, flat around it, then up to twice it.
+        assert [round(_curve(12.0, s), 3) for s in (0, 1, 2, 3, 4, 5)] == [
+            8.4, 11.55, 12.0, 12.45, 15.6, 24.0]
+        assert effective_rate(None, 12.0, 100.0, 103.0) == pytest.approx(12.45)
+        wall.now += 2.0
 
         # A refusal of a message sent before the last cut is that cut's event: none.
         assert rate.throttled(row["cut_at"] - 0.5) is None
         # One sent after it is a new event: cut to what was accepted in the last
-        # second (20 rows), as that is less than the rate in force (24).
+        # second (20 rows), as that is less than the rate in force (27.4).
         _mark_sent(app, 20, store.clock() - timedelta(seconds=0.3))
         assert rate.throttled(wall.now - 0.05) == pytest.approx(20 * LEARNED_CUT)
         assert (_rate_row(app)["cut_rate"], _rate_row(app)["cut_at"]) == (  # type: ignore[index]
@@ -153,16 +165,16 @@ def test_learning_and_a_cut_on_the_database_s_clock(make_apps: Any) -> None:
     _queue(app, 30)
     _mark_sent(app, 9, None if one.store.dialect.database_clock
                else datetime.now(UTC).replace(tzinfo=None))
-    assert one.learn(sending_for=10.0) == pytest.approx(9 * LEARNED_CUT, rel=0.05)
-    assert two.exists() and two.current == pytest.approx(9.0)
-    assert two.take(3).spacing == pytest.approx(1 / (9 * LEARNED_CUT), rel=0.05)
+    assert one.learn(sending_for=10.0) == pytest.approx(9.0, rel=0.05)  # then probes up
+    assert two.exists() and two.current == pytest.approx(9.0, rel=0.05)
+    assert two.take(3).spacing == pytest.approx(1 / 9.0, rel=0.05)
     assert two.throttled(time.time() - 60) is None  # sent before the rate was learned
     _mark_sent(app, 6, None if one.store.dialect.database_clock
                else datetime.now(UTC).replace(tzinfo=None))
     # A message sent after the learning (a second later than now: beyond any clock
     # difference between this process and the database).
     cut = two.throttled(time.time() + 1.0)
-    assert cut is not None and cut <= 9 * LEARNED_CUT + 1e-6
+    assert cut is not None and cut <= 9 * 1.05 * LEARNED_CUT
     assert _rate_row(app)["cut_rate"] == pytest.approx(cut / LEARNED_CUT)  # type: ignore[index]
 
 
