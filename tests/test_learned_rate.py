@@ -12,6 +12,7 @@ import logging
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.core import Rate
+from flask_mail_outbox.core._models import email_table
 from flask_mail_outbox.core._rate import (
     _PROBE_CURVE,
     _PROBE_OFFSET,
@@ -254,3 +256,117 @@ def test_deleting_the_learned_rate_forgets_it_in_running_workers(make_apps: Any)
         conn.execute(sa.text("DELETE FROM outbox_rate WHERE name = 'bulk'"))
     assert configured.take(2).spacing == pytest.approx(0.1)
     assert _rate_row(app, "bulk") is not None
+
+
+def _lane(app: Flask, hand_ticked: bool = True) -> Any:
+    return app.extensions["mail_outbox"].outbox().dispatch(
+        hand_ticked=hand_ticked).lanes.lanes["default"]
+
+
+def test_a_refusal_a_process_sent_before_it_paced_is_the_event_that_taught_the_rate(
+        make_apps: Any) -> None:
+    """A learned rate starts on the probing side of its curve, so its cut_at is
+    seconds back: what a process sent unpaced before it joined must not count as
+    a new congestion event (it would cut the first guess at once)."""
+    app, _ = make_apps(OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
+    lanes = app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True).lanes
+    lane = lanes.lanes["default"]
+    assert lane.claim_limit(500) == 500  # unpaced
+    unpaced_at = time.time() - 0.5
+    _queue(app, 20)
+    _mark_sent(app, 10, None if lane.learnable.store.dialect.database_clock
+               else datetime.now(UTC).replace(tzinfo=None))
+    lanes._learn(lane, refused=3)
+    assert lane.rate is not None and lane.paced_since >= unpaced_at + 0.5
+    stored = _rate_row(app)
+    assert stored is not None
+    # Sent unpaced before the lane joined: the learning's event, no cut...
+    lanes._cut = None  # type: ignore[method-assign,assignment]  # must not be called
+    rows = [SimpleNamespace(id=1, transport="default")]
+    lane.sent_at[1] = unpaced_at
+    report = SimpleNamespace(transient=[(1, 1, SimpleNamespace(throttled=True))])
+    lanes.after_record([(rows[0], None)], report, dispatching=True)  # type: ignore[arg-type]
+    assert _rate_row(app) == stored
+    # ...one sent at a slot taken since is a new event: cut.
+    del lanes._cut
+    slots = lane.rate.take(1)
+    lane.sent_at[1] = slots.taken_at
+    lanes.after_record([(rows[0], None)], report, dispatching=True)  # type: ignore[arg-type]
+    after = _rate_row(app)
+    assert after is not None and after["cut_at"] > stored["cut_at"]
+
+
+def test_a_throttled_row_of_a_paced_lane_waits_for_its_slot_not_the_throttle_delay(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """With a rate to pace by, a refusal cuts it and the refused row is due again at
+    once (its next slot is its wait); unpaced it waits THROTTLE_DELAY_SECONDS. At
+    the end of a run the last refused rows otherwise hold the whole run 5 s."""
+    smtp_server.quota(1.0, burst=2)
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False,
+                   OUTBOX_RATE_LIMIT=50, OUTBOX_CONCURRENCY=1)
+    try:
+        _queue(app, 5)
+        worker = app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
+        worker.tick(timeout=10)
+        with app.app_context(), db.engine.connect() as conn:
+            e = email_table
+            rows = conn.execute(sa.select(e.c.status, e.c.due_at, e.c.attempts)).all()
+        now = datetime.now(UTC).replace(tzinfo=None)
+        assert sorted(r.status for r in rows) == ["queued"] * 3 + ["sent"] * 2
+        assert smtp_server.quota_refusals == 3
+        deferred = [r for r in rows if r.status == "queued"]
+        assert all(r.attempts == 0 for r in deferred), deferred  # given back: a deferral
+        assert all(r.due_at <= now for r in deferred), (now, deferred)
+    finally:
+        close_app(app, timeout=5)
+    # Unpaced (no rate learned yet: this is how it learns), the wait stays.
+    smtp_server.quota(1.0, burst=2)
+    unpaced = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                       OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False,
+                       OUTBOX_CONCURRENCY=1)
+    try:
+        with unpaced.app_context(), db.engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM outbox_email"))
+            conn.execute(sa.text("DELETE FROM outbox_rate"))
+        time.sleep(2.1)  # the bucket is full again
+        _queue(unpaced, 5)
+        unpaced.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True).tick(timeout=10)
+        with unpaced.app_context(), db.engine.connect() as conn:
+            due = conn.execute(sa.select(email_table.c.due_at)
+                               .where(email_table.c.status == "queued")).scalars().all()
+        assert due and all(d >= datetime.now(UTC).replace(tzinfo=None) + timedelta(seconds=3)
+                           for d in due), due
+    finally:
+        close_app(unpaced, timeout=5)
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_process_joins_a_rate_another_learned_at_once_and_draws_no_refusal(
+        make_apps: Any, smtp_server: FaultSMTPServer) -> None:
+    """PostgreSQL: the process that learns a rate NOTIFYs it; a process already
+    sending unpaced joins it at its next round instead of drawing refusals of its
+    own to learn it (the server counts them)."""
+    smtp_server.quota(4.0, burst=1)
+    app, _ = make_apps(OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
+    second, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True, OUTBOX_LISTEN=True,
+                          OUTBOX_CONCURRENCY=4)
+    worker = second.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
+    lane = worker.lanes.lanes["default"]
+    assert lane.claim_limit(500) == 500 and lane.rate is None  # looked: nothing learned
+    deadline = time.monotonic() + 10
+    while not worker.listening and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.listening
+    # Another process learns 1/s (nothing accepted lately: the floor of a first guess).
+    SharedRate(app.extensions["mail_outbox"].outbox().store, "default", None).learn(1.0)
+    while not lane.told and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lane.told
+    _queue(app, 3)
+    worker.drain(timeout=15)
+    assert lane.rate is not None and lane.rate.learned
+    assert len(smtp_server.messages) == 3
+    # Unpaced, three at once against a burst of one: two refusals.
+    assert smtp_server.quota_refusals == 0
