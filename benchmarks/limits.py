@@ -19,7 +19,18 @@ sends in bursts at the top of each second is refused most of each burst there).
 Either way no email may end dead-lettered (a 421 is transient). Refused per
 delivered = all refusals of the run / messages accepted ("in the window": of
 the steady window alone, after the first refusals taught the rate); ``dead``
-counts ``failed`` rows. Each run starts with ``outbox_rate`` empty.
+counts ``failed`` rows. Each run starts with ``outbox_rate`` empty. "Whole
+run / quota" is every receipt over the release to the last receipt, learning
+and the last retries included: with ``--n`` the run is that backlog, drained.
+
+Issue 41's strict server (one bucket over all sessions, 40/s, burst 5,
+``421 4.7.0`` at ``MAIL FROM``, 1,200 emails) is::
+
+    python -m benchmarks limits --bursts 5 --quota-at data,mail --n 1200 \
+        --quota-reply "421 4.7.0 Too many messages, slow down"
+
+(``--quota-at data`` is this scenario's own server, side by side;
+``--keep-open``: a server that does not close the connection after its 421.)
 """
 
 from __future__ import annotations
@@ -67,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quota-reply", default=None,
                         help="the server's reply above the quota (default: the sink's, "
                              "421 4.7.28 Rate limit exceeded, slow down)")
+    parser.add_argument("--keep-open", action="store_true",
+                        help="the server keeps the connection open after its 421 (by "
+                             "default it closes it, as RFC 5321 says)")
     parser.add_argument("--n", type=int, default=None,
                         help="the backlog (default: enough to outlast the window); the "
                              "whole run's rate is n over the release to the last receipt")
@@ -85,7 +99,8 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
               for b in args.bursts.split(",") if b.strip()]
     places = [p.strip() for p in args.quota_at.split(",") if p.strip()]
     sinks = [(burst, place, ctx.sink(quota=args.quota, burst=burst, quota_at=place,
-                                     quota_reply=args.quota_reply))
+                                     quota_reply=args.quota_reply,
+                                     quota_close=not args.keep_open))
              for burst in bursts for place in places]
     for backend, url in ctx.databases(args.backends, NAME):
         bench = build(url, sinks[0][2].smtp_port, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,

@@ -8,7 +8,10 @@ rate-limited lane wait in :attr:`Lane.paced` for their slot on the shared
 schedule (:class:`~._rate.SharedRate`), the others go at once. A lane without
 a configured rate learns one: the first reply that says it sends too fast
 stores the rate the server accepted as a shared schedule, which every process
-then paces by (and a process that starts later finds it).
+then paces by: at once on PostgreSQL (a NOTIFY, :meth:`Lanes.learned_elsewhere`),
+else at its own first refusal; a process that starts later finds it. A
+throttled row of a lane that paces by a shared rate is due again at once
+(:meth:`Lanes.paced_ids`): the cut rate's next slot is its wait.
 """
 
 from __future__ import annotations
@@ -342,7 +345,7 @@ class Lanes:
                 continue
             if lane.rate is not None:
                 if sent_at >= lane.paced_since:
-                    self._cut(lane, lane.rate, sent_at, self._sending_for(lane))
+                    self._cut(lane, lane.rate, sent_at)
             elif dispatching:  # what was refused was sent before the rate it learns
                 self._learn(lane, throttled)
 
@@ -351,11 +354,11 @@ class Lanes:
         return (self.clock() - lane.first_put if lane.first_put is not None
                 else LEARN_WINDOW_SECONDS)
 
-    def _cut(self, lane: Lane, rate: SharedRate, sent_at: float, sending_for: float) -> None:
+    def _cut(self, lane: Lane, rate: SharedRate, sent_at: float) -> None:
         """Cut ``lane``'s rate after a refusal of what it sent at ``sent_at`` (a new
         congestion event only if the rate was not cut since)."""
         try:
-            cut = rate.throttled(sent_at, sending_for)
+            cut = rate.throttled(sent_at)
         except Exception:
             logger.exception("Could not cut transport %r's shared rate after a "
                              "throttled reply", lane.name)

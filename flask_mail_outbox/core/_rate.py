@@ -14,14 +14,19 @@ A reply that says the client sends too fast is a congestion event: the rate
 is cut once per event, not once per refusal. A refusal belongs to a new event
 only when its message was handed to the server after the last cut (``cut_at
 < sent_at``): the refusals of messages already on their way when the rate was
-cut are the same event, however many there are.
+cut are the same event, however many there are. A probing learned rate's
+``cut_at`` lies seconds back (where its curve is steep): the refusals of what a
+process sent unpaced before it joined the rate are told apart by that process
+(``Lane.paced_since`` in ``_lanes``), not by ``cut_at``.
 
 * A **configured** ``rate_limit`` is halved by a cut (down to a 64th) and grows
   back additively, to the full rate in :data:`RECOVERY_SECONDS` (AIMD).
 * **Learned** (no ``rate_limit``, :meth:`SharedRate.learn`): the first
-  throttled reply stores the rate the server actually accepted over the last
-  second (the rows recorded ``sent``, every process's) as ``cut_rate``, the
-  rate to hold; a cut stores what the server accepted over the last second,
+  throttled reply stores the rate the server accepted since the first send
+  (at most the last second; the rows recorded ``sent``, every process's) as a
+  first guess that probes upwards (on the curve's steep side, doubling about
+  every 1.5 s while saturated) until the next refusal; a cut stores what the
+  server accepted over the last second as ``cut_rate``, the rate to hold,
   if that is less than the rate in force at the refusal. From a cut the rate
   follows TCP CUBIC's curve, relative to that stored rate ``w``: it starts at
   :data:`LEARNED_CUT` × ``w``, is back at ``w`` after
@@ -175,23 +180,23 @@ class SharedRate:
         start_in = float(row.tat) - count / rate - now
         return Slots(count, self.clock() + max(0.0, start_in), 1.0 / rate, taken_at)
 
-    def throttled(self, sent_at: float, sending_for: float = LEARN_WINDOW_SECONDS
-                  ) -> float | None:
+    def throttled(self, sent_at: float) -> float | None:
         """A message sent at ``sent_at`` (wall clock) was refused as too fast: cut the rate.
 
         Only if the rate was not cut since ``sent_at``: the refusals of
         messages sent before a cut are the congestion event it answered. A
         learned rate is cut to what the server accepted over the last second
-        (every process's ``sent`` rows; over the ``sending_for`` seconds this
-        process has been sending if that is shorter, as :meth:`learn`), if that
-        is less than the rate in force. Returns the rate in force after the
-        cut, None when this refusal made none.
+        (every process's ``sent`` rows), if that is less than the rate in
+        force: a whole second, even early on, so the server's burst does not
+        pass for its rate (measured: over a shorter window a server with a
+        burst of one second's worth drew twice the refusals). Returns the rate
+        in force after the cut, None when this refusal made none.
         """
         self._ensure()
         params = self._params(rate_name=self.name, sent_at=sent_at + self._offset)
         with self.store.write() as conn:
             if self.rate is None:
-                params["accepted"] = max(1.0, self._accepted(conn) / _window(sending_for))
+                params["accepted"] = max(1.0, self._accepted(conn) / LEARN_WINDOW_SECONDS)
             row = conn.execute(self._cut_statement(), params).first()
         if row is None:
             return None
