@@ -104,9 +104,10 @@ def test_a_learned_rate_starts_at_what_was_accepted_and_follows_its_curve(
                                   "cut_at": wall.now - _PROBE_OFFSET}
         assert _PROBE_OFFSET == LEARNED_PLATEAU_SECONDS + LEARNED_PROBE_SECONDS
         assert other.exists() and other.current == pytest.approx(12.0)
-        # Another process learning later keeps the stored rate.
+        # Another process learning later keeps the stored rate when its own guess
+        # is no higher (the 30 rows are too old to count).
         _mark_sent(app, 30, store.clock() - timedelta(seconds=5))
-        assert other.learn(sending_for=0.1) == pytest.approx(12.0)
+        assert other.learn(sending_for=5.0) == pytest.approx(12.0)
         assert _rate_row(app)["cut_rate"] == pytest.approx(12.0 / _PROBE_CURVE)  # type: ignore[index]
 
         # It probes: x1.32 (2 / 1.518) in the 0.59 s up to the stored rate's cap...
@@ -169,14 +170,22 @@ def test_learning_and_a_cut_on_the_database_s_clock(make_apps: Any) -> None:
                else datetime.now(UTC).replace(tzinfo=None))
     assert one.learn(sending_for=10.0) == pytest.approx(9.0, rel=0.05)  # then probes up
     assert two.exists() and two.current == pytest.approx(9.0, rel=0.05)
-    assert two.take(3).spacing == pytest.approx(1 / 9.0, rel=0.05)
+    # Throttled together, a process whose guess counts more rows (recorded since)
+    # replaces the lower first guess; a lower one later does not.
+    _mark_sent(app, 3, None if one.store.dialect.database_clock
+               else datetime.now(UTC).replace(tzinfo=None))
+    assert two.learn(sending_for=10.0) == pytest.approx(12.0, rel=0.05)
+    assert one.learn(sending_for=10.0) == pytest.approx(12.0, rel=0.05)  # 12 again: kept
+    assert _rate_row(app)["cut_rate"] == pytest.approx(  # type: ignore[index]
+        12.0 / _PROBE_CURVE, rel=0.001)
+    assert two.take(3).spacing == pytest.approx(1 / 12.0, rel=0.05)
     assert two.throttled(time.time() - 60) is None  # sent before the rate was learned
     _mark_sent(app, 6, None if one.store.dialect.database_clock
                else datetime.now(UTC).replace(tzinfo=None))
     # A message sent after the learning (a second later than now: beyond any clock
     # difference between this process and the database).
     cut = two.throttled(time.time() + 1.0)
-    assert cut is not None and cut <= 9 * 1.05 * LEARNED_CUT
+    assert cut is not None and cut <= 12 * 1.05 * LEARNED_CUT
     assert _rate_row(app)["cut_rate"] == pytest.approx(cut / LEARNED_CUT)  # type: ignore[index]
 
 

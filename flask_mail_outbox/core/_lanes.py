@@ -371,6 +371,11 @@ class Lanes:
         """The first throttled reply of an unconfigured lane: learn its rate, pace by it."""
         if lane.learnable is None:
             return
+        # What the unpaced stream holds and has not handed to the server yet would
+        # be refused too: it is released (not attempted) and comes back paced.
+        # Taken back before the learning's own statement, which the stream would
+        # otherwise go on feeding refusals through.
+        never, _ = lane.cancel()
         try:
             rate = lane.learnable.learn(self._sending_for(lane))
         except Exception as exc:  # noqa: BLE001 - reported; refusals keep being deferred
@@ -387,9 +392,6 @@ class Lanes:
             return
         self.faults.recovered(f"rate-{lane.name}")
         lane.rate, lane.paced_since = lane.learnable, self.wall()
-        # What the unpaced stream holds and has not handed to the server yet would
-        # be refused too: it is released (not attempted) and comes back paced.
-        never, _ = lane.cancel()
         _degrade.report(
             f"The server of transport {lane.name!r} is throttling this process ({refused} "
             "email(s) refused with a reply that says it sends too fast), and no rate_limit "

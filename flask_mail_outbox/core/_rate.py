@@ -233,7 +233,9 @@ class SharedRate:
         taught it being its congestion event, and doubles about every 1.5 s
         while the schedule is saturated, until the next refusal cuts it to
         what the server accepted over a full second. A rate another process
-        stored first is kept.
+        stored first is kept, unless it is a lower first guess of the last
+        second (the processes throttled together each guess; the rows recorded
+        lag the server, so the highest guess is the nearest).
         """
         with self.store.write() as conn:
             accepted = self._accepted(conn)
@@ -242,12 +244,18 @@ class SharedRate:
             now = self._now()
             # In force now: ``initial`` (the stored rate times the curve's value there).
             stored, held_since = initial / _PROBE_CURVE, now - _PROBE_OFFSET
+            t = rate_table
+            # Another process's first guess of the last second, lower than this one
+            # (it counted fewer rows recorded yet): this one replaces it.
+            lower_guess = sa.and_(t.c.cut_at <= held_since,
+                                  t.c.cut_at >= held_since - LEARN_WINDOW_SECONDS,
+                                  t.c.cut_rate < stored)
             statement = (insert.values(name=self.name, tat=now, cut_rate=stored,
                                        cut_at=held_since)
                          .on_conflict_do_update(
                              index_elements=["name"],
                              set_={"cut_rate": stored, "cut_at": held_since},
-                             where=rate_table.c.cut_rate.is_(None)))
+                             where=sa.or_(t.c.cut_rate.is_(None), lower_guess)))
             conn.execute(statement, self._params())
             if self.store.dialect.listens:  # the others pace by it from their next round
                 conn.execute(notify_rate_statement(), {"name": self.name})
