@@ -408,16 +408,26 @@ class Context:
         return out
 
     def sink(self, delay: float = 0.0, quota: float | None = None,
-             burst: float | None = None) -> Sink:
+             burst: float | None = None, quota_at: str | None = None,
+             quota_reply: str | None = None, quota_close: bool = True) -> Sink:
         """An SMTP sink process answering each message after ``delay`` s, above ``quota`` 421.
 
-        ``burst``: the tokens the quota's bucket holds (default: one second's worth).
+        ``burst``: the tokens the quota's bucket holds (default: one second's worth);
+        ``quota_at``: where it refuses ("data", the default, or "mail"); ``quota_reply``:
+        its reply; ``quota_close``: whether it closes the connection after it (see
+        benchmarks/sink.py).
         """
         args = [sys.executable, "-m", "benchmarks.sink", "--delay", str(delay)]
         if quota:
             args += ["--quota", f"{quota:g}"]
             if burst:
                 args += ["--quota-burst", f"{burst:g}"]
+            if quota_at:
+                args += ["--quota-at", quota_at]
+            if quota_reply:
+                args += ["--quota-reply", quota_reply]
+            if not quota_close:
+                args += ["--quota-keep-open"]
         return Sink(self.spawn(args, env={}, name="sink", stdout=subprocess.PIPE))
 
     def log_file(self, name: str) -> IO[Any]:

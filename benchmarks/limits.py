@@ -19,7 +19,18 @@ sends in bursts at the top of each second is refused most of each burst there).
 Either way no email may end dead-lettered (a 421 is transient). Refused per
 delivered = all refusals of the run / messages accepted ("in the window": of
 the steady window alone, after the first refusals taught the rate); ``dead``
-counts ``failed`` rows. Each run starts with ``outbox_rate`` empty.
+counts ``failed`` rows. Each run starts with ``outbox_rate`` empty. "Whole
+run / quota" is every receipt over the release to the last receipt, learning
+and the last retries included: with ``--n`` the run is that backlog, drained.
+
+Issue 41's strict server (one bucket over all sessions, 40/s, burst 5,
+``421 4.7.0`` at ``MAIL FROM``, 1,200 emails) is::
+
+    python -m benchmarks limits --bursts 5 --quota-at data,mail --n 1200 \
+        --quota-reply "421 4.7.0 Too many messages, slow down"
+
+(``--quota-at data`` is this scenario's own server, side by side;
+``--keep-open``: a server that does not close the connection after its 421.)
 """
 
 from __future__ import annotations
@@ -61,34 +72,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "second's worth) and/or numbers of messages")
     parser.add_argument("--backends", default="pg",
                         help="pg (several workers share one database), or sqlite")
+    parser.add_argument("--quota-at", default="data",
+                        help="where the server refuses above the quota: 'data' (the end of "
+                             "DATA) and/or 'mail' (MAIL FROM), comma-separated")
+    parser.add_argument("--quota-reply", default=None,
+                        help="the server's reply above the quota (default: the sink's, "
+                             "421 4.7.28 Rate limit exceeded, slow down)")
+    parser.add_argument("--keep-open", action="store_true",
+                        help="the server keeps the connection open after its 421 (by "
+                             "default it closes it, as RFC 5321 says)")
+    parser.add_argument("--n", type=int, default=None,
+                        help="the backlog (default: enough to outlast the window); the "
+                             "whole run's rate is n over the release to the last receipt")
 
 
 def run(ctx: Context, args: argparse.Namespace) -> Report:
     # Enough backlog to outlast the window at the quota.
-    n = math.ceil(args.quota * (args.warmup + args.window) * 1.3) + 20
+    n = args.n or math.ceil(args.quota * (args.warmup + args.window) * 1.3) + 20
     table = Table(f"{args.workers} workers x {args.concurrency} against a {args.quota:g} msg/s "
-                  f"quota, {args.window:g} s window after {args.warmup:g} s",
-                  ["database", "burst", "rate limit", "delivered msg/s", "/ quota", "refused",
-                   "refused per delivered", "in the window", "dead"])
+                  f"quota, {n} emails, {args.window:g} s window after {args.warmup:g} s",
+                  ["database", "burst", "refused at", "rate limit", "delivered msg/s",
+                   "/ quota", "whole run / quota", "refused", "refused per delivered",
+                   "in the window", "dead"])
     report = Report(NAME, tables=[table])
     bursts = [args.quota if b.strip() == "quota" else float(b)
               for b in args.bursts.split(",") if b.strip()]
-    sinks = [(burst, ctx.sink(quota=args.quota, burst=burst)) for burst in bursts]
+    places = [p.strip() for p in args.quota_at.split(",") if p.strip()]
+    sinks = [(burst, place, ctx.sink(quota=args.quota, burst=burst, quota_at=place,
+                                     quota_reply=args.quota_reply,
+                                     quota_close=not args.keep_open))
+             for burst in bursts for place in places]
     for backend, url in ctx.databases(args.backends, NAME):
-        bench = build(url, sinks[0][1].smtp_port, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+        bench = build(url, sinks[0][2].smtp_port, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
                       OUTBOX_RUN_SCHEDULER=False)
         try:
-            for burst, sink in sinks:
+            for burst, place, sink in sinks:
                 for row in [r.strip() for r in args.rows.split(",") if r.strip()]:
-                    _run_row(ctx, args, report, table, bench, url, sink, backend, burst, row, n)
+                    _run_row(ctx, args, report, table, bench, url, sink, backend, burst, place,
+                             row, n)
         finally:
             bench.stop()
     return report
 
 
 def _run_row(ctx: Context, args: argparse.Namespace, report: Report, table: Table,
-             bench: Bench, url: str, sink: Sink, backend: str, burst: float, row: str,
-             n: int) -> None:
+             bench: Bench, url: str, sink: Sink, backend: str, burst: float, place: str,
+             row: str, n: int) -> None:
     config = {"OUTBOX_RATE_LIMIT": args.quota} if row == "shared" else {}
     # Each run starts without what an earlier one learned or set.
     execute(url, "DELETE FROM outbox_rate")
@@ -96,7 +125,9 @@ def _run_row(ctx: Context, args: argparse.Namespace, report: Report, table: Tabl
                                   concurrency=args.concurrency, config=config)
     t0 = released + args.warmup
     try:
-        sink.wait_for(n + 1, timeout=args.warmup + args.window, procs=procs)
+        # The window, or (a backlog given) the whole run, which takes n / quota at best.
+        timeout = args.warmup + args.window if args.n is None else 2 * n / args.quota + 10
+        sink.wait_for(n + 1, timeout=timeout, procs=procs)
         stats = sink.stats()
         times = [float(r[0]) for r in sink.receipts()]
         refusals = sink.refusals()
@@ -107,6 +138,8 @@ def _run_row(ctx: Context, args: argparse.Namespace, report: Report, table: Tabl
     if stats["count"] > n:  # the backlog ran out: the window ends with it
         end = min(end, max(times))
     rate = (sum(t0 <= t < end for t in times) / (end - t0)) if end > t0 else None
+    # The whole run, learning included: every receipt over the release to the last.
+    whole = len(times) / (max(times) - released) if times else None
     refused = int(stats["refused"])
     per_delivered = refused / max(stats["count"], 1)
     # Past the warm-up: what pacing costs once learned (the first refusals teach it).
@@ -114,10 +147,13 @@ def _run_row(ctx: Context, args: argparse.Namespace, report: Report, table: Tabl
     steady = sum(t0 <= t < end for t in refusals) / max(delivered_in, 1)
     dead = status_counts(url).get("failed", 0)
     size = "quota" if burst == args.quota else f"{burst:g}"
-    table.add(backend, size, row, rate, ratio(rate, args.quota), refused, per_delivered, steady,
-              dead)
+    table.add(backend, size, place, row, rate, ratio(rate, args.quota),
+              ratio(whole, args.quota), refused, per_delivered, steady, dead)
+    size = size if place == "data" else f"{size} at {place}"
     report.figures[f"{backend} burst {size} {row} delivered/quota"] = ratio(rate, args.quota)
+    report.figures[f"{backend} burst {size} {row} whole run/quota"] = ratio(whole, args.quota)
     report.figures[f"{backend} burst {size} {row} refused per delivered"] = per_delivered
     report.figures[f"{backend} burst {size} {row} refused per delivered in the window"] = steady
     report.figures[f"{backend} burst {size} {row} dead"] = dead
-    log(f"limits {backend} burst {size} {row}: {rate or 0:.1f} msg/s, {refused} refused")
+    log(f"limits {backend} burst {size} {row}: {rate or 0:.1f} msg/s, whole run "
+        f"{whole or 0:.1f} msg/s, {refused} refused of {stats['count']}")

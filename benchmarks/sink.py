@@ -1,7 +1,8 @@
 """A throwaway SMTP sink in its own process: accepts everything, counts, timestamps.
 
     python -m benchmarks.sink [--port 0] [--control-port 0] [--delay SECONDS]
-                              [--quota RATE [--quota-burst N] [--quota-at data|mail]]
+                              [--quota RATE [--quota-burst N] [--quota-at data|mail]
+                               [--quota-reply TEXT] [--quota-keep-open]]
 
 It prints one JSON line when it listens, ``{"smtp_port": P, "control_port": C,
 "pid": N}``, then serves until SIGTERM/SIGINT. Every message is accepted with
@@ -15,9 +16,9 @@ all its sessions, refilled at RATE messages per second and holding at most
 ``--quota-burst`` tokens (default: RATE, one second's worth). Each message
 takes a token when it is about to be accepted (at the end of DATA, or at
 MAIL FROM with ``--quota-at mail``); without one the server answers
-``421 4.7.28 Rate limit exceeded, slow down`` (Gmail's words) and closes the
-connection, as RFC 5321 says a 421 does. Refusals are counted, with their
-times.
+``421 4.7.28 Rate limit exceeded, slow down`` (Gmail's words, or
+``--quota-reply``) and closes the connection, as RFC 5321 says a 421 does
+(``--quota-keep-open``: it does not). Refusals are counted, with their times.
 
 The control port speaks one line per connection and answers with one JSON line:
 
@@ -84,24 +85,28 @@ class SinkHandler:
     """aiosmtpd handler: every recipient is accepted, and every message within the quota."""
 
     def __init__(self, delay: float, quota: TokenBucket | None = None,
-                 quota_at: str = "data") -> None:
+                 quota_at: str = "data", quota_reply: str = QUOTA_REPLY,
+                 quota_close: bool = True) -> None:
         self.delay = delay
         self.quota = quota
         self.quota_at = quota_at
+        self.quota_reply = quota_reply
+        self.quota_close = quota_close
         self.receipts: list[tuple[float, str | None, str | None]] = []
         self.message_ids: set[str | None] = set()
         self.refusals: list[float] = []
 
     def _refuse(self, server: SMTP) -> str | None:
-        """The 421 when the quota is spent (the connection then closes), else None."""
+        """The 421 when the quota is spent (the connection then closes, unless kept open),
+        else None."""
         if self.quota is None or self.quota.take():
             return None
         self.refusals.append(time.time())
         transport = server.transport
-        if transport is not None:
+        if transport is not None and self.quota_close:
             # After the reply is written (aiosmtpd writes it before it yields again).
             asyncio.get_running_loop().call_soon(transport.close)
-        return QUOTA_REPLY
+        return self.quota_reply
 
     async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope,
                           address: str, mail_options: list[str]) -> str:
@@ -146,7 +151,8 @@ async def _serve(args: argparse.Namespace) -> None:
     quota = None
     if args.quota:
         quota = TokenBucket(args.quota, args.quota_burst or args.quota)
-    handler = SinkHandler(args.delay, quota, args.quota_at)
+    handler = SinkHandler(args.delay, quota, args.quota_at, args.quota_reply,
+                          not args.quota_keep_open)
 
     def make_smtp() -> SMTP:
         # An explicit hostname: without one aiosmtpd calls socket.getfqdn() per connection.
@@ -205,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quota-at", choices=("data", "mail"), default="data",
                         help="where a message over the quota is refused (default: at the "
                              "end of DATA)")
+    parser.add_argument("--quota-reply", default=QUOTA_REPLY, metavar="TEXT",
+                        help=f"the reply above the quota (default: {QUOTA_REPLY!r})")
+    parser.add_argument("--quota-keep-open", action="store_true",
+                        help="keep the connection open after the reply above the quota "
+                             "(RFC 5321 says a 421 closes it; some servers do not)")
     args = parser.parse_args(argv)
     asyncio.run(_serve(args))
     sys.exit(0)

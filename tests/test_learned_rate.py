@@ -12,6 +12,7 @@ import logging
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,10 +23,14 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox.core import Rate
+from flask_mail_outbox.core._models import email_table
 from flask_mail_outbox.core._rate import (
+    _PROBE_CURVE,
+    _PROBE_OFFSET,
     LEARNED_CAP,
     LEARNED_CUT,
     LEARNED_PLATEAU_SECONDS,
+    LEARNED_PROBE_SECONDS,
     SharedRate,
     effective_rate,
 )
@@ -91,44 +96,54 @@ def test_a_learned_rate_starts_at_what_was_accepted_and_follows_its_curve(
         _mark_sent(app, 5, store.clock() - timedelta(seconds=30))
         _mark_sent(app, 12, store.clock() - timedelta(seconds=0.5))
 
-        # Learned like a cut to the accepted rate: 12/s held, 0.7 of it at first.
-        assert rate.learn(sending_for=5.0) == pytest.approx(12 * LEARNED_CUT)
-        assert _rate_row(app) == {"name": "default", "tat": wall.now, "cut_rate": 12.0,
-                                  "cut_at": wall.now}
-        assert other.exists() and other.current == 12.0
-        # Another process learning later keeps the stored rate.
-        _mark_sent(app, 30, store.clock())
-        assert other.learn(sending_for=5.0) == pytest.approx(12 * LEARNED_CUT)
-        assert _rate_row(app)["cut_rate"] == 12.0  # type: ignore[index]
+        # A first guess, in force at once: the 12/s accepted, stored on the steep
+        # side of the curve (its value there times the stored rate is 12).
+        assert rate.learn(sending_for=5.0) == pytest.approx(12.0)
+        assert _rate_row(app) == {"name": "default", "tat": wall.now,
+                                  "cut_rate": pytest.approx(12.0 / _PROBE_CURVE),
+                                  "cut_at": wall.now - _PROBE_OFFSET}
+        assert _PROBE_OFFSET == LEARNED_PLATEAU_SECONDS + LEARNED_PROBE_SECONDS
+        assert other.exists() and other.current == pytest.approx(12.0)
+        # Another process learning later keeps the stored rate when its own guess
+        # is no higher (the 30 rows are too old to count).
+        _mark_sent(app, 30, store.clock() - timedelta(seconds=5))
+        assert other.learn(sending_for=5.0) == pytest.approx(12.0)
+        assert _rate_row(app)["cut_rate"] == pytest.approx(12.0 / _PROBE_CURVE)  # type: ignore[index]
 
-        # The slots follow the curve: 0.7 of the held rate, back at it after the
-        # plateau's seconds, flat around it, then probing up to twice it.
+        # It probes: x1.32 (2 / 1.518) in the 0.59 s up to the stored rate's cap...
         first = rate.take(4)
-        assert (first.start, first.spacing) == (mono.now, pytest.approx(1 / 8.4))
-        cut_at = wall.now
-        for seconds in (1.0, 2.0, 3.0, 4.0):
-            wall.now = cut_at + seconds
-            expected = _curve(12.0, seconds)
-            assert expected == pytest.approx(effective_rate(None, 12.0, cut_at, wall.now))
-            assert rate.take(1).spacing == pytest.approx(1 / expected)
-        assert [round(_curve(12.0, s), 3) for s in (0, 1, 2, 3, 4, 5)] == [
-            8.4, 11.55, 12.0, 12.45, 15.6, 24.0]
-        # At the cap and not saturated (the last slot is past): it stays there.
-        wall.now = cut_at + 6.0
-        assert rate.take(100).spacing == pytest.approx(1 / 24.0)
-        assert _rate_row(app)["cut_rate"] == 12.0  # type: ignore[index]
-        # Saturated at the cap (100 slots ahead): the cap becomes the held rate.
-        wall.now += 0.1
-        assert rate.take(1).spacing == pytest.approx(1 / 24.0)
+        assert (first.start, first.spacing) == (mono.now, pytest.approx(1 / 12.0))
+        step = 2.0 / _PROBE_CURVE
+        learned_at = wall.now
+        wall.now = learned_at + 0.2
+        assert 12.0 < 1 / rate.take(1).spacing < 12.0 * step
+        wall.now = learned_at + 0.6  # at the cap; the schedule not saturated: it stays
+        assert rate.take(1).spacing == pytest.approx(1 / (12.0 * step))
+        assert _rate_row(app)["cut_rate"] == pytest.approx(12.0 / _PROBE_CURVE)  # type: ignore[index]
+        # ...and on from there while the schedule is saturated (the slot just
+        # taken is still ahead): the same steep step again, from where it is:
+        # doubling about every 1.5 s.
+        assert rate.take(100).spacing == pytest.approx(1 / (12.0 * step))
         row = _rate_row(app)
         assert row is not None
-        assert (row["cut_rate"], row["cut_at"]) == (24.0, pytest.approx(
-            wall.now - LEARNED_PLATEAU_SECONDS))
+        assert (row["cut_rate"], row["cut_at"]) == (
+            pytest.approx(12.0 * step / _PROBE_CURVE), pytest.approx(wall.now - _PROBE_OFFSET))
+        wall.now += 0.1
+        assert 12.0 * step < 1 / rate.take(1).spacing < 12.0 * step * step
+        wall.now += 0.5
+        assert rate.take(1).spacing == pytest.approx(1 / (12.0 * step * step))
+        assert step ** (1.5 / 0.588) == pytest.approx(2.0, rel=0.02)
+        # The curve after a cut: 0.7 of the rate held, back at it after the
+        # plateau's seconds, flat around it, then up to twice it.
+        assert [round(_curve(12.0, s), 3) for s in (0, 1, 2, 3, 4, 5)] == [
+            8.4, 11.55, 12.0, 12.45, 15.6, 24.0]
+        assert effective_rate(None, 12.0, 100.0, 103.0) == pytest.approx(12.45)
+        wall.now += 2.0
 
         # A refusal of a message sent before the last cut is that cut's event: none.
         assert rate.throttled(row["cut_at"] - 0.5) is None
         # One sent after it is a new event: cut to what was accepted in the last
-        # second (20 rows), as that is less than the rate in force (24).
+        # second (20 rows), as that is less than the rate in force (27.4).
         _mark_sent(app, 20, store.clock() - timedelta(seconds=0.3))
         assert rate.throttled(wall.now - 0.05) == pytest.approx(20 * LEARNED_CUT)
         assert (_rate_row(app)["cut_rate"], _rate_row(app)["cut_at"]) == (  # type: ignore[index]
@@ -153,16 +168,24 @@ def test_learning_and_a_cut_on_the_database_s_clock(make_apps: Any) -> None:
     _queue(app, 30)
     _mark_sent(app, 9, None if one.store.dialect.database_clock
                else datetime.now(UTC).replace(tzinfo=None))
-    assert one.learn(sending_for=10.0) == pytest.approx(9 * LEARNED_CUT, rel=0.05)
-    assert two.exists() and two.current == pytest.approx(9.0)
-    assert two.take(3).spacing == pytest.approx(1 / (9 * LEARNED_CUT), rel=0.05)
+    assert one.learn(sending_for=10.0) == pytest.approx(9.0, rel=0.05)  # then probes up
+    assert two.exists() and two.current == pytest.approx(9.0, rel=0.05)
+    # Throttled together, a process whose guess counts more rows (recorded since)
+    # replaces the lower first guess; a lower one later does not.
+    _mark_sent(app, 3, None if one.store.dialect.database_clock
+               else datetime.now(UTC).replace(tzinfo=None))
+    assert two.learn(sending_for=10.0) == pytest.approx(12.0, rel=0.05)
+    assert one.learn(sending_for=10.0) == pytest.approx(12.0, rel=0.05)  # 12 again: kept
+    assert _rate_row(app)["cut_rate"] == pytest.approx(  # type: ignore[index]
+        12.0 / _PROBE_CURVE, rel=0.001)
+    assert two.take(3).spacing == pytest.approx(1 / 12.0, rel=0.05)
     assert two.throttled(time.time() - 60) is None  # sent before the rate was learned
     _mark_sent(app, 6, None if one.store.dialect.database_clock
                else datetime.now(UTC).replace(tzinfo=None))
     # A message sent after the learning (a second later than now: beyond any clock
     # difference between this process and the database).
     cut = two.throttled(time.time() + 1.0)
-    assert cut is not None and cut <= 9 * LEARNED_CUT + 1e-6
+    assert cut is not None and cut <= 12 * 1.05 * LEARNED_CUT
     assert _rate_row(app)["cut_rate"] == pytest.approx(cut / LEARNED_CUT)  # type: ignore[index]
 
 
@@ -242,3 +265,117 @@ def test_deleting_the_learned_rate_forgets_it_in_running_workers(make_apps: Any)
         conn.execute(sa.text("DELETE FROM outbox_rate WHERE name = 'bulk'"))
     assert configured.take(2).spacing == pytest.approx(0.1)
     assert _rate_row(app, "bulk") is not None
+
+
+def _lane(app: Flask, hand_ticked: bool = True) -> Any:
+    return app.extensions["mail_outbox"].outbox().dispatch(
+        hand_ticked=hand_ticked).lanes.lanes["default"]
+
+
+def test_a_refusal_a_process_sent_before_it_paced_is_the_event_that_taught_the_rate(
+        make_apps: Any) -> None:
+    """A learned rate starts on the probing side of its curve, so its cut_at is
+    seconds back: what a process sent unpaced before it joined must not count as
+    a new congestion event (it would cut the first guess at once)."""
+    app, _ = make_apps(OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
+    lanes = app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True).lanes
+    lane = lanes.lanes["default"]
+    assert lane.claim_limit(500) == 500  # unpaced
+    unpaced_at = time.time() - 0.5
+    _queue(app, 20)
+    _mark_sent(app, 10, None if lane.learnable.store.dialect.database_clock
+               else datetime.now(UTC).replace(tzinfo=None))
+    lanes._learn(lane, refused=3)
+    assert lane.rate is not None and lane.paced_since >= unpaced_at + 0.5
+    stored = _rate_row(app)
+    assert stored is not None
+    # Sent unpaced before the lane joined: the learning's event, no cut...
+    lanes._cut = None  # type: ignore[method-assign,assignment]  # must not be called
+    rows = [SimpleNamespace(id=1, transport="default")]
+    lane.sent_at[1] = unpaced_at
+    report = SimpleNamespace(transient=[(1, 1, SimpleNamespace(throttled=True))])
+    lanes.after_record([(rows[0], None)], report, dispatching=True)  # type: ignore[arg-type]
+    assert _rate_row(app) == stored
+    # ...one sent at a slot taken since is a new event: cut.
+    del lanes._cut
+    slots = lane.rate.take(1)
+    lane.sent_at[1] = slots.taken_at
+    lanes.after_record([(rows[0], None)], report, dispatching=True)  # type: ignore[arg-type]
+    after = _rate_row(app)
+    assert after is not None and after["cut_at"] > stored["cut_at"]
+
+
+def test_a_throttled_row_of_a_paced_lane_waits_for_its_slot_not_the_throttle_delay(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """With a rate to pace by, a refusal cuts it and the refused row is due again at
+    once (its next slot is its wait); unpaced it waits THROTTLE_DELAY_SECONDS. At
+    the end of a run the last refused rows otherwise hold the whole run 5 s."""
+    smtp_server.quota(1.0, burst=2)
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False,
+                   OUTBOX_RATE_LIMIT=50, OUTBOX_CONCURRENCY=1)
+    try:
+        _queue(app, 5)
+        worker = app.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
+        worker.tick(timeout=10)
+        with app.app_context(), db.engine.connect() as conn:
+            e = email_table
+            rows = conn.execute(sa.select(e.c.status, e.c.due_at, e.c.attempts)).all()
+        now = datetime.now(UTC).replace(tzinfo=None)
+        assert sorted(r.status for r in rows) == ["queued"] * 3 + ["sent"] * 2
+        assert smtp_server.quota_refusals == 3
+        deferred = [r for r in rows if r.status == "queued"]
+        assert all(r.attempts == 0 for r in deferred), deferred  # given back: a deferral
+        assert all(r.due_at <= now for r in deferred), (now, deferred)
+    finally:
+        close_app(app, timeout=5)
+    # Unpaced (no rate learned yet: this is how it learns), the wait stays.
+    smtp_server.quota(1.0, burst=2)
+    unpaced = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                       OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False,
+                       OUTBOX_CONCURRENCY=1)
+    try:
+        with unpaced.app_context(), db.engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM outbox_email"))
+            conn.execute(sa.text("DELETE FROM outbox_rate"))
+        time.sleep(2.1)  # the bucket is full again
+        _queue(unpaced, 5)
+        unpaced.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True).tick(timeout=10)
+        with unpaced.app_context(), db.engine.connect() as conn:
+            due = conn.execute(sa.select(email_table.c.due_at)
+                               .where(email_table.c.status == "queued")).scalars().all()
+        assert due and all(d >= datetime.now(UTC).replace(tzinfo=None) + timedelta(seconds=3)
+                           for d in due), due
+    finally:
+        close_app(unpaced, timeout=5)
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_process_joins_a_rate_another_learned_at_once_and_draws_no_refusal(
+        make_apps: Any, smtp_server: FaultSMTPServer) -> None:
+    """PostgreSQL: the process that learns a rate NOTIFYs it; a process already
+    sending unpaced joins it at its next round instead of drawing refusals of its
+    own to learn it (the server counts them)."""
+    smtp_server.quota(4.0, burst=1)
+    app, _ = make_apps(OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True)
+    second, _ = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_RUN_WORKER=False, OUTBOX_DURABLE=True, OUTBOX_LISTEN=True,
+                          OUTBOX_CONCURRENCY=4)
+    worker = second.extensions["mail_outbox"].outbox().dispatch(hand_ticked=True)
+    lane = worker.lanes.lanes["default"]
+    assert lane.claim_limit(500) == 500 and lane.rate is None  # looked: nothing learned
+    deadline = time.monotonic() + 10
+    while not worker.listening and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.listening
+    # Another process learns 1/s (nothing accepted lately: the floor of a first guess).
+    SharedRate(app.extensions["mail_outbox"].outbox().store, "default", None).learn(1.0)
+    while not lane.told and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lane.told
+    _queue(app, 3)
+    worker.drain(timeout=15)
+    assert lane.rate is not None and lane.rate.learned
+    assert len(smtp_server.messages) == 3
+    # Unpaced, three at once against a burst of one: two refusals.
+    assert smtp_server.quota_refusals == 0

@@ -332,7 +332,7 @@ AMBIGUOUS_RETRIES = 1
 
 
 def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy, *,
-                retry_now: bool = False,
+                retry_now: bool = False, paced: bool = False,
                 ambiguous_retries: int = AMBIGUOUS_RETRIES,
                 now: Callable[[], datetime] = utcnow) -> Outcome:
     """What to record for ``email`` after ``result`` (None: claimed past its last attempt).
@@ -341,7 +341,9 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
     the row's next due time, or dead-letters it on its last allowed attempt; a
     throttled one gives the attempt back a bounded number of times.
     ``retry_now``: the caller retries it in process, so it is due again at once
-    (a throttle deferral still waits its few seconds). A failure after which
+    (a throttle deferral still waits its few seconds). ``paced``: its transport
+    paces by a shared rate, which the refusal cut: a throttle deferral is due
+    again at once, to wait for its slot there. A failure after which
     the message may have been accepted (``maybe_sent``) is retried at most
     ``ambiguous_retries`` times in the row's life, then ends ``failed`` with
     a last error that says it may have been sent. ``now``: the store's clock
@@ -349,7 +351,7 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
     """
     if result is None:
         return Outcome(email, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
-    outcome = _outcome_of(email, result, policy, retry_now=retry_now,
+    outcome = _outcome_of(email, result, policy, retry_now=retry_now, paced=paced,
                           ambiguous_retries=ambiguous_retries, now=now)
     if result.failovers:
         outcome = dataclasses.replace(outcome, failovers=result.failovers)
@@ -361,12 +363,12 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
 
 def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                 retry_now: bool, ambiguous_retries: int,
-                now: Callable[[], datetime]) -> Outcome:
+                now: Callable[[], datetime], paced: bool = False) -> Outcome:
     if isinstance(result, (Suppressed, Expired, Intercepted)):
         return _not_sent(email, result)
     if isinstance(result, Delivered):
         return _delivered(email, result)
-    return _failed(email, result.error, policy, retry_now=retry_now,
+    return _failed(email, result.error, policy, retry_now=retry_now, paced=paced,
                    ambiguous_retries=ambiguous_retries, now=now)
 
 
@@ -398,7 +400,8 @@ def _delivered(email: ClaimedEmail, result: Delivered) -> Outcome:
 
 
 def _failed(email: ClaimedEmail, error: TransportError, policy: RetryPolicy, *,
-            retry_now: bool, ambiguous_retries: int, now: Callable[[], datetime]) -> Outcome:
+            retry_now: bool, ambiguous_retries: int, now: Callable[[], datetime],
+            paced: bool = False) -> Outcome:
     """A failed attempt: dead-lettered, released (not attempted), or due again later."""
     if isinstance(error, PermanentError):
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message)
@@ -413,7 +416,7 @@ def _failed(email: ClaimedEmail, error: TransportError, policy: RetryPolicy, *,
     if decision.dead:
         return Outcome(email, Status.FAILED, error_code=error.code, error_message=error.message,
                        maybe_sent=maybe_sent)
-    due_in = _due_in(error, decision, retry_now=retry_now)
+    due_in = _due_in(error, decision, retry_now=retry_now, paced=paced)
     if email.expires_at is not None and \
             now() + timedelta(seconds=due_in or 0.0) >= email.expires_at:
         # Its next attempt would come too late: it ends now, with why.
@@ -425,9 +428,11 @@ def _failed(email: ClaimedEmail, error: TransportError, policy: RetryPolicy, *,
                    deferred=decision.deferral, maybe_sent=maybe_sent)
 
 
-def _due_in(error: TransportError, decision: Decision, *, retry_now: bool) -> float | None:
+def _due_in(error: TransportError, decision: Decision, *, retry_now: bool,
+            paced: bool = False) -> float | None:
     """Seconds until a row queued again is due (None: at once)."""
-    due_in = None if retry_now and decision.charge else decision.delay
+    due_in = (None if (retry_now and decision.charge) or (paced and decision.deferral)
+              else decision.delay)
     asked = getattr(error, "retry_after", None)
     if asked is not None:
         # The server said when to come back (an HTTP Retry-After): not sooner.
@@ -603,19 +608,21 @@ class Delivery:
 
     def finish(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]], *,
                policy: RetryPolicy | None = None, retry_now: Collection[int] = (),
-               kept: KeptConnection | None = None) -> BatchReport:
+               kept: KeptConnection | None = None, paced: Collection[int] = ()
+               ) -> BatchReport:
         """Record the results of ``done`` in one transaction; report and signal them.
 
         A result of None: claimed past its last attempt (its lease had expired
         on that one), dead-lettered without a send. ``retry_now``: ids the
-        caller retries in process (see :func:`outcome_for`). ``kept``: the
-        caller's own connection for the record.
+        caller retries in process, ``paced``: ids sent at a shared rate's slot
+        (see :func:`outcome_for`). ``kept``: the caller's own connection for the record.
         """
         policy = policy or self.policy
         report = BatchReport()
         if not done:
             return report
         outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now,
+                                paced=email.id in paced,
                                 ambiguous_retries=self.config.ambiguous_retries,
                                 now=self.store.clock)
                     for email, result in done]

@@ -8,7 +8,10 @@ rate-limited lane wait in :attr:`Lane.paced` for their slot on the shared
 schedule (:class:`~._rate.SharedRate`), the others go at once. A lane without
 a configured rate learns one: the first reply that says it sends too fast
 stores the rate the server accepted as a shared schedule, which every process
-then paces by (and a process that starts later finds it).
+then paces by: at once on PostgreSQL (a NOTIFY, :meth:`Lanes.learned_elsewhere`),
+else at its own first refusal; a process that starts later finds it. A
+throttled row of a lane that paces by a shared rate is due again at once
+(:meth:`Lanes.paced_ids`): the cut rate's next slot is its wait.
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ class Lane:
         self.verp = verp
         self.learnable = learnable
         self.looked = learnable is None
+        #: When this lane began pacing by a learned rate (wall clock; 0.0 for a
+        #: configured one): a refusal of what it sent before, unpaced, is the
+        #: congestion event that taught the rate, not a new one.
+        self.paced_since = 0.0
+        #: Another process learned this lane's rate (a NOTIFY, set from the
+        #: listening thread): it joins at the dispatcher's next round.
+        self.told = False
         #: When each email in flight was paced (its slot taken) or handed over
         #: unpaced, on the wall clock: a refusal is a new congestion event only
         #: if the rate was not cut since.
@@ -132,7 +142,7 @@ class Lane:
                 exc=exc)
             return
         if found:
-            self.rate = self.learnable
+            self.rate, self.paced_since = self.learnable, self.wall()
             logger.info("Transport %r paces at its learned shared rate, %.3g msg/s now "
                         "(outbox_rate; set its rate_limit to replace it)", self.name,
                         self.learnable.current)
@@ -231,6 +241,9 @@ class Lanes:
         A rate limit can hold a claimed row for minutes: its ``expires_after`` is
         checked again when its slot comes, not only when it was claimed.
         """
+        for lane in self:
+            if lane.told:
+                self._join(lane)
         now = self.clock()
         for lane in self:
             due = lane.due(now)
@@ -241,6 +254,27 @@ class Lanes:
                 due = [e for e in due if not expired(e, wall)]
             if due:
                 lane.put([envelope_of(e, self.config.dkim, lane.verp) for e in due], report)
+
+    def learned_elsewhere(self, name: str) -> None:
+        """Another process learned transport ``name``'s rate (its NOTIFY; any thread).
+
+        The lane joins it at the dispatcher's next round (:meth:`send_due`),
+        before it draws refusals of its own.
+        """
+        lane = self.lanes.get(name)
+        if lane is not None and lane.rate is None and lane.learnable is not None:
+            lane.told = True
+
+    def _join(self, lane: Lane) -> None:
+        """Pace ``lane`` by the rate another process just learned; what its unpaced
+        stream has not handed to the server yet is taken back to go at that rate."""
+        lane.told = False
+        if lane.rate is not None:
+            return
+        lane.looked = False
+        lane.adopt_learned()
+        if lane.rate is not None:
+            lane.cancel()  # each one is reported not attempted, and queued again
 
     def paced(self) -> int:
         """How many claimed rows wait for their slot, in every lane."""
@@ -283,6 +317,21 @@ class Lanes:
         self.faults.recovered(f"rate-{rate.name}")
         return slots
 
+    def paced_ids(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]], *,
+                  dispatching: bool) -> set[int]:
+        """The ids of ``done`` whose lane paces by a shared rate (configured or learned).
+
+        A throttled one of them is due again at once: the refusal cuts the rate,
+        and its next slot on the schedule is its wait (see _delivery.outcome_for).
+        A lane without a rate, and an inline process (which retries its own rows
+        after a pause), make a throttled row wait its few seconds.
+        """
+        if not dispatching:
+            return set()
+        return {email.id for email, _ in done
+                if (lane := self.lanes.get(email.transport)) is not None
+                and lane.rate is not None}
+
     def after_record(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]],
                      report: BatchReport, *, dispatching: bool) -> None:
         """Each lane's rate after a record: a new congestion event cuts it (or learns one).
@@ -295,9 +344,15 @@ class Lanes:
             if not throttled:
                 continue
             if lane.rate is not None:
-                self._cut(lane, lane.rate, sent_at)
+                if sent_at >= lane.paced_since:
+                    self._cut(lane, lane.rate, sent_at)
             elif dispatching:  # what was refused was sent before the rate it learns
                 self._learn(lane, throttled)
+
+    def _sending_for(self, lane: Lane) -> float:
+        """Seconds since ``lane`` first handed an email over (the learning window's bound)."""
+        return (self.clock() - lane.first_put if lane.first_put is not None
+                else LEARN_WINDOW_SECONDS)
 
     def _cut(self, lane: Lane, rate: SharedRate, sent_at: float) -> None:
         """Cut ``lane``'s rate after a refusal of what it sent at ``sent_at`` (a new
@@ -316,10 +371,13 @@ class Lanes:
         """The first throttled reply of an unconfigured lane: learn its rate, pace by it."""
         if lane.learnable is None:
             return
-        sending_for = (self.clock() - lane.first_put if lane.first_put is not None
-                       else LEARN_WINDOW_SECONDS)
+        # What the unpaced stream holds and has not handed to the server yet would
+        # be refused too: it is released (not attempted) and comes back paced.
+        # Taken back before the learning's own statement, which the stream would
+        # otherwise go on feeding refusals through.
+        never, _ = lane.cancel()
         try:
-            rate = lane.learnable.learn(sending_for)
+            rate = lane.learnable.learn(self._sending_for(lane))
         except Exception as exc:  # noqa: BLE001 - reported; refusals keep being deferred
             self.faults.failing(
                 f"rate-{lane.name}",
@@ -333,10 +391,7 @@ class Lanes:
                 exc=exc)
             return
         self.faults.recovered(f"rate-{lane.name}")
-        lane.rate = lane.learnable
-        # What the unpaced stream holds and has not handed to the server yet would
-        # be refused too: it is released (not attempted) and comes back paced.
-        never, _ = lane.cancel()
+        lane.rate, lane.paced_since = lane.learnable, self.wall()
         _degrade.report(
             f"The server of transport {lane.name!r} is throttling this process ({refused} "
             "email(s) refused with a reply that says it sends too fast), and no rate_limit "
@@ -344,10 +399,11 @@ class Lanes:
             consequence="those emails are queued again, their attempt given back at most "
                         f"OUTBOX_MAX_THROTTLE_DEFERRALS ({self.config.max_throttle_deferrals}) "
                         "times each; every process now paces this transport at a learned "
-                        f"shared rate, starting at {rate:.3g} msg/s (0.7 of the rate stored "
-                        "in outbox_rate: what the server accepted over the last second, or "
-                        "what another process learned first), cut at each new refusal and "
-                        "grown back while it holds; the "
+                        f"shared rate (outbox_rate), starting at {rate:.3g} msg/s (what the "
+                        "server accepted since the first send, at most a second, or what "
+                        "another process learned first), raised while the server accepts "
+                        "it, cut at each new refusal to what it accepted over the last "
+                        "second and grown back while that holds; the "
                         f"{len(never)} email(s) it had not handed to the server yet were "
                         "taken back to go at that rate",
             fix="set the transport's rate_limit (OUTBOX_RATE_LIMIT for the default) to the "

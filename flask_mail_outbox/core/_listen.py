@@ -23,11 +23,18 @@ from .. import _degrade
 logger = logging.getLogger(__name__)
 
 CHANNEL = "outbox_email"
+#: A transport's rate was learned (the payload is its name): pace by it now.
+RATE_CHANNEL = "outbox_rate"
 
 
 def notify_statement() -> sa.TextClause:
     """The statement a committing transaction runs once to wake listeners."""
     return sa.text(f"SELECT pg_notify('{CHANNEL}', '')")
+
+
+def notify_rate_statement() -> sa.TextClause:
+    """The statement that tells listeners transport ``:name``'s rate was learned."""
+    return sa.text(f"SELECT pg_notify('{RATE_CHANNEL}', :name)")
 
 
 def libpq_url(url: sa.URL | str) -> str:
@@ -37,12 +44,18 @@ def libpq_url(url: sa.URL | str) -> str:
 
 
 class Listener:
-    """One LISTEN connection per process; calls ``on_notify`` for each notification."""
+    """One LISTEN connection per process; calls ``on_notify`` for each notification.
+
+    ``on_rate``: called first with the transport's name when another process
+    learned its rate (:data:`RATE_CHANNEL`).
+    """
 
     def __init__(self, url: str, on_notify: Callable[[], None],
-                 on_state: Callable[[bool], None], faults: _degrade.FaultTracker) -> None:
+                 on_state: Callable[[bool], None], faults: _degrade.FaultTracker,
+                 on_rate: Callable[[str], None] | None = None) -> None:
         self.url = url
         self.on_notify = on_notify
+        self.on_rate = on_rate
         self.on_state = on_state
         self.faults = faults
         self._stopping = threading.Event()
@@ -82,13 +95,17 @@ class Listener:
             try:
                 with psycopg.connect(self.url, autocommit=True) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
+                    if self.on_rate is not None:
+                        conn.execute(f"LISTEN {RATE_CHANNEL}")
                     self.on_state(True)
                     self.faults.recovered("listen")
                     delay = 1.0
                     # A wake right after connecting covers commits made while it was down.
                     self.on_notify()
                     while not self._stopping.is_set():
-                        for _ in conn.notifies(timeout=1.0):
+                        for notice in conn.notifies(timeout=1.0):
+                            if notice.channel == RATE_CHANNEL and self.on_rate is not None:
+                                self.on_rate(notice.payload)
                             self.on_notify()
             except Exception as exc:  # noqa: BLE001 - reported; polling still delivers
                 self.on_state(False)

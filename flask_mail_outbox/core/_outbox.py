@@ -242,7 +242,8 @@ class Outbox:
                     worker.listening = up
 
                 self.listener = Listener(libpq_url(self.config.listen_url or self.engine.url),
-                                         worker.wake, on_state, self.faults)
+                                         worker.wake, on_state, self.faults,
+                                         on_rate=worker.lanes.learned_elsewhere)
                 self.listener.start()
         worker.dispatch()
         return worker

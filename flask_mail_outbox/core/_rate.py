@@ -14,14 +14,19 @@ A reply that says the client sends too fast is a congestion event: the rate
 is cut once per event, not once per refusal. A refusal belongs to a new event
 only when its message was handed to the server after the last cut (``cut_at
 < sent_at``): the refusals of messages already on their way when the rate was
-cut are the same event, however many there are.
+cut are the same event, however many there are. A probing learned rate's
+``cut_at`` lies seconds back (where its curve is steep): the refusals of what a
+process sent unpaced before it joined the rate are told apart by that process
+(``Lane.paced_since`` in ``_lanes``), not by ``cut_at``.
 
 * A **configured** ``rate_limit`` is halved by a cut (down to a 64th) and grows
   back additively, to the full rate in :data:`RECOVERY_SECONDS` (AIMD).
 * **Learned** (no ``rate_limit``, :meth:`SharedRate.learn`): the first
-  throttled reply stores the rate the server actually accepted over the last
-  second (the rows recorded ``sent``, every process's) as ``cut_rate``, the
-  rate to hold; a cut stores what the server accepted over the last second,
+  throttled reply stores the rate the server accepted since the first send
+  (at most the last second; the rows recorded ``sent``, every process's) as a
+  first guess that probes upwards (on the curve's steep side, doubling about
+  every 1.5 s while saturated) until the next refusal; a cut stores what the
+  server accepted over the last second as ``cut_rate``, the rate to hold,
   if that is less than the rate in force at the refusal. From a cut the rate
   follows TCP CUBIC's curve, relative to that stored rate ``w``: it starts at
   :data:`LEARNED_CUT` × ``w``, is back at ``w`` after
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from ._listen import notify_rate_statement
 from ._models import Status, email_table, rate_table
 
 if TYPE_CHECKING:
@@ -58,6 +64,13 @@ LEARNED_PLATEAU_SECONDS = 2.0
 _CUBIC = (1.0 - LEARNED_CUT) / LEARNED_PLATEAU_SECONDS ** 3
 #: The most a learned rate probes above the rate it holds, unless saturated.
 LEARNED_CAP = 2.0
+#: Where on the curve (seconds past the plateau) a rate that was never cut probes: a
+#: first guess grows x1.32 every 0.59 s (doubling in 1.5 s) while the schedule is saturated.
+LEARNED_PROBE_SECONDS = 2.4
+#: The curve's value there (1.518): a probing rate in force is its stored rate times this.
+_PROBE_CURVE = 1.0 + _CUBIC * LEARNED_PROBE_SECONDS ** 3
+#: A probing rate's ``cut_at``: this long before now.
+_PROBE_OFFSET = LEARNED_PLATEAU_SECONDS + LEARNED_PROBE_SECONDS
 #: The slowest learned rate: one message a minute.
 LEARNED_FLOOR = 1 / 60
 #: The window over which the first throttled reply measures the accepted rate...
@@ -80,6 +93,11 @@ def effective_rate(max_rate: float | None, cut_rate: float | None, cut_at: float
     if cut_rate is None:
         return max_rate
     return min(max_rate, cut_rate + (now - cut_at) * max_rate / RECOVERY_SECONDS)
+
+
+def _window(sending_for: float) -> float:
+    """The seconds over which the accepted rows are a rate (see :meth:`SharedRate.learn`)."""
+    return min(LEARN_WINDOW_SECONDS, max(LEARN_SHORTEST_SECONDS, sending_for))
 
 
 class RateForgotten(LookupError):
@@ -169,8 +187,10 @@ class SharedRate:
         messages sent before a cut are the congestion event it answered. A
         learned rate is cut to what the server accepted over the last second
         (every process's ``sent`` rows), if that is less than the rate in
-        force. Returns the rate in force after the cut, None when this refusal
-        made none.
+        force: a whole second, even early on, so the server's burst does not
+        pass for its rate (measured: over a shorter window a server with a
+        burst of one second's worth drew twice the refusals). Returns the rate
+        in force after the cut, None when this refusal made none.
         """
         self._ensure()
         params = self._params(rate_name=self.name, sent_at=sent_at + self._offset)
@@ -187,12 +207,14 @@ class SharedRate:
     def exists(self) -> bool:
         """Whether a learned rate is stored for this transport (by any process, any time)."""
         t = rate_table
+        now = self._now() if self.store.dialect.database_clock else sa.literal(0.0)
         with self.store.read() as conn:
-            found = conn.execute(sa.select(t.c.cut_rate)
-                                 .where(t.c.name == self.name, t.c.cut_rate.is_not(None))
-                                 ).first()
+            found = conn.execute(sa.select(t.c.cut_rate, t.c.cut_at, now.label("now"))
+                                 .where(t.c.name == self.name, t.c.cut_rate.is_not(None)),
+                                 self._params()).first()
         if found is not None:
-            self.current = float(found.cut_rate)
+            self.current = effective_rate(None, found.cut_rate, found.cut_at,
+                                          self._db_now(found))
         return found is not None
 
     def learn(self, sending_for: float) -> float:
@@ -203,26 +225,40 @@ class SharedRate:
         over the ``sending_for`` seconds this process has been sending if that
         is shorter (at least :data:`LEARN_SHORTEST_SECONDS`): a server with a
         small burst refuses within a fraction of a second. At least one a
-        second. It is stored like a cut to that rate (the refusals that taught
-        it are that congestion event); an overestimate is cut to the share
-        accepted at the next refusal. A rate another process stored first is
-        kept.
+        second. That is a first guess, not a measure: a fraction of a second
+        after the first send it counts the server's burst and misses what is
+        not recorded yet (from 1 to 3 times the quota, measured). So the rate
+        starts there and probes: it is stored on the steep side of the curve
+        (:data:`LEARNED_PROBE_SECONDS` past the plateau), the refusals that
+        taught it being its congestion event, and doubles about every 1.5 s
+        while the schedule is saturated, until the next refusal cuts it to
+        what the server accepted over a full second. A rate another process
+        stored first is kept, unless it is a lower first guess of the last
+        second (the processes throttled together each guess; the rows recorded
+        lag the server, so the highest guess is the nearest).
         """
         with self.store.write() as conn:
             accepted = self._accepted(conn)
-            window = min(LEARN_WINDOW_SECONDS, max(LEARN_SHORTEST_SECONDS, sending_for))
-            initial = max(1.0, accepted / window)
+            initial = max(1.0, accepted / _window(sending_for))
             insert = self.store.dialect.insert(rate_table)
             now = self._now()
-            # Like a cut to the rate accepted: the refusals that taught it are its event.
-            held_since = now
-            statement = (insert.values(name=self.name, tat=now, cut_rate=initial,
+            # In force now: ``initial`` (the stored rate times the curve's value there).
+            stored, held_since = initial / _PROBE_CURVE, now - _PROBE_OFFSET
+            t = rate_table
+            # Another process's first guess of the last second, lower than this one
+            # (it counted fewer rows recorded yet): this one replaces it.
+            lower_guess = sa.and_(t.c.cut_at <= held_since,
+                                  t.c.cut_at >= held_since - LEARN_WINDOW_SECONDS,
+                                  t.c.cut_rate < stored)
+            statement = (insert.values(name=self.name, tat=now, cut_rate=stored,
                                        cut_at=held_since)
                          .on_conflict_do_update(
                              index_elements=["name"],
-                             set_={"cut_rate": initial, "cut_at": held_since},
-                             where=rate_table.c.cut_rate.is_(None)))
+                             set_={"cut_rate": stored, "cut_at": held_since},
+                             where=sa.or_(t.c.cut_rate.is_(None), lower_guess)))
             conn.execute(statement, self._params())
+            if self.store.dialect.listens:  # the others pace by it from their next round
+                conn.execute(notify_rate_statement(), {"name": self.name})
             row = conn.execute(sa.select(rate_table.c.cut_rate, rate_table.c.cut_at,
                                          (now if self.store.dialect.database_clock
                                           else sa.literal(0.0)).label("now"))
@@ -291,12 +327,12 @@ class SharedRate:
             values: dict[str, Any] = {"tat": greatest(t.c.tat, now) + n / rate}
             if self.rate is None:
                 # A learned rate at its cap probes on only while it is all used:
-                # the cap becomes the rate it holds, reached now.
+                # from the cap, on the curve's steep side (see learn()), so the
+                # rate in force goes on from where it is.
                 rebase = sa.and_(t.c.tat > now, rate >= t.c.cut_rate * (LEARNED_CAP * 0.999))
-                values["cut_rate"] = sa.case((rebase, t.c.cut_rate * LEARNED_CAP),
-                                             else_=t.c.cut_rate)
-                values["cut_at"] = sa.case((rebase, now - LEARNED_PLATEAU_SECONDS),
-                                           else_=t.c.cut_at)
+                values["cut_rate"] = sa.case(
+                    (rebase, t.c.cut_rate * (LEARNED_CAP / _PROBE_CURVE)), else_=t.c.cut_rate)
+                values["cut_at"] = sa.case((rebase, now - _PROBE_OFFSET), else_=t.c.cut_at)
             # RETURNING holds no parameters (SQLite would bind them out of order):
             # the caller computes the rate in force from the columns.
             returned = [t.c.tat, t.c.cut_rate, t.c.cut_at]

@@ -731,7 +731,8 @@ class Worker:
                      and not self.dispatching and not self.hand_ticked}
         try:
             report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now,
-                                          kept=self._writes)
+                                          kept=self._writes, paced=self.lanes.paced_ids(
+                                              done, dispatching=self.dispatching))
         except Exception:  # noqa: BLE001 - durability: ok Delivery._record reported it at ERROR, with what happens to the rows
             self._settle(BatchReport(not_claimed=[email.id for email, _ in done]))
             return
