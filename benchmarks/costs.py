@@ -27,13 +27,17 @@ The sink is Postfix's ``smtp-sink`` (C, answers at once) when installed, else
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+import sqlalchemy as sa
 
 from ._harness import (
     Context,
@@ -44,8 +48,6 @@ from ._harness import (
     free_port,
     log,
     median,
-    ratio,
-    status_counts,
     stop_process,
     tail,
     wait_listening,
@@ -122,26 +124,82 @@ def _triggers(url: str) -> list[str]:
     return sorted(str(row[0]) for row in execute(url, sql)[0])
 
 
-def _wait_sent(url: str, count: int, procs: list[subprocess.Popen[Any]], timeout: float) -> float:
-    """Poll until ``count`` rows are ``sent``; the time it was seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        counts = status_counts(url)
-        if counts.get("sent", 0) >= count:
-            return time.time()
-        ended = {k: v for k, v in counts.items() if k not in ("queued", "sending", "sent")}
-        if ended:
-            raise RuntimeError(f"emails ended unsent: {ended}")
-        for proc in procs:
-            if proc.poll() not in (None, 0):
-                raise RuntimeError(f"worker exited with {proc.returncode}:\n{tail(proc)}")
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"only {status_counts(url)} after {timeout:g} s")
-        time.sleep(0.02)
+@dataclasses.dataclass(frozen=True)
+class Drain:
+    """One drain: msg/s, and CPU seconds per email of the client and the server (None: SQLite)."""
+
+    rate: float
+    cpu: float
+    server_cpu: float | None
+
+
+class SentCounter:
+    """``count(*)`` of ``sent`` rows on one kept connection (a new one per poll would cost
+    the server a backend each time, and the measurement with it)."""
+
+    def __init__(self, url: str) -> None:
+        self.engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+        self.conn = self.engine.connect()
+
+    def counts(self) -> dict[str, int]:
+        rows = self.conn.execute(sa.text("SELECT status, count(*) FROM outbox_email "
+                                         "GROUP BY status")).all()
+        return {str(status): int(n) for status, n in rows}
+
+    def close(self) -> None:
+        self.conn.close()
+        self.engine.dispose()
+
+    def wait(self, count: int, procs: list[subprocess.Popen[Any]], timeout: float) -> float:
+        """Poll until ``count`` rows are ``sent``; the time it was seen."""
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = self.counts()
+            if counts.get("sent", 0) >= count:
+                return time.time()
+            ended = {k: v for k, v in counts.items() if k not in ("queued", "sending", "sent")}
+            if ended:
+                raise RuntimeError(f"emails ended unsent: {ended}")
+            for proc in procs:
+                if proc.poll() not in (None, 0):
+                    raise RuntimeError(f"worker exited with {proc.returncode}:\n{tail(proc)}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"only {counts} after {timeout:g} s")
+            time.sleep(0.02)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of ``pids`` (all their threads), from /proc; 0 for one gone."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
+
+def server_pids(ctx: Context) -> list[int]:
+    """PostgreSQL's postmaster and its children (backends, background processes)."""
+    pid_file = ctx.postgres().directory / "data" / "postmaster.pid"
+    postmaster = int(pid_file.read_text().split()[0])
+    found = [postmaster]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == postmaster:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def drain_pg(ctx: Context, url: str, sink: Any, *, n: int, workers: int, concurrency: int,
-             variant: str) -> float:
+             variant: str) -> Drain:
     """Durable drain by ``workers`` processes: msg/s from the release to the last ``sent``."""
     execute(url, "DELETE FROM outbox_attachment", "DELETE FROM outbox_email")
     bench = build(url, sink.smtp_port, create=False, OUTBOX_DURABLE=True,
@@ -156,20 +214,27 @@ def drain_pg(ctx: Context, url: str, sink: Any, *, n: int, workers: int, concurr
                                     "benchmarks.bench_app:create_app", "outbox", "worker",
                                     "--concurrency", str(concurrency)], env=env,
                                    name=f"costs-{variant}-{i}"))
+        counter = SentCounter(url)
         try:
             wait_listening(url, workers, procs)
+            server = server_pids(ctx)  # after every worker connected
+            pids = [proc.pid for proc in procs]
+            cpu_before = cpu_seconds(pids), cpu_seconds(server)
             released = release(bench)
-            done = _wait_sent(url, n + 1, procs, timeout=60 + n / 20)
+            done = counter.wait(n + 1, procs, timeout=60 + n / 20)
+            cpu_after = cpu_seconds(pids), cpu_seconds(server)
         finally:
+            counter.close()
             for proc in procs:
                 stop_process(proc)
     finally:
         bench.stop()
-    return (n + 1) / max(done - released, 1e-9)
+    return Drain((n + 1) / max(done - released, 1e-9),
+                 (cpu_after[0] - cpu_before[0]) / (n + 1), (cpu_after[1] - cpu_before[1]) / (n + 1))
 
 
 def drain_inline(ctx: Context, url: str, sink: Any, *, n: int, concurrency: int,
-                 variant: str) -> float:
+                 variant: str) -> Drain:
     """Inline mode in a child process: msg/s from the first ``send()`` to the last ``sent``."""
     execute(url, "DELETE FROM outbox_attachment", "DELETE FROM outbox_email")
     out = ctx.workdir / f"costs-inline-{variant}.json"
@@ -182,22 +247,25 @@ def drain_inline(ctx: Context, url: str, sink: Any, *, n: int, concurrency: int,
                       json.dumps({"n": n, "out": str(out)})], env=env, name=f"costs-{variant}")
     if proc.wait(timeout=120 + n / 20) != 0 or not out.exists():
         raise RuntimeError(f"inline child failed (exit {proc.returncode}):\n{tail(proc)}")
-    return float(json.loads(out.read_text())["rate"])
+    got = json.loads(out.read_text())
+    return Drain(float(got["rate"]), float(got["cpu"]) / n, None)
 
 
 def child_main(spec: dict[str, Any]) -> None:
-    """The inline app: send ``n`` (500 per commit), wait until all are sent, write the rate."""
+    """The inline app: send ``n`` (500 per commit), wait until all are sent; rate and CPU."""
     from .bench_app import from_env
 
     bench = from_env()
-    url = os.environ["BENCH_DB_URL"]
+    counter = SentCounter(os.environ["BENCH_DB_URL"])
     bench.app.test_client().get("/")  # starts the background jobs, as a first request does
     n = spec["n"]
-    started = time.time()
+    started, cpu = time.time(), time.process_time()
     bench.enqueue(n, "costs")
-    done = _wait_sent(url, n, [], timeout=60 + n / 20)
+    done = counter.wait(n, [], timeout=60 + n / 20)
+    cpu = time.process_time() - cpu
+    counter.close()
     with open(spec["out"], "w") as f:
-        json.dump({"rate": n / max(done - started, 1e-9)}, f)
+        json.dump({"rate": n / max(done - started, 1e-9), "cpu": cpu}, f)
     bench.stop()
 
 
@@ -219,46 +287,59 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
             bench = build(url, sink.smtp_port)  # the tables, the triggers
             if variant == "no-screen":
                 # Proof that the screen is skipped: were it read, every email would end
-                # suppressed and the drain would never finish.
+                # suppressed and the drain would fail.
                 with bench.app.app_context():
                     bench.mail.suppress(RECIPIENT, "manual", source="benchmarks.costs")
             bench.stop()
             if variant == "no-tally":
                 _drop_tally(url)
             databases[backend, variant] = url
-    rates: dict[tuple[str, str], list[float]] = {}
+    drains: dict[tuple[str, str], list[Drain]] = {}
     for r in range(args.rounds):
         for config in configs:
             backend = config.split("-")[0]
             if (backend, "as-is") not in databases:
                 continue
-            order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
-            for variant in order:
+            for variant in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
                 url = databases[backend, variant]
                 if backend == "pg":
-                    rate = drain_pg(ctx, url, sink, n=args.n, workers=int(config.split("-")[1]),
-                                    concurrency=args.concurrency, variant=variant)
+                    got = drain_pg(ctx, url, sink, n=args.n, workers=int(config.split("-")[1]),
+                                   concurrency=args.concurrency, variant=variant)
                 else:
-                    rate = drain_inline(ctx, url, sink, n=args.n,
-                                        concurrency=args.concurrency, variant=variant)
-                rates.setdefault((config, variant), []).append(rate)
-                log(f"costs round {r + 1} {config} {variant}: {rate:.0f} msg/s")
-    table = Table(f"Drain of {args.n} emails into {sink_name}, {args.rounds} rounds "
-                  "(variants interleaved); ratio: the variant over as-is in the same round",
-                  ["config", "variant", "median msg/s", "min", "max", "/ as-is (median)",
-                   "/ as-is (min-max)"])
+                    got = drain_inline(ctx, url, sink, n=args.n,
+                                       concurrency=args.concurrency, variant=variant)
+                drains.setdefault((config, variant), []).append(got)
+                log(f"costs round {r + 1} {config} {variant}: {got.rate:.0f} msg/s, "
+                    f"{got.cpu * 1e6:.0f} us client CPU/msg"
+                    + ("" if got.server_cpu is None else
+                       f", {got.server_cpu * 1e6:.0f} us server CPU/msg")
+                    + f" (load {os.getloadavg()[0]:.1f})")
+    table = Table(f"Drain of {args.n} emails into {sink_name}, {args.rounds} rounds, variants "
+                  "interleaved; / as-is: over as-is in the same round, median (min-max)",
+                  ["config", "variant", "msg/s", "/ as-is", "CPU us/msg", "/ as-is",
+                   "server CPU us/msg", "/ as-is"])
     report = Report(NAME, tables=[table])
     for config in configs:
-        base = rates.get((config, "as-is"))
+        base = drains.get((config, "as-is"))
         if not base:
             continue
         for variant in VARIANTS:
-            got = rates[config, variant]
-            ratios = [ratio(a, b) or 0.0 for a, b in zip(got, base, strict=True)]
-            table.add(config, variant, median(got), min(got), max(got), median(ratios),
-                      f"{min(ratios):.3f}-{max(ratios):.3f}")
-            report.figures[f"{config} {variant} msg/s"] = median(got)
-            report.figures[f"{config} {variant} / as-is"] = median(ratios)
+            got = drains[config, variant]
+            cells: list[Any] = [config, variant]
+            for field, scale in (("rate", 1.0), ("cpu", 1e6), ("server_cpu", 1e6)):
+                values = [getattr(d, field) for d in got]
+                if None in values:
+                    cells += [None, None]
+                    continue
+                ratios = [v / getattr(b, field) for v, b in zip(values, base, strict=True)]
+                cells += [(median(values) or 0.0) * scale,
+                          f"{median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"]
+                report.figures[f"{config} {variant} {field}"] = median(values)
+                report.figures[f"{config} {variant} {field} / as-is"] = median(ratios)
+            table.add(*cells)
+    report.notes.append("CPU: the worker processes' (inline: the app process's, the enqueue "
+                        "included) user + system time from the release to the last sent row, "
+                        "per email; server: PostgreSQL's processes over the same span")
     report.notes.append("no-tally: DROP TRIGGER of outbox_tally_* on that database; no-screen: "
                         "the screen replaced in the processes under test (BENCH_SKIP_SCREEN)")
     return report
