@@ -58,7 +58,7 @@ from .drain import HOLD, release
 
 NAME = "costs"
 HELP = "drain into a fast sink as is, without the tally triggers, without the suppression screen"
-SMOKE = ["--n", "40", "--rounds", "1", "--configs", "sqlite-inline,pg-1"]
+SMOKE = ["--n", "20", "--rounds", "1", "--configs", "sqlite-inline,pg-1"]
 VARIANTS = ("as-is", "no-tally", "no-screen")
 CONFIGS = ("sqlite-inline", "pg-1", "pg-4")
 
