@@ -15,6 +15,13 @@ from pathlib import Path
 PACKAGE = "flask_mail_outbox"
 HERE = Path(__file__).resolve().parent
 
+#: Private uses allowed, by file and name, each with its reason. The smoke run
+#: executes each of these files, so a move of the name fails it, not silently.
+ALLOWED = {
+    ("benchmarks/costs.py", PACKAGE + ".core._suppression"):
+        "the no-screen variant measures what the suppression screen costs a drain",
+}
+
 
 def _private(dotted: str) -> bool:
     return any(part.startswith("_") for part in dotted.split("."))
@@ -43,7 +50,8 @@ def private_imports(root: Path = HERE) -> list[str]:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
                     node.value.startswith(PACKAGE + ".")):
                 names = [node.value]
-            found += [f"{where}:{node.lineno}: {name}" for name in names if _private(name)]
+            found += [f"{where}:{node.lineno}: {name}" for name in names
+                      if _private(name) and (str(where), name) not in ALLOWED]
     return found
 
 

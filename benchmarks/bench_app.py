@@ -11,6 +11,9 @@ Workers run it as::
 ``BENCH_SMTP_PORT``      ``MAIL_PORT`` of a sink on 127.0.0.1 (required)
 ``BENCH_CONFIG``         a JSON object of further config keys, e.g.
                          ``{"OUTBOX_DURABLE": true, "OUTBOX_LISTEN": false}``
+``BENCH_SKIP_SCREEN``    set: the process screens no claimed batch against the
+                         suppression list (the ``costs`` scenario's variant, see
+                         :func:`benchmarks.costs.skip_screen`)
 =======================  ==========================================================
 """
 
@@ -84,6 +87,10 @@ def build(db_url: str, smtp_port: int, *, create: bool = True, **config: Any) ->
 
 def from_env() -> Bench:
     """:func:`build` from the ``BENCH_*`` variables."""
+    if os.environ.get("BENCH_SKIP_SCREEN"):
+        from .costs import skip_screen
+
+        skip_screen()
     return build(os.environ["BENCH_DB_URL"], int(os.environ["BENCH_SMTP_PORT"]), create=False,
                  **json.loads(os.environ.get("BENCH_CONFIG") or "{}"))
 

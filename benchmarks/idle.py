@@ -14,7 +14,11 @@ are no cursor statements, so the server's own log of the database
 The figure is the count in the window ``[boot + --warmup, + --seconds]``, per
 minute. The dispatcher's idle backoff grows to ``OUTBOX_POLL_MAX_INTERVAL`` (or
 the LISTEN backstop) and the periodic job runs every 60 s, so a steady figure
-needs a warm-up of about a minute and a window of a few minutes.
+needs a warm-up of about a minute and a window of a few minutes. Idle, the
+count is a step every ``OUTBOX_POLL_MAX_INTERVAL`` (30 s: one claim, three
+statements on SQLite), so a window that is no multiple of it holds one claim
+more or less by its phase: 90 s give 6.0 or 8.0 per minute for the same
+process. Keep the window a multiple of the poll cap (the default 300 s is).
 """
 
 from __future__ import annotations

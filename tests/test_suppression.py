@@ -11,6 +11,7 @@ unknown recipient (5.1.1, 5.1.2, 5.1.10) put an address on the list.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -104,6 +105,35 @@ def test_an_expired_entry_no_longer_applies(app: Flask, mail: OutboxMail,
     email_id = send(app, mail, ["gone@example.com"])
     assert finished(app, email_id)["status"] == "sent"
     assert smtp_server.messages[-1].rcpt_tos == ["gone@example.com"]
+
+
+def test_an_entry_that_lapses_between_two_screens_no_longer_applies(
+        app: Flask, mail: OutboxMail, smtp_server: FaultSMTPServer) -> None:
+    # The screen's SELECT is built once per process; "now" must still be now at each read
+    # (the caller's clock on SQLite, the database's on PostgreSQL).
+    with app.app_context():
+        mail.suppress("soon@example.com", expires_at=datetime.now(UTC) + timedelta(seconds=2))
+    first = send(app, mail, ["soon@example.com"])
+    assert finished(app, first)["status"] == "suppressed"
+    with app.app_context():
+        while mail.suppression("soon@example.com") is not None:
+            time.sleep(0.1)
+    second = send(app, mail, ["soon@example.com"])
+    assert finished(app, second)["status"] == "sent"
+    assert [m.rcpt_tos for m in smtp_server.messages] == [["soon@example.com"]]
+
+
+def test_the_screen_builds_its_select_once(app: Flask, mail: OutboxMail) -> None:
+    # Building it took more client CPU than running it, at every claim (issue 41).
+    suppressions = mail._state().outbox().suppressions
+    with app.app_context():
+        mail.suppress("a@example.com")
+    with suppressions.store.read() as conn:
+        assert suppressions._lookup(conn, ["a@example.com", "b@example.com"]) == {
+            "a@example.com": "manual"}
+        first = suppressions._in_force_statement()[0]
+        assert suppressions._lookup(conn, ["b@example.com"]) == {}
+    assert suppressions._in_force_statement()[0] is first
 
 
 # -- delivery ------------------------------------------------------------------------------

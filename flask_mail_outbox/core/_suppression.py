@@ -34,6 +34,8 @@ REASONS = ("bounced", "complained", "unsubscribed", "manual")
 
 #: Addresses per ``IN`` list (SQLite's default limit on bound parameters is 32,766).
 _CHUNK = 500
+#: The form of "now" of a store on the caller's clock (a value bound at each read).
+_CALLERS_CLOCK = object()
 _LIST_UNSUBSCRIBE = re.compile(rb"(?:^|\n)list-unsubscribe:", re.IGNORECASE)
 
 
@@ -82,6 +84,8 @@ class Suppressions:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        # The screen's read, built once (see _lookup): (the "now" it compares with, it).
+        self._screen_statement: tuple[object, sa.Select[Any]] | None = None
 
     # -- delivery ---------------------------------------------------------------------
 
@@ -116,18 +120,38 @@ class Suppressions:
         return screened
 
     def _lookup(self, conn: Connection, keys: Iterable[str]) -> dict[str, str]:
-        t = suppression_table
-        now = self.store.now_expr()
+        """The reason of each of ``keys`` whose entry is in force (absent: not suppressed)."""
+        stmt, params = self._in_force_statement()
         ordered = sorted(keys)
         found: dict[str, str] = {}
         for start in range(0, len(ordered), _CHUNK):
-            rows = conn.execute(
-                sa.select(t.c.address, t.c.reason)
-                .where(t.c.address.in_(ordered[start:start + _CHUNK]),
-                       sa.or_(t.c.expires_at.is_(None), t.c.expires_at > now))
-            ).all()
+            rows = conn.execute(stmt, {**params, "keys": ordered[start:start + _CHUNK]}).all()
             found.update((row.address, row.reason) for row in rows)
         return found
+
+    def _in_force_statement(self) -> tuple[sa.Select[Any], dict[str, Any]]:
+        """The lookup's SELECT and its parameters but the keys.
+
+        Built once per form of "now": building the SELECT took more client
+        CPU than running it (230 of 370 us on PostgreSQL), and the screen
+        runs at every claim. The caller's clock (a bound value) becomes the
+        ``now`` parameter; the database's clock stays SQL.
+        """
+        now = self.store.now_expr()
+        params: dict[str, Any] = {}
+        form: object = self.store.dialect
+        if isinstance(now, sa.BindParameter):
+            params["now"] = now.value
+            form = _CALLERS_CLOCK
+        if self._screen_statement is None or self._screen_statement[0] is not form:
+            t = suppression_table
+            compared = (sa.bindparam("now", type_=sa.DateTime()) if form is _CALLERS_CLOCK
+                        else now)
+            stmt: sa.Select[Any] = sa.select(t.c.address, t.c.reason).where(
+                t.c.address.in_(sa.bindparam("keys", expanding=True)),
+                sa.or_(t.c.expires_at.is_(None), t.c.expires_at > compared))
+            self._screen_statement = (form, stmt)
+        return self._screen_statement[1], params
 
     # -- changes ------------------------------------------------------------------------
 
