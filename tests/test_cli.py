@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MakeApps, close_app, free_port, make_app, rows
+from conftest import MakeApps, close_app, db, free_port, make_app, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox import OutboxMail
+from flask_mail_outbox import Message, OutboxMail
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -182,3 +182,41 @@ def test_send_test_works_through_every_provider_api(db_url: str, kind: str) -> N
     finally:
         close_app(app)
         fake.stop()
+
+
+def test_worker_debug_lines_follow_one_email_from_claim_to_record(
+        make_apps: MakeApps, db_url: str, smtp_server: FaultSMTPServer) -> None:
+    """Issue 41 item 7: `--log-level debug` shows each email's claim, hand-over, reply and
+    record, each line naming the email (`Email <id>`), so an operator can grep one."""
+    make_apps()  # the tables
+    assert _flask(db_url, smtp_server.port, "durable", "on").returncode == 0
+    # Durable, and no dispatcher of its own: the worker below delivers.
+    app, mail = make_apps(OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False)
+    with app.app_context():
+        ok = mail.send(Message("debug me", recipients=["a@example.com"], body="x"))
+        later = mail.send(Message("try again", recipients=["b@example.com"], body="x"))
+        db.session.commit()
+    smtp_server.reply("data", 451, "4.3.0 Try again later", times=1)
+    done = _flask(db_url, smtp_server.port, "worker", "--once", "--log-level", "debug")
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+
+    def of(email_id: int) -> list[str]:
+        return [line.split(": ", 1)[1] for line in lines
+                if f"Email {email_id} " in line or f"Email {email_id}:" in line]
+
+    first, second = of(ok), of(later)
+    both = {first[-1], second[-1]}
+    assert len(first) == 4 and len(second) == 4, done.stderr
+    assert first[0].startswith(f"Email {ok} claimed for attempt 1 on transport 'default'")
+    assert first[1].startswith(f"Email {ok} handed to the transport: Message-ID <")
+    assert {first[2].split(": ", 1)[0], second[2].split(": ", 1)[0]} == {
+        f"Email {ok}", f"Email {later}"}
+    # One of the two met the 451 (whichever went first), the other was accepted.
+    replies = {first[2], second[2]}
+    assert any(r.endswith("accepted") or "accepted, provider id" in r for r in replies), replies
+    assert any("transient failure: 451 4.3.0 Try again later" in r for r in replies), replies
+    assert any(r.endswith("recorded sent") for r in both), both
+    assert any(" recorded queued, due again in " in r and "451" in r for r in both), both
+    # Never an address in a DEBUG line.
+    assert "a@example.com" not in done.stderr and "b@example.com" not in done.stderr

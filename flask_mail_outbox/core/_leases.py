@@ -268,6 +268,10 @@ class Leases:
 
     def _claimed(self, rows: Sequence[Any], owner: str) -> list[ClaimedEmail]:
         """The claimed rows, in the order they are to be sent (:func:`._claim.send_order`)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            for row in rows:
+                logger.debug("Email %d claimed for attempt %d on transport %r (lease owner %s)",
+                             row.id, row.attempts, row.transport, owner)
         claimed = []
         for row in sorted(rows, key=_claim.send_order):
             options = json.loads(row.smtp_options) if row.smtp_options else {}
@@ -364,6 +368,13 @@ class Leases:
                 then(tx, recorded)
             # Last: on PostgreSQL it sets a lock timeout for the rest of the transaction.
             holders = self._advance_recorded(tx, keys)
+        if logger.isEnabledFor(logging.DEBUG):
+            for outcome in recorded:
+                logger.debug("Email %d attempt %d recorded %s%s", outcome.email.id,
+                             outcome.email.attempt, outcome.status.value, _due(outcome))
+            for outcome in lost:
+                logger.debug("Email %d attempt %d not recorded: its lease was lost (another "
+                             "claim owns it now)", outcome.email.id, outcome.email.attempt)
         return Recorded(recorded, lost, holders)
 
     def _write_outcomes(self, tx: Connection, outcomes: Sequence[Outcome],
@@ -454,6 +465,17 @@ class Leases:
         if entries:
             values["error_history"] = json.dumps([*outcome.email.error_history, *entries])
         return values
+
+
+def _due(outcome: Outcome) -> str:
+    """The rest of a recorded outcome's DEBUG line: when it is due again, and why."""
+    said = f" ({_error_text(outcome.error_code, outcome.error_message)})" \
+        if outcome.error_message else ""
+    if outcome.status is Status.QUEUED:
+        again = f"due again in {outcome.due_in:.0f} s" if outcome.due_in else "due again now"
+        back = ", attempt given back" if outcome.give_back_attempt else ""
+        return f", {again}{back}{said}"
+    return said
 
 
 def _plain_sent(outcome: Outcome) -> bool:

@@ -81,6 +81,21 @@ Report = Callable[[Envelope, Result], None]
 logger = logging.getLogger(__name__)
 
 
+def said(result: Result) -> str:
+    """What a result says, on one line, for a DEBUG line (the server's text, never an address)."""
+    steps = "".join(f"; failed over from {step.transport} ({step.error})"
+                    for step in result.failovers)
+    if isinstance(result, Delivered):
+        taken = f", provider id {result.provider_message_id}" if result.provider_message_id \
+            else ""
+        refused = f", {len(result.refused)} recipient(s) refused" if result.refused else ""
+        return f"accepted{taken}{refused}{steps}"
+    error = result.error
+    kind = ("not attempted" if isinstance(error, NotAttempted)
+            else "transient failure" if isinstance(error, TransientError) else "refused")
+    return f"{kind}: {error}{steps}"
+
+
 class NotAttempted(TransientError):
     """The transport was cancelled before it handed this message to the server.
 
@@ -139,6 +154,10 @@ class Sending:
                                    "Transport.open()")
             self._hand_over(envelopes)
             self._unreported += len(envelopes)
+        if logger.isEnabledFor(logging.DEBUG):
+            for envelope in envelopes:
+                logger.debug("Email %d handed to the transport: Message-ID %s, %d recipient(s)",
+                             envelope.email_id, envelope.message_id, len(envelope.recipients))
 
     def pending(self) -> int:
         """How many messages were put and not reported yet."""
@@ -187,6 +206,8 @@ class Sending:
 
     def _reported(self, envelope: Envelope, result: Result) -> None:
         """Hand ``result`` to the report callback; call once per message put."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("Email %d: %s", envelope.email_id, said(result))
         self._reporting.active = True
         try:
             self._report(envelope, result)
