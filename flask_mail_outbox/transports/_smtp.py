@@ -185,8 +185,23 @@ class SMTPTransport(Transport):
                               eightbitmime=client.supports_extension("8bitmime"))
         except Exception as exc:
             client.close()
-            raise _ConnectFailed(map_smtp_error(exc, secrets=(s.password,))) from exc
+            error = map_smtp_error(exc, secrets=(s.password,))
+            if isinstance(error, TransientError) and error.account_fault is None \
+                    and cannot_connect(exc):
+                # No session at all: if no connection of the stream is up, every
+                # message fails with this, and the core pauses the transport.
+                error.account_fault, error.transport_fault = "unreachable", True
+            raise _ConnectFailed(error) from exc
         return session
+
+
+def cannot_connect(exc: BaseException) -> bool:
+    """Whether ``exc`` says no connection to the server could be made (refused, timing
+    out, no route, no such host), not that a server answered."""
+    if isinstance(exc, aiosmtplib.SMTPConnectResponseError):
+        return False  # a server answered, with a refusal (421 too many connections)
+    return isinstance(exc, (aiosmtplib.SMTPConnectError, aiosmtplib.SMTPConnectTimeoutError,
+                            OSError, TimeoutError))
 
 
 class _Job:
