@@ -66,6 +66,8 @@ ACCOUNT_FAULTS: dict[str, str] = {
     "credentials": "the server or API refused the transport's credentials",
     "quota": "the account's sending quota is spent, or its sending is stopped",
     "sender": "the sender's domain or address is not verified for this account",
+    "settings": "the transport's settings name what the provider does not have (a sending "
+                "domain, a configuration set)",
     "unreachable": "the server or API cannot be reached at all (connection refused or "
                    "timing out)",
 }

@@ -584,6 +584,18 @@ class Delivery:
         finally:
             self.heartbeat.done(claimed)
 
+    def hold(self, claimed: Sequence[ClaimedEmail], why: str, due_in: float) -> int:
+        """Release claimed rows of a paused transport unsent: queued (attempt returned), due
+        again in ``due_in`` seconds (its probe), with ``why`` as their last error."""
+        if not claimed:
+            return 0
+        try:
+            outcomes = [Outcome(email, Status.QUEUED, give_back_attempt=True,
+                                due_in=due_in, error_message=why) for email in claimed]
+            return len(self.store.leases.record(outcomes).recorded)
+        finally:
+            self.heartbeat.done(claimed)
+
     # -- screening --------------------------------------------------------------------
 
     def screen(self, claimed: Sequence[ClaimedEmail]) -> list[ClaimedEmail] | None:

@@ -370,6 +370,17 @@ class Pauses:
         self.faults.recovered("pause-write")
         return True if done is None else done
 
+    def held(self, name: str) -> tuple[str, float]:
+        """Why an email of paused ``name`` is not sent now, and in how many seconds it is
+        due again (at the next probe, at least a second from now)."""
+        pause = self._view.get(name)
+        if pause is None:
+            return f"not sent: transport {name!r} is paused", self.config.pause_probe_seconds
+        due_in = max(1.0, (pause.probe_at - self.store.clock()).total_seconds())
+        why = (f"not sent: transport {name!r} is paused since "
+               f"{pause.since:%Y-%m-%d %H:%M:%S} UTC ({pause.kind}: {pause.reason})")
+        return why, due_in
+
     def overdue_reason(self, name: str) -> str:
         """The last error of an email ended by OUTBOX_MAX_QUEUE_LIFETIME_SECONDS."""
         pause = self._view.get(name)
@@ -388,6 +399,8 @@ _FIXES = {
              "suspended?)",
     "sender": "verify the sending domain or address with the provider, or send from a "
               "verified one",
+    "settings": "correct the setting the provider does not know (domain, base_url, "
+                "configuration_set)",
     "unreachable": "check that the server is up and reachable (MAIL_SERVER and MAIL_PORT, "
                    "base_url, firewalls, DNS)",
 }

@@ -641,8 +641,18 @@ class Worker:
                     gates[name] = Gate.CLOSED  # one probe
                     continue
             (going if gates[name] is Gate.OPEN else held).append(email)
-        self._release(held)
+        for name in {email.transport for email in held}:
+            self._hold([email for email in held if email.transport == name], name)
         return going
+
+    def _hold(self, emails: list[ClaimedEmail], name: str) -> None:
+        """Claimed rows of paused transport ``name``: queued again unsent until its probe."""
+        with self._cond:
+            for email in emails:
+                self._in_flight.pop(email.id, None)
+        why, due_in = self.pauses.held(name)
+        self.delivery.hold(emails, why, due_in)
+        self._settle(BatchReport(released=[email.id for email in emails]))
 
     def _end_overdue(self, name: str) -> None:
         """End ``name``'s emails that waited past OUTBOX_MAX_QUEUE_LIFETIME_SECONDS (failed,

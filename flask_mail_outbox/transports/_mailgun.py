@@ -22,10 +22,10 @@ https://documentation.mailgun.com/docs/mailgun/quickstart-guide/responses):
 
 A 404 says the domain is not one of the account's in this region (or
 ``base_url`` is not Mailgun's API root): a configuration error of the
-transport, not a fault of the message. It is treated like a refused key:
-transient, with one ERROR naming the entry's ``domain`` and ``base_url``, so
-fixing the setting and restarting delivers the queue instead of finding it
-dead-lettered.
+transport, not a fault of the message. Like a refused key it pauses the
+transport (``account_fault="settings"``, one ERROR naming the entry's
+``domain`` and ``base_url``): the emails wait without spending attempts, so
+fixing the setting delivers the queue instead of finding it dead-lettered.
 
 Refused at ``send()``: more than 1000 recipients and messages over 25 MB, the
 limits Mailgun documents. Assumed where the docs are silent: the envelope's
@@ -128,4 +128,4 @@ class MailgunTransport(HTTPTransport):
             f"{self.kind} API does not know the domain {self.options.get('domain')!r} "
             f"(HTTP 404): {detail}; check the domain and base_url of "
             f"OUTBOX_TRANSPORTS[{self.name!r}] (https://api.eu.mailgun.net for a domain in "
-            "the EU region)", code=404, account_fault="sender")
+            "the EU region)", code=404, account_fault="settings")

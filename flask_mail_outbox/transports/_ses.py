@@ -33,8 +33,8 @@ status codes and error shapes)::
   AccessDenied...) are ``credentials``; a spent quota,
   AccountSuspendedException and SendingPausedException ``quota``;
   MailFromDomainNotVerifiedException, and a MessageRejected "not verified"
-  that names the sender (or no address), ``sender``. NotFoundException (the
-  configuration set) is a transient fault; MessageRejected otherwise and
+  that names the sender (or no address), ``sender``; NotFoundException (the
+  configuration set) ``settings``. MessageRejected otherwise and
   BadRequestException (400) are permanent for that message; 5xx are
   transient faults.
 
@@ -295,18 +295,23 @@ class SESTransport(HTTPTransport):
             return TransientError(f"ses: not found (HTTP {status}): {detail}; check "
                                   f"configuration_set ({self.configuration_set!r}) and the "
                                   f"endpoint ({self.base_url})", code=status,
-                                  transport_fault=True)
+                                  account_fault="settings")
         return None
 
 
 
+_ADDRESSES = re.compile(r"[^\s,:;<>]+@[^\s,:;<>]+[^\s,:;<>.]")
+
+
 def _names_the_sender(said: str, envelopes: Sequence[Envelope]) -> bool:
-    """Whether SES's "not verified" is about the sender: it names the sender's address or
-    domain, or no address at all (in the sandbox it names an unverified recipient, which is
-    that message's problem alone)."""
-    if "@" not in said:
-        return True
-    return any(envelope.sender.lower() in said for envelope in envelopes)
+    """Whether SES's "not verified" is about the sender, not only about recipients.
+
+    Outside the sandbox SES checks the sender's identity; in the sandbox it also
+    names each recipient it has not verified, which is that message's problem alone.
+    """
+    named = {address.lower() for address in _ADDRESSES.findall(said)}
+    recipients = {address.lower() for envelope in envelopes for address in envelope.recipients}
+    return not named or not named <= recipients
 
 
 def endpoint_of(options: Mapping[str, Any]) -> str:
