@@ -10,15 +10,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import MakeApps, db, free_port, rows, wait_rows
+from conftest import MakeApps, db, rows, wait_rows
 from flask import Flask
 from provider_resend import API_KEY, FakeResend
+from sqlalchemy.orm import Session
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
+from flask_mail_outbox.core import (
+    Outbox,
+    Producer,
+    TestClock,
+    load_config,
+    metadata,
+    prepare_row,
+)
+from flask_mail_outbox.core._models import email_table, rate_table
+from flask_mail_outbox.transports import MemoryTransport
 
 PAUSED_ERROR = "is paused since"
 
@@ -100,3 +112,140 @@ def test_a_revoked_key_pauses_the_transport_and_nothing_is_dead_lettered(
     assert any("is back" in r.getMessage() and r.levelno == logging.INFO
                for r in caplog.records)
     mail.stop()
+
+
+# -- the probe's exact sequence, on a test clock ----------------------------------------
+
+
+def _clocked(db_url: str, **config: Any) -> tuple[Any, Any, Any, Any]:
+    """An outbox on a TestClock with a memory transport, its hand-ticked dispatcher."""
+    settings = {"MAIL_DEFAULT_SENDER": "shop@example.com", "OUTBOX_DURABLE": True,
+                "OUTBOX_LISTEN": False, "OUTBOX_MAX_ATTEMPTS": 2,
+                "OUTBOX_PAUSE_PROBE_SECONDS": 30, "OUTBOX_PAUSE_PROBE_MAX_SECONDS": 120,
+                **config}
+    clock = TestClock()
+    transport = MemoryTransport()
+    outbox = Outbox(db_url, load_config(settings, instance_path="/x", testing=False),
+                    transports={"default": transport}, clock=clock)
+    metadata.create_all(outbox.engine)
+    return outbox, clock, transport, outbox.dispatch(hand_ticked=True)
+
+
+def _enqueue(outbox: Any, count: int, **row: Any) -> None:
+    producer = Producer(outbox)
+    rows_ = [prepare_row(Message(f"n{i}", recipients=[f"r{i}@example.com"], body="hi"),
+                         outbox.config, key=None, due_at=None, now=outbox.store.clock(),
+                         **row)
+             for i in range(count)]
+    with Session(outbox.engine) as session, session.begin():
+        producer.enqueue(session, rows_)
+
+
+def _state(outbox: Any) -> tuple[Any, list[tuple[str, int]]]:
+    """The pause's columns of the default transport, and each email's (status, attempts)."""
+    r, e = rate_table, email_table
+    with outbox.engine.connect() as conn:
+        pause = conn.execute(sa.select(r.c.paused_kind, r.c.paused_since, r.c.probe_at,
+                                       r.c.probe_delay).where(r.c.name == "default")).first()
+        emails = [(row.status, row.attempts) for row in conn.execute(
+            sa.select(e.c.status, e.c.attempts).order_by(e.c.id))]
+    return pause, emails
+
+
+def test_the_probe_sequence_on_a_test_clock(db_url: str) -> None:
+    outbox, clock, transport, worker = _clocked(db_url)
+    try:
+        _enqueue(outbox, 3)
+        # The 3 claimed sends meet the fault, then 3 probes are refused, the 4th gets through.
+        transport.fail_next(6, kind="account")
+        worker.tick()
+        pause, emails = _state(outbox)
+        assert emails == [("queued", 0)] * 3
+        assert (pause.paused_kind, pause.probe_delay) == ("credentials", 30)
+        since = pause.paused_since
+        assert abs((pause.probe_at - since).total_seconds() - 30) < 0.5
+        # Each probe at its time, not before; its refusal doubles the delay (capped at 120).
+        at = since
+        for delay, next_delay in ((30, 60), (60, 120), (120, 120)):
+            clock.advance(delay - 1)
+            worker.tick()
+            assert transport.failures.pending() == 6 - 3 - [30, 60, 120].index(delay), delay
+            clock.advance(1)
+            worker.tick()
+            assert transport.failures.pending() == 6 - 4 - [30, 60, 120].index(delay), delay
+            pause, emails = _state(outbox)
+            assert pause.probe_delay == next_delay
+            at += timedelta(seconds=delay)
+            assert abs((pause.probe_at - (at + timedelta(seconds=next_delay))).total_seconds()) \
+                < 1, (pause.probe_at, at)
+            assert emails == [("queued", 0)] * 3
+        # The 4th probe goes: the transport resumes, and the others go at once.
+        clock.advance(119)
+        worker.tick()
+        assert transport.outbox == []
+        clock.advance(1)
+        worker.tick()
+        worker.tick()
+        pause, emails = _state(outbox)
+        assert pause.paused_kind is None and pause.probe_at is None
+        assert emails == [("sent", 1)] * 3
+        assert len(transport.outbox) == 3
+    finally:
+        outbox.stop(5)
+
+
+def test_an_email_waits_at_most_the_queue_lifetime_then_fails_with_the_fault(
+        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    outbox, clock, transport, worker = _clocked(db_url, OUTBOX_MAX_QUEUE_LIFETIME_SECONDS=3600)
+    try:
+        _enqueue(outbox, 2)
+        _enqueue(outbox, 1, expires_at=clock.now() + timedelta(minutes=20))
+        transport.fail_next(100, kind="account")
+        worker.tick()
+        assert _state(outbox)[1] == [("queued", 0)] * 3
+        for _ in range(12):  # probes every 30 s doubling to 2 min, for 20 minutes
+            clock.advance(120)
+            worker.tick()
+            worker.tick()
+        # Its own expires_after ended one: expired.
+        assert _state(outbox)[1] == [("queued", 0), ("queued", 0), ("expired", 0)]
+        for _ in range(20):  # past an hour in the queue
+            clock.advance(120)
+            worker.tick()
+            worker.tick()
+        pause, emails = _state(outbox)
+        assert emails == [("failed", 0), ("failed", 0), ("expired", 0)]
+        assert pause.paused_kind == "credentials"  # still down
+        with outbox.engine.connect() as conn:
+            errors = list(conn.execute(sa.select(email_table.c.last_error).where(
+                email_table.c.status == "failed")).scalars())
+        for error in errors:
+            assert error.startswith("waited longer than OUTBOX_MAX_QUEUE_LIFETIME_SECONDS (1 h) "
+                                    "while transport 'default' was paused ("), error
+            assert "credentials" in error and "535" in error
+        assert transport.outbox == []
+    finally:
+        outbox.stop(5)
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ({"OUTBOX_PAUSE_PROBE_SECONDS": 0}, "OUTBOX_PAUSE_PROBE_SECONDS"),
+    ({"OUTBOX_PAUSE_PROBE_SECONDS": "soon"}, "OUTBOX_PAUSE_PROBE_SECONDS"),
+    ({"OUTBOX_PAUSE_PROBE_MAX_SECONDS": 10}, "OUTBOX_PAUSE_PROBE_MAX_SECONDS"),
+    ({"OUTBOX_MAX_QUEUE_LIFETIME_SECONDS": -1}, "OUTBOX_MAX_QUEUE_LIFETIME_SECONDS"),
+    ({"OUTBOX_MAX_QUEUE_LIFETIME_SECONDS": "5d"}, "OUTBOX_MAX_QUEUE_LIFETIME_SECONDS"),
+])
+def test_bad_pause_settings_are_a_config_error_naming_the_key(
+        config: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_config(config, instance_path="/x", testing=True)
+    assert raised.value.key == key
+
+
+def test_pause_settings_defaults_and_none() -> None:
+    config = load_config({}, instance_path="/x", testing=True)
+    assert (config.pause_probe_seconds, config.pause_probe_max_seconds,
+            config.max_queue_lifetime_seconds) == (30.0, 600.0, 5 * 86400.0)
+    config = load_config({"OUTBOX_MAX_QUEUE_LIFETIME_SECONDS": None}, instance_path="/x",
+                         testing=True)
+    assert config.max_queue_lifetime_seconds is None

@@ -424,4 +424,4 @@ def _fault_of(result: Any) -> TransientError | None:
 
 
 def _reason(error: TransientError) -> str:
-    return clean_text(error.message, 1000)
+    return clean_text(str(error), 1000)
