@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import MakeApps, db, rows, wait_rows
+from conftest import MakeApps, db, free_port, rows, wait_rows
 from flask import Flask
 from provider_resend import API_KEY, FakeResend
+from smtpserver import FaultSMTPServer
 from sqlalchemy.orm import Session
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
@@ -74,6 +75,15 @@ def _pause_row(app: Flask, name: str = "default") -> Any:
             "FROM outbox_rate WHERE name = :name"), {"name": name}).first()
 
 
+def _waiting(app: Flask) -> bool:
+    """Every email waits with its attempts kept (queued, attempts 0), but one probe, which
+    may be out (sending, its attempt taken for it)."""
+    current = rows(app)
+    out = [r for r in current if r["status"] == "sending"]
+    return len(out) <= 1 and all(r["status"] == "queued" and r["attempts"] == 0
+                                 for r in current if r not in out)
+
+
 def _errors(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.levelno >= logging.ERROR and text in r.getMessage()]
@@ -96,8 +106,7 @@ def test_a_revoked_key_pauses_the_transport_and_nothing_is_dead_lettered(
     time.sleep(2.5)
     probes = len(fake.sending()) - before
     assert 1 <= probes <= 4, probes
-    current = rows(app)
-    assert all(r["status"] == "queued" and r["attempts"] == 0 for r in current), current
+    assert _waiting(app), rows(app)
     # The key is good again: the next probe gets through and everything goes at once.
     fake.api_key = API_KEY
     sent = wait_rows(app, lambda rs: all(r["status"] == "sent" for r in rs), timeout=10)
@@ -249,3 +258,67 @@ def test_pause_settings_defaults_and_none() -> None:
     config = load_config({"OUTBOX_MAX_QUEUE_LIFETIME_SECONDS": None}, instance_path="/x",
                          testing=True)
     assert config.max_queue_lifetime_seconds is None
+
+
+# -- SMTP: refused AUTH, a closed port; a failover --------------------------------------
+
+
+def _smtp_app(make_apps: MakeApps, host: str, port: int, **config: Any) -> tuple[Flask, Any]:
+    return make_apps(**{
+        "OUTBOX_DURABLE": True, "OUTBOX_LISTEN": False, "OUTBOX_POLL_INTERVAL": 0.05,
+        "OUTBOX_POLL_MAX_INTERVAL": 0.2, "OUTBOX_INLINE_RETRIES": 0, "OUTBOX_MAX_ATTEMPTS": 2,
+        "OUTBOX_RETRY_BASE_SECONDS": 0.2, "OUTBOX_PAUSE_PROBE_SECONDS": 0.5,
+        "OUTBOX_PAUSE_PROBE_MAX_SECONDS": 1.0, "MAIL_SERVER": host, "MAIL_PORT": port,
+        "MAIL_TIMEOUT": 2, **config})
+
+
+def test_an_smtp_server_refusing_the_password_pauses_until_it_takes_it(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    smtp_server.require_auth("outbox", "the-new-password")
+    app, mail = _smtp_app(make_apps, smtp_server.host, smtp_server.port,
+                          MAIL_USERNAME="outbox", MAIL_PASSWORD="the-old-password")
+    _send(app, 4)
+    wait_rows(app, lambda rs: _pause_row(app) is not None
+              and _pause_row(app).paused_kind == "credentials", timeout=10)
+    time.sleep(2)
+    assert _waiting(app), rows(app)
+    assert "535" in _pause_row(app).paused_reason
+    assert smtp_server.messages == []
+    smtp_server.require_auth("outbox", "the-old-password")  # the server takes it again
+    sent = wait_rows(app, lambda rs: all(r["status"] == "sent" for r in rs), timeout=10)
+    assert sorted(smtp_server.message_ids()) == sorted(r["message_id"] for r in sent)
+    assert all(r["attempts"] == 1 for r in sent)
+    assert len(_errors(caplog, PAUSED_ERROR)) == 1
+    assert "the-old-password" not in caplog.text
+    mail.stop()
+
+
+def test_a_closed_port_pauses_the_transport_as_unreachable(
+        make_apps: MakeApps, caplog: pytest.LogCaptureFixture) -> None:
+    app, mail = _smtp_app(make_apps, "127.0.0.1", free_port())
+    _send(app, 3)
+    wait_rows(app, lambda rs: _pause_row(app) is not None
+              and _pause_row(app).paused_kind == "unreachable", timeout=10)
+    time.sleep(2.5)  # probes at 0.5 s doubling to 1 s, each refused
+    assert _waiting(app), rows(app)
+    [error] = _errors(caplog, PAUSED_ERROR)
+    assert "cannot be reached" in error and "MAIL_SERVER and MAIL_PORT" in error
+    assert _pause_row(app).probe_delay == 1.0
+    mail.stop()
+
+
+def test_a_failover_transport_takes_the_mail_while_the_primary_refuses_its_key(
+        make_apps: MakeApps, fake: FakeResend, smtp_server: FaultSMTPServer) -> None:
+    fake.api_key = "re_rotated_elsewhere"
+    app, mail = _durable(make_apps, fake, OUTBOX_TRANSPORTS={
+        "default": _entry(fake, failover=["backup"]),
+        "backup": {"transport": "smtp", "MAIL_SERVER": smtp_server.host,
+                   "MAIL_PORT": smtp_server.port}})
+    _send(app, 3)
+    sent = wait_rows(app, lambda rs: all(r["status"] == "sent" for r in rs), timeout=10)
+    assert sorted(smtp_server.message_ids()) == sorted(r["message_id"] for r in sent)
+    assert all(r["attempts"] == 1 for r in sent)
+    assert fake.accepted == [] and _pause_row(app) is None
+    mail.stop()

@@ -102,8 +102,10 @@ def test_a_key_revoked_then_restored_under_several_workers_loses_and_doubles_not
         assert wait_rows(producer, lambda rs: _paused(producer) == "credentials", timeout=30)
         time.sleep(4)  # several probes (0.5 s doubling to 1 s), all refused
         during = [r for r in rows(producer) if r["subject"].startswith("during")]
-        assert all(r["status"] == "queued" and r["attempts"] == 0 for r in during), [
-            (r["id"], r["status"], r["attempts"]) for r in during if r["attempts"]]
+        probing = [r for r in during if r["status"] == "sending"]  # one probe may be out
+        assert len(probing) <= 1 and all(
+            r["status"] == "queued" and r["attempts"] == 0 for r in during
+            if r not in probing), [(r["id"], r["status"], r["attempts"]) for r in during]
         refused = len(api.sending()) - BEFORE
         api.credentials = {ACCESS_KEY_ID: SECRET_ACCESS_KEY}  # restored
         done = wait_rows(producer, all_done(BEFORE + DURING), timeout=60)
