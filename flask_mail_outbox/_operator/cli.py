@@ -26,6 +26,7 @@ from ..core._internal import (
     DURABLE_SETTING,
     EXACT,
     MAX_CONCURRENCY,
+    PauseStore,
     recount_tally,
     utcnow,
 )
@@ -273,7 +274,8 @@ def sweep(min_age: float | None, limit: int | None, dry_run: bool) -> None:
               help="First rebuild the running totals of sent, suppressed, expired and "
                    "cancelled from the rows (one scan of the table).")
 def status(as_json: bool, recount: bool) -> None:
-    """Rows per status, the oldest queued row's age, the mode and the last sweep.
+    """Rows per status, the oldest queued row's age, the mode, the last sweep and the
+    transports paused by a fault of their own (since when, why, the next probe).
 
     queued, sending and failed are counted row by row; sent, suppressed, expired
     and cancelled are running totals that triggers keep in ``outbox_tally``
@@ -292,6 +294,7 @@ def status(as_json: bool, recount: bool) -> None:
             with _state().outbox().store.write() as conn:
                 corrected = recount_tally(conn)
         stats = mail.stats()
+        pauses = PauseStore(_state().outbox().store).all()
     except SQLAlchemyError as exc:
         # The type only: a driver's message may name hosts and users.
         raise click.ClickException(
@@ -302,6 +305,7 @@ def status(as_json: bool, recount: bool) -> None:
     stats.pop("dispatcher", None)  # this CLI process runs none
     if corrected is not None:
         stats["recounted"] = corrected
+    stats["paused_transports"] = [pauses[name].as_dict() for name in sorted(pauses)]
     if as_json:
         click.echo(json.dumps(stats, indent=2, sort_keys=True))
         return
@@ -331,6 +335,11 @@ def status(as_json: bool, recount: bool) -> None:
                    f"{last['scanned']}, requeued {last['requeued']}, sent {last['sent']}, "
                    f"failed {last['failed']}, skipped {last['skipped']}, truncated "
                    f"{last['truncated']}{gated}")
+    click.echo("paused transports: " + ("none" if not pauses else ""))
+    for name in sorted(pauses):
+        pause = pauses[name]
+        click.echo(f"  {name}: {pause.kind} since {pause.since:%Y-%m-%d %H:%M:%S} UTC, next "
+                   f"probe at {pause.probe_at:%Y-%m-%d %H:%M:%S} UTC: {pause.reason}")
 
 
 @outbox_cli.group("dlq")
