@@ -7,10 +7,11 @@ AUTH, or a closed port), on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -321,4 +322,62 @@ def test_a_failover_transport_takes_the_mail_while_the_primary_refuses_its_key(
     assert sorted(smtp_server.message_ids()) == sorted(r["message_id"] for r in sent)
     assert all(r["attempts"] == 1 for r in sent)
     assert fake.accepted == [] and _pause_row(app) is None
+    mail.stop()
+
+
+# -- what an operator sees -----------------------------------------------------------------
+
+
+def test_status_health_metrics_and_the_dashboard_show_the_paused_transport(
+        make_apps: MakeApps, fake: FakeResend) -> None:
+    from prometheus_client import CollectorRegistry
+
+    fake.api_key = "re_rotated_elsewhere"
+    app, mail = _durable(make_apps, fake, OUTBOX_PAUSE_PROBE_SECONDS=60,
+                         OUTBOX_PAUSE_PROBE_MAX_SECONDS=60)
+    app.register_blueprint(mail.dashboard_blueprint(authorize=lambda: True),
+                           url_prefix="/outbox")
+    registry = CollectorRegistry()
+    mail.init_metrics(registry, app=app)
+    _send(app, 1)
+    wait_rows(app, lambda rs: _pause_row(app) is not None, timeout=10)
+    # The CLI in an app of its own (`flask outbox status` stops its app's worker).
+    cli_app, _ = make_apps(OUTBOX_RUN_WORKER=False, OUTBOX_TRANSPORTS={"default": _entry(fake)})
+    runner = cli_app.test_cli_runner()
+    result = runner.invoke(args=["outbox", "status", "--json"])
+    assert result.exit_code == 0, result.output
+    [paused] = json.loads(result.output)["paused_transports"]
+    assert (paused["transport"], paused["kind"]) == ("default", "credentials")
+    assert "invalid_api_key" in paused["reason"] and paused["probe_delay_seconds"] == 60
+    text = runner.invoke(args=["outbox", "status"]).output
+    assert "paused transports:\n  default: credentials since " in text
+    with app.app_context():
+        health = mail.health()
+    assert health["status"] == "degraded"
+    [reason] = [r for r in health["reasons"] if r["code"] == "transport_paused"]
+    assert "transport 'default' is paused since" in reason["message"]
+    assert "invalid_api_key" in reason["message"]
+    assert [p["transport"] for p in health["paused_transports"]] == ["default"]
+    assert registry.get_sample_value("outbox_transport_paused",
+                                     {"transport": "default", "kind": "credentials"}) == 1.0
+    assert registry.get_sample_value("outbox_transport_paused_seconds",
+                                     {"transport": "default"}) >= 0.0
+    page = app.test_client().get("/outbox/").get_data(as_text=True)
+    assert 'id="paused-default"' in page and "credentials since" in page
+    # Back: every surface says so.
+    fake.api_key = API_KEY
+    earlier = {"now": datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=5)}
+    with app.app_context(), db.engine.begin() as conn:  # the minute's wait, skipped
+        conn.execute(sa.text("UPDATE outbox_rate SET probe_at = :now"), earlier)
+        conn.execute(sa.text("UPDATE outbox_email SET due_at = :now"), earlier)
+    wait_rows(app, lambda rs: rs[0]["status"] == "sent", timeout=10)
+    assert json.loads(runner.invoke(args=["outbox", "status", "--json"]).output)[
+        "paused_transports"] == []
+    assert "paused transports: none" in runner.invoke(args=["outbox", "status"]).output
+    with app.app_context():
+        assert not [r for r in mail.health()["reasons"] if r["code"] == "transport_paused"]
+    assert registry.get_sample_value("outbox_transport_paused",
+                                     {"transport": "default", "kind": ""}) == 0.0
+    assert 'id="paused-transports"' not in app.test_client().get("/outbox/").get_data(
+        as_text=True)
     mail.stop()

@@ -335,7 +335,7 @@ def status(as_json: bool, recount: bool) -> None:
                    f"{last['scanned']}, requeued {last['requeued']}, sent {last['sent']}, "
                    f"failed {last['failed']}, skipped {last['skipped']}, truncated "
                    f"{last['truncated']}{gated}")
-    click.echo("paused transports: " + ("none" if not pauses else ""))
+    click.echo("paused transports:" + ("" if pauses else " none"))
     for name in sorted(pauses):
         pause = pauses[name]
         click.echo(f"  {name}: {pause.kind} since {pause.since:%Y-%m-%d %H:%M:%S} UTC, next "
