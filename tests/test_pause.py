@@ -96,8 +96,8 @@ def test_a_revoked_key_pauses_the_transport_and_nothing_is_dead_lettered(
     fake.api_key = "re_rotated_elsewhere"  # ours is refused: 403 invalid_api_key
     app, mail = _durable(make_apps, fake)
     _send(app, 5)
-    paused = wait_rows(app, lambda rs: len(rs) == 5 and all(r["last_error"] for r in rs),
-                       timeout=10)
+    paused = wait_rows(app, lambda rs: len(rs) == 5 and all(r["last_error"] for r in rs)
+                       and _pause_row(app) is not None, timeout=10)
     assert all(r["status"] == "queued" and r["attempts"] == 0 for r in paused), paused
     row = _pause_row(app)
     assert row is not None and row.paused_kind == "credentials", row

@@ -235,7 +235,8 @@ def test_401_keeps_the_rows_queued_with_one_error_then_a_rotated_key_delivers(
                   OUTBOX_INLINE_RETRIES=0)
     _send(app, "one")
     _send(app, "two")
-    current = wait_rows(app, lambda rs: all(r["error_history"] for r in rs), timeout=10)
+    current = wait_rows(app, lambda rs: all(r["error_history"] for r in rs)
+                        and bool(_config_errors(caplog)), timeout=10)
     # The transport is paused (test_pause.py): the emails keep their attempts.
     assert [(r["status"], r["attempts"]) for r in current] == [("queued", 0), ("queued", 0)]
     assert all("401" in r["last_error"] and "Forbidden" in r["last_error"] for r in current)
@@ -257,7 +258,8 @@ def test_404_for_an_unknown_domain_is_a_setting_to_fix_not_a_dead_letter(
                   OUTBOX_INLINE_RETRIES=0)
     _send(app, "one")
     _send(app, "two")
-    current = wait_rows(app, lambda rs: all(r["error_history"] for r in rs), timeout=10)
+    current = wait_rows(app, lambda rs: all(r["error_history"] for r in rs)
+                        and bool(_config_errors(caplog)), timeout=10)
     # The transport is paused (test_pause.py): the emails keep their attempts.
     assert [(r["status"], r["attempts"]) for r in current] == [("queued", 0), ("queued", 0)]
     assert all("Domain not found: mg.example.org" in r["last_error"] for r in current)

@@ -279,7 +279,8 @@ def test_401_keeps_the_rows_queued_with_one_error_then_a_rotated_key_delivers(
                   OUTBOX_INLINE_RETRIES=0)
     _send(app, "one")
     _send(app, "two")
-    current = wait_rows(app, lambda rs: all(r["error_history"] for r in rs), timeout=10)
+    current = wait_rows(app, lambda rs: all(r["error_history"] for r in rs) and any(
+        r.levelno >= logging.ERROR for r in caplog.records), timeout=10)
     # The transport is paused (test_pause.py): the emails keep their attempts.
     assert [(r["status"], r["attempts"]) for r in current] == [("queued", 0), ("queued", 0)]
     assert all("401" in r["last_error"] and "API key" in r["last_error"] for r in current)

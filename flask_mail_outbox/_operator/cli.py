@@ -154,7 +154,9 @@ def send_test(to: str, subject: str, timeout: float, transport: str | None) -> N
     status = row["status"]
     # Only what this process tried: with no dispatcher here (OUTBOX_RUN_WORKER = False,
     # durable), a `flask outbox worker` delivers it, and its expiry bounds the wait.
-    if idle and status == "queued" and row["attempts"] > 0 and mail.cancel(email_id):
+    # (Or held unsent with why, its attempt kept, while its transport is paused.)
+    if idle and status == "queued" and (row["attempts"] > 0 or row["last_error"]) \
+            and mail.cancel(email_id):
         # Waiting for a retry due before its expiry: a test is not retried later.
         db.session.commit()
         status = "cancelled"

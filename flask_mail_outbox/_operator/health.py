@@ -4,7 +4,8 @@ A check is one SQL statement (:meth:`~flask_mail_outbox.core.Reader.health_figur
 subqueries each read index entries of queued or failed rows only (which index
 is the planner's choice: the partial ones, or ``ix_outbox_email_status_id``),
 so it costs the same with a million retained ``sent`` rows as with none, and a
-load balancer may call it every second.
+load balancer may call it every second; and one read of ``outbox_rate`` (a row
+per transport) for the paused transports.
 
 The status is ``degraded`` when, with one reason each:
 

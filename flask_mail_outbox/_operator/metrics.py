@@ -58,7 +58,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 
 class QueueCollector(Collector):
-    """Gauges read from the database at scrape time (one statement per scrape)."""
+    """Gauges read from the database at scrape time (one statement of the queue per
+    scrape, and one of ``outbox_rate``, a row per transport, for the paused ones)."""
 
     def __init__(self) -> None:
         self._state: weakref.ref[AppState] | None = None

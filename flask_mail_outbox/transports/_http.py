@@ -46,6 +46,7 @@ import dataclasses
 import email.utils
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -350,8 +351,16 @@ class HTTPTransport(Transport):
 
 
 def _unreachable(exc: Exception) -> str | None:
-    """``"unreachable"`` when ``exc`` says no connection to the API could be made at all."""
-    return "unreachable" if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else None
+    """``"unreachable"`` when ``exc`` says no connection to the API could be made at all
+    (refused, timing out, no such host), not a TLS handshake that failed."""
+    if not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return None
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return None
+        seen = seen.__cause__ or seen.__context__
+    return "unreachable"
 
 
 def retry_after(response: httpx.Response) -> float | None:

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import queue
 import socket
+import ssl
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -196,12 +197,14 @@ class SMTPTransport(Transport):
 
 
 def cannot_connect(exc: BaseException) -> bool:
-    """Whether ``exc`` says no connection to the server could be made (refused, timing
-    out, no route, no such host), not that a server answered."""
+    """Whether ``exc`` says no TCP connection to the server could be made (refused, timing
+    out, no route, no such host): not a server that answered badly or late (a greeting
+    that never came, a 421), nor a TLS handshake that failed."""
     if isinstance(exc, aiosmtplib.SMTPConnectResponseError):
-        return False  # a server answered, with a refusal (421 too many connections)
-    return isinstance(exc, (aiosmtplib.SMTPConnectError, aiosmtplib.SMTPConnectTimeoutError,
-                            OSError, TimeoutError))
+        return False
+    cause = exc.__cause__ if isinstance(exc, aiosmtplib.SMTPConnectError) else exc
+    return isinstance(cause, OSError) and not isinstance(
+        cause, (aiosmtplib.SMTPException, ssl.SSLError))
 
 
 class _Job:
