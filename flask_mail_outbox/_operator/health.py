@@ -19,7 +19,7 @@ The status is ``degraded`` when, with one reason each:
 * ``dispatcher_tick_failed``: this process's dispatcher's last tick failed;
 * ``transport_paused``: a transport is paused by a fault of its own (refused
   credentials, a spent quota, an unverified sender, a server that cannot be
-  reached: see docs/guide/retries.md), one reason per transport, naming it,
+  reached: see docs/guide/modes.md, "A paused transport"), one reason per transport, naming it,
   since when and why; its emails wait (``paused_transports`` lists them).
 
 The route answers 503 only for :data:`INSTANCE_REASONS` unless it is strict.

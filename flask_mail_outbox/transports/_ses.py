@@ -28,7 +28,7 @@ status codes and error shapes)::
   TooManyRequestsException and Throttling are throttles, but a quota ("Daily
   message quota exceeded", with them or LimitExceededException) is the
   account's. The account's faults pause the transport (``account_fault``,
-  see docs/guide/retries.md): the credential errors of 401 and 403
+  see docs/guide/modes.md, "A paused transport"): the credential errors of 401 and 403
   (InvalidSignatureException, UnrecognizedClientException, ExpiredToken,
   AccessDenied...) are ``credentials``; a spent quota,
   AccountSuspendedException and SendingPausedException ``quota``;

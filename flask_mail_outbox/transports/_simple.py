@@ -86,7 +86,7 @@ class Failures:
         (a 550: dead-lettered) or ``"throttle"`` (a 421 rate reply: deferred,
         the attempt given back) or ``"account"`` (a 535 refusing the credentials:
         the transport is paused, the attempt given back, see
-        docs/guide/retries.md); ``message``: the server's text instead of the
+        docs/guide/modes.md, "A paused transport"); ``message``: the server's text instead of the
         default one. Rules are used in the order they were added. Raises
         :class:`ValueError` for a bad argument.
         """
