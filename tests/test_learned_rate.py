@@ -94,7 +94,9 @@ def test_a_learned_rate_starts_at_what_was_accepted_and_follows_its_curve(
         # Learned like a cut to the accepted rate: 12/s held, 0.7 of it at first.
         assert rate.learn(sending_for=5.0) == pytest.approx(12 * LEARNED_CUT)
         assert _rate_row(app) == {"name": "default", "tat": wall.now, "cut_rate": 12.0,
-                                  "cut_at": wall.now}
+                                  "cut_at": wall.now, "paused_kind": None,
+                                  "paused_reason": None, "paused_since": None,
+                                  "probe_at": None, "probe_delay": None}  # not paused
         assert other.exists() and other.current == 12.0
         # Another process learning later keeps the stored rate.
         _mark_sent(app, 30, store.clock())
