@@ -324,6 +324,11 @@ def status(as_json: bool, recount: bool) -> None:
                "--recount rebuilds them)")
     age = stats["oldest_queued_age_seconds"]
     click.echo("oldest queued: " + ("none" if age is None else f"{age:.0f} s"))
+    click.echo("paused transports:" + ("" if pauses else " none"))
+    for name in sorted(pauses):
+        pause = pauses[name]
+        click.echo(f"  {name}: {pause.kind} since {pause.since:%Y-%m-%d %H:%M:%S} UTC, next "
+                   f"probe at {pause.probe_at:%Y-%m-%d %H:%M:%S} UTC: {pause.reason}")
     last = stats["last_sweep"]
     if last is None:
         click.echo("last sweep: never")
@@ -337,11 +342,6 @@ def status(as_json: bool, recount: bool) -> None:
                    f"{last['scanned']}, requeued {last['requeued']}, sent {last['sent']}, "
                    f"failed {last['failed']}, skipped {last['skipped']}, truncated "
                    f"{last['truncated']}{gated}")
-    click.echo("paused transports:" + ("" if pauses else " none"))
-    for name in sorted(pauses):
-        pause = pauses[name]
-        click.echo(f"  {name}: {pause.kind} since {pause.since:%Y-%m-%d %H:%M:%S} UTC, next "
-                   f"probe at {pause.probe_at:%Y-%m-%d %H:%M:%S} UTC: {pause.reason}")
 
 
 @outbox_cli.group("dlq")
