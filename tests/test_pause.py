@@ -238,6 +238,27 @@ def test_an_email_waits_at_most_the_queue_lifetime_then_fails_with_the_fault(
         outbox.stop(5)
 
 
+def test_a_probe_with_no_email_to_send_looks_again_later_not_at_once(db_url: str) -> None:
+    outbox, clock, transport, worker = _clocked(db_url)
+    try:
+        _enqueue(outbox, 1)
+        transport.fail_next(1, kind="account")
+        worker.tick()
+        with outbox.engine.begin() as conn:  # nothing left to probe with
+            conn.execute(email_table.delete())
+        clock.advance(30)
+        worker.tick()
+        first, _ = _state(outbox)
+        assert first.paused_kind == "credentials" and first.probe_delay == 30
+        assert abs((first.probe_at - clock.now()).total_seconds() - 30) < 1
+        for _ in range(5):  # no claim spins on it
+            worker.tick()
+        assert _state(outbox)[0].probe_at == first.probe_at
+        assert 0 < worker.tick() <= 30
+    finally:
+        outbox.stop(5)
+
+
 @pytest.mark.parametrize(("config", "key"), [
     ({"OUTBOX_PAUSE_PROBE_SECONDS": 0}, "OUTBOX_PAUSE_PROBE_SECONDS"),
     ({"OUTBOX_PAUSE_PROBE_SECONDS": "soon"}, "OUTBOX_PAUSE_PROBE_SECONDS"),

@@ -128,12 +128,12 @@ class PauseStore:
                          .values(paused_kind=kind, paused_reason=reason, probe_delay=delay,
                                  probe_at=self.store.later_expr(delay)))
 
-    def probe_again(self, name: str) -> None:
-        """The probe tested nothing (no email went): the next claim may probe."""
+    def probe_again(self, name: str, delay: float) -> None:
+        """The probe tested nothing (no email went): the next one in ``delay`` seconds."""
         t = rate_table
         with self.store.write() as conn:
             conn.execute(t.update().where(t.c.name == name, t.c.paused_kind.is_not(None))
-                         .values(probe_at=self.store.now_expr()))
+                         .values(probe_at=self.store.later_expr(delay)))
 
     def resume(self, name: str) -> bool:
         """``name`` is back; whether it was paused."""
@@ -308,13 +308,17 @@ class Pauses:
             self.probing[name] = (email_id, self.clock())
             return
         self.probing.pop(name, None)
-        self._write(self.sql.probe_again, name)
+        # None due to probe with: look again after the first probe's delay, not at once
+        # (the dispatcher would spin on an empty queue while the transport stays paused).
+        self._write(self.sql.probe_again, name, self.config.pause_probe_seconds)
+        self._refresh(force=True)
 
     def next_probe_in(self) -> float | None:
         """Seconds until this process may take a probe (None: no transport is paused)."""
         waits = [(pause.probe_at - self.store.clock()).total_seconds()
                  for name, pause in self._view.items() if name not in self.probing]
-        return max(0.0, min(waits)) if waits else None
+        # At least a moment: the database's clock may be a little behind this one's.
+        return max(_SKEW.total_seconds() / 5, min(waits)) if waits else None
 
     # -- after a record ----------------------------------------------------------------
 
@@ -357,7 +361,7 @@ class Pauses:
         went = isinstance(result, Delivered) or (
             isinstance(result, Failed) and not isinstance(result.error, NotAttempted))
         if not went:
-            self._write(self.sql.probe_again, name)  # nothing went: it says nothing
+            self._write(self.sql.probe_again, name, 0.0)  # nothing went: it says nothing
             return False
         back = self._write(self.sql.resume, name)
         self._refresh(force=True)
