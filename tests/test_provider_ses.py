@@ -42,7 +42,6 @@ from provider_ses import (
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, InvalidMessage, Message, OutboxMail
-from flask_mail_outbox.core._clock import utcnow
 from flask_mail_outbox.transports._ses import MAX_MESSAGE_BYTES
 
 #: The AWS chain's environment: cleared for every test that relies on the chain.
@@ -481,8 +480,8 @@ def test_an_account_level_refusal_stays_queued_with_one_error(
 @pytest.mark.parametrize(("error_type", "text"), [
     # An unverified sender pauses the transport instead (test_pause.py); a recipient the
     # sandbox has not verified is this message's own problem.
-    ("MessageRejected", "Email address is not verified. The following identities failed "
-                        "the check in region EU-WEST-1: to@example.com"),
+    ("MessageRejected", ("Email address is not verified. The following identities failed "
+                         "the check in region EU-WEST-1: to@example.com")),
     ("BadRequestException", "Invalid address"),
 ])
 def test_a_message_level_400_is_a_dead_letter_with_the_aws_error_type(
