@@ -381,8 +381,9 @@ def test_status_health_metrics_and_the_dashboard_show_the_paused_transport(
     assert [p["transport"] for p in health["paused_transports"]] == ["default"]
     assert registry.get_sample_value("outbox_transport_paused",
                                      {"transport": "default", "kind": "credentials"}) == 1.0
-    assert registry.get_sample_value("outbox_transport_paused_seconds",
-                                     {"transport": "default"}) >= 0.0
+    paused_for = registry.get_sample_value("outbox_transport_paused_seconds",
+                                           {"transport": "default"})
+    assert paused_for is not None and paused_for >= 0.0
     page = app.test_client().get("/outbox/").get_data(as_text=True)
     assert 'id="paused-default"' in page and "credentials since" in page
     # Back: every surface says so.
