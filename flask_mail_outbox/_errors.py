@@ -73,6 +73,13 @@ ACCOUNT_FAULTS: dict[str, str] = {
 }
 
 
+#: Each of :data:`ACCOUNT_FAULTS` as the failure reasons name it (``_reasons.REASONS``).
+FAULT_REASONS: dict[str, str] = {
+    "credentials": "account", "quota": "account", "sender": "account", "settings": "account",
+    "unreachable": "network_error",
+}
+
+
 class TransientError(TransportError):
     """Delivery may succeed later: a 4xx reply, a timeout, a dropped connection.
 

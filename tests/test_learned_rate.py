@@ -95,7 +95,7 @@ def test_a_learned_rate_starts_at_what_was_accepted_and_follows_its_curve(
         assert rate.learn(sending_for=5.0) == pytest.approx(12 * LEARNED_CUT)
         assert _rate_row(app) == {"name": "default", "tat": wall.now, "cut_rate": 12.0,
                                   "cut_at": wall.now, "paused_kind": None,
-                                  "paused_reason": None, "paused_since": None,
+                                  "paused_error": None, "paused_since": None,
                                   "probe_at": None, "probe_delay": None}  # not paused
         assert other.exists() and other.current == 12.0
         # Another process learning later keeps the stored rate.

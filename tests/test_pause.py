@@ -72,7 +72,7 @@ def _durable(make_apps: MakeApps, fake: FakeResend, **config: Any) -> tuple[Flas
 def _pause_row(app: Flask, name: str = "default") -> Any:
     with app.app_context(), db.engine.connect() as conn:
         return conn.execute(sa.text(
-            "SELECT paused_kind, paused_reason, paused_since, probe_at, probe_delay "
+            "SELECT paused_kind, paused_error, paused_since, probe_at, probe_delay "
             "FROM outbox_rate WHERE name = :name"), {"name": name}).first()
 
 
@@ -101,7 +101,7 @@ def test_a_revoked_key_pauses_the_transport_and_nothing_is_dead_lettered(
     assert all(r["status"] == "queued" and r["attempts"] == 0 for r in paused), paused
     row = _pause_row(app)
     assert row is not None and row.paused_kind == "credentials", row
-    assert "403" in row.paused_reason
+    assert "403" in row.paused_error
     # Paused: only probes reach the API, one at a time, at a growing delay.
     before = len(fake.sending())
     time.sleep(2.5)
@@ -306,7 +306,7 @@ def test_an_smtp_server_refusing_the_password_pauses_until_it_takes_it(
               and _pause_row(app).paused_kind == "credentials", timeout=10)
     time.sleep(2)
     assert _waiting(app), rows(app)
-    assert "535" in _pause_row(app).paused_reason
+    assert "535" in _pause_row(app).paused_error
     assert smtp_server.messages == []
     smtp_server.require_auth("outbox", "the-old-password")  # the server takes it again
     sent = wait_rows(app, lambda rs: all(r["status"] == "sent" for r in rs), timeout=10)
@@ -369,7 +369,8 @@ def test_status_health_metrics_and_the_dashboard_show_the_paused_transport(
     assert result.exit_code == 0, result.output
     [paused] = json.loads(result.output)["paused_transports"]
     assert (paused["transport"], paused["kind"]) == ("default", "credentials")
-    assert "invalid_api_key" in paused["reason"] and paused["probe_delay_seconds"] == 60
+    assert paused["reason"] == "account"  # the failure reasons' vocabulary
+    assert "invalid_api_key" in paused["error"] and paused["probe_delay_seconds"] == 60
     text = runner.invoke(args=["outbox", "status"]).output
     assert "paused transports:\n  default: credentials since " in text
     with app.app_context():

@@ -328,7 +328,7 @@ def status(as_json: bool, recount: bool) -> None:
     for name in sorted(pauses):
         pause = pauses[name]
         click.echo(f"  {name}: {pause.kind} since {pause.since:%Y-%m-%d %H:%M:%S} UTC, next "
-                   f"probe at {pause.probe_at:%Y-%m-%d %H:%M:%S} UTC: {pause.reason}")
+                   f"probe at {pause.probe_at:%Y-%m-%d %H:%M:%S} UTC: {pause.error}")
     last = stats["last_sweep"]
     if last is None:
         click.echo("last sweep: never")

@@ -134,7 +134,7 @@ def check(state: AppState) -> dict[str, Any]:
             reasons.append({"code": "transport_paused",
                             "message": f"transport {pause.transport!r} is paused since "
                                        f"{pause.since:%Y-%m-%d %H:%M:%S} UTC ({pause.kind}: "
-                                       f"{pause.reason}); its emails wait, probed next at "
+                                       f"{pause.error}); its emails wait, probed next at "
                                        f"{pause.probe_at:%H:%M:%S} UTC"})
         added = _trend(state).observe(dead_letters)
         if added:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from .. import _degrade
-from .._errors import ACCOUNT_FAULTS, TransientError
+from .._errors import ACCOUNT_FAULTS, FAULT_REASONS, TransientError
 from .._outside import clean_text
 from ..transports import Delivered, Failed, NotAttempted
 from ._models import email_table, rate_table
@@ -62,19 +62,26 @@ OVERDUE = "waited longer than OUTBOX_MAX_QUEUE_LIFETIME_SECONDS"
 
 @dataclasses.dataclass(frozen=True)
 class Pause:
-    """One paused transport: why (``kind``, one of ``ACCOUNT_FAULTS``, and the error's
-    text), since when, and when the next probe may go (UTC, naive)."""
+    """One paused transport: why (``kind``, one of ``ACCOUNT_FAULTS``, and ``error``, the
+    text of the error that paused it), since when, and when the next probe may go (UTC,
+    naive). ``reason`` is the fault in the failure reasons' vocabulary (``_reasons``)."""
 
     transport: str
     kind: str
-    reason: str
+    error: str
     since: datetime
     probe_at: datetime
     probe_delay: float
 
+    @property
+    def reason(self) -> str:
+        """``network_error`` for an unreachable transport, else ``account``."""
+        return FAULT_REASONS.get(self.kind, "account")
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (``flask outbox status --json``, health, the dashboard)."""
         return {"transport": self.transport, "kind": self.kind, "reason": self.reason,
+                "error": self.error,
                 "since": self.since.isoformat(), "probe_at": self.probe_at.isoformat(),
                 "probe_delay_seconds": self.probe_delay}
 
@@ -90,16 +97,16 @@ class PauseStore:
         t = rate_table
         with self.store.read() as conn:
             rows = conn.execute(sa.select(
-                t.c.name, t.c.paused_kind, t.c.paused_reason, t.c.paused_since, t.c.probe_at,
+                t.c.name, t.c.paused_kind, t.c.paused_error, t.c.paused_since, t.c.probe_at,
                 t.c.probe_delay).where(t.c.paused_kind.is_not(None))).all()
-        return {row.name: Pause(row.name, row.paused_kind, row.paused_reason or "",
+        return {row.name: Pause(row.name, row.paused_kind, row.paused_error or "",
                                 row.paused_since, row.probe_at, float(row.probe_delay or 0.0))
                 for row in rows}
 
-    def pause(self, name: str, kind: str, reason: str, delay: float) -> None:
+    def pause(self, name: str, kind: str, error: str, delay: float) -> None:
         """Pause ``name`` (unless it is already: the first fault stays its reason)."""
         t = rate_table
-        values = {"paused_kind": kind, "paused_reason": reason,
+        values = {"paused_kind": kind, "paused_error": error,
                   "paused_since": self.store.now_expr(),
                   "probe_at": self.store.later_expr(delay), "probe_delay": delay}
         statement = (self.store.dialect.insert(t)
@@ -120,12 +127,12 @@ class PauseStore:
         with self.store.write() as conn:
             return conn.execute(statement).first() is not None
 
-    def probe_failed(self, name: str, kind: str, reason: str, delay: float) -> None:
+    def probe_failed(self, name: str, kind: str, error: str, delay: float) -> None:
         """The probe met the fault again: the next one in ``delay`` seconds."""
         t = rate_table
         with self.store.write() as conn:
             conn.execute(t.update().where(t.c.name == name, t.c.paused_kind.is_not(None))
-                         .values(paused_kind=kind, paused_reason=reason, probe_delay=delay,
+                         .values(paused_kind=kind, paused_error=error, probe_delay=delay,
                                  probe_at=self.store.later_expr(delay)))
 
     def probe_again(self, name: str, delay: float) -> None:
@@ -139,7 +146,7 @@ class PauseStore:
         """``name`` is back; whether it was paused."""
         t = rate_table
         statement = (t.update().where(t.c.name == name, t.c.paused_kind.is_not(None))
-                     .values(paused_kind=None, paused_reason=None, paused_since=None,
+                     .values(paused_kind=None, paused_error=None, paused_since=None,
                              probe_at=None, probe_delay=None)
                      .returning(t.c.name))
         with self.store.write() as conn:
@@ -247,7 +254,7 @@ class Pauses:
         self.faults.failing(
             f"paused-{pause.transport}",
             f"Transport {pause.transport!r} is paused since {pause.since:%Y-%m-%d %H:%M:%S} UTC: "
-            f"{ACCOUNT_FAULTS.get(pause.kind, pause.kind)} ({pause.reason})",
+            f"{ACCOUNT_FAULTS.get(pause.kind, pause.kind)} ({pause.error})",
             consequence="its emails wait without spending attempts (those that met it got "
                         "theirs back); one email probes it "
                         f"{human_seconds(self.config.pause_probe_seconds)} after the fault, then "
@@ -342,7 +349,7 @@ class Pauses:
                     resumed.append(name)
             elif fault is not None and name not in self._view:
                 if self._write(self.sql.pause, name, fault.account_fault or "",
-                               _reason(fault), self.config.pause_probe_seconds):
+                               _error_text(fault), self.config.pause_probe_seconds):
                     paused.append(name)
                 self._refresh(force=True)
         return resumed, paused
@@ -354,7 +361,7 @@ class Pauses:
         if fault is not None:
             delay = min(self.config.pause_probe_max_seconds,
                         2 * (pause.probe_delay if pause else self.config.pause_probe_seconds))
-            self._write(self.sql.probe_failed, name, fault.account_fault or "", _reason(fault),
+            self._write(self.sql.probe_failed, name, fault.account_fault or "", _error_text(fault),
                         delay)
             self._refresh(force=True)
             return False
@@ -391,7 +398,7 @@ class Pauses:
             return f"not sent: transport {name!r} is paused", self.config.pause_probe_seconds
         due_in = max(1.0, (pause.probe_at - self.store.clock()).total_seconds())
         why = (f"not sent: transport {name!r} is paused since "
-               f"{pause.since:%Y-%m-%d %H:%M:%S} UTC ({pause.kind}: {pause.reason})")
+               f"{pause.since:%Y-%m-%d %H:%M:%S} UTC ({pause.kind}: {pause.error})")
         return why, due_in
 
     def overdue_reason(self, name: str) -> str:
@@ -399,7 +406,7 @@ class Pauses:
         pause = self._view.get(name)
         lifetime = self.config.max_queue_lifetime_seconds or 0.0
         why = (f"{ACCOUNT_FAULTS.get(pause.kind, pause.kind)} since "
-               f"{pause.since:%Y-%m-%d %H:%M:%S} UTC: {pause.reason}" if pause else "paused")
+               f"{pause.since:%Y-%m-%d %H:%M:%S} UTC: {pause.error}" if pause else "paused")
         return (f"{OVERDUE} ({_lifetime(lifetime)}) while transport {name!r} was paused "
                 f"({why})")
 
@@ -436,5 +443,5 @@ def _fault_of(result: Any) -> TransientError | None:
     return None
 
 
-def _reason(error: TransientError) -> str:
+def _error_text(error: TransientError) -> str:
     return clean_text(str(error), 1000)
