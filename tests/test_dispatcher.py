@@ -121,6 +121,7 @@ class ScriptedWorker(Worker):
             "releases": Releases(None, config),  # type: ignore[arg-type]
             "report_reaped": lambda self, reaped: None})()
         super().__init__(delivery, config, clock=clock)  # type: ignore[arg-type]
+        self.pauses = _NoPauses()  # type: ignore[assignment]  # no database: nothing paused
         self.capacity = config.batch_size
         self.dispatching = self.hand_ticked = True
         self.script = script
@@ -138,6 +139,20 @@ class ScriptedWorker(Worker):
 
     def _put(self, claimed: Any) -> None:
         pass  # nothing is sent: only the schedule of claims is under test
+
+
+class _NoPauses:
+    """The paused transports of a worker without a database: none."""
+
+    def gate(self, name: str) -> Any:
+        from flask_mail_outbox.core._pause import Gate
+        return Gate.OPEN
+
+    def next_probe_in(self) -> None:
+        return None
+
+    def invalidate(self) -> None:
+        pass
 
 
 class _Faults:
@@ -286,9 +301,10 @@ def test_idle_ticks_cost_a_reap_and_a_claim_each(db_url: str, backend: str) -> N
         for _ in range(10):
             dispatcher.tick()
             assert dispatcher.last_claimed == 0
-        # Once per process: whether a rate learned earlier paces the lane.
+        # Once per process: whether a rate learned earlier paces the lane, and whether a
+        # transport is paused (core/_pause.py).
         learned = [statement for statement in seen if "outbox_rate" in statement]
-        assert [statement.split()[0].upper() for statement in learned] == ["SELECT"]
+        assert [statement.split()[0].upper() for statement in learned] == ["SELECT"] * 2
         seen = [statement for statement in seen if "outbox_rate" not in statement]
         heads = [statement.split()[0].upper() for statement in seen]
         if backend == "postgresql":

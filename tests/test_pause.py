@@ -124,6 +124,23 @@ def test_a_revoked_key_pauses_the_transport_and_nothing_is_dead_lettered(
     mail.stop()
 
 
+def test_a_process_started_while_the_transport_is_paused_probes_and_resumes_it(
+        make_apps: MakeApps, fake: FakeResend, caplog: pytest.LogCaptureFixture) -> None:
+    fake.api_key = "re_rotated_elsewhere"
+    first, first_mail = _durable(make_apps, fake)
+    _send(first, 3)
+    wait_rows(first, lambda rs: _pause_row(first) is not None
+              and _pause_row(first).paused_kind == "credentials", timeout=10)
+    first_mail.stop()  # the only process that knew of the pause
+    fake.api_key = API_KEY  # fixed, and a new process starts
+    second, second_mail = _durable(make_apps, fake)
+    second.extensions["mail_outbox"].outbox().dispatch()
+    sent = wait_rows(second, lambda rs: all(r["status"] == "sent" for r in rs), timeout=10)
+    assert len(sent) == 3 and all(r["attempts"] == 1 for r in sent)
+    assert _pause_row(second).paused_kind is None  # its probe resumed the transport
+    second_mail.stop()
+
+
 # -- the probe's exact sequence, on a test clock ----------------------------------------
 
 

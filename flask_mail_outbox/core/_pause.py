@@ -25,8 +25,9 @@ every process must agree on; ``paused_kind`` NULL means not paused):
   as their last error, and those past their own ``expires_at`` ``expired``.
 
 Each process reports a pause once at ERROR (when it meets the fault) and its
-end at INFO. Only a process that knows of a pause reads the pauses again (every
-:data:`VIEW_SECONDS`): an idle claim of a working transport costs nothing more. :class:`PauseStore` is the SQL,
+end at INFO. A process reads the pauses once when it starts, then only while it
+knows of one (every :data:`VIEW_SECONDS`) or meets a fault: an idle claim of a
+working transport costs no statement more. :class:`PauseStore` is the SQL,
 :class:`Pauses` one process's view of it and its decisions.
 """
 
@@ -213,16 +214,18 @@ class Pauses:
             self._read_at = None
 
     def _refresh(self, *, force: bool = False) -> None:
-        """Read the pauses again: when forced (this process met a fault), or when one is
-        known and the view is :data:`VIEW_SECONDS` old (has it ended, or been probed?).
+        """Read the pauses: once at the first look (a process started while a transport
+        is paused probes it too: with no other process left, nobody else would), when
+        forced (this process met a fault), and again when one is known and the view is
+        :data:`VIEW_SECONDS` old (has it ended, or been probed?).
 
-        A process that knows of no pause reads nothing: idle claims cost what they did.
-        One that starts while a transport is paused learns it from the first email that
-        meets the fault (its attempt given back), or sends if the fault is gone.
+        A process that knows of no pause reads nothing more: idle claims cost what they
+        did. One that missed a pause begun since learns it from the first email that
+        meets the fault (its attempt given back).
         """
         now = self.clock()
-        if not force and (not self._view or (
-                self._read_at is not None and now - self._read_at < VIEW_SECONDS)):
+        if not force and self._read_at is not None and (
+                not self._view or now - self._read_at < VIEW_SECONDS):
             return
         self._read_at = now
         try:
