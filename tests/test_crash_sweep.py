@@ -40,6 +40,7 @@ from flask_mail_outbox import Message
 from flask_mail_outbox.core import email_table
 from flask_mail_outbox.core._clock import utcnow
 from flask_mail_outbox.core._dialect import dialect_of
+from flask_mail_outbox.core._internal import PauseStore
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -300,6 +301,9 @@ def test_two_starts_at_once_deliver_every_stranded_row_exactly_once(
     # The unreachable server paused the transport: no email spent its attempt.
     assert {(r["status"], r["attempts"]) for r in rows(local)} == {("queued", 0)}
     time.sleep(1.1)  # those it held unsent are due a second later
+    # The server is back, as a probe would find: the transport is resumed, so that the
+    # two starts below sweep at once (a paused one would send one probe at a time).
+    assert PauseStore(local.extensions["mail_outbox"].outbox().store).resume("default")
 
     # Each start sweeps in chunks of 5 over 4 SMTP connections. The server holds
     # every DATA until both starts are sending at once (4 held each): the two
