@@ -208,6 +208,12 @@ class Pauses:
         """Every transport this process knows to be paused."""
         return self._view
 
+    def look(self) -> None:
+        """Read the pauses now if this process never did (a dispatcher starting: its first
+        claim then costs no statement more)."""
+        if self._read_at is None:
+            self._refresh(force=True)
+
     def invalidate(self) -> None:
         """Read the pauses again at the next look (a NOTIFY: one may have ended)."""
         if self._view:

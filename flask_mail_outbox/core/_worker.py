@@ -246,6 +246,7 @@ class Worker:
 
     def dispatch(self) -> None:
         """Also claim due rows from now on (durable mode), and start the loop."""
+        self.pauses.look()  # a transport paused before this process started: probe it too
         self.dispatching = True
         self.wake()
         self.start()
