@@ -60,6 +60,26 @@ class TransportError(OutboxError):
         super().__init__(f"{code} {message}" if code else message)
 
 
+#: The faults of a whole transport that pause it (``TransientError.account_fault``),
+#: each with what it means.
+ACCOUNT_FAULTS: dict[str, str] = {
+    "credentials": "the server or API refused the transport's credentials",
+    "quota": "the account's sending quota is spent, or its sending is stopped",
+    "sender": "the sender's domain or address is not verified for this account",
+    "settings": "the transport's settings name what the provider does not have (a sending "
+                "domain, a configuration set)",
+    "unreachable": "the server or API cannot be reached at all (connection refused or "
+                   "timing out)",
+}
+
+
+#: Each of :data:`ACCOUNT_FAULTS` as the failure reasons name it (``_reasons.REASONS``).
+FAULT_REASONS: dict[str, str] = {
+    "credentials": "account", "quota": "account", "sender": "account", "settings": "account",
+    "unreachable": "network_error",
+}
+
+
 class TransientError(TransportError):
     """Delivery may succeed later: a 4xx reply, a timeout, a dropped connection.
 
@@ -73,12 +93,17 @@ class TransientError(TransportError):
     after the whole message went, a timeout after the request was sent, a
     2xx the transport could not read): retrying it may deliver a second copy,
     so the delivery layer retries it only ``OUTBOX_AMBIGUOUS_RETRIES`` times.
+    ``account_fault`` names a fault of the whole transport that no email can
+    get past (one of :data:`ACCOUNT_FAULTS`: refused credentials, a spent
+    quota, an unverified sender, a server that cannot be reached at all): the
+    delivery layer then pauses the transport instead of charging its emails
+    attempts (it implies ``transport_fault``).
     """
 
     def __init__(self, message: str, *, code: int = 0, throttled: bool = False,
                  transport_fault: bool = False, retry_after: float | None = None,
                  refused: dict[str, tuple[int, str]] | None = None,
-                 maybe_sent: bool = False) -> None:
+                 maybe_sent: bool = False, account_fault: str | None = None) -> None:
         super().__init__(message, code=code, refused=refused)
         self.throttled = throttled
         self.retry_after = retry_after
@@ -86,7 +111,12 @@ class TransientError(TransportError):
         self.maybe_sent = maybe_sent
         #: The transport itself is broken, not this message (refused connection,
         #: TLS or login failure, timeout, 421): a transport's ``failover`` takes it.
-        self.transport_fault = transport_fault
+        self.transport_fault = transport_fault or account_fault is not None
+        if account_fault is not None and account_fault not in ACCOUNT_FAULTS:
+            raise ValueError(f"account_fault: must be one of {sorted(ACCOUNT_FAULTS)}, "
+                             f"got {account_fault!r}")
+        #: The fault of the whole transport this is, or None (see :data:`ACCOUNT_FAULTS`).
+        self.account_fault = account_fault
 
 
 class PermanentError(TransportError):

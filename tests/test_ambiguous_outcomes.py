@@ -272,7 +272,9 @@ def test_a_reply_echoing_the_api_key_is_stored_and_logged_redacted(
     fake.echo_credentials(401)
     app, _ = make_apps(OUTBOX_TRANSPORTS={"default": entry}, OUTBOX_INLINE_RETRIES=0)
     _send(app)
-    [row] = wait_rows(app, lambda r: bool(r[0]["last_error"]), timeout=10)
+    # The refused key pauses the transport: its ERROR comes just after the record.
+    [row] = wait_rows(app, lambda r: bool(r[0]["last_error"]) and "[redacted]" in caplog.text,
+                      timeout=10)
     assert fake.requests, "the provider was asked"
     assert "[redacted]" in row["last_error"], row["last_error"]
     stored = json.dumps(rows(app), default=str)

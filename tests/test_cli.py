@@ -39,18 +39,19 @@ def test_send_test_delivers_one_email(app: Flask, smtp_server: FaultSMTPServer) 
 
 
 def test_send_test_against_a_dead_server_is_one_shot(db_url: str) -> None:
-    """Tried once with its inline retries, then expired: no real email is left queued
-    to retry for a day (the library's own retry schedule)."""
+    """Tried once, then taken back: no real email is left queued to retry for a day (the
+    library's own retry schedule). A refused connection pauses the transport (see
+    test_pause.py): the attempt is given back, and send-test cancels the email."""
     app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(),
                    OUTBOX_RETRY_BASE_SECONDS=60.0, OUTBOX_MAX_ATTEMPTS=30)
     try:
         result = app.test_cli_runner().invoke(args=["outbox", "send-test", "--to",
                                                     "ops@example.com"])
         assert result.exit_code == 1
-        assert ": expired after 4 attempt(s)" in result.output, result.output
+        assert ": cancelled after 0 attempt(s)" in result.output, result.output
         assert "Connect call failed" in result.output
         [row] = rows(app)
-        assert (row["status"], row["attempts"]) == ("expired", 4)
+        assert (row["status"], row["attempts"]) == ("cancelled", 0)
     finally:
         close_app(app)
 

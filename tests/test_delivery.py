@@ -140,12 +140,15 @@ def test_unreachable_server_leaves_row_queued_with_an_error(
             db.session.commit()
             assert mail.wait_idle(20)
         [row] = rows(app)
-        assert row["status"] == "queued"
-        assert row["attempts"] == 2  # the first attempt and one in-process retry
+        assert row["status"] == "queued" and "Connect call failed" in row["last_error"]
+        # A refused connection pauses the transport (test_pause.py): the attempt is given
+        # back, and one ERROR names the transport, not the email.
+        assert row["attempts"] == 0
         errors = [r for r in caplog.records if r.name.startswith("flask_mail_outbox")
                   and r.levelno == logging.ERROR]
-        assert any(f"Email {email_id} could not be delivered" in r.getMessage()
-                   and "stays queued" in r.getMessage() for r in errors)
+        assert [r.getMessage().startswith("Transport 'default' is paused since")
+                and "cannot be reached" in r.getMessage() for r in errors] == [True]
+        assert row["id"] == email_id
         assert not [r for r in caplog.records if r.name.startswith("flask_mail_outbox")
                     and r.levelno == logging.WARNING]
     finally:

@@ -121,6 +121,7 @@ class ScriptedWorker(Worker):
             "releases": Releases(None, config),  # type: ignore[arg-type]
             "report_reaped": lambda self, reaped: None})()
         super().__init__(delivery, config, clock=clock)  # type: ignore[arg-type]
+        self.pauses = _NoPauses()  # type: ignore[assignment]  # no database: nothing paused
         self.capacity = config.batch_size
         self.dispatching = self.hand_ticked = True
         self.script = script
@@ -138,6 +139,20 @@ class ScriptedWorker(Worker):
 
     def _put(self, claimed: Any) -> None:
         pass  # nothing is sent: only the schedule of claims is under test
+
+
+class _NoPauses:
+    """The paused transports of a worker without a database: none."""
+
+    def gate(self, name: str) -> Any:
+        from flask_mail_outbox.core._pause import Gate
+        return Gate.OPEN
+
+    def next_probe_in(self) -> None:
+        return None
+
+    def invalidate(self) -> None:
+        pass
 
 
 class _Faults:

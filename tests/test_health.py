@@ -31,7 +31,7 @@ from flask_mail_outbox._operator.health import DeadLetterTrend
 from flask_mail_outbox.core import email_table
 
 HEALTH_FIELDS = {"status", "reasons", "oldest_due_age_seconds", "dead_letters",
-                 "dead_letters_added", "dispatcher", "checked_at"}
+                 "dead_letters_added", "paused_transports", "dispatcher", "checked_at"}
 
 
 def send(app: Flask, mail: OutboxMail, to: str, **options: Any) -> int:
@@ -259,6 +259,8 @@ def test_one_indexed_statement_per_check(make_apps: MakeApps, backend: str) -> N
     executed: list[tuple[str, Any]] = []
 
     def count(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if "FROM outbox_rate" in statement:
+            return  # the paused transports: a row per transport, whatever the queue holds
         statements.append(statement)
         executed.append((statement, parameters))
 

@@ -101,7 +101,9 @@ def test_a_learned_rate_starts_at_what_was_accepted_and_follows_its_curve(
         assert rate.learn(sending_for=5.0) == pytest.approx(12.0)
         assert _rate_row(app) == {"name": "default", "tat": wall.now,
                                   "cut_rate": pytest.approx(12.0 / _PROBE_CURVE),
-                                  "cut_at": wall.now - _PROBE_OFFSET}
+                                  "cut_at": wall.now - _PROBE_OFFSET, "paused_kind": None,
+                                  "paused_error": None, "paused_since": None,
+                                  "probe_at": None, "probe_delay": None}  # not paused
         assert _PROBE_OFFSET == LEARNED_PLATEAU_SECONDS + LEARNED_PROBE_SECONDS
         assert other.exists() and other.current == pytest.approx(12.0)
         # Another process learning later keeps the stored rate when its own guess

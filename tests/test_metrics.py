@@ -94,7 +94,8 @@ def test_gauges_are_read_from_the_database_at_scrape_time(
     statements: list[str] = []
 
     def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(statement)
+        if "FROM outbox_rate" not in statement:  # the paused transports: a row per transport
+            statements.append(statement)
 
     sa.event.listen(engine, "before_cursor_execute", count)
     mail.init_metrics(registry, app=app)
@@ -246,7 +247,8 @@ def test_the_scrape_reads_indexes_only(smtp_app: tuple[Flask, OutboxMail], backe
     executed: list[tuple[str, Any]] = []
 
     def note(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        executed.append((statement, parameters))
+        if "FROM outbox_rate" not in statement:  # the paused transports: a row per transport
+            executed.append((statement, parameters))
 
     value(registry, "outbox_database_up")  # connects (pragmas are not the scrape's statement)
     sa.event.listen(store.engine, "before_cursor_execute", note)

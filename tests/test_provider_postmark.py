@@ -223,24 +223,26 @@ def test_401_stays_queued_with_one_error_and_a_rotated_key_delivers(
         make_apps: MakeApps, fake: FakePostmark, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     app, mail = make_apps(OUTBOX_INLINE_RETRIES=0, OUTBOX_RETRY_BASE_SECONDS=0.5,
+                          OUTBOX_PAUSE_PROBE_SECONDS=0.5,
                           OUTBOX_TRANSPORTS={"default": _entry(fake, token="revoked-token-9876")})
     _send(app, _plain("one"))
     _send(app, _plain("two"))
     _idle(app)
     current = wait_rows(app, lambda rs: len(rs) == 2 and all(r["last_error"] for r in rs),
                         timeout=10)
-    assert [(r["status"], r["attempts"]) for r in current] == [("queued", 1)] * 2
+    # The transport is paused (test_pause.py): the emails keep their attempts.
+    assert [(r["status"], r["attempts"]) for r in current] == [("queued", 0)] * 2
     assert all("401" in r["last_error"] and "API key" in r["last_error"] for r in current)
     assert "ErrorCode 10" in current[0]["last_error"]
     errors = [r.getMessage() for r in caplog.records
-              if r.levelno >= logging.ERROR and "postmark transport" in r.getMessage()]
+              if r.levelno >= logging.ERROR and "is paused since" in r.getMessage()]
     assert len(errors) == 1, errors
     assert "OUTBOX_TRANSPORTS['default']" in errors[0] and "API key" in errors[0]
     assert "revoked-token-9876" not in caplog.text
     mail.stop()
     # The key is rotated and the app restarted: the queued emails go out.
     rotated, _ = make_apps(OUTBOX_DURABLE=True, OUTBOX_LISTEN=False, OUTBOX_POLL_INTERVAL=0.05,
-                           OUTBOX_POLL_MAX_INTERVAL=0.2,
+                           OUTBOX_POLL_MAX_INTERVAL=0.2, OUTBOX_PAUSE_PROBE_SECONDS=0.5,
                            OUTBOX_TRANSPORTS={"default": _entry(fake)})
     rotated.extensions["mail_outbox"].outbox().dispatch()
     current = wait_rows(rotated, lambda rs: len(rs) == 2 and _status("sent")(rs), timeout=15)

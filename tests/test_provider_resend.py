@@ -305,22 +305,24 @@ def test_401_and_403_stay_queued_with_one_error_and_a_rotated_key_delivers(
         make_apps: MakeApps, fake: FakeResend, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     app, mail = make_apps(OUTBOX_INLINE_RETRIES=0, OUTBOX_RETRY_BASE_SECONDS=0.5,
+                          OUTBOX_PAUSE_PROBE_SECONDS=0.5,
                           OUTBOX_TRANSPORTS={"default": _entry(fake, api_key="re_revoked_9876")})
     _send(app, _plain("one"))
     _send(app, _plain("two"))
     _idle(app)
     current = wait_rows(app, lambda rs: len(rs) == 2 and all(r["last_error"] for r in rs),
                         timeout=10)
-    assert [(r["status"], r["attempts"]) for r in current] == [("queued", 1)] * 2
+    # The transport is paused (test_pause.py): the emails keep their attempts.
+    assert [(r["status"], r["attempts"]) for r in current] == [("queued", 0)] * 2
     assert all("403" in r["last_error"] and "invalid_api_key" in r["last_error"]
                and "API key" in r["last_error"] for r in current)
     errors = [r.getMessage() for r in caplog.records
-              if r.levelno >= logging.ERROR and "resend transport" in r.getMessage()]
+              if r.levelno >= logging.ERROR and "is paused since" in r.getMessage()]
     assert len(errors) == 1, errors
     assert "OUTBOX_TRANSPORTS['default']" in errors[0] and "API key" in errors[0]
     assert "re_revoked_9876" not in caplog.text
     mail.stop()
-    rotated, _ = _durable(make_apps, fake)
+    rotated, _ = _durable(make_apps, fake, OUTBOX_PAUSE_PROBE_SECONDS=0.5)
     rotated.extensions["mail_outbox"].outbox().dispatch()
     current = wait_rows(rotated, lambda rs: len(rs) == 2 and _status("sent")(rs), timeout=15)
     assert {r["provider_message_id"] for r in current} == {a.id for a in fake.accepted}
@@ -334,7 +336,7 @@ def test_a_missing_api_key_is_401_and_stays_queued(make_apps: MakeApps,
     _send(app, _plain())
     _idle(app)
     [row] = wait_rows(app, lambda current: bool(current[0]["last_error"]), timeout=10)
-    assert (row["status"], row["attempts"]) == ("queued", 1)
+    assert (row["status"], row["attempts"]) == ("queued", 0)  # paused: the attempt given back
     assert "missing_api_key" in row["last_error"] and "API key" in row["last_error"]
 
 

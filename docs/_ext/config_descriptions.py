@@ -50,6 +50,22 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                         "past it the row ends `failed`, its last error saying "
                                         "it may have been sent. Not used for a provider that "
                                         "honours an idempotency key (Resend)"),
+    "OUTBOX_PAUSE_PROBE_SECONDS": ("float (s)", "a transport paused by a fault of its own "
+                                                "(refused credentials, a spent quota, an "
+                                                "unverified sender, unreachable) is probed "
+                                                "this long after the fault, then at a "
+                                                "doubling delay ([a paused transport]"
+                                                "(guide/modes.md#a-paused-transport))"),
+    "OUTBOX_PAUSE_PROBE_MAX_SECONDS": ("float (s)", "the longest delay between two probes of "
+                                                    "a paused transport; at least "
+                                                    "`OUTBOX_PAUSE_PROBE_SECONDS`"),
+    "OUTBOX_MAX_QUEUE_LIFETIME_SECONDS": ("float (s) or None", "how long an email waits for "
+                                                               "its paused transport before it "
+                                                               "ends `failed`, the fault as its "
+                                                               "last error (Postfix's "
+                                                               "`maximal_queue_lifetime`, 5 "
+                                                               "days); 0: at the first probe; "
+                                                               "None: no bound"),
     "OUTBOX_LEASE_SECONDS": ("float (s)", "how long a claim holds a row; renewed every third "
                                           "of it while sending"),
     "OUTBOX_BATCH_SIZE": ("int", "rows per claim"),

@@ -27,6 +27,7 @@ from ..core._internal import (
     DURABLE_SETTING,
     EXACT,
     MAX_CONCURRENCY,
+    PauseStore,
     recount_tally,
     utcnow,
 )
@@ -168,7 +169,9 @@ def send_test(to: str, subject: str, timeout: float, transport: str | None) -> N
     status = row["status"]
     # Only what this process tried: with no dispatcher here (OUTBOX_RUN_WORKER = False,
     # durable), a `flask outbox worker` delivers it, and its expiry bounds the wait.
-    if idle and status == "queued" and row["attempts"] > 0 and mail.cancel(email_id):
+    # (Or held unsent with why, its attempt kept, while its transport is paused.)
+    if idle and status == "queued" and (row["attempts"] > 0 or row["last_error"]) \
+            and mail.cancel(email_id):
         # Waiting for a retry due before its expiry: a test is not retried later.
         db.session.commit()
         status = "cancelled"
@@ -357,7 +360,8 @@ def sweep(min_age: float | None, limit: int | None, dry_run: bool) -> None:
               help="First rebuild the running totals of sent, suppressed, expired and "
                    "cancelled from the rows (one scan of the table).")
 def status(as_json: bool, recount: bool) -> None:
-    """Rows per status, the oldest queued row's age, the mode and the last sweep.
+    """Rows per status, the oldest queued row's age, the mode, the last sweep and the
+    transports paused by a fault of their own (since when, why, the next probe).
 
     queued, sending and failed are counted row by row; sent, suppressed, expired
     and cancelled are running totals that triggers keep in ``outbox_tally``
@@ -376,6 +380,7 @@ def status(as_json: bool, recount: bool) -> None:
             with _state().outbox().store.write() as conn:
                 corrected = recount_tally(conn)
         stats = mail.stats()
+        pauses = PauseStore(_state().outbox().store).all()
     except SQLAlchemyError as exc:
         # The type only: a driver's message may name hosts and users.
         raise click.ClickException(
@@ -386,6 +391,7 @@ def status(as_json: bool, recount: bool) -> None:
     stats.pop("dispatcher", None)  # this CLI process runs none
     if corrected is not None:
         stats["recounted"] = corrected
+    stats["paused_transports"] = [pauses[name].as_dict() for name in sorted(pauses)]
     if as_json:
         click.echo(json.dumps(stats, indent=2, sort_keys=True))
         return
@@ -402,6 +408,11 @@ def status(as_json: bool, recount: bool) -> None:
                "--recount rebuilds them)")
     age = stats["oldest_queued_age_seconds"]
     click.echo("oldest queued: " + ("none" if age is None else f"{age:.0f} s"))
+    click.echo("paused transports:" + ("" if pauses else " none"))
+    for name in sorted(pauses):
+        pause = pauses[name]
+        click.echo(f"  {name}: {pause.kind} since {pause.since:%Y-%m-%d %H:%M:%S} UTC, next "
+                   f"probe at {pause.probe_at:%Y-%m-%d %H:%M:%S} UTC: {pause.error}")
     last = stats["last_sweep"]
     if last is None:
         click.echo("last sweep: never")

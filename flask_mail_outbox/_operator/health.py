@@ -4,7 +4,8 @@ A check is one SQL statement (:meth:`~flask_mail_outbox.core.Reader.health_figur
 subqueries each read index entries of queued or failed rows only (which index
 is the planner's choice: the partial ones, or ``ix_outbox_email_status_id``),
 so it costs the same with a million retained ``sent`` rows as with none, and a
-load balancer may call it every second.
+load balancer may call it every second; and one read of ``outbox_rate`` (a row
+per transport) for the paused transports.
 
 The status is ``degraded`` when, with one reason each:
 
@@ -15,13 +16,18 @@ The status is ``degraded`` when, with one reason each:
   retry is not late before its time comes;
 * ``dead_letters_growing``: the dead-letter count is higher than the lowest
   count this process saw in the last ``DEAD_LETTER_WINDOW_SECONDS``;
-* ``dispatcher_tick_failed``: this process's dispatcher's last tick failed.
+* ``dispatcher_tick_failed``: this process's dispatcher's last tick failed;
+* ``transport_paused``: a transport is paused by a fault of its own (refused
+  credentials, a spent quota, an unverified sender, a server that cannot be
+  reached: see docs/guide/modes.md, "A paused transport"), one reason per transport, naming it,
+  since when and why; its emails wait (``paused_transports`` lists them).
 
 The route answers 503 only for :data:`INSTANCE_REASONS` unless it is strict.
 ``queue_too_old`` and ``dead_letters_growing`` describe the shared database:
 every instance would report them at once (one 550 for a mistyped address is
 enough), and a load balancer that drains every instance takes the site down
-while fixing nothing. ``dispatcher_tick_failed`` is left out as well: the
+while fixing nothing; ``transport_paused`` too (the pause is shared by every
+process, and no instance's requests fail for it). ``dispatcher_tick_failed`` is left out as well: the
 dispatcher runs beside the requests, not in them, so taking this instance out
 of rotation does not restart it or help its requests, and a single failed tick
 (a deadlock, a restart of the database) would flap the instance in and out. A
@@ -40,7 +46,7 @@ from typing import Any
 from flask import Response, jsonify
 
 from .._flask.state import AppState
-from ..core._internal import utcnow
+from ..core._internal import PauseStore, utcnow
 
 #: How far back ``dead_letters_growing`` looks for a lower dead-letter count.
 DEAD_LETTER_WINDOW_SECONDS = 900.0
@@ -98,8 +104,10 @@ def check(state: AppState) -> dict[str, Any]:
     due_age: float | None = None
     dead_letters: int | None = None
     added: int | None = None
+    paused: list[dict[str, Any]] = []
     try:
         row = outbox.reader.health_figures()
+        pauses = PauseStore(outbox.store).all()
     except Exception as exc:  # noqa: BLE001 - reported; the answer says so
         state.faults.failing(
             "health-database", "The health check could not query the outbox tables",
@@ -121,6 +129,13 @@ def check(state: AppState) -> dict[str, Any]:
             reasons.append({"code": "queue_too_old",
                             "message": f"an email has been due for {due_age:.0f} s, more than "
                                        f"OUTBOX_HEALTH_MAX_QUEUED_AGE_SECONDS ({limit:g} s)"})
+        for pause in sorted(pauses.values(), key=lambda p: p.transport):
+            paused.append(pause.as_dict())
+            reasons.append({"code": "transport_paused",
+                            "message": f"transport {pause.transport!r} is paused since "
+                                       f"{pause.since:%Y-%m-%d %H:%M:%S} UTC ({pause.kind}: "
+                                       f"{pause.error}); its emails wait, probed next at "
+                                       f"{pause.probe_at:%H:%M:%S} UTC"})
         added = _trend(state).observe(dead_letters)
         if added:
             reasons.append({"code": "dead_letters_growing",
@@ -137,6 +152,7 @@ def check(state: AppState) -> dict[str, Any]:
         "oldest_due_age_seconds": due_age,
         "dead_letters": dead_letters,
         "dead_letters_added": added,
+        "paused_transports": paused,
         "dispatcher": None if dispatcher is None else {
             "running": dispatcher.running, "last_tick_failed": dispatcher.last_claim_failed,
         },

@@ -14,8 +14,11 @@ server: the app's existing ``/metrics`` exposes them.
   they describe every process sharing it: ``outbox_queue_depth{status}``,
   ``outbox_oldest_queued_age_seconds`` (from ``created_at``, as ``status``),
   ``outbox_oldest_due_age_seconds`` (from the due time, as health: the one to
-  alert on), ``outbox_dead_letters``, and ``outbox_database_up`` (0 when that
-  read failed).
+  alert on), ``outbox_dead_letters``, ``outbox_transport_paused{transport,kind}``
+  (1 while a transport is paused by a fault of its own, with the fault's kind;
+  0 with kind "" otherwise), ``outbox_transport_paused_seconds{transport}``
+  (how long it has been paused, 0 if not), and ``outbox_database_up`` (0 when
+  those reads failed).
 
 One set of metrics exists per registry. Registering an app twice, or a
 second app on the same registry (a test suite's app per test), adds its
@@ -43,7 +46,7 @@ except ImportError as exc:  # the optional extra: say which one
 
 from .._flask.signals import email_failed, email_queued, email_sent
 from .._flask.state import AppState
-from ..core._internal import Status, utcnow
+from ..core._internal import PauseStore, Status, utcnow
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -55,7 +58,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 
 class QueueCollector(Collector):
-    """Gauges read from the database at scrape time (one statement per scrape)."""
+    """Gauges read from the database at scrape time (one statement of the queue per
+    scrape, and one of ``outbox_rate``, a row per transport, for the paused ones)."""
 
     def __init__(self) -> None:
         self._state: weakref.ref[AppState] | None = None
@@ -74,9 +78,10 @@ class QueueCollector(Collector):
         if state is None:
             return  # the app is gone
         families = self._families()
-        up, depth, oldest, due, dead = families
+        up, depth, oldest, due, dead, paused, paused_for = families
         try:
             row = state.outbox().reader.queue_figures()
+            pauses = PauseStore(state.outbox().store).all()
         except Exception as exc:  # noqa: BLE001 - reported; the scrape says so (up = 0)
             state.faults.failing(
                 "metrics-database", "The metrics scrape could not query the outbox tables",
@@ -94,6 +99,10 @@ class QueueCollector(Collector):
         oldest.add_metric([], _age(row.now, row.oldest))
         due.add_metric([], _age(row.now, row.earliest_due))
         dead.add_metric([], float(row.failed))
+        for name in state.config.transport_names:
+            pause = pauses.get(name)
+            paused.add_metric([name, pause.kind if pause else ""], 1.0 if pause else 0.0)
+            paused_for.add_metric([name], _age(row.now, pause.since if pause else None))
         yield from families
 
     @staticmethod
@@ -111,6 +120,13 @@ class QueueCollector(Collector):
                               "Seconds the longest-waiting due email has been due, as health "
                               "counts it (0 if none)"),
             GaugeMetricFamily("outbox_dead_letters", "Dead-lettered (failed) emails"),
+            GaugeMetricFamily("outbox_transport_paused",
+                              "1 while a transport is paused by a fault of its own (its "
+                              "emails wait), by transport and the fault's kind",
+                              labels=["transport", "kind"]),
+            GaugeMetricFamily("outbox_transport_paused_seconds",
+                              "Seconds a transport has been paused (0 if it is not)",
+                              labels=["transport"]),
         ]
 
 

@@ -77,6 +77,12 @@ _DEFAULTS: dict[str, Any] = {
     # Retries of an attempt that may have been delivered (a drop after the final
     # dot, a provider's timeout after the request went): each may be a copy.
     "OUTBOX_AMBIGUOUS_RETRIES": 1,
+    # A paused transport (refused credentials, a spent quota, an unverified sender,
+    # unreachable) is probed after 30 s, doubling to 10 min; its emails wait, and
+    # end failed after Postfix's maximal_queue_lifetime, 5 days (None: never).
+    "OUTBOX_PAUSE_PROBE_SECONDS": 30.0,
+    "OUTBOX_PAUSE_PROBE_MAX_SECONDS": 600.0,
+    "OUTBOX_MAX_QUEUE_LIFETIME_SECONDS": 5 * 86400.0,
     "OUTBOX_LEASE_SECONDS": 30.0,
     "OUTBOX_BATCH_SIZE": 100,
     "OUTBOX_CONCURRENCY": 4,
@@ -291,6 +297,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         template_max_subject=keys.number("OUTBOX_TEMPLATE_MAX_SUBJECT", minimum=1,
                                          integer=True),
         **_staging(keys),
+        **_pause_settings(keys),
     )
 
 
@@ -310,6 +317,19 @@ def _soft_bounces(keys: _Keys) -> SoftBounceRule:
 
 #: The longest soft-bounce window or suppression (days): ten years.
 _MAX_SOFT_BOUNCE_DAYS = 3650
+
+
+def _pause_settings(keys: _Keys) -> dict[str, Any]:
+    """The paused transport's probe backoff and the queue lifetime (see core/_pause.py)."""
+    probe = keys.number("OUTBOX_PAUSE_PROBE_SECONDS", minimum=0, strict_minimum=True)
+    probe_max = keys.number("OUTBOX_PAUSE_PROBE_MAX_SECONDS", minimum=0, strict_minimum=True)
+    if probe_max < probe:
+        raise ConfigError("OUTBOX_PAUSE_PROBE_MAX_SECONDS",
+                          f"must be at least OUTBOX_PAUSE_PROBE_SECONDS ({probe:g}), got "
+                          f"{probe_max:g}")
+    return {"pause_probe_seconds": float(probe), "pause_probe_max_seconds": float(probe_max),
+            "max_queue_lifetime_seconds": keys.number(
+                "OUTBOX_MAX_QUEUE_LIFETIME_SECONDS", minimum=0, allow_none=True)}
 
 
 def _staging(keys: _Keys) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from ._intercept import BeforeSend, Intercepted, Interceptor, write_notes
 from ._leases import ClaimedEmail, Outcome, Reaped, Recorded
 from ._mailbox import Keeper
 from ._models import Status
+from ._pause import OVERDUE
 from ._releases import Releases
 from ._retry import Decision, RetryPolicy
 from ._store import Store
@@ -161,8 +162,17 @@ class Expired:
     failovers: tuple[Any, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class Overdue:
+    """The result of an email that waited longer than OUTBOX_MAX_QUEUE_LIFETIME_SECONDS for
+    its paused transport (see :mod:`._pause`): nothing was sent; ``why`` is its last error."""
+
+    why: str
+    failovers: tuple[Any, ...] = ()
+
+
 #: What a delivery attempt comes to: a transport's result, or no send at all.
-Attempt = Result | Suppressed | Expired | Intercepted
+Attempt = Result | Suppressed | Expired | Intercepted | Overdue
 
 
 def expired(email: ClaimedEmail, now: datetime | None = None) -> bool:
@@ -249,6 +259,8 @@ class BatchReport:
     lost: list[int] = dataclasses.field(default_factory=list)
     # Claimed but never handed to the server (shutdown): back to queued, attempt returned.
     released: list[int] = dataclasses.field(default_factory=list)
+    # Met a fault of their whole transport (``account_fault``): queued, attempt returned.
+    paused: list[int] = dataclasses.field(default_factory=list)
     # Emails that now hold their key (a finished one handed it on): next to claim.
     holders: list[int] = dataclasses.field(default_factory=list)
 
@@ -256,7 +268,8 @@ class BatchReport:
     def count(self) -> int:
         """Rows finished one way or another."""
         return (len(self.sent) + len(self.failed) + len(self.suppressed) + len(self.expired)
-                + len(self.cancelled) + len(self.transient) + len(self.released))
+                + len(self.cancelled) + len(self.transient) + len(self.released)
+                + len(self.paused))
 
 
 @dataclasses.dataclass
@@ -270,7 +283,7 @@ class Waiter:
     def take(self, report: BatchReport) -> bool:
         """Note the outcomes of its ids in ``report``; True once it has them all."""
         for name in ("sent", "failed", "suppressed", "expired", "cancelled", "not_claimed",
-                     "lost", "released"):
+                     "lost", "released", "paused"):
             mine = [i for i in getattr(report, name) if i in self.ids]
             getattr(self.report, name).extend(mine)
             self.ids.difference_update(mine)
@@ -329,12 +342,15 @@ class Callbacks:
 
 #: OUTBOX_AMBIGUOUS_RETRIES's default.
 AMBIGUOUS_RETRIES = 1
+#: OUTBOX_PAUSE_PROBE_SECONDS's default.
+PAUSE_SECONDS = 30.0
 
 
 def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy, *,
                 retry_now: bool = False, paced: bool = False,
                 ambiguous_retries: int = AMBIGUOUS_RETRIES,
-                now: Callable[[], datetime] = utcnow) -> Outcome:
+                now: Callable[[], datetime] = utcnow,
+                pause_seconds: float = PAUSE_SECONDS) -> Outcome:
     """What to record for ``email`` after ``result`` (None: claimed past its last attempt).
 
     The retry policy decides every failure in both modes: a transient one sets
@@ -347,12 +363,16 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
     the message may have been accepted (``maybe_sent``) is retried at most
     ``ambiguous_retries`` times in the row's life, then ends ``failed`` with
     a last error that says it may have been sent. ``now``: the store's clock
-    (whether its next attempt would come after its expiry).
+    (whether its next attempt would come after its expiry). A fault of the
+    whole transport (``account_fault``) gives the attempt back and makes the
+    row due again in ``pause_seconds`` (OUTBOX_PAUSE_PROBE_SECONDS): the
+    transport is paused meanwhile (:mod:`._pause`).
     """
     if result is None:
         return Outcome(email, Status.FAILED, error_message=SPENT_LEASE, give_back_attempt=True)
     outcome = _outcome_of(email, result, policy, retry_now=retry_now, paced=paced,
-                          ambiguous_retries=ambiguous_retries, now=now)
+                          ambiguous_retries=ambiguous_retries, now=now,
+                          pause_seconds=pause_seconds)
     if result.failovers:
         outcome = dataclasses.replace(outcome, failovers=result.failovers)
     unknown = unknown_recipients(result)
@@ -363,13 +383,32 @@ def outcome_for(email: ClaimedEmail, result: Attempt | None, policy: RetryPolicy
 
 def _outcome_of(email: ClaimedEmail, result: Attempt, policy: RetryPolicy, *,
                 retry_now: bool, ambiguous_retries: int,
-                now: Callable[[], datetime], paced: bool = False) -> Outcome:
+                now: Callable[[], datetime], pause_seconds: float,
+                paced: bool = False) -> Outcome:
+    if isinstance(result, Overdue):
+        return Outcome(email, Status.FAILED, give_back_attempt=True, error_message=result.why)
     if isinstance(result, (Suppressed, Expired, Intercepted)):
         return _not_sent(email, result)
     if isinstance(result, Delivered):
         return _delivered(email, result)
-    return _failed(email, result.error, policy, retry_now=retry_now, paced=paced,
+    error = result.error
+    if isinstance(error, TransientError) and error.account_fault is not None:
+        return _paused(email, error, now=now, pause_seconds=pause_seconds)
+    return _failed(email, error, policy, retry_now=retry_now, paced=paced,
                    ambiguous_retries=ambiguous_retries, now=now)
+
+
+def _paused(email: ClaimedEmail, error: TransientError, *, now: Callable[[], datetime],
+            pause_seconds: float) -> Outcome:
+    """A fault of the whole transport: the attempt is given back, due again at the probe."""
+    due_in = max(pause_seconds, error.retry_after or 0.0)
+    if email.expires_at is not None and now() + timedelta(seconds=due_in) >= email.expires_at:
+        return Outcome(email, Status.EXPIRED, error_code=error.code, give_back_attempt=True,
+                       error_message=f"expires at {email.expires_at:%Y-%m-%d %H:%M:%S} UTC, "
+                                     "before its transport's next probe; last error: "
+                                     f"{error.message}")
+    return Outcome(email, Status.QUEUED, error_code=error.code, error_message=error.message,
+                   due_in=due_in, give_back_attempt=True)
 
 
 def _not_sent(email: ClaimedEmail, result: Suppressed | Expired | Intercepted) -> Outcome:
@@ -553,6 +592,18 @@ class Delivery:
         finally:
             self.heartbeat.done(claimed)
 
+    def hold(self, claimed: Sequence[ClaimedEmail], why: str, due_in: float) -> int:
+        """Release claimed rows of a paused transport unsent: queued (attempt returned), due
+        again in ``due_in`` seconds (its probe), with ``why`` as their last error."""
+        if not claimed:
+            return 0
+        try:
+            outcomes = [Outcome(email, Status.QUEUED, give_back_attempt=True,
+                                due_in=due_in, error_message=why) for email in claimed]
+            return len(self.store.leases.record(outcomes).recorded)
+        finally:
+            self.heartbeat.done(claimed)
+
     # -- screening --------------------------------------------------------------------
 
     def screen(self, claimed: Sequence[ClaimedEmail]) -> list[ClaimedEmail] | None:
@@ -624,7 +675,8 @@ class Delivery:
         outcomes = [outcome_for(email, result, policy, retry_now=email.id in retry_now,
                                 paced=email.id in paced,
                                 ambiguous_retries=self.config.ambiguous_retries,
-                                now=self.store.clock)
+                                now=self.store.clock,
+                                pause_seconds=self.config.pause_probe_seconds)
                     for email, result in done]
         stored: list[DeliveryEvent] = []
         try:
@@ -635,7 +687,7 @@ class Delivery:
         errors: dict[int, TransportError] = {
             email.id: (result.error if isinstance(result, Failed) else TransientError(SPENT_LEASE))
             for email, result in done
-            if not isinstance(result, (Delivered, Suppressed, Expired, Intercepted))}
+            if not isinstance(result, (Delivered, Suppressed, Expired, Intercepted, Overdue))}
         for outcome in recorded:
             self._report(outcome, errors.get(outcome.email.id), report, policy)
         if stored:
@@ -676,6 +728,9 @@ class Delivery:
         elif isinstance(error, NotAttempted):
             report.released.append(email.id)
             self.releases.note([email.id])
+        elif isinstance(error, TransientError) and error.account_fault is not None:
+            # Reported once per fault by the pause (._pause), not once per email.
+            report.paused.append(email.id)
         else:
             report.transient.append(
                 (email.id, email.attempt,
@@ -686,7 +741,9 @@ class Delivery:
         """Report a dead-lettered email at ERROR (why, and how to put it back); signal it."""
         email = outcome.email
         maybe = (outcome.error_message or "").startswith(MAY_HAVE_BEEN_SENT)
+        overdue = (outcome.error_message or "").startswith(OVERDUE)
         why = ("failed permanently" if isinstance(error, PermanentError) else
+               "was not sent: it " + (outcome.error_message or "") if overdue else
                "may have been sent (it is not retried again)" if maybe else
                "had an expired lease (the process sending it stopped) and no attempt "
                f"left (OUTBOX_MAX_ATTEMPTS={policy.max_attempts}); the server may or may "
@@ -694,6 +751,7 @@ class Delivery:
                f"failed for the last allowed time (OUTBOX_MAX_ATTEMPTS="
                f"{policy.max_attempts})")
         _degrade.report(
+            f"Email {email.id} ({email.message_id}) {why}" if overdue else
             f"Email {email.id} ({email.message_id}) {why} on attempt {email.attempt}: "
             f"{error}",
             consequence="it is dead-lettered (status failed) and will not be sent"

@@ -47,6 +47,7 @@ from ._events import Replayed
 from ._mailbox import Mailbox, MailboxEntry, MailboxPage
 from ._models import TABLE_NAMES
 from ._outbox import DURABLE_SETTING
+from ._pause import Pause, PauseStore
 from ._queries import EVENT_SCAN_BUDGET, EXACT, SEARCH_FIELDS, recount_tally
 from ._rows import (
     check_key,
@@ -80,6 +81,8 @@ __all__ = [
     "Outbox",
     "OutboxConfig",
     "OutgoingEmail",
+    "Pause",
+    "PauseStore",
     "Producer",
     "QueuedRow",
     "Rate",

@@ -247,6 +247,12 @@ class OutboxRate(Base):
     SQLite). ``tat``: when the next message may go (GCRA's theoretical
     arrival time). ``cut_rate`` / ``cut_at``: the rate after the last halving
     (a throttling reply) and when; NULL when none is in force.
+
+    The same row says whether the transport is paused (see :mod:`._pause`):
+    ``paused_kind`` (an ``account_fault``: credentials, quota, sender,
+    unreachable) and ``paused_error`` (the error that paused it) since
+    ``paused_since``; the next probe may be taken at ``probe_at``, and
+    ``probe_delay`` seconds after a failed one. NULL when it is not paused.
     """
 
     __tablename__ = "outbox_rate"
@@ -255,6 +261,11 @@ class OutboxRate(Base):
     tat: Mapped[float] = mapped_column(sa.Float(), nullable=False, server_default="0")
     cut_rate: Mapped[float | None] = mapped_column(sa.Float())
     cut_at: Mapped[float] = mapped_column(sa.Float(), nullable=False, server_default="0")
+    paused_kind: Mapped[str | None] = mapped_column(sa.String(16))
+    paused_error: Mapped[str | None] = mapped_column(sa.Text())
+    paused_since: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    probe_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    probe_delay: Mapped[float | None] = mapped_column(sa.Float())
 
 
 class OutboxEvent(Base):

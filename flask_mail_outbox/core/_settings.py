@@ -127,6 +127,12 @@ class OutboxConfig:
     allowed_recipients: tuple[str, ...] | None = None
     #: OUTBOX_SOFT_BOUNCE_*: repeated soft bounces suppress an address for a bounded time.
     soft_bounces: SoftBounceRule = dataclasses.field(default_factory=SoftBounceRule)
+    #: OUTBOX_PAUSE_PROBE_SECONDS / _MAX_SECONDS: a paused transport's probe backoff.
+    pause_probe_seconds: float = 30.0
+    pause_probe_max_seconds: float = 600.0
+    #: OUTBOX_MAX_QUEUE_LIFETIME_SECONDS: how long an email waits for a paused
+    #: transport before it ends failed (None: for ever; 0: not at all).
+    max_queue_lifetime_seconds: float | None = 5 * 86400.0
 
     def transport_spec(self, name: str) -> TransportSpec:
         """The transport called ``name`` (KeyError when there is none)."""

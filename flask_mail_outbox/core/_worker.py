@@ -44,6 +44,7 @@ from ._delivery import (
     BatchReport,
     Delivery,
     Expired,
+    Overdue,
     Suppressed,
     Waiter,
     Waiters,
@@ -54,6 +55,7 @@ from ._intake import TAKEN_LATER, Intake
 from ._lanes import Lanes
 from ._leases import ClaimedEmail, Reaped
 from ._pacing import IdleBackoff, ReapSchedule, inline_pause
+from ._pause import Gate, Pauses
 
 if TYPE_CHECKING:
     from .._errors import TransientError
@@ -133,6 +135,8 @@ class Worker:
         #: A lane per named transport: its stream, rate and paced rows (see _lanes).
         self.lanes = Lanes(self.store, config, delivery.transports, delivery.faults, now,
                            wall=wall)
+        #: The transports paused by a fault of their own, as this process knows them.
+        self.pauses = Pauses(self.store, config, delivery.faults, now)
         #: Rows claimed and not yet recorded, at most (a claim takes at most a batch).
         self.capacity = max(1, config.batch_size)
         #: Claim again once no more than this is in flight: half a batch (at
@@ -236,6 +240,7 @@ class Worker:
         """Claim due rows as soon as there is room (a commit, a NOTIFY)."""
         with self._cond:
             self._woken = True
+            self.pauses.invalidate()  # a NOTIFY may say a paused transport is back
             self._cond.notify_all()
 
     def nudge(self) -> None:
@@ -245,6 +250,7 @@ class Worker:
 
     def dispatch(self) -> None:
         """Also claim due rows from now on (durable mode), and start the loop."""
+        self.pauses.look()  # a transport paused before this process started: probe it too
         self.dispatching = True
         self.wake()
         self.start()
@@ -535,15 +541,25 @@ class Worker:
         tried = False  # whether any lane had room: only its claim can reap
         try:
             for lane in self.lanes:
-                limit = lane.claim_limit(room - len(claimed))
+                gate = self.pauses.gate(lane.name)
+                if gate is Gate.CLOSED:
+                    continue
+                if gate is Gate.PROBE:
+                    self._end_overdue(lane.name)
+                limit = (min(1, room - len(claimed)) if gate is Gate.PROBE
+                         else lane.claim_limit(room - len(claimed)))
                 if limit <= 0:
+                    if gate is Gate.PROBE:
+                        self.pauses.probe_with(lane.name, None)
                     continue
                 tried = True
                 got, lane_reaped = self._claim_on_kept_connection(limit, reap=reap,
                                                                   transport=lane.name)
                 if reap:
                     reaped, reap = lane_reaped, False
-                lane.backlog = len(got) >= limit
+                if gate is Gate.PROBE:
+                    self.pauses.probe_with(lane.name, got[0].id if got else None)
+                lane.backlog = len(got) >= limit and gate is Gate.OPEN
                 full = full or lane.backlog
                 claimed += got
         except Exception as exc:  # noqa: BLE001 - reported; the next claim retries
@@ -606,8 +622,9 @@ class Worker:
             maximum=max(cap, self.config.poll_max_interval) if cap else None)
         if wake_in is not None:
             gap = min(gap, wake_in)
-        # A rate-limited lane with more due claims again once its slots run low.
-        ready = self.lanes.ready_at()
+        # A rate-limited lane with more due claims again once its slots run low; a
+        # paused one's probe is due at its time.
+        ready = _soonest(self.lanes.ready_at(), _after(self.pauses.next_probe_in(), started))
         with self._cond:
             self._next_claim = started + gap if ready is None else min(started + gap, ready)
             self._cond.notify_all()
@@ -636,12 +653,74 @@ class Worker:
             self.delivery.release(claimed)
             return
         self.delivery.heartbeat.track(claimed)
+        claimed = self._not_paused(claimed)
         screened = self._screened(self._sendable(claimed))
         for email in screened:
             if not email.deliverable:  # every recipient suppressed: ends without a send
                 self._on_result_of(email, Suppressed())
         going = self._intercepted([email for email in screened if email.deliverable])
         self.lanes.send(going, self._on_result)
+
+    def _not_paused(self, claimed: Sequence[ClaimedEmail]) -> list[ClaimedEmail]:
+        """``claimed`` but for those of paused transports, released unsent (their attempt
+        returned), save one taken as its transport's probe when the probe is due."""
+        going: list[ClaimedEmail] = []
+        held: list[ClaimedEmail] = []
+        gates: dict[str, Gate] = {}
+        for email in claimed:
+            name = email.transport
+            if self.pauses.is_probe(name, email.id):  # a dispatcher's claim of the probe
+                going.append(email)
+                continue
+            if name not in gates:
+                gates[name] = self.pauses.gate(name)
+                if gates[name] is Gate.PROBE:
+                    self._end_overdue(name)
+                    self.pauses.probe_with(name, email.id)
+                    going.append(email)
+                    gates[name] = Gate.CLOSED  # one probe
+                    continue
+            (going if gates[name] is Gate.OPEN else held).append(email)
+        for name in {email.transport for email in held}:
+            self._hold([email for email in held if email.transport == name], name)
+        return going
+
+    def _hold(self, emails: list[ClaimedEmail], name: str) -> None:
+        """Claimed rows of paused transport ``name``: queued again unsent until its probe."""
+        with self._cond:
+            for email in emails:
+                self._in_flight.pop(email.id, None)
+        why, due_in = self.pauses.held(name)
+        self.delivery.hold(emails, why, due_in)
+        self._settle(BatchReport(released=[email.id for email in emails]))
+
+    def _end_overdue(self, name: str) -> None:
+        """End ``name``'s emails that waited past OUTBOX_MAX_QUEUE_LIFETIME_SECONDS (failed,
+        with the pause as their last error) or their own expiry (expired), unsent."""
+        lifetime = self.config.max_queue_lifetime_seconds
+        if lifetime is None or self.releases.stopping:
+            return
+        try:
+            ids = self.pauses.sql.overdue(name, lifetime, self.capacity)
+            claimed = self._writes.run(lambda conn: self.store.leases.claim_ids(
+                ids, owner=new_owner(), lease_seconds=self.config.lease_seconds,
+                conn=conn)) if ids else []
+        except Exception as exc:  # noqa: BLE001 - reported; the next probe tries again
+            self.delivery.faults.failing(
+                "overdue", f"Could not end the emails of paused transport {name!r} that waited "
+                           "longer than OUTBOX_MAX_QUEUE_LIFETIME_SECONDS",
+                consequence="they stay queued until a later probe can end them",
+                fix="check the database connection", exc=exc)
+            return
+        self.delivery.faults.recovered("overdue")
+        if not claimed:
+            return
+        why = self.pauses.overdue_reason(name)
+        now = self.store.clock()
+        with self._cond:
+            self._in_flight.update((email.id, email) for email in claimed)
+        for email in claimed:
+            self._on_result_of(email, Expired() if expired(email, now) else Overdue(why))
 
     def _screened(self, sendable: list[ClaimedEmail]) -> list[ClaimedEmail]:
         """``sendable`` with their suppressed recipients noted; all released if the list
@@ -738,8 +817,31 @@ class Worker:
             return
         self.finished += report.count
         self.lanes.after_record(done, report, dispatching=self.dispatching)
+        self._after_pause(done)
         self._settle(report, retry_now)
         self.hand(report.holders)
+
+    def _after_pause(self, done: Sequence[tuple[ClaimedEmail, Attempt | None]]) -> None:
+        """Pause a transport whose fault came back, back off or resume after a probe."""
+        resumed, paused = self.pauses.after_record(
+            [(email.transport, email.id, result) for email, result in done])
+        for name in paused:
+            self._end_overdue(name)
+        if not resumed:
+            return
+        if self.store.dialect.listens:
+            try:
+                self.store.notify()  # every dispatcher claims the waiting emails now
+            except Exception as exc:  # noqa: BLE001 - reported; the others see it later
+                self.delivery.faults.failing(
+                    "pause-notify", f"Could not wake the other processes: transport(s) "
+                                    f"{resumed} are back",
+                    consequence="their dispatchers send the waiting emails at their next "
+                                "claim (OUTBOX_LISTEN_BACKSTOP_SECONDS at most)",
+                    fix="check the database connection", exc=exc)
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
 
     def _settle(self, report: BatchReport, retry_now: Collection[int] = ()) -> None:
         """After a record: schedule in-process retries, tell waiters, forget the rest."""
@@ -749,7 +851,8 @@ class Worker:
                 self._settle_transient(email_id, attempt, error, due_now=email_id in retry_now)
             self.intake.settled(itertools.chain(report.sent, report.failed, report.suppressed,
                                                 report.expired, report.cancelled, report.lost,
-                                                report.not_claimed, report.released))
+                                                report.not_claimed, report.released,
+                                                report.paused))
             self._cond.notify_all()
 
     def _settle_transient(self, email_id: int, attempt: int, error: TransientError, *,
@@ -785,6 +888,11 @@ class Worker:
 def _until(deadline: float | None, now: float) -> float | None:
     """Seconds from ``now`` to ``deadline`` (None: no deadline)."""
     return None if deadline is None else deadline - now
+
+
+def _after(seconds: float | None, start: float) -> float | None:
+    """``start + seconds`` (None: no deadline)."""
+    return None if seconds is None else start + seconds
 
 
 def _soonest(*times: float | None) -> float | None:

@@ -46,6 +46,7 @@ import dataclasses
 import email.utils
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -119,7 +120,6 @@ class HTTPTransport(Transport):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None
-        self._auth_failing = False
 
     @classmethod
     def from_settings(cls, settings: TransportSettings) -> Self:
@@ -279,13 +279,13 @@ class HTTPTransport(Transport):
             return self._all(envelopes, TransientError(
                 f"{self.kind} API did not answer within {self.timeout:g} s "
                 f"({type(exc).__name__})" + (_MAYBE if sent else ""), transport_fault=not sent,
-                maybe_sent=sent and not self.idempotent))
+                maybe_sent=sent and not self.idempotent, account_fault=_unreachable(exc)))
         except httpx.TransportError as exc:
             sent = not isinstance(exc, self._NOT_SENT)
             return self._all(envelopes, TransientError(
                 f"{self.kind} API connection failed: {type(exc).__name__}: {exc}"
                 + (_MAYBE if sent else ""), transport_fault=not sent,
-                maybe_sent=sent and not self.idempotent))
+                maybe_sent=sent and not self.idempotent, account_fault=_unreachable(exc)))
         except TransportError as exc:  # the provider's own refusal to build the request
             return self._all(envelopes, exc)
         return self._classify(envelopes, response)
@@ -322,7 +322,6 @@ class HTTPTransport(Transport):
                     f"documents ({type(exc).__name__}: {self.outside(exc)}): "
                     f"{self.outside(_clip(response.text))}" + (_MAYBE if sent else ""),
                     code=status, maybe_sent=sent))
-            self._auth_recovered()
             return results
         own = self.classify_error(envelopes, response)
         if own is not None:
@@ -333,10 +332,12 @@ class HTTPTransport(Transport):
                 f"{self.kind} API throttled the request (HTTP 429): {detail}", code=429,
                 throttled=True, retry_after=retry_after(response)))
         if status in (401, 403):
-            self._auth_failed(status, detail)
+            # The account's fault, not the message's: the core pauses the transport
+            # (one ERROR per process) and no email spends an attempt on it.
             return self._all(envelopes, TransientError(
                 f"{self.kind} API refused the credentials (HTTP {status}): {detail}; check "
-                "the API key", code=status))
+                f"the API key of OUTBOX_TRANSPORTS[{self.name!r}]", code=status,
+                account_fault="credentials"))
         if status >= 500:
             return self._all(envelopes, TransientError(
                 f"{self.kind} API failed (HTTP {status}): {detail}", code=status,
@@ -344,27 +345,22 @@ class HTTPTransport(Transport):
         return self._all(envelopes, PermanentError(
             f"{self.kind} API refused the message (HTTP {status}): {detail}", code=status))
 
-    def _auth_failed(self, status: int, detail: str) -> None:
-        if self._auth_failing:
-            return
-        self._auth_failing = True
-        _degrade.report(
-            f"The {self.kind} transport OUTBOX_TRANSPORTS[{self.name!r}] was refused its "
-            f"credentials (HTTP {status}: {detail})",
-            consequence="its emails stay queued and are retried on the usual schedule; "
-                        "none is dead-lettered for this",
-            fix=f"check the API key of OUTBOX_TRANSPORTS[{self.name!r}] (rotated or revoked?) "
-                "and restart the app with the new one")
-
-    def _auth_recovered(self) -> None:
-        if self._auth_failing:
-            self._auth_failing = False
-            logger.info("The %s transport %r is accepted by the API again", self.kind,
-                        self.name)
-
     @staticmethod
     def _all(envelopes: Sequence[Envelope], error: TransportError) -> list[Result]:
         return [Failed(error) for _ in envelopes]
+
+
+def _unreachable(exc: Exception) -> str | None:
+    """``"unreachable"`` when ``exc`` says no connection to the API could be made at all
+    (refused, timing out, no such host), not a TLS handshake that failed."""
+    if not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return None
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return None
+        seen = seen.__cause__ or seen.__context__
+    return "unreachable"
 
 
 def retry_after(response: httpx.Response) -> float | None:

@@ -22,10 +22,10 @@ https://documentation.mailgun.com/docs/mailgun/quickstart-guide/responses):
 
 A 404 says the domain is not one of the account's in this region (or
 ``base_url`` is not Mailgun's API root): a configuration error of the
-transport, not a fault of the message. It is treated like a refused key:
-transient, with one ERROR naming the entry's ``domain`` and ``base_url``, so
-fixing the setting and restarting delivers the queue instead of finding it
-dead-lettered.
+transport, not a fault of the message. Like a refused key it pauses the
+transport (``account_fault="settings"``, one ERROR naming the entry's
+``domain`` and ``base_url``): the emails wait without spending attempts, so
+fixing the setting delivers the queue instead of finding it dead-lettered.
 
 Refused at ``send()``: more than 1000 recipients and messages over 25 MB, the
 limits Mailgun documents. Assumed where the docs are silent: the envelope's
@@ -44,7 +44,6 @@ from urllib.parse import quote
 
 import httpx
 
-from .. import _degrade
 from .._errors import ConfigError, InvalidMessage, TransientError
 from ._base import Delivered, Envelope, Result
 from ._http import BadResponse, HTTPTransport
@@ -79,7 +78,6 @@ class MailgunTransport(HTTPTransport):
         self.url = f"{self.base_url}/v3/{quote(domain, safe='')}/messages.mime"
         credentials = base64.b64encode(f"api:{options.get('api_key') or ''}".encode())
         self._authorization = "Basic " + credentials.decode("ascii")
-        self._domain_failing = False
 
     @classmethod
     def check_settings(cls, options: Mapping[str, Any], prefix: str) -> None:
@@ -117,9 +115,6 @@ class MailgunTransport(HTTPTransport):
         message_id = body.get("id") if isinstance(body, Mapping) else None
         if not isinstance(message_id, str) or not message_id.strip("<> "):
             raise BadResponse("no message id in the answer (is base_url Mailgun's API root?)")
-        if self._domain_failing:
-            self._domain_failing = False
-            logger.info("The mailgun transport %r reaches its domain again", self.name)
         return [Delivered(provider_message_id=message_id.strip().strip("<>"))
                 for _ in envelopes]
 
@@ -129,21 +124,8 @@ class MailgunTransport(HTTPTransport):
         if response.status_code != 404:
             return None
         detail = self.error_detail(response)
-        self._domain_not_found(detail)
         return TransientError(
-            f"{self.kind} API does not know the domain (HTTP 404): {detail}; check the "
-            f"domain and base_url of OUTBOX_TRANSPORTS[{self.name!r}]", code=404)
-
-    def _domain_not_found(self, detail: str) -> None:
-        if self._domain_failing:
-            return
-        self._domain_failing = True
-        key = f"OUTBOX_TRANSPORTS[{self.name!r}]"
-        _degrade.report(
-            f"The mailgun transport {key} was answered 404 for its domain "
-            f"{self.options.get('domain')!r} at {self.base_url} ({detail})",
-            consequence="its emails stay queued and are retried on the usual schedule; "
-                        "none is dead-lettered for this",
-            fix=f'check {key}["domain"] (a sending domain of this Mailgun account) and '
-                f'{key}["base_url"] (https://api.eu.mailgun.net for a domain in the EU '
-                "region), then restart the app")
+            f"{self.kind} API does not know the domain {self.options.get('domain')!r} "
+            f"(HTTP 404): {detail}; check the domain and base_url of "
+            f"OUTBOX_TRANSPORTS[{self.name!r}] (https://api.eu.mailgun.net for a domain in "
+            "the EU region)", code=404, account_fault="settings")

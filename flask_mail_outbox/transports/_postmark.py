@@ -48,13 +48,11 @@ import base64
 import json
 import logging
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from .. import _degrade
 from .._errors import (
     ConfigError,
     InvalidMessage,
@@ -91,6 +89,12 @@ ACCOUNT_CODES = {
     412: "the account is pending approval",
     413: "the account may not send",
 }
+#: ErrorCodes that say the sender is not one the account may send from (a sender
+#: signature or domain not defined, or not confirmed): no email of it can go.
+SENDER_CODES = {
+    400: "the sender signature is not defined",
+    401: "the sender signature is not confirmed",
+}
 #: ErrorCodes that say "try again": a bad token (also a 401) and the rate limit.
 TOKEN_CODE = 10
 RATE_LIMIT_CODE = 429
@@ -119,8 +123,6 @@ class PostmarkTransport(HTTPTransport):
         super().__init__(options, name=name, concurrency=concurrency)
         self._token = str(options.get("token") or "")
         self.message_stream = str(options.get("message_stream") or DEFAULT_STREAM)
-        self._account_failing = False
-        self._account_lock = threading.Lock()
 
     @classmethod
     def check_settings(cls, options: Mapping[str, Any], prefix: str) -> None:
@@ -228,7 +230,6 @@ class PostmarkTransport(HTTPTransport):
         message_id = reply["MessageID"]
         if not isinstance(message_id, str) or not message_id:
             raise BadResponse(f"MessageID {message_id!r}")
-        self._account_recovered()
         # "Message OK, but will not deliver to these inactive addresses: ..."
         match = _INACTIVE.search(text)
         refused = {address.strip(): (406, text) for address in
@@ -243,12 +244,15 @@ class PostmarkTransport(HTTPTransport):
                                   throttled=True)
         if code == TOKEN_CODE:
             return TransientError(f"postmark API refused the server token: {detail}; check "
-                                  "the API key", code=401)
+                                  f"the API key of OUTBOX_TRANSPORTS[{self.name!r}]", code=401,
+                                  account_fault="credentials")
         if code in ACCOUNT_CODES:
-            self._account_failed(ACCOUNT_CODES[code], detail)
             return TransientError(f"postmark API cannot send for this account "
                                   f"({ACCOUNT_CODES[code]}): {detail}", code=422,
-                                  transport_fault=True)
+                                  account_fault="unreachable" if code == 100 else "quota")
+        if code in SENDER_CODES:
+            return TransientError(f"postmark API refuses the sender ({SENDER_CODES[code]}): "
+                                  f"{detail}", code=422, account_fault="sender")
         return PermanentError(f"postmark API refused the message: {detail}", code=422)
 
     def classify_error(self, envelopes: Sequence[Envelope],
@@ -269,24 +273,6 @@ class PostmarkTransport(HTTPTransport):
         error = _error_body(response) if status == 422 else None
         return None if error is None else self.error_for(*error)
 
-    def _account_failed(self, problem: str, detail: str) -> None:
-        with self._account_lock:
-            if self._account_failing:
-                return
-            self._account_failing = True
-        problem, detail = self.outside(problem), self.outside(detail)
-        _degrade.report(
-            f"The postmark transport OUTBOX_TRANSPORTS[{self.name!r}] cannot send: {problem} "
-            f"({detail})",
-            consequence="its emails stay queued (or go to its failover transports) and are "
-                        "retried on the usual schedule; none is dead-lettered for this",
-            fix="check the Postmark account's status and sending limits")
-
-    def _account_recovered(self) -> None:
-        with self._account_lock:
-            was, self._account_failing = self._account_failing, False
-        if was:
-            logger.info("The postmark transport %r sends again", self.name)
 
 
 def _joined(addresses: Sequence[Address]) -> str:

@@ -55,14 +55,12 @@ import hashlib
 import json
 import logging
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from email.charset import QP, Charset
 from typing import Any
 
 import httpx
 
-from .. import _degrade
 from .._errors import (
     ConfigError,
     InvalidMessage,
@@ -132,8 +130,6 @@ class ResendTransport(HTTPTransport):
                  concurrency: int = 4) -> None:
         super().__init__(options, name=name, concurrency=concurrency)
         self._api_key = str(options.get("api_key") or "")
-        self._account_failing = False
-        self._account_lock = threading.Lock()
 
     @classmethod
     def check_settings(cls, options: Mapping[str, Any], prefix: str) -> None:
@@ -212,7 +208,6 @@ class ResendTransport(HTTPTransport):
         """``{"id"}`` for one email; ``{"data", "errors"}`` for a batch, one result per email."""
         body = response.json()
         if len(envelopes) == 1:
-            self._account_recovered()
             return [Delivered(provider_message_id=_id(body))]
         if not isinstance(body, Mapping) or not isinstance(body.get("data"), list):
             raise BadResponse("a batch answer without a data array")
@@ -229,7 +224,6 @@ class ResendTransport(HTTPTransport):
         if len(body["data"]) + len(refused) != len(envelopes):
             raise BadResponse(f"{len(body['data'])} ids and {len(refused)} errors for "
                               f"{len(envelopes)} emails")
-        self._account_recovered()
         return [Failed(PermanentError(f"resend API refused the email (batch validation): "
                                       f"{refused[i]}", code=422)) if i in refused
                 else Delivered(provider_message_id=_id(next(created)))
@@ -245,18 +239,18 @@ class ResendTransport(HTTPTransport):
         emails in particular. The rest is the base's.
         """
         status = response.status_code
-        name, message = _error_body(response)
+        name, _ = _error_body(response)
         detail = self.error_detail(response)
         if status == 403 and name == "validation_error":
-            return self._account_error(f"Resend refuses the sender or the recipients for "
-                                       f"this account: {message}", detail, status,
-                                       fix="verify the sending domain in Resend (Domains) "
-                                           "and use it in the From address")
+            return TransientError(f"resend API refuses the sender or the recipients for this "
+                                  f"account (HTTP {status}): {detail}; verify the sending "
+                                  "domain in Resend (Domains) and use it in the From address",
+                                  code=status, account_fault="sender")
         if status == 429 and name in QUOTA_NAMES:
-            return self._account_error(f"the Resend sending quota is spent: {message}",
-                                       detail, status, fix="wait for the quota to reset, "
-                                       "or raise it in Resend's billing settings",
-                                       after=retry_after(response))
+            return TransientError(f"resend API: the sending quota is spent (HTTP {status}): "
+                                  f"{detail}; wait for it to reset, or raise it in Resend's "
+                                  "billing settings", code=status, account_fault="quota",
+                                  retry_after=retry_after(response))
         if status == 409 and name == "concurrent_idempotent_requests":
             return TransientError(f"resend API is still processing an earlier attempt of "
                                   f"this email (HTTP 409): {detail}", code=409)
@@ -270,28 +264,6 @@ class ResendTransport(HTTPTransport):
                                   f"(HTTP {status}): {detail}", code=status)
         return None
 
-    def _account_error(self, problem: str, detail: str, status: int, *, fix: str,
-                       after: float | None = None) -> TransientError:
-        with self._account_lock:
-            first, self._account_failing = not self._account_failing, True
-        if first:
-            problem = self.outside(problem)
-            _degrade.report(
-                f"The resend transport OUTBOX_TRANSPORTS[{self.name!r}] cannot send: "
-                f"{problem}",
-                consequence="its emails stay queued (or go to its failover transports) and "
-                            "are retried on the usual schedule; none is dead-lettered for "
-                            "this",
-                fix=fix)
-        return TransientError(f"resend API cannot send for this account (HTTP {status}): "
-                              f"{detail}", code=status, transport_fault=True,
-                              retry_after=after)
-
-    def _account_recovered(self) -> None:
-        with self._account_lock:
-            was, self._account_failing = self._account_failing, False
-        if was:
-            logger.info("The resend transport %r sends again", self.name)
 
 
 def email_json(parts: MessageParts) -> dict[str, Any]:

@@ -137,8 +137,22 @@ class SendGridTransport(HTTPTransport):
 
     def classify_error(self, envelopes: Sequence[Envelope],
                        response: httpx.Response) -> TransientError | None:
-        """A 429: SendGrid documents X-RateLimit-Reset (a Unix time), not Retry-After."""
-        if response.status_code != 429:
+        """A 429: SendGrid documents X-RateLimit-Reset (a Unix time), not Retry-After.
+
+        A 401 or 403 is the account's: spent credits ("Maximum credits exceeded"),
+        a From address of no verified Sender Identity, or a refused key.
+        """
+        status = response.status_code
+        if status in (401, 403):
+            detail = self.error_detail(response)
+            said = detail.lower()
+            kind = ("quota" if "credits" in said else
+                    "sender" if "sender identity" in said else "credentials")
+            return TransientError(
+                f"{self.kind} API refused the account (HTTP {status}): {detail}; check the "
+                f"API key and the account of OUTBOX_TRANSPORTS[{self.name!r}]", code=status,
+                account_fault=kind)
+        if status != 429:
             return None
         wait = retry_after(response)
         if wait is None:

@@ -25,14 +25,18 @@ status codes and error shapes)::
   botocore when they expire.
 * Errors (``x-amzn-ErrorType`` header, or ``__type`` / ``code`` in the JSON
   body, with ``message``) are classified on top of :class:`HTTPTransport`'s:
-  TooManyRequestsException, LimitExceededException (the daily quota) and
-  Throttling are throttles; AccountSuspendedException, SendingPausedException,
-  NotFoundException (the configuration set) and the credential errors of 401
-  and 403 (InvalidSignatureException, UnrecognizedClientException,
-  ExpiredToken, AccessDenied...) are transient faults of the transport, with
-  one ERROR until SES accepts again; MessageRejected,
-  MailFromDomainNotVerifiedException and BadRequestException (400) are
-  permanent for that message; 5xx are transient faults.
+  TooManyRequestsException and Throttling are throttles, but a quota ("Daily
+  message quota exceeded", with them or LimitExceededException) is the
+  account's. The account's faults pause the transport (``account_fault``,
+  see docs/guide/modes.md, "A paused transport"): the credential errors of 401 and 403
+  (InvalidSignatureException, UnrecognizedClientException, ExpiredToken,
+  AccessDenied...) are ``credentials``; a spent quota,
+  AccountSuspendedException and SendingPausedException ``quota``;
+  MailFromDomainNotVerifiedException, and a MessageRejected "not verified"
+  that names the sender (or no address), ``sender``; NotFoundException (the
+  configuration set) ``settings``. MessageRejected otherwise and
+  BadRequestException (400) are permanent for that message; 5xx are
+  transient faults.
 
 What SES would refuse is refused at ``send()`` (:meth:`SESTransport.check_message`):
 more than 50 recipients, a message over 40 MB (the v2 limit, attachments included
@@ -64,7 +68,6 @@ import botocore.exceptions
 import botocore.session
 import httpx
 
-from .. import _degrade
 from .._errors import (
     ConfigError,
     InvalidMessage,
@@ -128,7 +131,6 @@ class SESTransport(HTTPTransport):
         self.base_url = endpoint_of(options).rstrip("/")
         self._credentials: Any = None
         #: The kind of refusal reported at ERROR and not yet followed by an accept.
-        self._failing: str | None = None
 
     # -- settings ---------------------------------------------------------------------------
 
@@ -244,9 +246,6 @@ class SESTransport(HTTPTransport):
         message_id = body.get("MessageId") if isinstance(body, Mapping) else None
         if not isinstance(message_id, str) or not message_id:
             raise BadResponse("no MessageId in the answer")
-        if self._failing is not None:
-            logger.info("The ses transport %r is accepted by SES again", self.name)
-            self._failing = None
         return [Delivered(provider_message_id=message_id) for _ in envelopes]
 
     def error_detail(self, response: httpx.Response) -> str:
@@ -264,50 +263,55 @@ class SESTransport(HTTPTransport):
         status = response.status_code
         if status < 400:
             return None
-        error_type, _ = aws_error(response)
         detail = self.error_detail(response)
+        error_type, message = aws_error(response)
+        said = (message or "").lower()
+        if "quota" in said and (error_type in _THROTTLES or status == 429
+                                or error_type == "LimitExceededException"):
+            # "Daily message quota exceeded": no email goes until the quota resets.
+            return TransientError(f"ses: the account's sending quota is spent (HTTP {status}): "
+                                  f"{detail}", code=status, account_fault="quota")
         if error_type in _THROTTLES or status == 429:
             return TransientError(f"ses throttled the request (HTTP {status}): {detail}",
                                   code=status, throttled=True,
                                   retry_after=retry_after(response))
         if error_type in _CREDENTIALS or status in (401, 403):
-            self._refused("credentials", f"SES refused the AWS credentials (HTTP {status}: "
-                                         f"{detail})",
-                          fix=f"check the AWS credentials of OUTBOX_TRANSPORTS[{self.name!r}] "
-                              "(access_key_id and secret_access_key, or what AWS's chain "
-                              "finds: expired, rotated, for another region, or without "
-                              "ses:SendEmail) and restart the app with working ones")
             return TransientError(f"ses refused the credentials (HTTP {status}): {detail}; "
-                                  "check the AWS credentials", code=status,
-                                  transport_fault=True)
+                                  f"check the AWS credentials of OUTBOX_TRANSPORTS"
+                                  f"[{self.name!r}] (expired, rotated, for another region, or "
+                                  "without ses:SendEmail)", code=status,
+                                  account_fault="credentials")
         if error_type in _ACCOUNT:
-            self._refused(error_type, f"SES stopped the account's sending in {self.region} "
-                                      f"(HTTP {status}: {detail})",
-                          fix="see the account's status in the SES console of "
-                              f"{self.region} (a review, a bounce or complaint rate) and "
-                              "have sending resumed")
-            return TransientError(f"ses: the account cannot send (HTTP {status}): {detail}",
-                                  code=status, transport_fault=True)
+            return TransientError(f"ses: the account cannot send in {self.region} (HTTP "
+                                  f"{status}): {detail}; see its status in the SES console",
+                                  code=status, account_fault="quota")
+        if error_type == "MailFromDomainNotVerifiedException" or (
+                error_type == "MessageRejected" and "not verified" in said
+                and _names_the_sender(said, envelopes)):
+            return TransientError(f"ses: the sender is not verified in {self.region} (HTTP "
+                                  f"{status}): {detail}; verify the sending identity",
+                                  code=status, account_fault="sender")
         if error_type == "NotFoundException" or status == 404:
-            self._refused("not found", f"SES answered HTTP {status} ({detail})",
-                          fix=f"check configuration_set ({self.configuration_set!r}: it must "
-                              f"exist in {self.region}) and the endpoint "
-                              f"({self.base_url}) of OUTBOX_TRANSPORTS[{self.name!r}]")
-            return TransientError(f"ses: not found (HTTP {status}): {detail}", code=status,
-                                  transport_fault=True)
+            return TransientError(f"ses: not found (HTTP {status}): {detail}; check "
+                                  f"configuration_set ({self.configuration_set!r}) and the "
+                                  f"endpoint ({self.base_url})", code=status,
+                                  account_fault="settings")
         return None
 
-    def _refused(self, failing: str, what: str, *, fix: str) -> None:
-        """One ERROR for a refusal of every message, until SES accepts one again."""
-        if self._failing == failing:
-            return
-        self._failing = failing
-        what = self.outside(what)
-        _degrade.report(
-            f"The ses transport OUTBOX_TRANSPORTS[{self.name!r}] cannot send: {what}",
-            consequence="its emails stay queued (or go to its failover transports) and are "
-                        "retried on the usual schedule; none is dead-lettered for this",
-            fix=fix)
+
+
+_ADDRESSES = re.compile(r"[^\s,:;<>]+@[^\s,:;<>]+[^\s,:;<>.]")
+
+
+def _names_the_sender(said: str, envelopes: Sequence[Envelope]) -> bool:
+    """Whether SES's "not verified" is about the sender, not only about recipients.
+
+    Outside the sandbox SES checks the sender's identity; in the sandbox it also
+    names each recipient it has not verified, which is that message's problem alone.
+    """
+    named = {address.lower() for address in _ADDRESSES.findall(said)}
+    recipients = {address.lower() for envelope in envelopes for address in envelope.recipients}
+    return not named or not named <= recipients
 
 
 def endpoint_of(options: Mapping[str, Any]) -> str:

@@ -63,6 +63,7 @@ FAILURE_REPLIES: dict[str, tuple[int, str]] = {
     "transient": (451, "4.3.0 Temporary local problem, try again later (fail_next)"),
     "permanent": (550, "5.7.1 Message refused (fail_next)"),
     "throttle": (421, "4.7.0 Too many messages, slow down (fail_next)"),
+    "account": (535, "5.7.8 Authentication credentials invalid (fail_next)"),
 }
 
 
@@ -83,7 +84,9 @@ class Failures:
 
         ``kind``: ``"transient"`` (a 451: retried with backoff), ``"permanent"``
         (a 550: dead-lettered) or ``"throttle"`` (a 421 rate reply: deferred,
-        the attempt given back); ``message``: the server's text instead of the
+        the attempt given back) or ``"account"`` (a 535 refusing the credentials:
+        the transport is paused, the attempt given back, see
+        docs/guide/modes.md, "A paused transport"); ``message``: the server's text instead of the
         default one. Rules are used in the order they were added. Raises
         :class:`ValueError` for a bad argument.
         """
@@ -130,6 +133,8 @@ def _failure(kind: str, code: int, text: str) -> TransportError:
         return PermanentError(text, code=code)
     if kind == "throttle":
         return TransientError(text, code=code, throttled=True)
+    if kind == "account":
+        return TransientError(text, code=code, account_fault="credentials")
     return TransientError(text, code=code,
                           throttled=classify_reply(code, text) is ReplyClass.THROTTLED)
 

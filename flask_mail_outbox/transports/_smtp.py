@@ -21,6 +21,7 @@ import collections
 import contextlib
 import queue
 import socket
+import ssl
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -185,8 +186,25 @@ class SMTPTransport(Transport):
                               eightbitmime=client.supports_extension("8bitmime"))
         except Exception as exc:
             client.close()
-            raise _ConnectFailed(map_smtp_error(exc, secrets=(s.password,))) from exc
+            error = map_smtp_error(exc, secrets=(s.password,))
+            if isinstance(error, TransientError) and error.account_fault is None \
+                    and cannot_connect(exc):
+                # No session at all: if no connection of the stream is up, every
+                # message fails with this, and the core pauses the transport.
+                error.account_fault, error.transport_fault = "unreachable", True
+            raise _ConnectFailed(error) from exc
         return session
+
+
+def cannot_connect(exc: BaseException) -> bool:
+    """Whether ``exc`` says no TCP connection to the server could be made (refused, timing
+    out, no route, no such host): not a server that answered badly or late (a greeting
+    that never came, a 421), nor a TLS handshake that failed."""
+    if isinstance(exc, aiosmtplib.SMTPConnectResponseError):
+        return False
+    cause = exc.__cause__ if isinstance(exc, aiosmtplib.SMTPConnectError) else exc
+    return isinstance(cause, OSError) and not isinstance(
+        cause, (aiosmtplib.SMTPException, ssl.SSLError))
 
 
 class _Job:

@@ -47,10 +47,12 @@ def map_smtp_error(exc: BaseException, secrets: Sequence[str | None] = ()) -> Tr
         cleaned = clean_text(text)
         return redact(cleaned, secrets) if secrets else cleaned
 
-    if isinstance(exc, aiosmtplib.SMTPAuthenticationError):
-        # A bad password is fixed by configuration, not by giving up on the email.
+    if isinstance(exc, aiosmtplib.SMTPAuthenticationError) or (
+            isinstance(exc, aiosmtplib.SMTPResponseException) and exc.code in (530, 535)):
+        # A bad password (535), or a server that wants one (530): fixed by
+        # configuration, not by giving up on the email; the transport pauses.
         return TransientError(f"authentication failed: {safe(exc.message)}", code=exc.code,
-                              transport_fault=True)
+                              account_fault="credentials")
     if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
         codes = [err.code for err in exc.recipients]
         replies = [(err.recipient, err.code, safe(err.message)) for err in exc.recipients]

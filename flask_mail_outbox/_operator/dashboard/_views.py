@@ -28,6 +28,7 @@ from ...core._internal import (
     REASONS,
     SEARCH_FIELDS,
     HourCount,
+    PauseStore,
     Reader,
     Status,
     suppression_key,
@@ -125,9 +126,11 @@ class Dashboard:
     def overview(self) -> ResponseReturnValue:
         # One connection; no figure on it grows with the rows retained (see _queries).
         figures = self._reader().overview()
+        pauses = PauseStore(app_state().outbox().store).all()  # the transports' rows only
         return render_template(
             "outbox_dashboard/overview.html", counts=figures.counts, statuses=_STATUSES,
             tallied=_TALLIED, oldest_queued_age=figures.oldest_queued_age,
+            paused=[pauses[name] for name in sorted(pauses)],
             durable=self.mail.durable, chart=build_chart(figures.hours), notice=_notice())
 
     def emails(self) -> ResponseReturnValue:

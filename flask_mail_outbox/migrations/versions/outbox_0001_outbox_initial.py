@@ -156,6 +156,11 @@ def _tables() -> sa.MetaData:
         sa.Column("tat", sa.Float(), nullable=False, server_default="0"),
         sa.Column("cut_rate", sa.Float(), nullable=True),
         sa.Column("cut_at", sa.Float(), nullable=False, server_default="0"),
+        sa.Column("paused_kind", sa.String(16), nullable=True),
+        sa.Column("paused_error", sa.Text(), nullable=True),
+        sa.Column("paused_since", sa.DateTime(), nullable=True),
+        sa.Column("probe_at", sa.DateTime(), nullable=True),
+        sa.Column("probe_delay", sa.Float(), nullable=True),
     )
     sa.Table(
         "outbox_event",
