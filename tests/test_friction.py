@@ -100,9 +100,12 @@ def test_a_full_mailbox_is_not_blamed_on_the_server_settings(
     assert "flask outbox cancel <id>" in fix
 
 
-def test_a_refused_connection_still_points_at_the_server_settings(
-        make_apps: MakeApps, caplog: pytest.LogCaptureFixture) -> None:
-    app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(),
+def test_a_server_closing_at_its_greeting_still_points_at_the_server_settings(
+        make_apps: MakeApps, smtp_server: FaultSMTPServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # (A refused connection pauses the transport: its ERROR is the pause's, see test_pause.)
+    smtp_server.reply("connect", 421, "4.3.2 Service not available, closing channel")
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
                           OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2)
     fix = left_queued_fix(app, mail, caplog, "a@example.com")
     assert fix.startswith("check the transport's settings (MAIL_SERVER and MAIL_PORT")

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import MakeApps, db, free_port, rows
+from conftest import MakeApps, db, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -18,19 +18,24 @@ from flask_mail_outbox.core import email_table
 
 
 def strand(make_apps: MakeApps, count: int, **config: Any) -> list[int]:
-    """Rows left queued by a process whose SMTP server was unreachable.
+    """Rows left queued by a process whose SMTP server failed them (451 at MAIL FROM).
 
-    With no backoff (``OUTBOX_RETRY_BASE_SECONDS=0``) they are due again at once,
-    so a sweep may take them as soon as the test wants.
+    A transient failure of the message, not of the whole transport (an unreachable
+    server would pause the transport, and its rows would wait for its probe). With no
+    backoff (``OUTBOX_RETRY_BASE_SECONDS=0``) they are due again at once, so a sweep may
+    take them as soon as the test wants.
     """
-    app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
-                          MAIL_TIMEOUT=2, OUTBOX_RETRY_BASE_SECONDS=0, **config)
-    with app.app_context():
-        ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
-               for i in range(count)]
-        db.session.commit()
-        assert mail.wait_idle(20)
-    mail.stop()
+    with FaultSMTPServer() as failing:
+        failing.reply("mail", 451, "4.3.0 Temporary failure, try again")
+        app, mail = make_apps(MAIL_SERVER=failing.host, MAIL_PORT=failing.port,
+                              OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2,
+                              OUTBOX_RETRY_BASE_SECONDS=0, **config)
+        with app.app_context():
+            ids = [mail.send(Message(f"m{i}", recipients=["a@example.com"], body="x"))
+                   for i in range(count)]
+            db.session.commit()
+            assert mail.wait_idle(20)
+        mail.stop()
     assert {r["status"] for r in rows(app)} == {"queued"}
     return ids
 
@@ -89,16 +94,20 @@ def test_exactly_a_full_batch_is_not_truncated(make_apps: MakeApps,
 
 def test_sweep_respects_due_times_and_key_order(make_apps: MakeApps,
                                                 smtp_server: FaultSMTPServer) -> None:
-    app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
-                          MAIL_TIMEOUT=2, OUTBOX_RETRY_BASE_SECONDS=0)
-    with app.app_context():
-        mail.send(Message("later", recipients=["a@example.com"], body="x"),
-                  send_after=timedelta(hours=1))
-        mail.send(Message("k1", recipients=["a@example.com"], body="x"), key="k")
-        mail.send(Message("k2", recipients=["a@example.com"], body="x"), key="k")
-        db.session.commit()
-        assert mail.wait_idle(20)
-    mail.stop()
+    # A server failing each message (not the whole transport, which would pause it).
+    with FaultSMTPServer() as failing:
+        failing.reply("mail", 451, "4.3.0 Temporary failure, try again")
+        app, mail = make_apps(MAIL_SERVER=failing.host, MAIL_PORT=failing.port,
+                              OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2,
+                              OUTBOX_RETRY_BASE_SECONDS=0)
+        with app.app_context():
+            mail.send(Message("later", recipients=["a@example.com"], body="x"),
+                      send_after=timedelta(hours=1))
+            mail.send(Message("k1", recipients=["a@example.com"], body="x"), key="k")
+            mail.send(Message("k2", recipients=["a@example.com"], body="x"), key="k")
+            db.session.commit()
+            assert mail.wait_idle(20)
+        mail.stop()
     sweeper, smail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port)
     with sweeper.app_context():
         first = smail.sweep(min_age=0)
@@ -209,10 +218,13 @@ def test_a_failing_sweep_is_reported_and_the_scheduler_survives(
     assert scheduler._scheduler is not None and scheduler._scheduler.running
 
 
-def test_drain_failure_error_text_is_pinned(make_apps: MakeApps,
+def test_drain_failure_error_text_is_pinned(make_apps: MakeApps, smtp_server: FaultSMTPServer,
                                            caplog: pytest.LogCaptureFixture) -> None:
-    app, mail = make_apps(MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), OUTBOX_INLINE_RETRIES=0,
-                          MAIL_TIMEOUT=2)
+    # A server that closes at its greeting: the transport's fault, yet no pause (a
+    # refused connection would pause the transport and say so instead).
+    smtp_server.reply("connect", 421, "4.3.2 Service not available, closing channel")
+    app, mail = make_apps(MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                          OUTBOX_INLINE_RETRIES=0, MAIL_TIMEOUT=2)
     caplog.set_level(logging.DEBUG, logger="flask_mail_outbox")
     with app.app_context():
         email_id = mail.send(Message("x", recipients=["a@example.com"], body="x"))
