@@ -331,7 +331,13 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
                 if None in values:
                     cells += [None, None]
                     continue
-                ratios = [v / getattr(b, field) for v, b in zip(values, base, strict=True)]
+                # A tiny run (smoke) can measure 0 CPU ticks: no ratio for that round.
+                ratios = [v / getattr(b, field) for v, b in zip(values, base, strict=True)
+                          if getattr(b, field)]
+                if not ratios:
+                    cells += [(median(values) or 0.0) * scale, None]
+                    report.figures[f"{config} {variant} {field}"] = median(values)
+                    continue
                 cells += [(median(values) or 0.0) * scale,
                           f"{median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"]
                 report.figures[f"{config} {variant} {field}"] = median(values)
