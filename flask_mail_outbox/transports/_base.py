@@ -207,7 +207,8 @@ class Sending:
     def _reported(self, envelope: Envelope, result: Result) -> None:
         """Hand ``result`` to the report callback; call once per message put."""
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("Email %d: %s", envelope.email_id, said(result))
+            logger.debug("Email %d: %s", envelope.email_id,
+                         _degrade.unaddressed(said(result)))
         self._reporting.active = True
         try:
             self._report(envelope, result)
