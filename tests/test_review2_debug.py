@@ -12,6 +12,9 @@ from smtpserver import FaultSMTPServer
 from test_cli import _flask
 
 from flask_mail_outbox import Message, OutboxMail
+from flask_mail_outbox._errors import PermanentError, TransientError
+from flask_mail_outbox.transports import Delivered, Failed, FailedOver
+from flask_mail_outbox.transports._base import said
 
 
 def test_debug_lines_mask_an_address_the_server_echoes(
@@ -35,3 +38,16 @@ def test_debug_lines_mask_an_address_the_server_echoes(
     assert any("451" in line and "Try again later" in line for line in lines), lines
     assert not [line for line in lines if "gone.person@" in line or "later.person@" in line], \
         lines
+
+
+def test_the_reply_line_keeps_the_provider_id_and_masks_a_failover_s_address() -> None:
+    """A Mailgun-style provider id has an "@": it is the operator's handle, kept whole; an
+    address in a failed-over transport's reply is masked."""
+    result = Delivered(provider_message_id="<20261207.1@mg.example.com>", failovers=(
+        FailedOver("primary", PermanentError("550 5.1.1 <gone.person@example.com>: no"),
+                   "backup"),))
+    line = said(result)
+    assert "provider id <20261207.1@mg.example.com>" in line
+    assert "gone.person" not in line and "***@example.com" in line
+    assert said(Failed(TransientError("451 4.3.0 later.person@example.com"))) == \
+        "transient failure: 451 4.3.0 ***@example.com"
