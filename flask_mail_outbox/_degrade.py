@@ -20,6 +20,7 @@ cause is known.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,18 @@ _UNDEFINED_TABLE = "42P01"
 _TABLES_FIX = ("create them: `flask db upgrade outbox@head` with Flask-Migrate (see "
                "docs/migrations.md), or `mail.create_all()` after `db.create_all()` in "
                "development")
+
+
+#: An address's local part and its "@" in a server's reply (neither class holds "@" or
+#: white space, so the search is linear).
+_LOCAL_PART = re.compile(r"[^\s<>()\[\]\\,;:\"@]{1,64}@(?=[^\s<>()\[\]\\,;:\"@])")
+
+
+def unaddressed(text: str) -> str:
+    """``text`` with each address's local part masked (``***@example.com``): a server's
+    reply often echoes the recipient (``550 5.1.1 <bob@example.com>: ...``), and the DEBUG
+    lines that quote replies never carry an address."""
+    return _LOCAL_PART.sub("***@", text)
 
 
 def report(what: str, *, consequence: str, fix: str,

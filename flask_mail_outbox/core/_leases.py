@@ -469,8 +469,8 @@ class Leases:
 
 def _due(outcome: Outcome) -> str:
     """The rest of a recorded outcome's DEBUG line: when it is due again, and why."""
-    said = f" ({_error_text(outcome.error_code, outcome.error_message)})" \
-        if outcome.error_message else ""
+    said = (f" ({_degrade.unaddressed(_error_text(outcome.error_code, outcome.error_message))})"
+            if outcome.error_message else "")
     if outcome.status is Status.QUEUED:
         again = f"due again in {outcome.due_in:.0f} s" if outcome.due_in else "due again now"
         back = ", attempt given back" if outcome.give_back_attempt else ""

@@ -82,9 +82,10 @@ logger = logging.getLogger(__name__)
 
 
 def said(result: Result) -> str:
-    """What a result says, on one line, for a DEBUG line (the server's text, never an address)."""
-    steps = "".join(f"; failed over from {step.transport} ({step.error})"
-                    for step in result.failovers)
+    """What a result says, on one line, for a DEBUG line (the server's text, never an
+    address: one a reply echoes is masked; the provider's id is kept whole)."""
+    steps = _degrade.unaddressed("".join(f"; failed over from {step.transport} ({step.error})"
+                                         for step in result.failovers))
     if isinstance(result, Delivered):
         taken = f", provider id {result.provider_message_id}" if result.provider_message_id \
             else ""
@@ -93,7 +94,7 @@ def said(result: Result) -> str:
     error = result.error
     kind = ("not attempted" if isinstance(error, NotAttempted)
             else "transient failure" if isinstance(error, TransientError) else "refused")
-    return f"{kind}: {error}{steps}"
+    return f"{kind}: {_degrade.unaddressed(str(error))}{steps}"
 
 
 class NotAttempted(TransientError):
