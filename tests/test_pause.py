@@ -158,10 +158,10 @@ def _clocked(db_url: str, **config: Any) -> tuple[Any, Any, Any, Any]:
     return outbox, clock, transport, outbox.dispatch(hand_ticked=True)
 
 
-def _enqueue(outbox: Any, count: int, **row: Any) -> None:
+def _enqueue(outbox: Any, count: int, *, due_at: Any = None, **row: Any) -> None:
     producer = Producer(outbox)
     rows_ = [prepare_row(Message(f"n{i}", recipients=[f"r{i}@example.com"], body="hi"),
-                         outbox.config, key=None, due_at=None, now=outbox.store.clock(),
+                         outbox.config, key=None, due_at=due_at, now=outbox.store.clock(),
                          **row)
              for i in range(count)]
     with Session(outbox.engine) as session, session.begin():
@@ -421,3 +421,28 @@ def test_status_health_metrics_and_the_dashboard_show_the_paused_transport(
     assert 'id="paused-transports"' not in app.test_client().get("/outbox/").get_data(
         as_text=True)
     mail.stop()
+
+
+def test_a_scheduled_emails_queue_lifetime_counts_from_when_it_may_go(db_url: str) -> None:
+    """review2: a ``send_after`` email waited its lifetime from ``created_at``, so one
+    scheduled further ahead than the lifetime failed at the first probe, never tried."""
+    outbox, clock, transport, worker = _clocked(db_url, OUTBOX_MAX_QUEUE_LIFETIME_SECONDS=3600)
+    try:
+        _enqueue(outbox, 1, due_at=clock.now() + timedelta(hours=2))
+        clock.advance(2 * 3600 + 1)  # due now, created two hours ago
+        transport.fail_next(100, kind="account")
+        worker.tick()
+        worker.tick()
+        for _ in range(10):  # 20 minutes of probes: well inside its hour
+            clock.advance(120)
+            worker.tick()
+            worker.tick()
+        assert _state(outbox)[1] == [("queued", 0)]
+        for _ in range(25):  # past an hour since it was due
+            clock.advance(120)
+            worker.tick()
+            worker.tick()
+        assert _state(outbox)[1] == [("failed", 0)]
+        assert transport.outbox == []
+    finally:
+        outbox.stop(5)

@@ -16,7 +16,7 @@ from flask_mail_outbox import InvalidMessage, Message, OutboxMail, email_queued
 from flask_mail_outbox.core import attachment_table
 
 # Columns that differ between two sends of the same message whatever the route.
-_PER_SEND = {"id", "message_id", "mime", "created_at", "due_at", "size"}
+_PER_SEND = {"id", "message_id", "mime", "created_at", "due_at", "scheduled_for", "size"}
 
 
 def letter(i: int, **kwargs: Any) -> Message:

@@ -50,6 +50,7 @@ class Admin:
             done = conn.execute(
                 t.update().where(t.c.id == email_id, t.c.status == Status.FAILED.value)
                 .values(status=Status.QUEUED.value, attempts=0, due_at=self.db.now_expr(),
+                        scheduled_for=self.db.now_expr(),
                         key_head=False, lease_owner=None, lease_expires_at=None)
             ).rowcount
             if done and key is not None:
@@ -91,6 +92,7 @@ class Admin:
                 retried += conn.execute(
                     t.update().where(failed, scope)
                     .values(status=Status.QUEUED.value, attempts=0, due_at=self.db.now_expr(),
+                            scheduled_for=self.db.now_expr(),
                             key_head=False, lease_owner=None, lease_expires_at=None)
                     .returning(t.c.id)).scalars()
                 _ordering.advance(conn, chunk)

@@ -173,6 +173,9 @@ class OutboxEmail(Base):
     provider_message_id: Mapped[str | None] = mapped_column(sa.String(255))
     # mail.send(expires_after=...): not delivered by then, the row ends expired.
     expires_at: Mapped[datetime | None] = mapped_column(sa.DateTime())
+    # mail.send(send_after=...): when it was first due; NULL when due at creation
+    # (created_at). The queue lifetime of a paused transport counts from it.
+    scheduled_for: Mapped[datetime | None] = mapped_column(sa.DateTime())
     # mail.send_template(): the template's name ("orders/shipped"), the locale it
     # was rendered in, and the SHA-256 (hex) of the template files it read, so the
     # dashboard can say which template and which version an email came from.

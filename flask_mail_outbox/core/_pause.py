@@ -154,14 +154,19 @@ class PauseStore:
             return conn.execute(statement).first() is not None
 
     def overdue(self, name: str, lifetime: float, limit: int) -> list[int]:
-        """Queued emails of ``name`` created ``lifetime`` seconds ago or more, or past their
-        ``expires_at``, that could be claimed now (due, first of their key)."""
+        """Queued emails of ``name`` first due ``lifetime`` seconds ago or more, or past their
+        ``expires_at``, that could be claimed now (due, first of their key).
+
+        First due: ``scheduled_for`` (``send_after``, or an operator's retry of a dead
+        letter), else ``created_at``: a scheduled email's lifetime starts when it may go.
+        """
         e = email_table
+        first_due = sa.func.coalesce(e.c.scheduled_for, e.c.created_at)
         statement = (sa.select(e.c.id)
                      .where(self.store.dialect.claimable(self.store.now_expr),
                             e.c.transport == name,
-                            sa.or_(e.c.created_at <= self.store.dialect.ago(self.store.clock,
-                                                                            lifetime),
+                            sa.or_(first_due <= self.store.dialect.ago(self.store.clock,
+                                                                       lifetime),
                                    e.c.expires_at <= self.store.now_expr()))
                      .order_by(e.c.id).limit(limit))
         with self.store.read() as conn:

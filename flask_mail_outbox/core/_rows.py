@@ -66,6 +66,8 @@ def prepare_row(msg: Message, config: OutboxConfig, *, key: str | None,
     values: dict[str, Any] = {
         "status": Status.QUEUED.value,
         "due_at": due_at,
+        # When it was first due, if not at once: the queue lifetime counts from it.
+        "scheduled_for": None if due_now else due_at,
         "message_id": prepared.message_id,
         "key": key,
         "idempotency_key": idempotency_key,

@@ -99,6 +99,7 @@ def _tables() -> sa.MetaData:
         sa.Column("transport", sa.String(64), nullable=False, server_default="default"),
         sa.Column("provider_message_id", sa.String(255), nullable=True),
         sa.Column("expires_at", sa.DateTime(), nullable=True),
+        sa.Column("scheduled_for", sa.DateTime(), nullable=True),
         sa.Column("template_name", sa.String(255), nullable=True),
         sa.Column("template_locale", sa.String(35), nullable=True),
         sa.Column("template_hash", sa.String(64), nullable=True),
