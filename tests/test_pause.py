@@ -348,6 +348,45 @@ def test_a_closed_port_pauses_the_transport_as_unreachable(
     mail.stop()
 
 
+def test_a_server_that_takes_the_connection_then_resets_it_does_not_pause(
+        make_apps: MakeApps) -> None:
+    """review2: a reset after the server accepted the connection is a server answering
+    badly (an ordinary transient failure of the email), not an unreachable one."""
+    import socket
+    import struct
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    stop = threading.Event()
+
+    def reset_each() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # RST, before any greeting
+
+    thread = threading.Thread(target=reset_each, daemon=True)
+    thread.start()
+    try:
+        app, mail = _smtp_app(make_apps, "127.0.0.1", listener.getsockname()[1])
+        _send(app, 2)
+        done = wait_rows(app, lambda rs: all(r["attempts"] >= 1 and r["status"] == "queued"
+                                             for r in rs), timeout=10)
+        assert len(done) == 2
+        assert _pause_row(app) is None or _pause_row(app).paused_kind is None
+        mail.stop()
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
 def test_a_failover_transport_takes_the_mail_while_the_primary_refuses_its_key(
         make_apps: MakeApps, fake: FakeResend, smtp_server: FaultSMTPServer) -> None:
     fake.api_key = "re_rotated_elsewhere"
@@ -446,3 +485,14 @@ def test_a_scheduled_emails_queue_lifetime_counts_from_when_it_may_go(db_url: st
         assert transport.outbox == []
     finally:
         outbox.stop(5)
+
+
+@pytest.mark.parametrize(("error", "unreachable"), [
+    (ConnectionRefusedError(), True), (TimeoutError(), True), (OSError(113, "no route"), True),
+    (ConnectionResetError(), False), (ConnectionAbortedError(), False),
+    (BrokenPipeError(), False)])
+def test_only_a_connection_never_made_counts_as_unreachable(error: OSError,
+                                                           unreachable: bool) -> None:
+    from flask_mail_outbox.transports._smtp import cannot_connect
+
+    assert cannot_connect(error) is unreachable

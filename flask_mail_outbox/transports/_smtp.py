@@ -203,8 +203,10 @@ def cannot_connect(exc: BaseException) -> bool:
     if isinstance(exc, aiosmtplib.SMTPConnectResponseError):
         return False
     cause = exc.__cause__ if isinstance(exc, aiosmtplib.SMTPConnectError) else exc
+    # A reset, abort or broken pipe: the server took the connection, then dropped it.
     return isinstance(cause, OSError) and not isinstance(
-        cause, (aiosmtplib.SMTPException, ssl.SSLError))
+        cause, (aiosmtplib.SMTPException, ssl.SSLError, ConnectionResetError,
+                ConnectionAbortedError, BrokenPipeError))
 
 
 class _Job:
