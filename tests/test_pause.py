@@ -243,6 +243,10 @@ def test_an_email_waits_at_most_the_queue_lifetime_then_fails_with_the_fault(
         pause, emails = _state(outbox)
         assert emails == [("failed", 0), ("failed", 0), ("expired", 0)]
         assert pause.paused_kind == "credentials"  # still down
+        # One ERROR for the emails one probe ended, not one each (a big queue's flood).
+        ended = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR
+                 and "were not sent: each waited longer than" in r.getMessage()]
+        assert len(ended) == 1 and ended[0].startswith("2 email(s) [1, 2] were not sent"), ended
         with outbox.engine.connect() as conn:
             errors = list(conn.execute(sa.select(email_table.c.last_error).where(
                 email_table.c.status == "failed")).scalars())

@@ -688,8 +688,11 @@ class Delivery:
             email.id: (result.error if isinstance(result, Failed) else TransientError(SPENT_LEASE))
             for email, result in done
             if not isinstance(result, (Delivered, Suppressed, Expired, Intercepted, Overdue))}
+        overdue: list[Outcome] = []
         for outcome in recorded:
-            self._report(outcome, errors.get(outcome.email.id), report, policy)
+            self._report(outcome, errors.get(outcome.email.id), report, policy, overdue)
+        if overdue:
+            self._report_overdue(overdue)
         if stored:
             self._tell(self.callbacks.events, stored)
         for outcome in lost:
@@ -704,7 +707,7 @@ class Delivery:
         return report
 
     def _report(self, outcome: Outcome, error: TransportError | None, report: BatchReport,
-                policy: RetryPolicy) -> None:
+                policy: RetryPolicy, overdue: list[Outcome]) -> None:
         """Count one recorded outcome, report it when it needs it, send its signal."""
         email = outcome.email
         if outcome.status is Status.SENT:
@@ -719,7 +722,11 @@ class Delivery:
             self._tell(self.callbacks.sent, email, outcome.provider_message_id)
         elif outcome.status is Status.FAILED:
             report.failed.append(email.id)
-            self._dead_lettered(outcome, error, policy)
+            if (outcome.error_message or "").startswith(OVERDUE):
+                overdue.append(outcome)  # one ERROR for them all (_report_overdue)
+                self._tell(self.callbacks.failed, email, error)
+            else:
+                self._dead_lettered(outcome, error, policy)
         elif outcome.status in (Status.SUPPRESSED, Status.EXPIRED, Status.CANCELLED):
             {Status.SUPPRESSED: report.suppressed, Status.EXPIRED: report.expired,
              Status.CANCELLED: report.cancelled}[outcome.status].append(email.id)
@@ -735,6 +742,20 @@ class Delivery:
             report.transient.append(
                 (email.id, email.attempt,
                  error if isinstance(error, TransientError) else TransientError(str(error))))
+
+    def _report_overdue(self, outcomes: list[Outcome]) -> None:
+        """One ERROR for the emails a paused transport held past the queue lifetime.
+
+        A queue of thousands reaching its lifetime would otherwise log thousands.
+        """
+        ids = [outcome.email.id for outcome in outcomes]
+        shown = ", ".join(str(i) for i in ids[:20]) + (", ..." if len(ids) > 20 else "")
+        _degrade.report(
+            f"{len(ids)} email(s) [{shown}] were not sent: each "
+            f"{outcomes[0].error_message or ''}",
+            consequence="they are dead-lettered (status failed) and will not be sent",
+            fix="correct the transport's fault, then put them back with "
+                "`flask outbox dlq retry --all` (or mail.retry(id))")
 
     def _dead_lettered(self, outcome: Outcome, error: TransportError | None,
                        policy: RetryPolicy) -> None:
