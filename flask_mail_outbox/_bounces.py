@@ -1178,7 +1178,7 @@ class _Bounce:
                 recipient = _address(str(item.get("emailAddress") or ""))
                 events.append(self.event(
                     "bounced", recipient, occurred_at=self.date, message_id=original,
-                    summary={"kind": "ses", "bounce_type": bounce_type,
+                    summary={"kind": "ses-notification", "bounce_type": bounce_type,
                              "bounce_sub_type": sub_type, "diagnostic_code": diagnostic},
                     bounce_kind=bounce_kind, mta_response=diagnostic,
                     reason=ses_reason(bounce_type, sub_type, diagnostic),
@@ -1190,7 +1190,7 @@ class _Bounce:
                     events.append(self.event(
                         "complained", _address(str(item.get("emailAddress") or "")),
                         occurred_at=self.date, message_id=original,
-                        summary={"kind": "ses", "feedback_type": str(
+                        summary={"kind": "ses-notification", "feedback_type": str(
                             details.get("complaintFeedbackType") or "")},
                         reason="complaint", description="SES complaint"))
         elif kind == "Delivery":
@@ -1198,7 +1198,7 @@ class _Bounce:
             for item in listed if isinstance(listed, list) else []:
                 events.append(self.event(
                     "delivered", _address(str(item)), occurred_at=self.date,
-                    message_id=original, summary={"kind": "ses"},
+                    message_id=original, summary={"kind": "ses-notification"},
                     description="SES delivery"))
         else:
             return None
