@@ -1,0 +1,234 @@
+"""OpenTelemetry tracing (OUTBOX_OTEL): the trace context travels with the row.
+
+Real parts: the SDK's TracerProvider with its InMemorySpanExporter, the real
+SMTP test server, SQLite (inline delivery) and PostgreSQL (a durable dispatcher).
+The provider is handed to the app (``"tracer_provider"``), so nothing here sets
+the process-wide one that other tests would see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import close_app, db, make_app, wait_rows
+from flask import Flask
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from smtpserver import FaultSMTPServer
+
+from flask_mail_outbox import ConfigError, Message, OutboxMail
+from flask_mail_outbox._tracing import settings_from
+
+Traced = tuple[TracerProvider, InMemorySpanExporter]
+
+
+@pytest.fixture
+def traced() -> Iterator[Traced]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def _app(db_url: str, smtp_server: FaultSMTPServer, otel: dict[str, Any] | None,
+         **config: Any) -> Flask:
+    durable = db_url.startswith("postgresql")
+    if otel is not None:
+        config["OUTBOX_OTEL"] = otel
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_DURABLE=durable, OUTBOX_RETRY_BASE_SECONDS=0.05,
+                   OUTBOX_RETRY_MAX_SECONDS=0.2, OUTBOX_POLL_INTERVAL=0.05,
+                   OUTBOX_POLL_MAX_INTERVAL=0.2, **config)
+    mail: OutboxMail = app.extensions["test_mail"]
+    request_tracer = trace.get_tracer("test") if otel is None or "tracer_provider" not in otel \
+        else otel["tracer_provider"].get_tracer("test")
+
+    @app.post("/signup")
+    def signup() -> str:
+        # What the Flask instrumentation would open: the request's SERVER span.
+        with request_tracer.start_as_current_span("POST /signup", kind=SpanKind.SERVER):
+            mail.send(Message("Welcome", recipients=["ann@example.com"], body="hi"),
+                      key="account-7")
+            mail.send_many([Message(f"Tip {i}", recipients=[f"bob{i}@example.org"],
+                                    body="tip") for i in (1, 2)])
+            db.session.commit()
+        return "ok"
+
+    return app
+
+
+def _spans(exporter: InMemorySpanExporter, kind: SpanKind) -> list[ReadableSpan]:
+    return sorted((s for s in exporter.get_finished_spans() if s.kind is kind),
+                  key=lambda s: (int((s.attributes or {})["messaging.message.id"]),
+                                 s.start_time or 0))
+
+
+def _traceparent(span: ReadableSpan) -> str:
+    context = span.get_span_context()
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+def _no_address(spans: list[ReadableSpan]) -> None:
+    for span in spans:
+        for name, value in (span.attributes or {}).items():
+            assert "@" not in str(value), (span.name, name, value)
+
+
+def test_a_request_that_sends_three_emails_is_one_trace_and_each_delivery_links_to_it(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    app = _app(db_url, smtp_server, {"tracer_provider": provider})
+    try:
+        assert app.test_client().post("/signup").status_code == 200
+        assert smtp_server.wait_for(3, timeout=20)
+        stored = wait_rows(app, lambda r: all(row["status"] == "sent" for row in r), 20.0)
+        consumers = _spans(exporter, SpanKind.CONSUMER)
+        for _ in range(100):
+            if len(consumers) == 3:
+                break
+            smtp_server.wait_until(lambda: False, timeout=0.05)
+            consumers = _spans(exporter, SpanKind.CONSUMER)
+    finally:
+        close_app(app)
+    [request] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    producers = _spans(exporter, SpanKind.PRODUCER)
+    ids = [row["id"] for row in stored]
+    assert [row["status"] for row in stored] == ["sent"] * 3
+    # The producers: children of the request, one per email, its context on the row.
+    assert [(p.name, p.parent and p.parent.span_id) for p in producers] == [
+        ("send default", request.context.span_id),
+        ("create default", request.context.span_id),
+        ("create default", request.context.span_id)]
+    assert {p.context.trace_id for p in producers} == {request.context.trace_id}
+    assert [dict(p.attributes or {}) for p in producers] == [
+        {"messaging.system": "flask-mail-outbox", "messaging.operation.name": "send",
+         "messaging.operation.type": "send", "messaging.destination.name": "default",
+         "messaging.message.conversation_id": "account-7",
+         "messaging.message.id": str(ids[0])},
+        *({"messaging.system": "flask-mail-outbox", "messaging.operation.name": "create",
+           "messaging.operation.type": "create", "messaging.destination.name": "default",
+           "messaging.message.id": str(email_id)} for email_id in ids[1:])]
+    assert [row["traceparent"] for row in stored] == [_traceparent(p) for p in producers]
+    assert [row["tracestate"] for row in stored] == [None] * 3
+    # The consumers: one per attempt, each in a trace of its own, linked to its producer.
+    assert len(consumers) == 3
+    for consumer, producer, email_id in zip(consumers, producers, ids, strict=True):
+        assert consumer.name == "process default"
+        assert consumer.parent is None
+        assert consumer.context.trace_id not in (request.context.trace_id,)
+        assert [(link.context.trace_id, link.context.span_id) for link in consumer.links] == [
+            (producer.context.trace_id, producer.context.span_id)]
+        expected: dict[str, Any] = {
+            "messaging.system": "flask-mail-outbox", "messaging.operation.name": "process",
+            "messaging.operation.type": "process", "messaging.destination.name": "default",
+            "messaging.message.id": str(email_id), "flask_mail_outbox.attempt": 1,
+            "flask_mail_outbox.outcome": "sent", "server.address": smtp_server.host,
+            "server.port": smtp_server.port}
+        if email_id == ids[0]:
+            expected["messaging.message.conversation_id"] = "account-7"
+        assert dict(consumer.attributes or {}) == expected
+        assert consumer.status.is_ok
+    assert len({c.context.trace_id for c in consumers}) == 3
+    _no_address(list(exporter.get_finished_spans()))
+
+
+def test_a_retry_is_two_consumer_spans_linked_to_one_producer(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    smtp_server.reply("data", 451, "4.7.1 Greylisted, try again", times=1)
+    app = _app(db_url, smtp_server, {"tracer_provider": provider})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("Reset", recipients=["ann@example.com"], body="link"))
+            db.session.commit()
+        [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+        consumers = _spans(exporter, SpanKind.CONSUMER)
+        for _ in range(100):
+            if len(consumers) == 2:
+                break
+            smtp_server.wait_until(lambda: False, timeout=0.05)
+            consumers = _spans(exporter, SpanKind.CONSUMER)
+    finally:
+        close_app(app)
+    [producer] = _spans(exporter, SpanKind.PRODUCER)
+    assert row["attempts"] == 2
+    assert [((c.attributes or {})["flask_mail_outbox.attempt"],
+             (c.attributes or {})["flask_mail_outbox.outcome"],
+             (c.attributes or {}).get("flask_mail_outbox.reply_code"),
+             [link.context.span_id for link in c.links]) for c in consumers] == [
+        (1, "queued", 451, [producer.context.span_id]),
+        (2, "sent", None, [producer.context.span_id])]
+    _no_address([producer, *consumers])
+
+
+def test_child_of_makes_the_delivery_part_of_the_request_trace_and_domains_are_opt_in(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    app = _app(db_url, smtp_server, {"tracer_provider": provider, "link": "child",
+                                     "recipient_domain": True})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("Reset", recipients=["ann@Example.com", "bob@example.org"],
+                              body="link"))
+            db.session.commit()
+        wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+        consumers = _spans(exporter, SpanKind.CONSUMER)
+        for _ in range(100):
+            if consumers:
+                break
+            smtp_server.wait_until(lambda: False, timeout=0.05)
+            consumers = _spans(exporter, SpanKind.CONSUMER)
+    finally:
+        close_app(app)
+    [producer] = _spans(exporter, SpanKind.PRODUCER)
+    [consumer] = consumers
+    assert consumer.parent is not None
+    assert (consumer.parent.span_id, consumer.context.trace_id) == (
+        producer.context.span_id, producer.context.trace_id)
+    assert list(consumer.links) == []
+    assert (consumer.attributes or {})["flask_mail_outbox.recipient_domains"] == (
+        "example.com", "example.org")
+    _no_address([producer, consumer])
+
+
+def test_tracing_off_writes_null_and_makes_no_span(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    # "auto" with no tracer provider set (the API's default): off. Then off by hand
+    # even with a provider.
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    for rounds, otel in enumerate((None, {"enabled": False, "tracer_provider": provider}), 1):
+        app = _app(db_url, smtp_server, otel)
+        try:
+            assert app.test_client().post("/signup").status_code == 200
+            stored = wait_rows(app, lambda r: all(row["status"] == "sent" for row in r), 20.0)
+        finally:
+            close_app(app)
+        # The same database each round: three more rows.
+        assert [(row["status"], row["traceparent"], row["tracestate"]) for row in stored] == [
+            ("sent", None, None)] * 3 * rounds
+        assert [s for s in exporter.get_finished_spans() if s.kind is not SpanKind.SERVER] == []
+        smtp_server.clear()
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("on", "expected a dict"),
+    ({"enabled": "yes"}, "'enabled' must be True, False or 'auto', got 'yes'"),
+    ({"enabled": 1}, "'enabled' must be True, False or 'auto', got 1"),
+    ({"link": "parent"}, "'link' must be 'link' or 'child', got 'parent'"),
+    ({"recipient_domain": "yes"}, "'recipient_domain' must be True or False"),
+    ({"tracer_provider": object()}, "'tracer_provider' must be an OpenTelemetry"),
+    ({"sampler": 1}, "unknown key 'sampler'"),
+])
+def test_bad_values_name_the_key(value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_OTEL") as caught:
+        settings_from(value)
+    assert message in str(caught.value)
