@@ -8,11 +8,25 @@ the process-wide one that other tests would see.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import close_app, db, make_app, wait_rows
+from conftest import (
+    close_app,
+    db,
+    empty_postgres,
+    make_app,
+    poll,
+    require_postgres,
+    rows,
+    wait_rows,
+)
 from flask import Flask
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -25,6 +39,7 @@ from flask_mail_outbox import ConfigError, Message, OutboxMail
 from flask_mail_outbox._tracing import settings_from
 
 Traced = tuple[TracerProvider, InMemorySpanExporter]
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -232,3 +247,52 @@ def test_bad_values_name_the_key(value: Any, message: str) -> None:
     with pytest.raises(ConfigError, match="OUTBOX_OTEL") as caught:
         settings_from(value)
     assert message in str(caught.value)
+
+
+def test_a_worker_process_reads_the_context_back_from_the_row(
+        tmp_path: Path, pg_database: str | None, smtp_server: FaultSMTPServer,
+        traced: Traced) -> None:
+    """The request in this process, the delivery in a ``flask outbox worker`` process
+    whose app set the SDK's global provider (OUTBOX_OTEL left at "auto")."""
+    db_url = empty_postgres(pg_database or require_postgres())
+    provider, exporter = traced
+    app = _app(db_url, smtp_server, {"tracer_provider": provider}, OUTBOX_RUN_WORKER=False)
+    spans_file = tmp_path / "worker-spans.jsonl"
+    worker = None
+    try:
+        assert app.test_client().post("/signup").status_code == 200
+        assert [row["status"] for row in rows(app)] == ["queued"] * 3
+        env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{TESTS.parent}",
+                   OTEL_TEST_DB_URL=db_url, OTEL_TEST_SMTP_PORT=str(smtp_server.port),
+                   OTEL_TEST_SPANS=str(spans_file))
+        with open(tmp_path / "worker.log", "wb") as log:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "flask", "--app", "otel_worker_app:create_app",
+                 "outbox", "worker"], env=env, cwd=str(TESTS), stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT)
+
+        def consumers() -> list[dict[str, Any]]:
+            if not spans_file.exists():
+                return []
+            lines = [json.loads(line) for line in spans_file.read_text().splitlines()]
+            return sorted((s for s in lines if s["kind"] == "CONSUMER"),
+                          key=lambda s: int(s["attributes"]["messaging.message.id"]))
+
+        found = poll(consumers, lambda spans: len(spans) == 3, timeout=30)
+        stored = rows(app)
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(timeout=30)
+        close_app(app)
+    assert len(found) == 3, (tmp_path / "worker.log").read_text()
+    producers = _spans(exporter, SpanKind.PRODUCER)
+    assert [row["status"] for row in stored] == ["sent"] * 3
+    assert [s["links"] for s in found] == [
+        [[f"{p.context.trace_id:032x}", f"{p.context.span_id:016x}"]] for p in producers]
+    assert [s["parent"] for s in found] == [None] * 3
+    assert [(s["name"], s["attributes"]["messaging.message.id"],
+             s["attributes"]["flask_mail_outbox.outcome"], s["attributes"]["server.port"])
+            for s in found] == [("process default", str(row["id"]), "sent", smtp_server.port)
+                                for row in stored]
+    assert not [s for s in found if "@" in json.dumps(s["attributes"])]
