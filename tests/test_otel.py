@@ -21,6 +21,7 @@ from conftest import (
     close_app,
     db,
     empty_postgres,
+    hand_ticked_worker,
     make_app,
     poll,
     require_postgres,
@@ -53,11 +54,11 @@ def traced() -> Iterator[Traced]:
 
 def _app(db_url: str, smtp_server: FaultSMTPServer, otel: dict[str, Any] | None,
          **config: Any) -> Flask:
-    durable = db_url.startswith("postgresql")
+    config.setdefault("OUTBOX_DURABLE", db_url.startswith("postgresql"))
     if otel is not None:
         config["OUTBOX_OTEL"] = otel
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                   OUTBOX_DURABLE=durable, OUTBOX_RETRY_BASE_SECONDS=0.05,
+                   OUTBOX_RETRY_BASE_SECONDS=0.05,
                    OUTBOX_RETRY_MAX_SECONDS=0.2, OUTBOX_POLL_INTERVAL=0.05,
                    OUTBOX_POLL_MAX_INTERVAL=0.2, **config)
     mail: OutboxMail = app.extensions["test_mail"]
@@ -296,3 +297,27 @@ def test_a_worker_process_reads_the_context_back_from_the_row(
             for s in found] == [("process default", str(row["id"]), "sent", smtp_server.port)
                                 for row in stored]
     assert not [s for s in found if "@" in json.dumps(s["attributes"])]
+
+
+def test_a_delivery_run_inside_another_span_still_opens_a_trace_of_its_own(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    app = _app(db_url, smtp_server, {"tracer_provider": provider}, OUTBOX_DURABLE=True,
+               OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("Reset", recipients=["ann@example.com"], body="link"))
+            db.session.commit()
+        worker = hand_ticked_worker(app)
+        # A job runner's span, current in the thread that ticks the dispatcher.
+        with provider.get_tracer("test").start_as_current_span("job") as job:
+            worker.tick()
+            wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+    finally:
+        close_app(app)
+    [producer] = _spans(exporter, SpanKind.PRODUCER)
+    [consumer] = _spans(exporter, SpanKind.CONSUMER)
+    assert consumer.parent is None
+    assert consumer.context.trace_id != job.get_span_context().trace_id
+    assert [link.context.span_id for link in consumer.links] == [producer.context.span_id]
