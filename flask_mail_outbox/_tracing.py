@@ -147,8 +147,11 @@ def consumer_span(tracer: Any, settings: TracingSettings, *, email_id: int, atte
                   transport: str, key: str | None, traceparent: str | None,
                   tracestate: str | None, outcome: str, reply_code: int,
                   server: tuple[str, int] | None, recipients: Sequence[str],
-                  start_time: int | None, failed: bool) -> None:
-    """One CONSUMER span for one recorded delivery attempt (ended at once)."""
+                  start_time: int | None, failed: bool,
+                  record: tuple[int, int] | None = None) -> None:
+    """One CONSUMER span for one recorded delivery attempt, from ``start_time`` (its
+    claim) to now; ``record``: the start and end (ns) of the transaction that recorded
+    it (its batch's), a child span ``record``."""
     from opentelemetry import trace
     from opentelemetry.trace import Link, Status, StatusCode
     from opentelemetry.trace.propagation.tracecontext import (
@@ -185,9 +188,14 @@ def consumer_span(tracer: Any, settings: TracingSettings, *, email_id: int, atte
                 context = trace.set_span_in_context(trace.INVALID_SPAN)
     elif settings.link == "link":
         context = trace.set_span_in_context(trace.INVALID_SPAN)
+    if start_time is None and record is not None:  # not seen claimed: from its record
+        start_time = record[0]
     span = tracer.start_span(f"process {transport}", context=context,
                              kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links,
                              start_time=start_time)
+    if record is not None:
+        tracer.start_span("record", context=trace.set_span_in_context(span),
+                          kind=trace.SpanKind.INTERNAL, start_time=record[0]).end(record[1])
     if failed:
         span.set_status(Status(StatusCode.ERROR, outcome))
     span.end()

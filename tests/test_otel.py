@@ -151,6 +151,17 @@ def test_a_request_that_sends_three_emails_is_one_trace_and_each_delivery_links_
         assert dict(consumer.attributes or {}) == expected
         assert consumer.status.is_ok
     assert len({c.context.trace_id for c in consumers}) == 3
+    # Each attempt's record (its batch's transaction) is a child span, inside the attempt.
+    records = [s for s in exporter.get_finished_spans() if s.name == "record"]
+    assert sorted((r.parent.span_id if r.parent else None, r.kind) for r in records) == sorted(
+        (c.context.span_id, SpanKind.INTERNAL) for c in consumers)
+    for consumer in consumers:
+        [record] = [r for r in records if r.parent and r.parent.span_id == consumer.context.span_id]
+        assert consumer.context.trace_id == record.context.trace_id
+        assert (consumer.start_time or 0) <= (record.start_time or 0) \
+            <= (record.end_time or 0) <= (consumer.end_time or 0)
+        # The attempt starts at its claim, before the transport had the message.
+        assert (consumer.start_time or 0) < (record.start_time or 0)
     _no_address(list(exporter.get_finished_spans()))
 
 

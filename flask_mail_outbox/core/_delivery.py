@@ -684,6 +684,7 @@ class Delivery:
                                 pause_seconds=self.config.pause_probe_seconds)
                     for email, result in done]
         stored: list[DeliveryEvent] = []
+        record_started = time.time_ns()
         try:
             recorded, lost, report.holders = self._record(outcomes, kept, stored)
         finally:
@@ -696,7 +697,7 @@ class Delivery:
         for outcome in recorded:
             self._report(outcome, errors.get(outcome.email.id), report, policy)
         if recorded and self.config.otel.enabled is not False:
-            self._trace(recorded)
+            self._trace(recorded, (record_started, time.time_ns()))
         if stored:
             self._tell(self.callbacks.events, stored)
         for outcome in lost:
@@ -722,7 +723,7 @@ class Delivery:
             for email in claimed:
                 self._started.pop(email.id, None)
 
-    def _trace(self, recorded: Sequence[Outcome]) -> None:
+    def _trace(self, recorded: Sequence[Outcome], record: tuple[int, int]) -> None:
         """One CONSUMER span per recorded attempt (see flask_mail_outbox/_tracing.py)."""
         tracer = _tracing.tracer(self.config.otel)
         if tracer is None:
@@ -748,7 +749,7 @@ class Delivery:
                 tracestate=tracestate, outcome=outcome.status.value,
                 reply_code=outcome.error_code, server=self._server(email.transport),
                 recipients=email.deliverable, start_time=self._started.pop(email.id, None),
-                failed=outcome.status is Status.FAILED)
+                failed=outcome.status is Status.FAILED, record=record)
 
     def _server(self, transport: str) -> tuple[str, int] | None:
         """The SMTP server a transport sends to (None: not SMTP)."""
