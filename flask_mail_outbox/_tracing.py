@@ -87,7 +87,7 @@ def tracer(settings: TracingSettings) -> Any:
     if settings.enabled is False:
         return None
     if settings.tracer_provider is not None:
-        return settings.tracer_provider.get_tracer("flask_mail_outbox")
+        return _tracer_of(settings.tracer_provider)
     trace: Any = sys.modules.get("opentelemetry.trace")
     if trace is None:  # never imported: no provider can have been set
         if settings.enabled != True:
@@ -99,7 +99,22 @@ def tracer(settings: TracingSettings) -> Any:
     if settings.enabled == "auto" and isinstance(
             provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
         return None
-    return provider.get_tracer("flask_mail_outbox")
+    return _tracer_of(provider)
+
+
+#: The tracer of each provider (the SDK makes a new one per get_tracer() call).
+_TRACERS: dict[int, tuple[Any, Any]] = {}
+
+
+def _tracer_of(provider: Any) -> Any:
+    known = _TRACERS.get(id(provider))
+    if known is not None and known[0] is provider:
+        return known[1]
+    tracer = provider.get_tracer("flask_mail_outbox")
+    if len(_TRACERS) > 16:  # providers made and dropped (tests): never grows without bound
+        _TRACERS.clear()
+    _TRACERS[id(provider)] = (provider, tracer)
+    return tracer
 
 
 class ProducerSpans:
