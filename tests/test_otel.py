@@ -85,6 +85,12 @@ def _spans(exporter: InMemorySpanExporter, kind: SpanKind) -> list[ReadableSpan]
                                  s.start_time or 0))
 
 
+def _consumers(exporter: InMemorySpanExporter, count: int) -> list[ReadableSpan]:
+    """The CONSUMER spans once there are ``count`` (each is ended just after its record)."""
+    return poll(lambda: _spans(exporter, SpanKind.CONSUMER), lambda s: len(s) >= count,
+                timeout=10)
+
+
 def _traceparent(span: ReadableSpan) -> str:
     context = span.get_span_context()
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
@@ -104,12 +110,7 @@ def test_a_request_that_sends_three_emails_is_one_trace_and_each_delivery_links_
         assert app.test_client().post("/signup").status_code == 200
         assert smtp_server.wait_for(3, timeout=20)
         stored = wait_rows(app, lambda r: all(row["status"] == "sent" for row in r), 20.0)
-        consumers = _spans(exporter, SpanKind.CONSUMER)
-        for _ in range(100):
-            if len(consumers) == 3:
-                break
-            smtp_server.wait_until(lambda: False, timeout=0.05)
-            consumers = _spans(exporter, SpanKind.CONSUMER)
+        consumers = _consumers(exporter, 3)
     finally:
         close_app(app)
     [request] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
@@ -176,12 +177,7 @@ def test_a_retry_is_two_consumer_spans_linked_to_one_producer(
             mail.send(Message("Reset", recipients=["ann@example.com"], body="link"))
             db.session.commit()
         [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
-        consumers = _spans(exporter, SpanKind.CONSUMER)
-        for _ in range(100):
-            if len(consumers) == 2:
-                break
-            smtp_server.wait_until(lambda: False, timeout=0.05)
-            consumers = _spans(exporter, SpanKind.CONSUMER)
+        consumers = _consumers(exporter, 2)
     finally:
         close_app(app)
     [producer] = _spans(exporter, SpanKind.PRODUCER)
@@ -207,12 +203,7 @@ def test_child_of_makes_the_delivery_part_of_the_request_trace_and_domains_are_o
                               body="link"))
             db.session.commit()
         wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
-        consumers = _spans(exporter, SpanKind.CONSUMER)
-        for _ in range(100):
-            if consumers:
-                break
-            smtp_server.wait_until(lambda: False, timeout=0.05)
-            consumers = _spans(exporter, SpanKind.CONSUMER)
+        consumers = _consumers(exporter, 1)
     finally:
         close_app(app)
     [producer] = _spans(exporter, SpanKind.PRODUCER)
