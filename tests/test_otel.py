@@ -323,3 +323,23 @@ def test_a_delivery_run_inside_another_span_still_opens_a_trace_of_its_own(
     assert consumer.parent is None
     assert consumer.context.trace_id != job.get_span_context().trace_id
     assert [link.context.span_id for link in consumer.links] == [producer.context.span_id]
+
+
+def test_a_send_whose_insert_fails_ends_its_producer_span_in_error(
+        tmp_path: Path, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    app = _app(f"sqlite:///{tmp_path / 'gone.db'}", smtp_server, {"tracer_provider": provider})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            with db.engine.begin() as conn:
+                conn.exec_driver_sql("DROP TABLE outbox_email")
+            with pytest.raises(Exception, match="outbox_email"):
+                mail.send(Message("Reset", recipients=["ann@example.com"], body="link"))
+            db.session.rollback()
+    finally:
+        close_app(app)
+    [producer] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.PRODUCER]
+    assert producer.status.status_code is trace.StatusCode.ERROR
+    assert "messaging.message.id" not in (producer.attributes or {})
+    assert [event.name for event in producer.events] == ["exception"]
