@@ -9,6 +9,7 @@ the process-wide one that other tests would see.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from conftest import (
 )
 from flask import Flask
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -343,3 +344,39 @@ def test_a_send_whose_insert_fails_ends_its_producer_span_in_error(
     assert producer.status.status_code is trace.StatusCode.ERROR
     assert "messaging.message.id" not in (producer.attributes or {})
     assert [event.name for event in producer.events] == ["exception"]
+
+
+class _FailingProcessor(SpanProcessor):
+    """An app's span processor whose exporter is down: it raises on every ended span."""
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.kind is SpanKind.CONSUMER:
+            raise RuntimeError("the collector is down")
+
+
+def test_a_failing_span_processor_never_stops_delivery(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced,
+        caplog: pytest.LogCaptureFixture) -> None:
+    provider, _ = traced
+    provider.add_span_processor(_FailingProcessor())
+    app = _app(db_url, smtp_server, {"tracer_provider": provider})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            first = mail.send(Message("One", recipients=["ann@example.com"], body="1"))
+            db.session.commit()
+            wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+            second = mail.send(Message("Two", recipients=["ann@example.com"], body="2"))
+            db.session.commit()
+        stored = wait_rows(app, lambda r: [row["status"] for row in r] == ["sent"] * 2, 20.0)
+        errors = poll(lambda: [r.getMessage() for r in caplog.records
+                               if r.levelno >= logging.ERROR], lambda e: len(e) >= 2, timeout=10)
+    finally:
+        close_app(app)
+    assert [row["id"] for row in stored] == [first, second]
+    assert errors == [
+        f"Could not trace 1 delivery attempt(s) (emails {email_id}). Consequence: their "
+        "delivery spans are missing or incomplete; their outcomes are recorded and delivery "
+        "goes on. Fix: check the database connection and the app's OpenTelemetry span "
+        "processors and exporters (the traceback below names the failing one)."
+        for email_id in (first, second)]

@@ -724,32 +724,41 @@ class Delivery:
                 self._started.pop(email.id, None)
 
     def _trace(self, recorded: Sequence[Outcome], record: tuple[int, int]) -> None:
-        """One CONSUMER span per recorded attempt (see flask_mail_outbox/_tracing.py)."""
-        tracer = _tracing.tracer(self.config.otel)
-        if tracer is None:
-            return
-        ids = [outcome.email.id for outcome in recorded]
+        """One CONSUMER span per recorded attempt (see flask_mail_outbox/_tracing.py).
+
+        Never raises: the outcomes are recorded already, and tracing must not stop delivery.
+        """
         try:
+            tracer = _tracing.tracer(self.config.otel)
+            if tracer is None:
+                return
             t = email_table
             with self.store.read() as conn:
                 contexts = {row.id: (row.traceparent, row.tracestate) for row in conn.execute(
-                    sa.select(t.c.id, t.c.traceparent, t.c.tracestate).where(t.c.id.in_(ids)))}
-        except Exception as exc:  # noqa: BLE001 - reported; the spans go without their link
+                    sa.select(t.c.id, t.c.traceparent, t.c.tracestate).where(
+                        t.c.id.in_([outcome.email.id for outcome in recorded])))}
+            for outcome in recorded:
+                email = outcome.email
+                traceparent, tracestate = contexts.get(email.id, (None, None))
+                _tracing.consumer_span(
+                    tracer, self.config.otel, email_id=email.id, attempt=email.attempt,
+                    transport=email.transport, key=email.key, traceparent=traceparent,
+                    tracestate=tracestate, outcome=outcome.status.value,
+                    reply_code=outcome.error_code, server=self._server(email.transport),
+                    recipients=email.deliverable,
+                    start_time=self._started.pop(email.id, None),
+                    failed=outcome.status is Status.FAILED, record=record)
+        except Exception as exc:  # noqa: BLE001 - reported; the outcomes are recorded
+            for outcome in recorded:
+                self._started.pop(outcome.email.id, None)
             _degrade.report(
-                f"Could not read the trace context of {len(ids)} delivered email(s)",
-                consequence="their delivery spans are not linked to the requests that sent them",
-                fix="check the database connection", exc=exc)
-            contexts = {}
-        for outcome in recorded:
-            email = outcome.email
-            traceparent, tracestate = contexts.get(email.id, (None, None))
-            _tracing.consumer_span(
-                tracer, self.config.otel, email_id=email.id, attempt=email.attempt,
-                transport=email.transport, key=email.key, traceparent=traceparent,
-                tracestate=tracestate, outcome=outcome.status.value,
-                reply_code=outcome.error_code, server=self._server(email.transport),
-                recipients=email.deliverable, start_time=self._started.pop(email.id, None),
-                failed=outcome.status is Status.FAILED, record=record)
+                f"Could not trace {len(recorded)} delivery attempt(s) (emails "
+                f"{', '.join(str(outcome.email.id) for outcome in recorded[:10])})",
+                consequence="their delivery spans are missing or incomplete; their outcomes "
+                            "are recorded and delivery goes on",
+                fix="check the database connection and the app's OpenTelemetry span "
+                    "processors and exporters (the traceback below names the failing one)",
+                exc=exc)
 
     def _server(self, transport: str) -> tuple[str, int] | None:
         """The SMTP server a transport sends to (None: not SMTP)."""
