@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import _degrade
 from ._errors import ConfigError
 
 KEY = "OUTBOX_OTEL"
@@ -117,6 +118,25 @@ def _tracer_of(provider: Any) -> Any:
     return tracer
 
 
+def producer_spans(tracer: Any, values: Sequence[dict[str, Any]]) -> ProducerSpans | None:
+    """The PRODUCER spans of one ``send()`` / ``send_many()``, their contexts put in
+    ``values``; None, reported, when the tracer fails: the rows go untraced (NULL)."""
+    try:
+        return ProducerSpans(tracer, values)
+    except Exception as exc:  # noqa: BLE001 - reported; sending must not fail for a span
+        for row in values:
+            row.pop("traceparent", None)
+            row.pop("tracestate", None)
+        _degrade.report(
+            f"Could not open the PRODUCER span of {len(values)} email(s) being queued",
+            consequence="they are queued untraced: no span, and their delivery spans "
+                        "link to nothing",
+            fix="check the app's OpenTelemetry span processors (the traceback below names "
+                "the failing one)",
+            exc=exc)
+        return None
+
+
 class ProducerSpans:
     """The PRODUCER spans of one ``send()`` / ``send_many()``, one per row."""
 
@@ -146,16 +166,26 @@ class ProducerSpans:
             self._spans.append(span)
 
     def end(self, email_ids: Sequence[int] | None, error: BaseException | None = None) -> None:
-        """End them, with the ids the rows got (None: the insert failed with ``error``)."""
+        """End them, with the ids the rows got (None: the insert failed with ``error``);
+        never raises (a failure is reported)."""
         from opentelemetry.trace import Status, StatusCode
 
-        for index, span in enumerate(self._spans):
-            if email_ids is not None:
-                span.set_attribute("messaging.message.id", str(email_ids[index]))
-            if error is not None:
-                span.record_exception(error)
-                span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-            span.end()
+        try:
+            for index, span in enumerate(self._spans):
+                if email_ids is not None:
+                    span.set_attribute("messaging.message.id", str(email_ids[index]))
+                if error is not None:
+                    span.record_exception(error)
+                    span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                span.end()
+        except Exception as exc:  # noqa: BLE001 - reported; the rows are queued
+            _degrade.report(
+                f"Could not end the PRODUCER spans of {len(self._spans)} email(s) queued",
+                consequence="those spans are missing from the trace; the emails are queued "
+                            "with their trace context and delivered as usual",
+                fix="check the app's OpenTelemetry span processors (the traceback below "
+                    "names the failing one)",
+                exc=exc)
 
 
 def consumer_span(tracer: Any, settings: TracingSettings, *, email_id: int, attempt: int,

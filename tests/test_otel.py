@@ -380,3 +380,52 @@ def test_a_failing_span_processor_never_stops_delivery(
         "goes on. Fix: check the database connection and the app's OpenTelemetry span "
         "processors and exporters (the traceback below names the failing one)."
         for email_id in (first, second)]
+
+
+class _FailingProducerProcessor(SpanProcessor):
+    """An app's span processor that raises on the PRODUCER spans, at their start or end."""
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.phase == "start" and span.kind is SpanKind.PRODUCER:
+            raise RuntimeError("the processor is broken")
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.phase == "end" and span.kind is SpanKind.PRODUCER:
+            raise RuntimeError("the processor is broken")
+
+
+@pytest.mark.parametrize("phase", ["start", "end"])
+def test_a_failing_span_processor_never_stops_send(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced,
+        caplog: pytest.LogCaptureFixture, phase: str) -> None:
+    provider, _ = traced
+    provider.add_span_processor(_FailingProducerProcessor(phase))
+    app = _app(db_url, smtp_server, {"tracer_provider": provider})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            ids = mail.send_many([Message(f"Tip {i}", recipients=["ann@example.com"],
+                                          body="tip") for i in (1, 2)])
+            db.session.commit()
+        stored = wait_rows(app, lambda r: [row["status"] for row in r] == ["sent"] * 2, 20.0)
+    finally:
+        close_app(app)
+    assert [row["id"] for row in stored] == ids
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    if phase == "start":
+        assert [row["traceparent"] for row in stored] == [None, None]
+        assert errors == [
+            ("Could not open the PRODUCER span of 2 email(s) being queued. Consequence: they "
+            "are queued untraced: no span, and their delivery spans link to nothing. Fix: "
+            "check the app's OpenTelemetry span processors (the traceback below names the "
+            "failing one).")]
+    else:
+        assert all(row["traceparent"] for row in stored)
+        assert errors == [
+            ("Could not end the PRODUCER spans of 2 email(s) queued. Consequence: those spans "
+            "are missing from the trace; the emails are queued with their trace context and "
+            "delivered as usual. Fix: check the app's OpenTelemetry span processors (the "
+            "traceback below names the failing one).")]

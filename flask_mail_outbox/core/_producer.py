@@ -119,7 +119,9 @@ class Producer:
         tracer = _tracing.tracer(self.config.otel)
         if tracer is None:  # tracing off: NULL trace columns, nothing imported
             return self._enqueue(session, rows)
-        spans = _tracing.ProducerSpans(tracer, [row.values for row in rows])
+        spans = _tracing.producer_spans(tracer, [row.values for row in rows])
+        if spans is None:  # the tracer failed (reported): untraced
+            return self._enqueue(session, rows)
         try:
             tickets = self._enqueue(session, rows)
         except BaseException as exc:
