@@ -358,6 +358,12 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_ALLOWED_RECIPIENTS", ["qa*@example.com"]),
     ("OUTBOX_ALLOWED_RECIPIENTS", ["*@not a domain"]),
     ("OUTBOX_ALLOWED_RECIPIENTS", [42]),
+    ("OUTBOX_OTEL", True),  # a dict is expected
+    ("OUTBOX_OTEL", {"enabled": "yes"}),
+    ("OUTBOX_OTEL", {"link": "parent"}),
+    ("OUTBOX_OTEL", {"recipient_domain": 1}),
+    ("OUTBOX_OTEL", {"tracer_provider": "jaeger"}),
+    ("OUTBOX_OTEL", {"sample": 0.1}),  # unknown key
     ("OUTBOX_INLINE_RETRY", 3),  # unknown key, with a suggestion
     ("MAIL_USE_TLS", True),  # with MAIL_USE_SSL below: exclusive
     ("SQLALCHEMY_DATABASE_URI", "sqlite://"),

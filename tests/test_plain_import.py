@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: The top-level modules of the optional extras (and what they bring).
 OPTIONAL = ("prometheus_client", "botocore", "boto3", "inscriptis", "lxml", "flask_migrate",
-            "alembic", "psycopg", "psycopg_binary", "psycopg2", "sphinx", "myst_parser")
+            "alembic", "psycopg", "psycopg_binary", "psycopg2", "sphinx", "myst_parser",
+            "opentelemetry")
 
 _CHILD = textwrap.dedent('''
     import json, os, sqlite3, sys, traceback

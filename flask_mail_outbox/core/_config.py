@@ -22,6 +22,7 @@ from .._compose.verp import VerpAddresses
 from .._errors import ConfigError
 from .._policy import SoftBounceRule
 from .._providers import PROVIDERS
+from .._tracing import settings_from
 from .._webhooks import receiver_class
 from ..transports import (
     SMTPSettings,
@@ -145,6 +146,8 @@ _DEFAULTS: dict[str, Any] = {
     # the only recipients mail may go to ("user@domain", "*@domain"); None: off.
     "OUTBOX_REDIRECT_TO": None,
     "OUTBOX_ALLOWED_RECIPIENTS": None,
+    # OpenTelemetry tracing (flask_mail_outbox/_tracing.py): None means {"enabled": "auto"}.
+    "OUTBOX_OTEL": None,
     # Not a Flask-Mail key: lets a process that imports the
     # app without serving it (a script, a test) skip the sweep jobs.
     "OUTBOX_RUN_SCHEDULER": True,
@@ -296,6 +299,7 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         template_locales=_template_locales(keys.get("OUTBOX_TEMPLATE_LOCALES")),
         template_max_subject=keys.number("OUTBOX_TEMPLATE_MAX_SUBJECT", minimum=1,
                                          integer=True),
+        otel=settings_from(keys.get("OUTBOX_OTEL")),
         **_staging(keys),
         **_pause_settings(keys),
     )

@@ -29,9 +29,10 @@ from email.policy import default as default_policy
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from .. import _degrade
+from .. import _degrade, _tracing
 from .._errors import PermanentError, TransientError, TransportError
 from .._events import DeliveryEvent
 from .._outside import TEXT_LIMIT, clean_line, clean_text
@@ -44,7 +45,7 @@ from ._events import EventLog
 from ._intercept import BeforeSend, Intercepted, Interceptor, write_notes
 from ._leases import ClaimedEmail, Outcome, Reaped, Recorded
 from ._mailbox import Keeper
-from ._models import Status
+from ._models import Status, email_table
 from ._pause import OVERDUE
 from ._releases import Releases
 from ._retry import Decision, RetryPolicy
@@ -572,6 +573,8 @@ class Delivery:
         self.policy = config.retry_policy()
         #: What this process releases while it stops (the owner's, shared with its worker).
         self.releases = releases or Releases(store, config)
+        #: OUTBOX_OTEL: when each traced attempt started (time.time_ns(), by email id).
+        self._started: dict[int, int] = {}
         #: What the ``mailbox`` transports delivered, written with the outcomes.
         self.mailbox = Keeper(transports, store)
         #: Staging: OUTBOX_REDIRECT_TO, OUTBOX_ALLOWED_RECIPIENTS, before_send.
@@ -585,6 +588,7 @@ class Delivery:
         """Release claimed rows unsent (queued, attempt returned); stop renewing their leases."""
         if not claimed:
             return 0
+        self._untraced(claimed)
         try:
             released = self.store.leases.release(claimed)
             self.releases.note(released)
@@ -597,6 +601,7 @@ class Delivery:
         again in ``due_in`` seconds (its probe), with ``why`` as their last error."""
         if not claimed:
             return 0
+        self._untraced(claimed)
         try:
             outcomes = [Outcome(email, Status.QUEUED, give_back_attempt=True,
                                 due_in=due_in, error_message=why) for email in claimed]
@@ -679,6 +684,7 @@ class Delivery:
                                 pause_seconds=self.config.pause_probe_seconds)
                     for email, result in done]
         stored: list[DeliveryEvent] = []
+        record_started = time.time_ns()
         try:
             recorded, lost, report.holders = self._record(outcomes, kept, stored)
         finally:
@@ -693,6 +699,8 @@ class Delivery:
             self._report(outcome, errors.get(outcome.email.id), report, policy, overdue)
         if overdue:
             self._report_overdue(overdue)
+        if recorded and self.config.otel.enabled is not False:
+            self._trace(recorded, (record_started, time.time_ns()))
         if stored:
             self._tell(self.callbacks.events, stored)
         for outcome in lost:
@@ -705,6 +713,63 @@ class Delivery:
                 fix="raise OUTBOX_LEASE_SECONDS above the slowest SMTP transaction, or check "
                     "that the database keeps up with lease renewals")
         return report
+
+    def traced(self, claimed: Sequence[ClaimedEmail]) -> None:
+        """Note when the attempts of ``claimed`` started: their CONSUMER spans start there."""
+        if self.config.otel.enabled is not False and _tracing.tracer(self.config.otel):
+            started = time.time_ns()
+            self._started.update((email.id, started) for email in claimed)
+
+    def _untraced(self, claimed: Sequence[ClaimedEmail]) -> None:
+        """Forget the start of attempts given back unsent: they have no span."""
+        if self._started:
+            for email in claimed:
+                self._started.pop(email.id, None)
+
+    def _trace(self, recorded: Sequence[Outcome], record: tuple[int, int]) -> None:
+        """One CONSUMER span per recorded attempt (see flask_mail_outbox/_tracing.py).
+
+        Never raises: the outcomes are recorded already, and tracing must not stop delivery.
+        """
+        try:
+            tracer = _tracing.tracer(self.config.otel)
+            if tracer is None:
+                return
+            t = email_table
+            with self.store.read() as conn:
+                contexts = {row.id: (row.traceparent, row.tracestate) for row in conn.execute(
+                    sa.select(t.c.id, t.c.traceparent, t.c.tracestate).where(
+                        t.c.id.in_([outcome.email.id for outcome in recorded])))}
+            for outcome in recorded:
+                email = outcome.email
+                traceparent, tracestate = contexts.get(email.id, (None, None))
+                _tracing.consumer_span(
+                    tracer, self.config.otel, email_id=email.id, attempt=email.attempt,
+                    transport=email.transport, key=email.key, traceparent=traceparent,
+                    tracestate=tracestate, outcome=outcome.status.value,
+                    reply_code=outcome.error_code, server=self._server(email.transport),
+                    recipients=email.deliverable,
+                    start_time=self._started.pop(email.id, None),
+                    failed=outcome.status is Status.FAILED, record=record)
+        except Exception as exc:  # noqa: BLE001 - reported; the outcomes are recorded
+            for outcome in recorded:
+                self._started.pop(outcome.email.id, None)
+            _degrade.report(
+                f"Could not trace {len(recorded)} delivery attempt(s) (emails "
+                f"{', '.join(str(outcome.email.id) for outcome in recorded[:10])})",
+                consequence="their delivery spans are missing or incomplete; their outcomes "
+                            "are recorded and delivery goes on",
+                fix="check the database connection and the app's OpenTelemetry span "
+                    "processors and exporters (the traceback below names the failing one)",
+                exc=exc)
+
+    def _server(self, transport: str) -> tuple[str, int] | None:
+        """The SMTP server a transport sends to (None: not SMTP)."""
+        try:
+            spec = self.config.transport_spec(transport)
+        except KeyError:
+            return None
+        return (spec.smtp.host, spec.smtp.port) if spec.kind == "smtp" else None
 
     def _report(self, outcome: Outcome, error: TransportError | None, report: BatchReport,
                 policy: RetryPolicy, overdue: list[Outcome]) -> None:

@@ -186,6 +186,10 @@ class OutboxEmail(Base):
     # @mail.before_send) to the last attempt it changed: a JSON list of short notes;
     # NULL when nothing intercepted it (see _intercept).
     intercepted: Mapped[str | None] = mapped_column(sa.Text())
+    # OpenTelemetry (OUTBOX_OTEL): the W3C trace context of send()'s PRODUCER span,
+    # which each delivery attempt's CONSUMER span links to; NULL with tracing off.
+    traceparent: Mapped[str | None] = mapped_column(sa.String(55))
+    tracestate: Mapped[str | None] = mapped_column(sa.String(512))
 
     __table_args__ = (
         sa.CheckConstraint(STATUS_CHECK, name="ck_outbox_email_status"),

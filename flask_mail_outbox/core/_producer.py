@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from sqlalchemy.orm import Session
 
-from .. import _degrade
+from .. import _degrade, _tracing
 from ._clock import TestClock, utcnow
 from ._dialect import Dialect
 from ._insert import (
@@ -116,6 +116,21 @@ class Producer:
         """
         if not rows:
             return []
+        tracer = _tracing.tracer(self.config.otel)
+        if tracer is None:  # tracing off: NULL trace columns, nothing imported
+            return self._enqueue(session, rows)
+        spans = _tracing.producer_spans(tracer, [row.values for row in rows])
+        if spans is None:  # the tracer failed (reported): untraced
+            return self._enqueue(session, rows)
+        try:
+            tickets = self._enqueue(session, rows)
+        except BaseException as exc:
+            spans.end(None, exc)
+            raise
+        spans.end([ticket.email_id for ticket in tickets])
+        return tickets
+
+    def _enqueue(self, session: Session, rows: Sequence[QueuedRow]) -> list[Ticket]:
         dialect = email_dialect(session)
         notify = self._notifies(dialect)
         clock = utcnow

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._compose.ambient import ComposeOptions
 from .._policy import SoftBounceRule
+from .._tracing import TracingSettings
 from ..transports import SMTPSettings, Transport, TransportSettings
 from ._retry import RetryPolicy
 
@@ -133,6 +134,8 @@ class OutboxConfig:
     #: OUTBOX_MAX_QUEUE_LIFETIME_SECONDS: how long an email waits for a paused
     #: transport before it ends failed (None: for ever; 0: not at all).
     max_queue_lifetime_seconds: float | None = 5 * 86400.0
+    #: OUTBOX_OTEL: OpenTelemetry tracing (see flask_mail_outbox/_tracing.py).
+    otel: TracingSettings = dataclasses.field(default_factory=TracingSettings)
 
     def transport_spec(self, name: str) -> TransportSpec:
         """The transport called ``name`` (KeyError when there is none)."""

@@ -653,6 +653,7 @@ class Worker:
             self.delivery.release(claimed)
             return
         self.delivery.heartbeat.track(claimed)
+        self.delivery.traced(claimed)
         claimed = self._not_paused(claimed)
         screened = self._screened(self._sendable(claimed))
         for email in screened:

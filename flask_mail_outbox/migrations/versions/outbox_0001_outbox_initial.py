@@ -104,6 +104,8 @@ def _tables() -> sa.MetaData:
         sa.Column("template_locale", sa.String(35), nullable=True),
         sa.Column("template_hash", sa.String(64), nullable=True),
         sa.Column("intercepted", sa.Text(), nullable=True),
+        sa.Column("traceparent", sa.String(55), nullable=True),
+        sa.Column("tracestate", sa.String(512), nullable=True),
         sa.CheckConstraint(f"status IN ({STATUSES})", name="ck_outbox_email_status"),
         sa.UniqueConstraint("idempotency_key", name="uq_outbox_email_idempotency_key"),
         # Due work: only rows that may go now, in the order each transport claims them.
