@@ -359,6 +359,12 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_ALLOWED_RECIPIENTS", ["*@not a domain"]),
     ("OUTBOX_ALLOWED_RECIPIENTS", [42]),
     ("OUTBOX_OTEL", True),  # a dict is expected
+    ("OUTBOX_EXECUTOR", "huey"),
+    ("OUTBOX_EXECUTOR", None),
+    ("OUTBOX_EXECUTOR_QUEUE", ""),
+    ("OUTBOX_EXECUTOR_QUEUE", " outbox"),
+    ("OUTBOX_EXECUTOR_QUEUE", 5),
+    ("OUTBOX_EXECUTOR_URL", 5),
     ("OUTBOX_OTEL", {"enabled": "yes"}),
     ("OUTBOX_OTEL", {"link": "parent"}),
     ("OUTBOX_OTEL", {"recipient_domain": 1}),

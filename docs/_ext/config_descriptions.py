@@ -176,6 +176,15 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                     "`\"auto\"`: on when a tracer provider is set), `link` "
                                     "(`\"link\"` or `\"child\"`), `recipient_domain` (False) "
                                     "([tracing](tracing.md))"),
+    "OUTBOX_EXECUTOR": ("str", "what delivers committed emails: `\"dispatcher\"` (this "
+                               "library's worker) or the workers of a task queue: "
+                               "`\"celery\"`, `\"rq\"`, `\"dramatiq\"` (each its extra; "
+                               "[executors](executors/index.md))"),
+    "OUTBOX_EXECUTOR_QUEUE": ("str", "the task queue's queue the delivery and sweep tasks go "
+                                     "to (its workers must listen on it)"),
+    "OUTBOX_EXECUTOR_URL": ("str or None", "the broker URL for engines with no app of their "
+                                           "own to name it (RQ's and Dramatiq's Redis, "
+                                           "`redis://host:6379/0`); Celery uses its app's"),
     "OUTBOX_RUN_SCHEDULER": ("bool", "run the sweep jobs in serving processes (False: a "
                                      "script or a test that imports the app)"),
 }

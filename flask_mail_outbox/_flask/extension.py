@@ -46,7 +46,7 @@ from ..core._internal import (
     transport_name,
     warn_plaintext_logins,
 )
-from . import compat, staging, webhooks
+from . import compat, executors, staging, webhooks
 from . import state as app_states
 from .compat import Connection, FlaskMailState
 from .signals import email_sent
@@ -139,6 +139,8 @@ class OutboxExtension:
             config.dkim.check()  # signs a probe: a key that cannot sign fails here
         state = AppState(self, app, db, config)
         state.templates = EmailTemplates(app, config, self._previews)
+        # A task queue's extra missing, or its broker not configured: fails here.
+        state.executor = executors.load(app, config.executor)
         _prepare_engine(app, db)
         app.extensions[EXTENSION_KEY] = state
         app_states.all_states.add(state)

@@ -31,6 +31,7 @@ from ..core._internal import (
     Callbacks,
     ClaimedEmail,
     DeliveredMessage,
+    Executor,
     Mode,
     Outbox,
     OutboxConfig,
@@ -107,6 +108,9 @@ class AppState:
         self.deployment: str | None = None
         #: The app's templated emails (``mail.send_template()``): set by ``init_app``.
         self.templates: EmailTemplates
+        #: The task queue that delivers committed emails (OUTBOX_EXECUTOR; None: the
+        #: dispatcher): set by ``init_app``.
+        self.executor: Executor | None = None
 
     def outbox(self) -> Outbox:
         """This process's delivery core, created on first use and after a fork."""
@@ -121,7 +125,7 @@ class AppState:
                     url, self.config, faults=self.faults, concurrency=self.concurrency,
                     callbacks=Callbacks(sent=self._sent, failed=self._failed,
                                         events=self.tell_events, before_send=self.before_send),
-                    clock=self.clock)
+                    clock=self.clock, executor=self.executor)
                 if self._prepare is not None:
                     self._prepare(outbox)
             return outbox

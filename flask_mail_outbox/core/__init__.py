@@ -39,6 +39,7 @@ from __future__ import annotations
 from ._clock import TestClock
 from ._config import load_config
 from ._delivery import BatchReport, Callbacks, DeliveredMessage
+from ._executor import Executor, deliver_ids
 from ._intercept import OutgoingEmail
 from ._leases import ClaimedEmail
 from ._models import (
@@ -59,6 +60,8 @@ from ._sweep import SweepReport, run_sweep
 from ._worker import Worker
 
 __all__ = [
+    "Executor",
+    "deliver_ids",
     "BatchReport",
     "Callbacks",
     "ClaimedEmail",

@@ -148,6 +148,12 @@ _DEFAULTS: dict[str, Any] = {
     "OUTBOX_ALLOWED_RECIPIENTS": None,
     # OpenTelemetry tracing (flask_mail_outbox/_tracing.py): None means {"enabled": "auto"}.
     "OUTBOX_OTEL": None,
+    # What delivers committed emails: this library's dispatcher, or the workers of a
+    # task queue the app already runs ("celery", "rq", "dramatiq"; docs/executors/index.md).
+    "OUTBOX_EXECUTOR": "dispatcher",
+    "OUTBOX_EXECUTOR_QUEUE": "outbox",
+    # The broker's URL where the engine has no app of its own (RQ, Dramatiq): redis://...
+    "OUTBOX_EXECUTOR_URL": None,
     # Not a Flask-Mail key: lets a process that imports the
     # app without serving it (a script, a test) skip the sweep jobs.
     "OUTBOX_RUN_SCHEDULER": True,
@@ -300,9 +306,28 @@ def load_config(config: Mapping[str, Any], *, instance_path: str,
         template_max_subject=keys.number("OUTBOX_TEMPLATE_MAX_SUBJECT", minimum=1,
                                          integer=True),
         otel=settings_from(keys.get("OUTBOX_OTEL")),
+        **_executor(keys),
         **_staging(keys),
         **_pause_settings(keys),
     )
+
+
+#: OUTBOX_EXECUTOR's values: the library's own dispatcher, or a task queue's workers.
+EXECUTORS = ("dispatcher", "celery", "rq", "dramatiq")
+
+
+def _executor(keys: _Keys) -> dict[str, Any]:
+    """OUTBOX_EXECUTOR, _QUEUE and _URL: what delivers committed emails (core/_executor.py)."""
+    name = keys.get("OUTBOX_EXECUTOR")
+    if name not in EXECUTORS:
+        raise ConfigError("OUTBOX_EXECUTOR", f"expected one of {', '.join(map(repr, EXECUTORS))}, "
+                                             f"got {name!r}")
+    queue = keys.text("OUTBOX_EXECUTOR_QUEUE")
+    if not queue or not queue.strip() or queue != queue.strip():
+        raise ConfigError("OUTBOX_EXECUTOR_QUEUE", f"expected a queue name such as 'outbox', "
+                                                   f"got {queue!r}")
+    return {"executor": name, "executor_queue": queue,
+            "executor_url": keys.text("OUTBOX_EXECUTOR_URL")}
 
 
 def _soft_bounces(keys: _Keys) -> SoftBounceRule:

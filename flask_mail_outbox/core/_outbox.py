@@ -34,6 +34,7 @@ from ._clock import TestClock
 from ._delivery import Callbacks, Delivery
 from ._dialect import create_engine
 from ._events import EventLog
+from ._executor import Executor, publish
 from ._listen import Listener, libpq_url
 from ._queries import Reader
 from ._releases import Releases
@@ -89,7 +90,8 @@ class Outbox:
                  callbacks: Callbacks | None = None,
                  faults: _degrade.FaultTracker | None = None,
                  concurrency: int | None = None,
-                 clock: TestClock | None = None) -> None:
+                 clock: TestClock | None = None,
+                 executor: Executor | None = None) -> None:
         if clock is not None and not isinstance(clock, TestClock):
             raise TypeError(f"Outbox(clock=...): expected a TestClock or None, got "
                             f"{type(clock).__name__}")
@@ -101,6 +103,9 @@ class Outbox:
         self.callbacks = callbacks or Callbacks()
         self.faults = faults or _degrade.FaultTracker()
         self.concurrency = concurrency or config.concurrency
+        #: A task queue that delivers committed emails instead of this process's
+        #: dispatcher (``OUTBOX_EXECUTOR``; see ``_executor``); None: the dispatcher.
+        self.executor = executor
         self.engine = create_engine(url)
         self.store = (Store(self.engine) if clock is None
                       else Store(self.engine, clock=clock.now, clock_in_sql=True))
@@ -197,7 +202,7 @@ class Outbox:
         """Store ``mode`` for every process sharing the database (commits its own work)."""
         self.store.admin.set_setting(DURABLE_SETTING, mode is Mode.DURABLE)
         self._mode_cache = (mode, self._monotonic() + self.config.settings_ttl_seconds)
-        if mode is Mode.DURABLE and self.config.run_worker:
+        if mode is Mode.DURABLE and self.config.run_worker and self.executor is None:
             self.dispatch()
 
     def deliver_soon(self, ids: Sequence[int], *, urgent: Collection[int] = (),
@@ -211,12 +216,16 @@ class Outbox:
         dispatchers the commit's NOTIFY wakes. The worker that delivers here
         also times the ``scheduled`` ones (``send_after``) and claims each when
         it is due (see :meth:`Worker.schedule`); without one, a dispatcher's
-        claim or a sweep takes them. Raises on a database error; the rows are
+        claim or a sweep takes them. With an :attr:`executor` (a task queue),
+        the due ones are published to it, in either mode, and the scheduled
+        ones wait for its sweep task. Raises on a database error; the rows are
         safe in the database either way. :attr:`manual`: none of this.
         """
         if self.manual:
             return
-        if self.synchronous:
+        if self.executor is not None and not self.config.suppress_send:
+            self.publish(ids, urgent=urgent)
+        elif self.synchronous:
             if ids:
                 self.worker.deliver(ids, timeout=3600.0)
             self.worker.schedule(scheduled)
@@ -226,6 +235,17 @@ class Outbox:
         elif self.config.run_worker or self.dispatcher is not None:
             self.dispatch()  # wakes it: it claims them with whatever else is due
             self.worker.schedule(scheduled)
+
+    def publish(self, ids: Sequence[int], *, urgent: Collection[int] = (),
+                why: str = "after commit") -> int:
+        """Publish ``ids`` to the :attr:`executor`; how many it took (never raises).
+
+        What the broker refused stays queued for the sweep task (one ERROR says so).
+        """
+        if self.executor is None:
+            raise RuntimeError("Outbox.publish(): this outbox has no executor (OUTBOX_EXECUTOR)")
+        return publish(self.executor, ids, urgent=set(urgent),
+                       batch_size=self.config.batch_size, faults=self.faults, why=why)
 
     def dispatch(self, *, hand_ticked: bool = False) -> Worker:
         """Make this process's worker a dispatcher (and LISTEN on PostgreSQL), once.

@@ -136,6 +136,14 @@ class OutboxConfig:
     max_queue_lifetime_seconds: float | None = 5 * 86400.0
     #: OUTBOX_OTEL: OpenTelemetry tracing (see flask_mail_outbox/_tracing.py).
     otel: TracingSettings = dataclasses.field(default_factory=TracingSettings)
+    #: OUTBOX_EXECUTOR: what delivers committed emails: "dispatcher" (this library's
+    #: own worker) or a task queue ("celery", "rq", "dramatiq"; see core/_executor.py).
+    executor: str = "dispatcher"
+    #: OUTBOX_EXECUTOR_QUEUE: the task queue's queue the tasks go to.
+    executor_queue: str = "outbox"
+    #: OUTBOX_EXECUTOR_URL: the broker of the task queue, where the engine has no
+    #: app of its own to say it (RQ's Redis, Dramatiq's Redis); None: the engine's own.
+    executor_url: str | None = dataclasses.field(default=None, repr=False)
 
     def transport_spec(self, name: str) -> TransportSpec:
         """The transport called ``name`` (KeyError when there is none)."""

@@ -144,6 +144,14 @@ def _take(outbox: Outbox, ids: list[int], expired: list[int], fields: dict[str, 
     reaped = outbox.store.leases.reap_expired(ids=expired) if expired else None
     if reaped is not None:
         outbox.delivery.report_reaped(reaped)
+    if outbox.executor is not None:
+        # A task queue delivers: the due rows (and the leases just reaped) are
+        # published to it; what its broker refuses waits for the next sweep.
+        back = set(reaped.back) if reaped is not None else set()
+        due = [i for i in ids if i not in expired or i in back]
+        published = outbox.publish(due, why="by the sweep")
+        return SweepReport(**fields, requeued=published, skipped=len(ids) - published,
+                           duration_seconds=_elapsed(started))
     if durable:
         # Due queued rows are already claimable; expired leases were just reaped.
         if outbox.dispatcher is not None or outbox.config.run_worker:
