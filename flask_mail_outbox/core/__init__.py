@@ -60,12 +60,11 @@ from ._sweep import SweepReport, run_sweep
 from ._worker import Worker
 
 __all__ = [
-    "Executor",
-    "deliver_ids",
     "BatchReport",
     "Callbacks",
     "ClaimedEmail",
     "DeliveredMessage",
+    "Executor",
     "HourCount",
     "Mode",
     "Outbox",
@@ -83,6 +82,7 @@ __all__ = [
     "TransportSpec",
     "Worker",
     "attachment_table",
+    "deliver_ids",
     "email_table",
     "event_table",
     "load_config",

@@ -147,7 +147,7 @@ def _take(outbox: Outbox, ids: list[int], expired: list[int], fields: dict[str, 
     if outbox.executor is not None:
         # A task queue delivers: the due rows (and the leases just reaped) are
         # published to it; what its broker refuses waits for the next sweep.
-        back = set(reaped.back) if reaped is not None else set()
+        back = set(reaped.requeued) if reaped is not None else set()
         due = [i for i in ids if i not in expired or i in back]
         published = outbox.publish(due, why="by the sweep")
         return SweepReport(**fields, requeued=published, skipped=len(ids) - published,
