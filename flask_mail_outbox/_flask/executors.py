@@ -81,19 +81,37 @@ def task_app(app: Flask | None = None) -> Flask:
         return current_app._get_current_object()  # type: ignore[attr-defined,no-any-return]
     with _lock:
         apps = list(_apps)
+    if not apps:
+        _load_flask_app()  # as `flask` finds it: FLASK_APP, or app.py / wsgi.py here
+        with _lock:
+            apps = list(_apps)
     if len(apps) == 1:
         return apps[0]
     if not apps:
         raise ConfigError(
             "OUTBOX_EXECUTOR",
             "this worker process has no Flask app whose OUTBOX_EXECUTOR names a task queue: "
-            "the worker's module must create the app (call its factory) before tasks run; "
-            "see docs/executors/index.md")
+            "set FLASK_APP for the worker (as for `flask`), or make the worker's module "
+            "create the app (call its factory) before tasks run; see docs/executors/index.md")
     raise ConfigError(
         "OUTBOX_EXECUTOR",
         f"this worker process has {len(apps)} Flask apps with a task-queue executor "
         f"({', '.join(sorted(a.import_name for a in apps))}): run the tasks inside the app's "
         "context (app.app_context()), or pass app= to the task functions")
+
+
+def _load_flask_app() -> None:
+    """Load the app the way the ``flask`` command does (``FLASK_APP``, else app.py/wsgi.py).
+
+    Its ``init_app`` registers it here. Nothing found is not an error here:
+    the caller says what to do.
+    """
+    from flask.cli import NoAppException, ScriptInfo
+
+    try:
+        ScriptInfo(set_debug_flag=False).load_app()
+    except NoAppException as exc:
+        logger.debug("No Flask app found the way `flask` finds one: %s", exc)
 
 
 def _state(app: Flask) -> AppState:
