@@ -54,7 +54,9 @@ class SweepScheduler:
 
         config = self.config
         scheduler = BackgroundScheduler(daemon=True, timezone=UTC)
-        if config.run_worker and self.start_dispatcher:
+        # With a task queue as the executor (OUTBOX_EXECUTOR), its workers deliver:
+        # this process runs no dispatcher, and its sweeps publish to the queue.
+        if config.run_worker and self.start_dispatcher and config.executor == "dispatcher":
             # Its own job, at once: the dispatcher never waits for (or on) a sweep.
             scheduler.add_job(self._start_dispatcher_if_durable, "date",
                               run_date=datetime.now(UTC), id="outbox-start-dispatcher",
@@ -153,7 +155,7 @@ class SweepScheduler:
                 if outbox.mode() is Mode.DURABLE:
                     # Switched to durable: this process must run a dispatcher so
                     # no row is left without a taker (it ticks once as it starts).
-                    if config.run_worker:
+                    if config.run_worker and outbox.executor is None:
                         outbox.dispatch()
                     self.faults.recovered("sweep")  # this job works again
                     return
