@@ -28,7 +28,8 @@ from flask_mail_outbox.core import email_table
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
-STATUS_FIELDS = {"counts", "oldest_queued_age_seconds", "dead_letters", "mode", "last_sweep"}
+STATUS_FIELDS = {"counts", "oldest_queued_age_seconds", "dead_letters", "mode", "executor",
+                 "last_sweep"}
 SWEEP_FIELDS = {"scanned", "requeued", "sent", "failed", "skipped", "truncated", "mode",
                 "dry_run", "started_at", "duration_seconds", "kind", "age_gated",
                 "age_gated_until"}

@@ -613,7 +613,7 @@ class OutboxExtension:
         return scheduler.startup_report
 
     def stats(self) -> dict[str, Any]:
-        """Counts per status, oldest queued age, dead letters, mode, last sweep, dispatcher.
+        """Counts per status, oldest queued age, dead letters, mode, executor, last sweep, dispatcher.
 
         The shape ``flask outbox status --json`` prints (without
         ``dispatcher``), listed field by field in docs/operations.md. The last sweep
@@ -631,6 +631,7 @@ class OutboxExtension:
             "oldest_queued_age_seconds": oldest_queued_age,
             "dead_letters": counts.get(Status.FAILED.value, 0),
             "mode": outbox.mode().value,
+            "executor": outbox.config.executor,
             "last_sweep": last.as_dict() if last is not None else None,
             "dispatcher": None if dispatcher is None else {
                 "running": dispatcher.running, "ticks": dispatcher.claims,

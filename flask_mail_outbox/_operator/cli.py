@@ -399,7 +399,8 @@ def status(as_json: bool, recount: bool) -> None:
         click.echo("recount: " + (", ".join(f"{name} {change:+d}" for name, change
                                             in sorted(corrected.items()))
                                   or "every running total was right"))
-    click.echo(f"mode: {stats['mode']}")
+    click.echo(f"mode: {stats['mode']}" + (f" (delivered by {stats['executor']} workers)"
+                                           if stats["executor"] != "dispatcher" else ""))
     for name, count in stats["counts"].items():
         click.echo(f"  {name:<10} {count:>10}")
     tallied = [name for name in stats["counts"]
