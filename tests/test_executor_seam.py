@@ -1,0 +1,209 @@
+"""The executor seam (OUTBOX_EXECUTOR) without an engine: what every engine's module relies on.
+
+The engines' own tests (tests/test_executor_<engine>.py) run real Celery, RQ
+and Dramatiq workers on Redis. Here the "broker" is a list in this process,
+standing in for an engine's module (``flask_mail_outbox.contrib.<engine>``
+in ``sys.modules`` for the test's duration), so the seam's own rules are held
+on both databases: what a commit publishes and when, in what chunks, what a
+refused publish leaves behind, what the sweep publishes, and what a task's
+claim does with ids it cannot take.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import types
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import close_app, db, make_app, poll, rows
+from flask import Flask
+from smtpserver import FaultSMTPServer
+
+from flask_mail_outbox import ConfigError, Message, OutboxMail
+from flask_mail_outbox._flask import executors
+from flask_mail_outbox.core._internal import email_table
+
+
+class ListBroker:
+    """The published tasks, in order; refuses while ``down``."""
+
+    name = "rq"
+
+    def __init__(self) -> None:
+        self.tasks: list[tuple[list[int], bool]] = []
+        self.down = False
+
+    def publish(self, ids: Sequence[int], *, urgent: bool = False) -> None:
+        if self.down:
+            raise ConnectionError("Error 111 connecting to 127.0.0.1:6399. Connection refused.")
+        self.tasks.append((list(ids), urgent))
+
+    @property
+    def ids(self) -> list[int]:
+        return [i for ids, _ in self.tasks for i in ids]
+
+
+@pytest.fixture
+def broker(monkeypatch: pytest.MonkeyPatch) -> ListBroker:
+    broker = ListBroker()
+    module = types.ModuleType("flask_mail_outbox.contrib.rq")
+    module.publisher = lambda app: broker  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flask_mail_outbox.contrib.rq", module)
+    return broker
+
+
+@pytest.fixture
+def app(db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> Iterator[Flask]:
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_EXECUTOR="rq", OUTBOX_BATCH_SIZE=2, OUTBOX_LEASE_SECONDS=30,
+                   OUTBOX_SWEEP_MIN_AGE_SECONDS=0)
+    yield app
+    close_app(app)
+
+
+def _send(app: Flask, n: int, **options: Any) -> list[int]:
+    mail: OutboxMail = app.extensions["test_mail"]
+    with app.app_context():
+        ids = [mail.send(Message(f"m{i}", recipients=[f"r{i}@example.com"], body="x"),
+                         **options) for i in range(n)]
+        db.session.commit()
+    return ids
+
+
+def test_a_commit_publishes_its_ids_in_batches_urgent_first_and_a_task_delivers_them(
+        app: Flask, broker: ListBroker, smtp_server: FaultSMTPServer) -> None:
+    mail: OutboxMail = app.extensions["test_mail"]
+    with app.app_context():
+        plain = [mail.send(Message(f"p{i}", recipients=["a@example.com"], body="x"))
+                 for i in range(3)]
+        high = mail.send(Message("high", recipients=["b@example.com"], body="x"),
+                         priority="high")
+        db.session.commit()
+    # OUTBOX_BATCH_SIZE=2: at most two ids per task; the urgent one in a task of its own, first.
+    assert broker.tasks == [([high], True), (plain[:2], False), (plain[2:], False)]
+    assert smtp_server.messages == []  # no dispatcher of its own: the queue's workers deliver
+    assert all(r["status"] == "queued" for r in rows(app))
+    for ids, _ in broker.tasks:
+        executors.deliver_task(ids, app=app)
+    assert {r["status"] for r in rows(app)} == {"sent"}
+    assert len(smtp_server.messages) == 4
+
+
+def test_a_rollback_publishes_nothing(app: Flask, broker: ListBroker) -> None:
+    mail: OutboxMail = app.extensions["test_mail"]
+    with app.app_context():
+        mail.send(Message("never", recipients=["a@example.com"], body="x"))
+        db.session.rollback()
+    assert broker.tasks == []
+    assert rows(app) == []
+
+
+def test_a_task_sends_nothing_twice_and_skips_what_it_cannot_claim(
+        app: Flask, broker: ListBroker, smtp_server: FaultSMTPServer) -> None:
+    first, later = _send(app, 1), _send(app, 1, send_after=timedelta(hours=1))
+    assert broker.ids == first  # send_after: not published at commit (the sweep does, once due)
+    assert executors.deliver_task(first, app=app)["sent"] == 1
+    again = executors.deliver_task([*first, *later, 999_999], app=app)
+    assert again["sent"] == 0 and again["not_claimed"] == 3
+    assert len(smtp_server.messages) == 1
+
+
+def test_a_broker_that_refuses_leaves_the_rows_queued_with_one_error_and_the_sweep_publishes(
+        app: Flask, broker: ListBroker, caplog: pytest.LogCaptureFixture) -> None:
+    mail: OutboxMail = app.extensions["test_mail"]
+    broker.down = True
+    with caplog.at_level(logging.INFO):
+        ids = _send(app, 1) + _send(app, 1)  # two commits: one ERROR, the second counted
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert "stay queued" in errors[0].getMessage() and "sweep" in errors[0].getMessage()
+    assert [r["status"] for r in rows(app)] == ["queued", "queued"]
+    broker.down = False
+    caplog.clear()
+    with app.app_context(), caplog.at_level(logging.INFO):
+        report = mail.sweep()
+    assert report.requeued == 2 and sorted(broker.ids) == ids
+    assert any(r.getMessage().startswith("Recovered: Could not publish") for r in caplog.records)
+
+
+def test_the_sweep_publishes_an_expired_lease_after_reaping_it(
+        app: Flask, broker: ListBroker) -> None:
+    mail: OutboxMail = app.extensions["test_mail"]
+    [email_id] = _send(app, 1)
+    broker.tasks.clear()
+    with app.app_context():
+        # A worker claimed it and died: its lease ran out a minute ago.
+        db.session.execute(email_table.update().where(email_table.c.id == email_id).values(
+            status="sending", lease_owner="host:1:1:dead", attempts=1,
+            lease_expires_at=sa.func.now() - timedelta(minutes=1)
+            if db.engine.dialect.name == "postgresql"
+            else sa.text("datetime('now', '-1 minute')")))
+        db.session.commit()
+        report = mail.sweep()
+    assert report.requeued == 1 and broker.ids == [email_id]
+    assert rows(app)[0]["status"] == "queued"
+
+
+def test_a_serving_process_with_an_executor_runs_no_dispatcher(
+        db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> None:
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_EXECUTOR="rq", OUTBOX_DURABLE=True, OUTBOX_SWEEP_ON_STARTUP=False)
+    try:
+        state = app.extensions["mail_outbox"]
+        # As a serving process does at its first request: the sweep jobs, and no
+        # job that would start a dispatcher (durable mode starts one otherwise).
+        scheduler = state.start_scheduler()
+        assert "outbox-start-dispatcher" not in {job.id for job in scheduler._scheduler.get_jobs()}
+        # That job runs at once where it exists: a second is ample to see its dispatcher.
+        assert poll(lambda: state.outbox().dispatcher, timeout=1.0) is None
+        _send(app, 1)
+        assert state.outbox().dispatcher is None
+        assert smtp_server.messages == [] and len(broker.tasks) == 1
+    finally:
+        close_app(app)
+
+
+def test_task_arguments_and_a_worker_without_the_app_fail_loudly(broker: ListBroker) -> None:
+    with pytest.raises(TypeError, match="ids must be a list of integers"):
+        executors.deliver_task(["1; DROP TABLE"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="ids must be a list of integers"):
+        executors.deliver_task("12")  # type: ignore[arg-type]
+
+
+def test_an_engine_not_installed_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
+    script = (
+        "import sys; sys.modules['rq'] = None\n"
+        "from flask import Flask\n"
+        "from flask_sqlalchemy import SQLAlchemy\n"
+        "from flask_mail_outbox import OutboxMail, ConfigError\n"
+        f"app = Flask('x'); app.config.update(SQLALCHEMY_DATABASE_URI='sqlite:///{tmp_path}/a.db', "
+        "OUTBOX_EXECUTOR='rq', OUTBOX_RUN_SCHEDULER=False)\n"
+        "SQLAlchemy(app)\n"
+        "try:\n    OutboxMail(app)\nexcept ConfigError as exc:\n    print('ERR', exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("ERR OUTBOX_EXECUTOR: 'rq' needs rq installed: "
+                          "pip install 'flask-mail-outbox[rq]'"), out
+
+
+def test_a_task_in_a_process_without_the_app_says_how_to_fix_it() -> None:
+    script = ("import os; os.environ.pop('FLASK_APP', None); os.chdir('/')\n"
+              "from flask_mail_outbox._flask.executors import deliver_task\n"
+              "from flask_mail_outbox import ConfigError\n"
+              "try:\n    deliver_task([1])\nexcept ConfigError as exc:\n    print('ERR', exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("ERR OUTBOX_EXECUTOR: this worker process has no Flask app") \
+        and "FLASK_APP" in out, out
+
+
+def test_config_keys_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_EXECUTOR: expected one of"):
+        make_app(f"sqlite:///{tmp_path}/a.db", OUTBOX_EXECUTOR="huey")
