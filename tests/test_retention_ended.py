@@ -24,7 +24,7 @@ from sqlalchemy import event as sa_event
 
 from flask_mail_outbox import Message, OutboxMail
 from flask_mail_outbox._flask.scheduler import SweepScheduler
-from flask_mail_outbox.core import Status, email_table
+from flask_mail_outbox.core import Status, email_table, event_table
 from flask_mail_outbox.core._queries import counts
 from flask_mail_outbox.core._store import Store
 
@@ -232,3 +232,44 @@ def test_the_retention_queries_read_their_partial_indexes(
         plan = query_plan(store.engine, statement, parameters)
         assert index in plan, plan
         assert "Seq Scan" not in plan and "TEMP B-TREE" not in plan, plan
+
+
+def _unmatched_event(app: Flask, provider_event_id: str, days_ago: float) -> None:
+    """A delivery event about no email of this outbox (an unknown webhook, a stray bounce)."""
+    when = utc_now() - timedelta(days=days_ago)
+    with app.app_context():
+        db.session.execute(event_table.insert().values(
+            email_id=None, transport="default", provider_event_id=provider_event_id,
+            event_type="bounced", bounce_kind="permanent", reason="user_unknown",
+            recipient="gone@example.com", occurred_at=when, received_at=when))
+        db.session.commit()
+
+
+def _event_ids(app: Flask) -> list[str]:
+    with app.app_context():
+        return sorted(db.session.execute(sa.select(event_table.c.provider_event_id)).scalars())
+
+
+@pytest.mark.parametrize("via", ["retention", "purge"])
+def test_events_matched_to_no_email_are_deleted_too_after_the_soft_bounce_window(
+        app: Flask, via: str) -> None:
+    """They have no email to go with: without this they stayed for ever."""
+    _unmatched_event(app, "old", days_ago=40)
+    _unmatched_event(app, "in-retention", days_ago=5)
+    _unmatched_event(app, "in-window", days_ago=2)  # the soft-bounce window (7 days) counts it
+    _unmatched_event(app, "ten-days", days_ago=10)
+    if via == "retention":
+        state = app.extensions["mail_outbox"]
+        SweepScheduler(state.outbox, state.config, state.faults,
+                       deployment=None)._purge_retained(30)
+        assert _event_ids(app) == ["in-retention", "in-window", "ten-days"]
+        # A retention shorter than the soft-bounce window keeps what the window counts.
+        SweepScheduler(state.outbox, state.config, state.faults,
+                       deployment=None)._purge_retained(1)
+        assert _event_ids(app) == ["in-retention", "in-window"]
+    else:
+        result = app.test_cli_runner().invoke(
+            args=["outbox", "purge", "--older-than", "30", "--yes", "--batch", "1"])
+        assert result.exit_code == 0, result.output
+        assert "and 1 delivery event(s) matched to no email" in result.output
+        assert _event_ids(app) == ["in-retention", "in-window", "ten-days"]

@@ -215,6 +215,16 @@ class SweepScheduler:
                     total += deleted
                     if deleted < 1000:
                         break
+            # Events matched to no email, kept as long as the soft-bounce window
+            # counts them at least (a shorter retention would forget bounces).
+            window = timedelta(seconds=self.config.soft_bounces.window_seconds)
+            events = 0
+            while True:
+                deleted = store.admin.delete_unmatched_events(
+                    older_than=min(cutoff, utcnow() - window), batch=1000)
+                events += deleted
+                if deleted < 1000:
+                    break
         except Exception as exc:  # noqa: BLE001 - only retention; nothing is lost
             logger.error("Could not delete sent or ended emails older than "
                          "OUTBOX_RETENTION_DAYS (%g); the table keeps growing until this "
@@ -222,3 +232,6 @@ class SweepScheduler:
             return
         if total:
             logger.info("Deleted %d sent or ended email(s) older than %g day(s)", total, days)
+        if events:
+            logger.info("Deleted %d delivery event(s) matched to no email, older than %g "
+                        "day(s)", events, days)

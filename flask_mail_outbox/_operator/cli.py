@@ -533,9 +533,17 @@ def purge(days: float, yes: bool, dry_run: bool, batch: int) -> None:
                 bar.update(count)
                 if count < batch:
                     break
+    events = 0
+    window = timedelta(seconds=outbox.config.soft_bounces.window_seconds)
+    while True:  # events matched to no email: none has an email to go with
+        count = store.admin.delete_unmatched_events(
+            older_than=min(cutoff, utcnow() - window), batch=batch)
+        events += count
+        if count < batch:
+            break
     state.stop(5)
     click.echo(f"deleted {deleted[0]} sent and {deleted[1]} suppressed, expired or "
-               "cancelled email(s)")
+               f"cancelled email(s), and {events} delivery event(s) matched to no email")
 
 
 @outbox_cli.group("suppression")

@@ -140,6 +140,23 @@ class Admin:
         """
         return self._delete_before(older_than, batch, ended=True)
 
+    def delete_unmatched_events(self, *, older_than: datetime, batch: int) -> int:
+        """Delete up to ``batch`` events matched to no email that occurred before ``older_than``.
+
+        A matched event goes with its email (:meth:`_delete`); these (a webhook
+        or a bounce about mail this outbox did not send, or whose email is gone)
+        would otherwise stay for ever. Oldest first, on ``ix_outbox_event_email``
+        (``email_id IS NULL`` is its leading range).
+        """
+        t = event_table
+        with self.db.write() as conn:
+            ids = list(conn.execute(
+                sa.select(t.c.id).where(t.c.email_id.is_(None), t.c.occurred_at < older_than)
+                .order_by(t.c.occurred_at, t.c.id).limit(batch)).scalars())
+            if ids:
+                conn.execute(t.delete().where(t.c.id.in_(ids)))
+            return len(ids)
+
     def _delete_before(self, older_than: datetime, batch: int, *, ended: bool) -> int:
         """The oldest ``batch`` rows of :func:`._models.retained_before`, deleted."""
         rows = retained_before("id", ended=ended, index_hint=self.db.dialect.index_hint)
