@@ -54,11 +54,11 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> RedisServer:
-        log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - the process owns it
-        self.process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory), "--protected-mode", "no"],
-            stdout=log, stderr=subprocess.STDOUT)
+        with open(self.directory / "redis.log", "ab") as log:  # the child has its own copy
+            self.process = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(self.directory), "--protected-mode", "no"],
+                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

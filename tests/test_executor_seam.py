@@ -35,6 +35,7 @@ class ListBroker:
     """The published tasks, in order; refuses while ``down``."""
 
     name = "rq"
+    sweep_task = "flask_mail_outbox.contrib.rq.sweep"
 
     def __init__(self) -> None:
         self.tasks: list[tuple[list[int], bool]] = []
@@ -123,7 +124,8 @@ def test_a_broker_that_refuses_leaves_the_rows_queued_with_one_error_and_the_swe
         ids = _send(app, 1) + _send(app, 1)  # two commits: one ERROR, the second counted
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, [r.getMessage() for r in errors]
-    assert "stay queued" in errors[0].getMessage() and "sweep" in errors[0].getMessage()
+    assert "stay queued" in errors[0].getMessage()
+    assert "(flask_mail_outbox.contrib.rq.sweep on rq)" in errors[0].getMessage()
     assert [r["status"] for r in rows(app)] == ["queued", "queued"]
     broker.down = False
     caplog.clear()
@@ -131,6 +133,31 @@ def test_a_broker_that_refuses_leaves_the_rows_queued_with_one_error_and_the_swe
         report = mail.sweep()
     assert report.requeued == 2 and sorted(broker.ids) == ids
     assert any(r.getMessage().startswith("Recovered: Could not publish") for r in caplog.records)
+
+
+def test_a_retry_is_published_when_due_not_when_the_row_is_as_old_as_the_age_gate(
+        db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> None:
+    """A task recorded the failure and returned: nothing retries it in memory anywhere."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_EXECUTOR="rq")  # the default age gate: 300 s
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        smtp_server.reply("data", 451, "4.3.0 Try again later", times=1)
+        [email_id] = _send(app, 1)
+        assert executors.deliver_task([email_id], app=app)["retry"] == 1
+        [row] = rows(app)
+        assert row["status"] == "queued" and row["attempts"] == 1
+        broker.tasks.clear()
+        with app.app_context():
+            assert mail.sweep().requeued == 0  # not due yet (the backoff: 2 s)
+            db.session.execute(email_table.update().values(due_at=row["due_at"] - timedelta(
+                seconds=5)))  # its backoff ran out
+            db.session.commit()
+            assert mail.sweep().requeued == 1
+        assert broker.ids == [email_id]
+        assert executors.deliver_task(broker.ids, app=app)["sent"] == 1
+    finally:
+        close_app(app)
 
 
 def test_the_sweep_publishes_an_expired_lease_after_reaping_it(
@@ -154,7 +181,8 @@ def test_the_sweep_publishes_an_expired_lease_after_reaping_it(
 def test_a_serving_process_with_an_executor_runs_no_dispatcher(
         db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> None:
     app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
-                   OUTBOX_EXECUTOR="rq", OUTBOX_DURABLE=True, OUTBOX_SWEEP_ON_STARTUP=False)
+                   OUTBOX_EXECUTOR="rq", OUTBOX_DURABLE=True, OUTBOX_SWEEP_ON_STARTUP=False,
+                   OUTBOX_SWEEP_MIN_AGE_SECONDS=0)
     try:
         state = app.extensions["mail_outbox"]
         # As a serving process does at its first request: the sweep jobs, and no
@@ -166,6 +194,11 @@ def test_a_serving_process_with_an_executor_runs_no_dispatcher(
         _send(app, 1)
         assert state.outbox().dispatcher is None
         assert smtp_server.messages == [] and len(broker.tasks) == 1
+        # Its periodic job sweeps, in durable mode too: it publishes what is due (here, a
+        # doorbell the broker lost), where it would otherwise start a dispatcher.
+        broker.tasks.clear()
+        scheduler._periodic()
+        assert len(broker.tasks) == 1 and state.outbox().dispatcher is None
     finally:
         close_app(app)
 

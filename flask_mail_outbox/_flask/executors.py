@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -109,7 +110,8 @@ def _load_flask_app() -> None:
     from flask.cli import NoAppException, ScriptInfo
 
     try:
-        ScriptInfo(set_debug_flag=False).load_app()
+        # ScriptInfo reads no environment: FLASK_APP is the `flask` command's option's.
+        ScriptInfo(app_import_path=os.environ.get("FLASK_APP"), set_debug_flag=False).load_app()
     except NoAppException as exc:
         logger.debug("No Flask app found the way `flask` finds one: %s", exc)
 

@@ -148,14 +148,16 @@ class SweepScheduler:
             if config.sweep_interval_seconds is None:
                 outbox = self.outbox()
                 dispatcher = outbox.dispatcher
-                if dispatcher is not None and dispatcher.running:
+                if outbox.executor is not None:
+                    pass  # a task queue delivers: this sweep publishes what is due
+                elif dispatcher is not None and dispatcher.running:
                     # A dispatcher takes due rows here, whatever the mode: nothing
                     # to do, and no query (an idle durable process asks nothing).
                     return
-                if outbox.mode() is Mode.DURABLE:
+                elif outbox.mode() is Mode.DURABLE:
                     # Switched to durable: this process must run a dispatcher so
                     # no row is left without a taker (it ticks once as it starts).
-                    if config.run_worker and outbox.executor is None:
+                    if config.run_worker:
                         outbox.dispatch()
                     self.faults.recovered("sweep")  # this job works again
                     return

@@ -45,6 +45,8 @@ class Executor(Protocol):
 
     #: The engine's name, as ``OUTBOX_EXECUTOR`` says it ("celery", "rq", "dramatiq").
     name: str
+    #: The sweep task's name as the engine shows it (what an operator looks for).
+    sweep_task: str
 
     def publish(self, ids: Sequence[int], *, urgent: bool = False) -> None:
         """Publish one task that delivers ``ids``; raise when the broker refused it.
@@ -82,11 +84,12 @@ def publish(executor: Executor, ids: Sequence[int], *, urgent: Sequence[int] | s
                 logger.debug("Emails %s published to %s (%s)", chunk, executor.name, why)
     except Exception as exc:  # noqa: BLE001 - the rows are queued: the sweep task publishes them
         left = len(ids) - published
+        sweep_task = getattr(executor, "sweep_task", "flask_mail_outbox.sweep")
         faults.failing(
             f"executor-publish-{executor.name}",
             f"Could not publish {left} email(s) to the {executor.name} broker ({why})",
             consequence=f"they stay queued in the database; the periodic sweep task "
-                        f"(flask_mail_outbox.sweep on {executor.name}) publishes them again "
+                        f"({sweep_task} on {executor.name}) publishes them again "
                         f"once the broker answers (OUTBOX_SWEEP_MIN_AGE_SECONDS after their "
                         f"creation at the earliest); no email is lost",
             fix=f"check that the {executor.name} broker is up and reachable from this process "

@@ -99,7 +99,8 @@ def run_sweep(outbox: Outbox, *, min_age: float | None = None, limit: int | None
         if healed:
             logger.info("The sweep gave %d ordering key(s) without a holder their oldest "
                         "open email", healed)
-    candidates = store.sweep.sweep_candidates(min_age_seconds=min_age, limit=limit + 1)
+    candidates = store.sweep.sweep_candidates(min_age_seconds=min_age, limit=limit + 1,
+                                              retried_ungated=outbox.executor is not None)
     truncated = len(candidates) > limit
     candidates = candidates[:limit]
     ids = [email_id for email_id, _ in candidates]

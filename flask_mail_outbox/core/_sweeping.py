@@ -34,8 +34,8 @@ class Sweeping:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def sweep_candidates(self, *, min_age_seconds: float,
-                         limit: int) -> list[tuple[int, str]]:
+    def sweep_candidates(self, *, min_age_seconds: float, limit: int,
+                         retried_ungated: bool = False) -> list[tuple[int, str]]:
         """Rows a sweep takes, oldest first (``created_at, id``): at most ``limit``.
 
         Due ``queued`` rows older than the age gate (keyless or key heads, so
@@ -43,6 +43,11 @@ class Sweeping:
         due when queued: see :data:`_UNGATED`), and ``sending`` rows whose
         lease expired. One statement: a UNION ALL of three index scans, each
         on its partial index. Returns ``(id, status)`` pairs.
+
+        ``retried_ungated``: young rows already tried are in flight nowhere
+        too (a task queue's task recorded the failure and returned: nothing
+        retries in memory), so their retry is published when due, not once
+        the row is as old as the gate.
         """
         t = email_table
         now = self.db.now_expr()
@@ -56,7 +61,9 @@ class Sweeping:
         # here: the scan reads the young end of the queued rows' partial index.
         given_back = (sa.select(t.c.id, t.c.status, t.c.created_at)
                       .where(self.db.dialect.claimable(self.db.now_expr),
-                             t.c.created_at > cutoff, t.c.lease_owner.in_(_UNGATED))
+                             t.c.created_at > cutoff,
+                             sa.or_(t.c.lease_owner.in_(_UNGATED), t.c.attempts > 0)
+                             if retried_ungated else t.c.lease_owner.in_(_UNGATED))
                       .order_by(t.c.created_at, t.c.id).limit(limit))
         expired = (sa.select(t.c.id, t.c.status, t.c.created_at)
                    .where(t.c.status == Status.SENDING.value, t.c.lease_expires_at < now)
