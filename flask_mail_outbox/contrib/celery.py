@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from celery import Celery, shared_task
+# Celery ships no type information (a pyproject mypy override is proposed).
+from celery import Celery, shared_task  # type: ignore[import-untyped]
 from celery import current_app as celery_current_app
 from flask import Flask
 
@@ -72,7 +73,7 @@ def find_celery(app: Flask) -> Celery:
                 f"{type(found).__name__}: store the celery.Celery instance there "
                 f"(as the Flask docs' celery_init_app does)")
         return found
-    default: Celery = celery_current_app._get_current_object()  # type: ignore[attr-defined]
+    default: Celery = celery_current_app._get_current_object()
     if broker_url(default):
         return default
     raise ConfigError(
@@ -132,18 +133,24 @@ def publisher(app: Flask) -> CeleryExecutor:
     return CeleryExecutor(find_celery(app), str(queue))
 
 
-@shared_task(name=DELIVER, ignore_result=True, acks_late=False, max_retries=0,
-             autoretry_for=())
-def deliver(ids: list[int]) -> dict[str, int]:
+def deliver_ids(ids: list[int]) -> dict[str, int]:
     """Claim ``ids``, deliver what was claimed, record; counts (never raises for mail)."""
     return executors.deliver_task(ids)
 
 
-@shared_task(name=SWEEP, ignore_result=True, acks_late=False, max_retries=0,
-             autoretry_for=())
-def sweep() -> dict[str, int]:
+def sweep_due() -> dict[str, int]:
     """Publish what is due (retries, send_after, expired leases, lost doorbells); counts."""
     return executors.sweep_task()
+
+
+#: The task options of both: results ignored (the counts are in the worker's log), no
+#: Celery retries, early acknowledgement (the lease and the sweep recover a lost task).
+TASK_OPTIONS: dict[str, Any] = {"ignore_result": True, "acks_late": False, "max_retries": 0,
+                                "autoretry_for": ()}
+#: ``flask_mail_outbox.deliver``: one argument, the list of ids.
+deliver = shared_task(name=DELIVER, **TASK_OPTIONS)(deliver_ids)
+#: ``flask_mail_outbox.sweep``: no argument.
+sweep = shared_task(name=SWEEP, **TASK_OPTIONS)(sweep_due)
 
 
 def beat_schedule(seconds: float = 30.0, *, queue: str = "outbox") -> dict[str, dict[str, Any]]:
@@ -160,5 +167,5 @@ def beat_schedule(seconds: float = 30.0, *, queue: str = "outbox") -> dict[str, 
                     "options": {"queue": queue, "expires": float(seconds)}}}
 
 
-__all__ = ["DELIVER", "SWEEP", "CeleryExecutor", "beat_schedule", "broker_kind", "deliver",
-           "find_celery", "publisher", "sweep"]
+__all__ = ["DELIVER", "SWEEP", "TASK_OPTIONS", "CeleryExecutor", "beat_schedule", "broker_kind",
+           "deliver", "deliver_ids", "find_celery", "publisher", "sweep", "sweep_due"]
