@@ -135,10 +135,15 @@ class CeleryWorker:
 
 
 @pytest.fixture
-def producer(pg_url: str, smtp_server: FaultSMTPServer,  # noqa: F811 - fixtures
+def producer(request: pytest.FixtureRequest, pg_url: str,  # noqa: F811 - fixtures
+             smtp_server: FaultSMTPServer,
              redis_server: RedisServer) -> Iterator[Flask]:  # noqa: F811
-    """The web app: creates the tables, publishes after each commit, never delivers."""
-    app = create_app(pg_url, smtp_server.port, redis_server.url, **SHARED)
+    """The web app: creates the tables, publishes after each commit, never delivers.
+
+    A test function's ``producer_config`` attribute adds config keys.
+    """
+    extra = getattr(request.function, "producer_config", {})
+    app = create_app(pg_url, smtp_server.port, redis_server.url, **{**SHARED, **extra})
     with app.app_context():
         app_db.create_all()
         app.extensions["mail_outbox"].ext.create_all()
@@ -397,11 +402,29 @@ def test_the_emails_of_a_key_are_delivered_in_send_order(
         producer, lambda rs: all(r["status"] == "sent" for r in rs), timeout=10))
 
 
+# -- urgent emails: a priority the broker serves first -----------------------------------------
+
+
+def test_an_urgent_email_overtakes_the_tasks_waiting_in_the_broker(
+        producer: Flask, spawn: Callable[..., CeleryWorker], redis_server: RedisServer,  # noqa: F811
+        smtp_server: FaultSMTPServer) -> None:
+    for n in range(5):
+        send(producer, f"normal {n}")
+    send(producer, "urgent", priority="high")
+    assert broker_length(redis_server) == 6
+    worker = spawn("w1", concurrency=1).wait_ready()
+    assert smtp_server.wait_for(6, timeout=30), worker.log()[-3000:]
+    subjects = [m.parsed["Subject"] for m in smtp_server.messages]
+    # One task may be prefetched before the urgent one is seen (prefetch multiplier 1).
+    assert "urgent" in subjects[:2], subjects
+
+
 # -- bad configuration ---------------------------------------------------------------------
 
 
 def test_no_celery_app_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
     from celery import Celery
+    from flask_sqlalchemy import SQLAlchemy
 
     app = Flask("no_celery")
     app.config.update(SQLALCHEMY_DATABASE_URI=f"sqlite:///{tmp_path / 'x.db'}",
@@ -411,6 +434,12 @@ def test_no_celery_app_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
         find_celery(app)
     assert info.value.key == "OUTBOX_EXECUTOR"
     assert "app.extensions['celery']" in str(info.value)
+    with pytest.raises(ConfigError, match="OUTBOX_EXECUTOR: 'celery' needs a Celery app"):
+        OutboxMail(app, db=SQLAlchemy(app))  # init_app fails at once, naming the key
+    mine = Celery("mine", broker="redis://127.0.0.1:1/0")
+    app.extensions["celery"] = mine
+    Celery("other", broker="redis://127.0.0.1:2/0").set_default()
+    assert find_celery(app) is mine  # the Flask app's own, before the current one
     app.extensions["celery"] = object()
     with pytest.raises(ConfigError, match="found object"):
         find_celery(app)
@@ -460,7 +489,6 @@ def test_chaos_sigkill_a_worker_and_restart_redis_lose_nothing(
         print(f"\n[celery chaos] seed={seed} (replay: CHAOS_SEED={seed})")
     config = {"OUTBOX_LEASE_SECONDS": 5, "OUTBOX_BATCH_SIZE": CHAOS_BATCH,
               "OUTBOX_CONCURRENCY": CHAOS_CONNECTIONS, "OUTBOX_SWEEP_MIN_AGE_SECONDS": 3.0}
-    producer.extensions["mail_outbox"].config.batch_size = CHAOS_BATCH  # tasks of 20 ids
     mail: OutboxMail = producer.extensions["mail_outbox"].ext
     with producer.app_context():
         for first in range(0, CHAOS_TOTAL, 250):
@@ -541,3 +569,7 @@ def test_chaos_sigkill_a_worker_and_restart_redis_lose_nothing(
     for worker in workers.values():
         assert worker.stop() == 0, worker.log()[-3000:]
     assert all(r["attempts"] <= 2 for r in current), summary
+
+
+test_chaos_sigkill_a_worker_and_restart_redis_lose_nothing.producer_config = {  # type: ignore[attr-defined]
+    "OUTBOX_BATCH_SIZE": CHAOS_BATCH}  # tasks of 20 ids
