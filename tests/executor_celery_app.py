@@ -10,6 +10,8 @@ variable               meaning
 ``EXEC_SMTP_PORT``     ``MAIL_PORT`` (``MAIL_SERVER`` is 127.0.0.1)
 ``EXEC_BROKER_URL``    the Celery broker (a private Redis)
 ``EXEC_CONFIG``        a JSON object of further app config keys
+``EXEC_BEAT_SECONDS``  set: the Celery config has the sweep's beat entry
+                       (``beat_schedule(seconds)``), for ``celery beat``
 =====================  ==================================================
 
 The Celery app is made as the Flask docs' pattern makes it (``celery_init_app``:
@@ -31,6 +33,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_mail_outbox import Message, OutboxMail
+from flask_mail_outbox.contrib.celery import beat_schedule
 
 
 class Base(DeclarativeBase):
@@ -116,9 +119,14 @@ def create_app(db_url: str, smtp_port: int, broker_url: str,
 
 def from_env() -> Flask:
     """:func:`create_app` from the ``EXEC_*`` variables."""
-    return create_app(os.environ["EXEC_DB_URL"], int(os.environ["EXEC_SMTP_PORT"]),
-                      os.environ["EXEC_BROKER_URL"],
-                      **json.loads(os.environ.get("EXEC_CONFIG") or "{}"))
+    broker = os.environ["EXEC_BROKER_URL"]
+    config = json.loads(os.environ.get("EXEC_CONFIG") or "{}")
+    if os.environ.get("EXEC_BEAT_SECONDS"):
+        config["CELERY"] = dict(CELERY_DEFAULTS, broker_url=broker, beat_schedule=beat_schedule(
+            float(os.environ["EXEC_BEAT_SECONDS"]), queue=config.get("OUTBOX_EXECUTOR_QUEUE",
+                                                                     "outbox")))
+    return create_app(os.environ["EXEC_DB_URL"], int(os.environ["EXEC_SMTP_PORT"]), broker,
+                      **config)
 
 
 if os.environ.get("EXEC_DB_URL"):  # a worker process: `celery -A executor_celery_app`

@@ -76,19 +76,23 @@ class CeleryWorker:
 
     def __init__(self, name: str, tmp_path: Path, db_url: str, smtp_port: int,
                  broker_url: str, *, pool: str, concurrency: int,
-                 config: dict[str, Any]) -> None:
+                 config: dict[str, Any], beat: float | None = None) -> None:
         self.name = name
         self.log_path = tmp_path / f"celery-{name}.log"
         env = dict(os.environ)
         env.update({"PYTHONPATH": f"{TESTS}{os.pathsep}{REPO}", "EXEC_DB_URL": db_url,
                     "EXEC_SMTP_PORT": str(smtp_port), "EXEC_BROKER_URL": broker_url,
                     "EXEC_CONFIG": json.dumps(config)})
+        if beat is None:
+            command = ["worker", "-Q", QUEUE, "-n", f"{name}@%h", "--pool", pool,
+                       "--concurrency", str(concurrency), "--prefetch-multiplier", "1",
+                       "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        else:  # `celery beat` with the sweep's entry, its schedule file in tmp_path
+            env["EXEC_BEAT_SECONDS"] = str(beat)
+            command = ["beat", "--schedule", str(tmp_path / f"beat-{name}")]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "executor_celery_app", "worker",
-                 "-Q", QUEUE, "-n", f"{name}@%h", "--pool", pool,
-                 "--concurrency", str(concurrency), "--prefetch-multiplier", "1",
-                 "--without-gossip", "--without-mingle", "--without-heartbeat",
+                [sys.executable, "-m", "celery", "-A", "executor_celery_app", *command,
                  "--loglevel", "INFO"],
                 env=env, cwd=str(TESTS), stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT)
@@ -162,9 +166,10 @@ def spawn(tmp_path: Path, pg_url: str, producer: Flask,  # noqa: F811 - fixtures
     started: list[CeleryWorker] = []
 
     def start(name: str, *, pool: str = "threads", concurrency: int = 2,
-              **config: Any) -> CeleryWorker:
+              beat: float | None = None, **config: Any) -> CeleryWorker:
         worker = CeleryWorker(name, tmp_path, pg_url, smtp_server.port, redis_server.url,
-                              pool=pool, concurrency=concurrency, config={**SHARED, **config})
+                              pool=pool, concurrency=concurrency, config={**SHARED, **config},
+                              beat=beat)
         started.append(worker)
         return worker
 
@@ -385,6 +390,20 @@ def test_send_after_is_published_by_the_sweep_once_due(
     sent = wait_rows(producer, lambda rs: rs[0]["status"] == "sent", timeout=10)[0]
     assert sent["sent_at"] >= due
     assert "eta" not in worker.log().lower().replace("beta", "")
+
+
+def test_celery_beat_runs_the_sweep_from_the_beat_schedule_entry(
+        producer: Flask, spawn: Callable[..., CeleryWorker],
+        smtp_server: FaultSMTPServer) -> None:
+    """The entry of beat_schedule() as `celery beat` reads it: no sweep published by hand."""
+    email_id = send(producer, "by beat", send_after=timedelta(seconds=2))
+    worker = spawn("w1").wait_ready()
+    beat = spawn("beat", beat=1.0)
+    assert smtp_server.wait_for(1, timeout=30), beat.log()[-2000:] + worker.log()[-2000:]
+    assert row(producer, email_id)["status"] in ("sending", "sent")
+    assert worker.results(SWEEP), worker.log()[-2000:]
+    assert "Scheduler: Sending due task flask_mail_outbox.sweep" in beat.log()
+    beat.stop()
 
 
 # -- 7. per-key order ----------------------------------------------------------------------
