@@ -286,6 +286,12 @@ def test_a_task_for_ids_it_cannot_claim_returns_quietly(
     assert len(smtp_server.messages) == 1
     assert {r["id"]: r["status"] for r in rows(producer)} == {
         sent: "sent", elsewhere: "sending", later: "queued"}
+    # A task that cannot be right raises loudly, once: Celery does not retry it.
+    celery.send_task(DELIVER, args=(["1; DROP TABLE outbox_email"],), queue=QUEUE)
+    worker.wait_log(lambda w: "raised unexpected: TypeError" in w.log(), 30, "the TypeError")
+    time.sleep(0.5)
+    assert worker.log().count("raised unexpected") == 1
+    assert "Retry in" not in worker.log()
 
 
 def test_a_task_delivered_twice_sends_once(
