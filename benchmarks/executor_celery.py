@@ -52,7 +52,7 @@ def config(broker_url: str) -> dict[str, object]:
     """The app config keys of the Celery executor; also makes this process publish to
     ``broker_url`` (see the module docstring)."""
     use_broker(broker_url)
-    return {"OUTBOX_EXECUTOR": "celery", "OUTBOX_RUN_WORKER": False}
+    return {"OUTBOX_EXECUTOR": "celery"}
 
 
 def worker_command(*, broker_url: str, queue: str, concurrency: int) -> list[str]:

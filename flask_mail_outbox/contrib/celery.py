@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 # Celery ships no type information (a pyproject mypy override is proposed).
-from celery import Celery, shared_task  # type: ignore[import-untyped]
+from celery import Celery, shared_task
 from celery import current_app as celery_current_app
 from flask import Flask
 
@@ -107,6 +107,7 @@ class CeleryExecutor:
     """Publishes ``flask_mail_outbox.deliver`` tasks through a Celery app (the seam's Executor)."""
 
     name = "celery"
+    sweep_task = "flask_mail_outbox.sweep"
 
     def __init__(self, celery: Celery, queue: str) -> None:
         self.celery = celery
