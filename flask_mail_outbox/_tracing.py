@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
+from types import TracebackType
 from typing import Any, Self
 
 from . import _degrade
@@ -376,8 +377,9 @@ class _Sending:
         self._use.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._use.__exit__(*exc)
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self._use.__exit__(kind, error, traceback)
 
     def done(self, results: Sequence[Any]) -> None:
         """Note the results (``Delivered`` / ``Failed``): the outcome and reply code."""
