@@ -241,7 +241,7 @@ def _attributes(operation: str, transport: str, email_id: int | None = None,
 
 
 #: ``messaging.operation.type`` of an operation name that is none of the convention's.
-_OPERATION_TYPES = {"claim": "receive"}
+_OPERATION_TYPES = {"claim": "receive", "event": "process"}
 
 
 def claim(tracer: Any, settings: TracingSettings, claimed: Sequence[Any],
@@ -432,6 +432,36 @@ def signed(dkim: Any, email_id: int, message_id: str, mime: bytes) -> bytes:
             kind=trace.SpanKind.INTERNAL,
             attributes={"messaging.message.id": str(email_id)}):
         return bytes(dkim.signed(email_id, mime))
+
+
+#: The attribute naming what an event reported (``delivered``, ``bounced``...).
+EVENT_TYPE = "flask_mail_outbox.event_type"
+BOUNCE_KIND = "flask_mail_outbox.bounce_kind"
+REASON = "flask_mail_outbox.reason"
+
+
+def event_spans(tracer: Any, events: Sequence[Any],
+                contexts: Mapping[int, tuple[str | None, str | None]]) -> None:
+    """A span per delivery event (a webhook's, a bounce's) matched to an email, in the
+    current trace (the request that brought it), linked to the email's PRODUCER span.
+
+    ``events``: :class:`~flask_mail_outbox._events.DeliveryEvent` with an ``email_id``;
+    no recipient is put on the span."""
+    from opentelemetry import trace
+    from opentelemetry.trace import Link
+
+    for event in events:
+        producer = producer_context(*contexts.get(event.email_id, (None, None)))
+        attributes = _attributes("event", event.transport or "default", event.email_id)
+        attributes[EVENT_TYPE] = event.event_type
+        if event.bounce_kind:
+            attributes[BOUNCE_KIND] = event.bounce_kind
+        if event.reason:
+            attributes[REASON] = event.reason
+        tracer.start_span(f"event {event.event_type}", kind=trace.SpanKind.INTERNAL,
+                          attributes=attributes,
+                          links=[] if producer is None else [
+                              Link(producer.get_span_context())]).end()
 
 
 def consumer_span(tracer: Any, settings: TracingSettings, *, email_id: int, attempt: int,

@@ -37,7 +37,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from provider_postmark import TOKEN as POSTMARK_TOKEN
-from provider_postmark import FakePostmark
+from provider_postmark import (
+    WEBHOOK_SECRET,
+    FakePostmark,
+    delivery_record,
+    webhook_request,
+)
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
@@ -512,7 +517,7 @@ def test_dkim_signing_is_a_child_span_of_the_attempt_only_when_configured(
                 and s.parent and s.parent.span_id != consumer.context.span_id]
 
 
-def test_a_batch_api_request_is_one_span_linked_to_every_email_it_carries(
+def test_a_batch_api_request_links_all_its_emails_and_a_webhook_event_links_back(
         db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
     provider, exporter = traced
     fake = FakePostmark()
@@ -521,7 +526,8 @@ def test_a_batch_api_request_is_one_span_linked_to_every_email_it_carries(
     app = _app(db_url, smtp_server, {"tracer_provider": provider}, OUTBOX_DURABLE=True,
                OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False, OUTBOX_INLINE_RETRIES=0,
                OUTBOX_TRANSPORTS={"default": {"transport": "postmark", "base_url": fake.url,
-                                              "token": POSTMARK_TOKEN}})
+                                              "token": POSTMARK_TOKEN,
+                                              "webhook_secret": WEBHOOK_SECRET}})
     mail: OutboxMail = app.extensions["test_mail"]
     try:
         with app.app_context():
@@ -532,9 +538,26 @@ def test_a_batch_api_request_is_one_span_linked_to_every_email_it_carries(
         hand_ticked_worker(app).tick()
         stored = wait_rows(app, lambda r: all(row["status"] != "queued" for row in r), 20.0)
         _consumers(exporter, 3)
+        # Postmark's Delivery webhook for the second email, in the webhook request's trace.
+        headers, body = webhook_request(delivery_record(stored[1]["provider_message_id"],
+                                                        "bob@example.org"))
+        with provider.get_tracer("test").start_as_current_span(
+                "POST /outbox/webhooks/default", kind=SpanKind.SERVER) as webhook:
+            response = app.test_client().post("/outbox/webhooks/default", headers=headers,
+                                              data=body)
+        assert response.status_code == 200
     finally:
         close_app(app)
         fake.stop()
+    # What came back: a span in the webhook's trace, linked to the email's producer.
+    [event] = [s for s in exporter.get_finished_spans() if s.name == "event delivered"]
+    assert (event.parent and event.parent.span_id) == webhook.get_span_context().span_id
+    assert [link.context.span_id for link in event.links] == [
+        _spans(exporter, SpanKind.PRODUCER)[1].context.span_id]
+    assert dict(event.attributes or {}) == {
+        "messaging.system": "flask-mail-outbox", "messaging.operation.name": "event",
+        "messaging.operation.type": "process", "messaging.destination.name": "default",
+        "messaging.message.id": str(ids[1]), "flask_mail_outbox.event_type": "delivered"}
     [request] = fake.sending()
     assert request.path == "/email/batch"
     assert [row["status"] for row in stored] == ["sent", "sent", "failed"]

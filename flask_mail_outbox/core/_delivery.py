@@ -565,6 +565,7 @@ class Delivery:
         self.store = store
         #: Where skips and refusals are written, with the outcomes.
         self.events = events
+        events.otel = config.otel  # its events' spans follow OUTBOX_OTEL too
         #: Every named transport, "default" first (a failover chain is one transport).
         self.transports = transports
         self.transport = next(iter(transports.values()))
