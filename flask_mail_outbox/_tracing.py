@@ -35,7 +35,8 @@ OUTCOME = "flask_mail_outbox.outcome"
 REPLY_CODE = "flask_mail_outbox.reply_code"
 RECIPIENT_DOMAINS = "flask_mail_outbox.recipient_domains"
 
-_KEYS = ("enabled", "link", "recipient_domain", "tracer_provider")
+_KEYS = ("enabled", "link", "recipient_domain", "tracer_provider", "metrics",
+         "meter_provider")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,11 @@ class TracingSettings:
     recipient_domain: bool = False
     #: The tracer provider to use (None: the global one, ``trace.set_tracer_provider``).
     tracer_provider: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: OpenTelemetry metrics: True, False, or "auto": on when a meter provider is set
+    #: when the app is registered (see flask_mail_outbox/_operator/otel_metrics.py).
+    metrics: bool | str = "auto"
+    #: The meter provider to use (None: the global one, ``metrics.set_meter_provider``).
+    meter_provider: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def settings_from(value: Any) -> TracingSettings:
@@ -76,6 +82,19 @@ def settings_from(value: Any) -> TracingSettings:
     if provider is not None and not callable(getattr(provider, "get_tracer", None)):
         raise ConfigError(KEY, f"'tracer_provider' must be an OpenTelemetry TracerProvider "
                                f"or None, got {type(provider).__name__}")
+    metrics = value.get("metrics", "auto")
+    if not (isinstance(metrics, bool) or metrics == "auto"):
+        raise ConfigError(KEY, f"'metrics' must be True, False or 'auto', got {metrics!r}")
+    meters = value.get("meter_provider")
+    if meters is not None and not callable(getattr(meters, "get_meter", None)):
+        raise ConfigError(KEY, f"'meter_provider' must be an OpenTelemetry MeterProvider "
+                               f"or None, got {type(meters).__name__}")
+    if metrics is True and meters is None:
+        try:
+            import opentelemetry.metrics
+        except ImportError:
+            raise ConfigError(KEY, "'metrics' is True but opentelemetry-api is not installed: "
+                                   "pip install 'flask-mail-outbox[otel]'") from None
     if enabled is True and provider is None:
         try:
             import opentelemetry.trace  # noqa: F401
@@ -83,7 +102,7 @@ def settings_from(value: Any) -> TracingSettings:
             raise ConfigError(KEY, "'enabled' is True but opentelemetry-api is not installed: "
                                    "pip install 'flask-mail-outbox[otel]'") from None
     return TracingSettings(enabled=enabled, link=link, recipient_domain=domain,
-                           tracer_provider=provider)
+                           tracer_provider=provider, metrics=metrics, meter_provider=meters)
 
 
 def tracer(settings: TracingSettings) -> Any:

@@ -32,6 +32,8 @@ from conftest import (
 )
 from flask import Flask
 from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -297,6 +299,8 @@ def test_tracing_off_writes_null_and_makes_no_span(
     ({"recipient_domain": "yes"}, "'recipient_domain' must be True or False"),
     ({"tracer_provider": object()}, "'tracer_provider' must be an OpenTelemetry"),
     ({"sampler": 1}, "unknown key 'sampler'"),
+    ({"metrics": "yes"}, "'metrics' must be True, False or 'auto', got 'yes'"),
+    ({"meter_provider": object()}, "'meter_provider' must be an OpenTelemetry"),
 ])
 def test_bad_values_name_the_key(value: Any, message: str) -> None:
     with pytest.raises(ConfigError, match="OUTBOX_OTEL") as caught:
@@ -582,3 +586,67 @@ def test_a_batch_api_request_links_all_its_emails_and_a_webhook_event_links_back
              (c.attributes or {})["server.address"]) for c in consumers] == [
         (str(ids[0]), "sent", host), (str(ids[1]), "sent", host), (str(ids[2]), "failed", host)]
     _no_address(list(exporter.get_finished_spans()))
+
+
+def _metrics(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict[str, Any], Any]]]:
+    """Every metric's points: name -> [(attributes, value or histogram count)]."""
+    found: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data else []:
+        for scope in resource.scope_metrics:
+            assert scope.scope.name == "flask_mail_outbox"
+            for metric in scope.metrics:
+                found[metric.name] = sorted(
+                    ((dict(point.attributes or {}),
+                      getattr(point, "value", None) if hasattr(point, "value")
+                      else point.count) for point in metric.data.data_points),
+                    key=repr)
+    return found
+
+
+def test_otel_metrics_count_what_the_prometheus_ones_count(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    smtp_server.reply("data", 550, "5.7.1 Refused", times=1)
+    app = _app(db_url, smtp_server, {"enabled": False, "meter_provider": meters},
+               OUTBOX_MAX_ATTEMPTS=1)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("One", recipients=["ann@example.com"], body="1"))
+            db.session.commit()
+            wait_rows(app, lambda r: r[0]["status"] == "failed", 20.0)
+            mail.send(Message("Two", recipients=["ann@example.com"], body="2"))
+            db.session.commit()
+        wait_rows(app, lambda r: [row["status"] for row in r] == ["failed", "sent"], 20.0)
+        found = poll(lambda: _metrics(reader), lambda m: m.get("outbox.emails.sent"),
+                     timeout=10)
+    finally:
+        close_app(app)
+        meters.shutdown()
+    assert found == {
+        "outbox.emails.queued": [({}, 2)],
+        "outbox.emails.sent": [({}, 1)],
+        "outbox.emails.failed": [({}, 1)],
+        "outbox.email.delivery.duration": [({}, 1)],
+        "outbox.queue.depth": [({"outbox.status": "queued"}, 0),
+                               ({"outbox.status": "sending"}, 0)],
+        "outbox.queue.oldest_due_age": [({}, 0.0)],
+        "outbox.transport.paused": [({"outbox.pause.kind": "", "outbox.transport": "default"},
+                                     0)],
+    }
+
+
+def test_otel_metrics_are_off_without_a_meter_provider(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    app = _app(db_url, smtp_server, {"metrics": False, "meter_provider": meters})
+    try:
+        assert app.test_client().post("/signup").status_code == 200
+        wait_rows(app, lambda r: all(row["status"] == "sent" for row in r), 20.0)
+    finally:
+        close_app(app)
+    assert _metrics(reader) == {}
+    meters.shutdown()
