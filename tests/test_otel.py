@@ -204,10 +204,8 @@ def check_delivery(spans: list[dict[str, Any]], producers: dict[int, dict[str, A
             (sending, "CLIENT"), ("record", "INTERNAL")]
         sent, record = children
         assert sent["attributes"] == {
-            "messaging.system": "flask-mail-outbox", "messaging.operation.name": "send",
-            "messaging.operation.type": "send", "messaging.destination.name": "default",
-            "messaging.message.id": str(email_id), "server.address": server[0],
-            "server.port": server[1], "flask_mail_outbox.outcome": "delivered"}
+            "server.address": server[0], "server.port": server[1],
+            "flask_mail_outbox.outcome": "delivered"}
         assert record["attributes"] == {}
         assert claim["end"] <= consumer["start"] <= sent["start"] <= sent["end"] \
             <= record["start"] <= record["end"] <= consumer["end"]
@@ -511,10 +509,8 @@ def test_dkim_signing_is_a_child_span_of_the_attempt_only_when_configured(
     assert [(s.name, dict(s.attributes or {})) for s in children] == [
         ("dkim.sign", {"messaging.message.id": str(email_id)}),
         ("smtp transaction", {
-            "messaging.system": "flask-mail-outbox", "messaging.operation.name": "send",
-            "messaging.operation.type": "send", "messaging.destination.name": "default",
-            "messaging.message.id": str(email_id), "server.address": smtp_server.host,
-            "server.port": smtp_server.port, "flask_mail_outbox.outcome": "delivered"}),
+            "server.address": smtp_server.host, "server.port": smtp_server.port,
+            "flask_mail_outbox.outcome": "delivered"}),
         ("record", {})]
     # Without DKIM settings (every other test here): no such span.
     assert not [s for s in exporter.get_finished_spans() if s.name == "dkim.sign"
