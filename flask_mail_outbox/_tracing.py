@@ -306,11 +306,14 @@ def claim(tracer: Any, settings: TracingSettings, claimed: Sequence[Any],
         start_time=started if started is not None else now)
     claim_span.end(now)
     claim_context = trace.set_span_in_context(claim_span)
+    servers: dict[str, tuple[str, int] | None] = {}
     for email in claimed:
         producer = producers[email.id]
         attributes = _attributes("process", email.transport, email.id, email.key)
         attributes[ATTEMPT] = email.attempt
-        address = server(email.transport)
+        if email.transport not in servers:
+            servers[email.transport] = server(email.transport)
+        address = servers[email.transport]
         if address is not None:
             attributes["server.address"], attributes["server.port"] = address
         if settings.recipient_domain:
@@ -355,9 +358,8 @@ def end_attempt(attempt: Attempt, *, outcome: str, reply_code: int, failed: bool
     from opentelemetry.trace import Status, StatusCode
 
     span = attempt.span
-    span.set_attribute(OUTCOME, outcome)
-    if reply_code:
-        span.set_attribute(REPLY_CODE, reply_code)
+    span.set_attributes({OUTCOME: outcome, REPLY_CODE: reply_code} if reply_code
+                        else {OUTCOME: outcome})
     if record is not None:
         attempt.tracer.start_span("record", context=trace.set_span_in_context(span),
                                   kind=trace.SpanKind.INTERNAL,
