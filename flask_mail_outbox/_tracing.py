@@ -422,30 +422,45 @@ class _Sending:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
+        """End the span; never raises (the send's own exception, if any, goes on)."""
         from opentelemetry import context
         from opentelemetry.trace import Status, StatusCode
 
         try:
+            context.detach(self._token)
             if error is not None:
                 self.span.record_exception(error)
                 self.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-        finally:
-            context.detach(self._token)
             self.span.end()
+        except Exception as exc:  # noqa: BLE001 - reported; the send's result stands
+            _span_failed(self.span, exc)
 
     def done(self, results: Sequence[Any]) -> None:
         """Note the results (``Delivered`` / ``Failed``): the outcome and reply code."""
         from opentelemetry.trace import Status, StatusCode
 
         errors = [result.error for result in results if hasattr(result, "error")]
-        if not errors:
-            self.span.set_attribute(OUTCOME, "delivered")
-            return
-        self.span.set_attribute(OUTCOME, "failed" if len(errors) == len(results) else "partial")
-        codes = [int(getattr(error, "code", 0) or 0) for error in errors]
-        if any(codes):
-            self.span.set_attribute(REPLY_CODE, next(code for code in codes if code))
-        self.span.set_status(Status(StatusCode.ERROR, type(errors[0]).__name__))
+        try:
+            if not errors:
+                self.span.set_attribute(OUTCOME, "delivered")
+                return
+            self.span.set_attribute(OUTCOME, "failed" if len(errors) == len(results)
+                                    else "partial")
+            codes = [int(getattr(error, "code", 0) or 0) for error in errors]
+            if any(codes):
+                self.span.set_attribute(REPLY_CODE, next(code for code in codes if code))
+            self.span.set_status(Status(StatusCode.ERROR, type(errors[0]).__name__))
+        except Exception as exc:  # noqa: BLE001 - reported; the send's result stands
+            _span_failed(self.span, exc)
+
+
+def _span_failed(span: Any, exc: Exception) -> None:
+    _degrade.report(
+        f"Could not end the span {getattr(span, 'name', '?')!r} of a delivery attempt",
+        consequence="that span is missing from its trace or incomplete; the email is sent "
+                    "and its outcome recorded as usual",
+        fix="check the app's OpenTelemetry span processors (the traceback below names the "
+            "failing one)", exc=exc)
 
 
 def sending(envelopes: Sequence[Any], name: str,
@@ -479,11 +494,20 @@ def signed(dkim: Any, email_id: int, message_id: str, mime: bytes) -> bytes:
         return bytes(dkim.signed(email_id, mime))
     from opentelemetry import trace
 
-    with attempt.tracer.start_as_current_span(
+    try:
+        span = attempt.tracer.start_span(
             "dkim.sign", context=trace.set_span_in_context(attempt.span),
-            kind=trace.SpanKind.INTERNAL,
-            attributes={"messaging.message.id": str(email_id)}):
+            kind=trace.SpanKind.INTERNAL, attributes={"messaging.message.id": str(email_id)})
+    except Exception as exc:  # noqa: BLE001 - reported; the message is signed all the same
+        _span_failed(attempt.span, exc)
         return bytes(dkim.signed(email_id, mime))
+    try:
+        return bytes(dkim.signed(email_id, mime))
+    finally:
+        try:
+            span.end()
+        except Exception as exc:  # noqa: BLE001 - reported; the signed message stands
+            _span_failed(span, exc)
 
 
 #: The attribute naming what an event reported (``delivered``, ``bounced``...).
