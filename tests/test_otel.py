@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import otel_worker_app
+import httpx
 import pytest
 from conftest import (
     close_app,
@@ -686,3 +687,45 @@ def test_a_failing_span_processor_on_the_transaction_or_dkim_span_never_stops_se
         "missing from its trace or incomplete; the email is sent and its outcome recorded "
         "as usual. Fix: check the app's OpenTelemetry span processors (the traceback below "
         "names the failing one)." for name in ("dkim.sign", "smtp transaction")]
+
+
+def test_the_api_request_span_is_current_while_httpx_sends_so_its_instrumentation_nests(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What opentelemetry-instrumentation-httpx does, done here on httpx's own transport:
+    a CLIENT span ``POST`` opened in the current context when the request goes out."""
+    provider, exporter = traced
+    http_tracer = provider.get_tracer("httpx")
+    sending = httpx.AsyncHTTPTransport.handle_async_request
+
+    async def instrumented(self: httpx.AsyncHTTPTransport,
+                           request: httpx.Request) -> httpx.Response:
+        with http_tracer.start_as_current_span(request.method, kind=SpanKind.CLIENT):
+            return await sending(self, request)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", instrumented)
+    fake = FakePostmark()
+    fake.start()
+    app = _app(db_url, smtp_server, {"tracer_provider": provider},
+               OUTBOX_TRANSPORTS={"default": {"transport": "postmark", "base_url": fake.url,
+                                              "token": POSTMARK_TOKEN}})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("One", recipients=["ann@example.com"], body="1"))
+            db.session.commit()
+        wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+        [consumer] = _consumers(exporter, 1)
+    finally:
+        close_app(app)
+        fake.stop()
+    spans = exporter.get_finished_spans()
+    [api] = [s for s in spans if s.name == "postmark api"]
+    [post] = [s for s in spans if s.name == "POST"]
+    assert (api.parent and api.parent.span_id) == consumer.context.span_id
+    assert (post.parent and post.parent.span_id) == api.context.span_id
+    assert post.context.trace_id == consumer.context.trace_id
+    host, port = fake.url.split("//")[1].rstrip("/").split(":")
+    assert dict(api.attributes or {}) == {
+        "server.address": host, "server.port": int(port),
+        "flask_mail_outbox.outcome": "delivered"}
