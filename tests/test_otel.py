@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import otel_worker_app
 import httpx
+import otel_worker_app
 import pytest
 from conftest import (
     close_app,
