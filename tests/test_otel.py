@@ -729,3 +729,37 @@ def test_the_api_request_span_is_current_while_httpx_sends_so_its_instrumentatio
     assert dict(api.attributes or {}) == {
         "server.address": host, "server.port": int(port),
         "flask_mail_outbox.outcome": "delivered"}
+
+
+def test_a_bounce_matched_to_an_email_links_back_to_its_producer(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    app = _app(db_url, smtp_server, {"tracer_provider": provider})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            email_id = mail.send(Message("Hi", recipients=["nobody-here@example.com"],
+                                         body="hi"))
+            db.session.commit()
+        [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+        # A real Postfix DSN, about this email (its Message-ID quoted in the returned part).
+        dsn = (TESTS / "bounces" / "postfix-hard-5.1.1.eml").read_bytes().replace(
+            b"<176498070012.4242.17023845513306081729@example.com>",
+            row["message_id"].encode())
+        with app.app_context(), provider.get_tracer("test").start_as_current_span(
+                "bounce job") as job:
+            [event] = mail.process_bounce(dsn)
+    finally:
+        close_app(app)
+    assert event.email_id == email_id
+    [producer] = _spans(exporter, SpanKind.PRODUCER)
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "event bounced"]
+    assert (span.parent and span.parent.span_id) == job.get_span_context().span_id
+    assert [link.context.span_id for link in span.links] == [producer.context.span_id]
+    assert dict(span.attributes or {}) == {
+        "messaging.system": "flask-mail-outbox", "messaging.operation.name": "event",
+        "messaging.operation.type": "process", "messaging.destination.name": "bounce",
+        "messaging.message.id": str(email_id), "flask_mail_outbox.event_type": "bounced",
+        "flask_mail_outbox.bounce_kind": "permanent",
+        "flask_mail_outbox.reason": event.reason}
+    _no_address(list(exporter.get_finished_spans()))
