@@ -722,8 +722,10 @@ class Delivery:
         if self.config.otel.enabled is False or not claimed:
             return
         tracer = _tracing.tracer(self.config.otel)
+        if tracer is None:
+            return
         fresh = [email for email in claimed if email.id not in self._started]
-        if tracer is None or not fresh:
+        if not fresh:
             return
         self._started.update((email.id, email.message_id) for email in fresh)
         try:
