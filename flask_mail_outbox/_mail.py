@@ -17,6 +17,7 @@ from ._flask.compat import FlaskMailState
 from ._flask.extension import OutboxExtension
 from ._flask.state import EXTENSION_KEY, AppState
 from ._operator import health as health_check
+from ._operator import otel_metrics
 from ._operator.cli import outbox_cli
 from ._operator.dashboard import make_blueprint
 from .migrations import guard_package_versions
@@ -43,6 +44,7 @@ class OutboxMail(OutboxExtension):
         point has them too), so ``app.test_cli_runner()`` and custom CLIs see them.
         """
         state = super().init_app(app, db)
+        otel_metrics.install(app.extensions[EXTENSION_KEY])  # OUTBOX_OTEL's "metrics"
         app.cli.add_command(outbox_cli)
         _guard_migrations(app)
         return state

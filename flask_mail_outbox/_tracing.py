@@ -16,9 +16,13 @@ adds the domains of the recipients to the CONSUMER span.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
+import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from . import _degrade
 from ._errors import ConfigError
@@ -32,7 +36,8 @@ OUTCOME = "flask_mail_outbox.outcome"
 REPLY_CODE = "flask_mail_outbox.reply_code"
 RECIPIENT_DOMAINS = "flask_mail_outbox.recipient_domains"
 
-_KEYS = ("enabled", "link", "recipient_domain", "tracer_provider")
+_KEYS = ("enabled", "link", "recipient_domain", "tracer_provider", "metrics",
+         "meter_provider")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,11 @@ class TracingSettings:
     recipient_domain: bool = False
     #: The tracer provider to use (None: the global one, ``trace.set_tracer_provider``).
     tracer_provider: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: OpenTelemetry metrics: True, False, or "auto": on when a meter provider is set
+    #: when the app is registered (see flask_mail_outbox/_operator/otel_metrics.py).
+    metrics: bool | str = "auto"
+    #: The meter provider to use (None: the global one, ``metrics.set_meter_provider``).
+    meter_provider: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def settings_from(value: Any) -> TracingSettings:
@@ -73,6 +83,19 @@ def settings_from(value: Any) -> TracingSettings:
     if provider is not None and not callable(getattr(provider, "get_tracer", None)):
         raise ConfigError(KEY, f"'tracer_provider' must be an OpenTelemetry TracerProvider "
                                f"or None, got {type(provider).__name__}")
+    metrics = value.get("metrics", "auto")
+    if not (isinstance(metrics, bool) or metrics == "auto"):
+        raise ConfigError(KEY, f"'metrics' must be True, False or 'auto', got {metrics!r}")
+    meters = value.get("meter_provider")
+    if meters is not None and not callable(getattr(meters, "get_meter", None)):
+        raise ConfigError(KEY, f"'meter_provider' must be an OpenTelemetry MeterProvider "
+                               f"or None, got {type(meters).__name__}")
+    if metrics is True and meters is None:
+        try:
+            import opentelemetry.metrics
+        except ImportError:
+            raise ConfigError(KEY, "'metrics' is True but opentelemetry-api is not installed: "
+                                   "pip install 'flask-mail-outbox[otel]'") from None
     if enabled is True and provider is None:
         try:
             import opentelemetry.trace  # noqa: F401
@@ -80,7 +103,7 @@ def settings_from(value: Any) -> TracingSettings:
             raise ConfigError(KEY, "'enabled' is True but opentelemetry-api is not installed: "
                                    "pip install 'flask-mail-outbox[otel]'") from None
     return TracingSettings(enabled=enabled, link=link, recipient_domain=domain,
-                           tracer_provider=provider)
+                           tracer_provider=provider, metrics=metrics, meter_provider=meters)
 
 
 def tracer(settings: TracingSettings) -> Any:
@@ -186,6 +209,335 @@ class ProducerSpans:
                 fix="check the app's OpenTelemetry span processors (the traceback below "
                     "names the failing one)",
                 exc=exc)
+
+
+#: The ``traceparent`` :class:`ProducerSpans` writes (version 00), parsed without a
+#: propagator: the claim reads one per email, and this is a quarter of its cost.
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def producer_context(traceparent: str | None, tracestate: str | None) -> Any:
+    """The PRODUCER span's context stored on a row (a non-recording span), or None."""
+    if not traceparent:
+        return None
+    from opentelemetry import trace
+
+    match = _TRACEPARENT.fullmatch(traceparent)
+    if match is None:  # another version: the propagator knows them all
+        from opentelemetry.trace.propagation.tracecontext import (
+            TraceContextTextMapPropagator,
+        )
+
+        carrier = {"traceparent": traceparent}
+        if tracestate:
+            carrier["tracestate"] = tracestate
+        produced = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier))
+        return produced if produced.get_span_context().is_valid else None
+    trace_id, span_id = int(match[1], 16), int(match[2], 16)
+    if not (trace_id and span_id):
+        return None
+    state = trace.TraceState.from_header([tracestate]) if tracestate else None
+    return trace.NonRecordingSpan(trace.SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(match[3], 16)),
+        trace_state=state))
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One delivery attempt under way, traced: its live CONSUMER span."""
+
+    tracer: Any
+    span: Any
+    #: The span of the claim statement that took the email (None: not seen claimed).
+    claim: Any
+    #: The PRODUCER span (non-recording, read from the row), or None: queued untraced.
+    producer: Any
+    #: The transport's name (``messaging.destination.name``).
+    transport: str
+
+
+#: The attempts under way in this process, by (email id, Message-ID): what the
+#: transports' spans (:func:`sending`) and DKIM's (:func:`signed`) open under.
+#: Empty whenever tracing is off, so those cost one truth test then.
+LIVE: dict[tuple[int, str], Attempt] = {}
+
+
+def _attributes(operation: str, transport: str, email_id: int | None = None,
+                key: str | None = None) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "messaging.system": SYSTEM, "messaging.operation.name": operation,
+        "messaging.operation.type": _OPERATION_TYPES.get(operation, operation),
+        "messaging.destination.name": transport}
+    if email_id is not None:
+        attributes["messaging.message.id"] = str(email_id)
+    if key:
+        attributes["messaging.message.conversation_id"] = key
+    return attributes
+
+
+#: ``messaging.operation.type`` of an operation name that is none of the convention's.
+_OPERATION_TYPES = {"claim": "receive", "event": "process"}
+
+
+def claim(tracer: Any, settings: TracingSettings, claimed: Sequence[Any],
+          contexts: Mapping[int, tuple[str | None, str | None]], *, started: int | None,
+          server: Any) -> None:
+    """The span of one claim statement (from ``started`` to now, in the worker's own
+    trace, linked to every claimed email's PRODUCER span) and a live CONSUMER span for
+    each email it took (put in :data:`LIVE`): a child of the claim span, linked to
+    its producer (``"link": "child"``: the producer's child, linked to the claim span).
+
+    ``claimed``: :class:`~.core._leases.ClaimedEmail` rows; ``contexts``: their
+    stored trace contexts by id; ``server``: a transport's name -> its (host, port).
+    """
+    from opentelemetry import trace
+    from opentelemetry.trace import Link
+
+    now = time.time_ns()
+    producers = {email.id: producer_context(*contexts.get(email.id, (None, None)))
+                 for email in claimed}
+    transports = sorted({email.transport for email in claimed})
+    attributes = _attributes("claim", transports[0] if len(transports) == 1 else "*")
+    attributes["messaging.batch.message_count"] = len(claimed)
+    root = trace.set_span_in_context(trace.INVALID_SPAN)
+    claim_span = tracer.start_span(
+        "claim", context=root, kind=trace.SpanKind.CLIENT, attributes=attributes,
+        links=[Link(p.get_span_context()) for p in producers.values() if p is not None],
+        start_time=started if started is not None else now)
+    claim_span.end(now)
+    claim_context = trace.set_span_in_context(claim_span)
+    servers: dict[str, tuple[str, int] | None] = {}
+    for email in claimed:
+        producer = producers[email.id]
+        attributes = _attributes("process", email.transport, email.id, email.key)
+        attributes[ATTEMPT] = email.attempt
+        if email.transport not in servers:
+            servers[email.transport] = server(email.transport)
+        address = servers[email.transport]
+        if address is not None:
+            attributes["server.address"], attributes["server.port"] = address
+        if settings.recipient_domain:
+            attributes[RECIPIENT_DOMAINS] = _domains(email.deliverable)
+        if settings.link == "child" and producer is not None:
+            context, links = trace.set_span_in_context(producer), [
+                Link(claim_span.get_span_context())]
+        else:
+            context = claim_context
+            links = [] if producer is None else [Link(producer.get_span_context())]
+        span = tracer.start_span(f"process {email.transport}", context=context,
+                                 kind=trace.SpanKind.CONSUMER, attributes=attributes,
+                                 links=links, start_time=now)
+        LIVE[(email.id, email.message_id)] = Attempt(tracer, span, claim_span, producer,
+                                                     email.transport)
+
+
+def server_of(transport: Any) -> tuple[str, int] | None:
+    """The host and port of an API transport's ``base_url`` (None: it has none)."""
+    url = getattr(transport, "base_url", None)
+    if not isinstance(url, str):
+        return None
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        return None
+    return (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+
+
+def _domains(recipients: Sequence[str]) -> list[str]:
+    return sorted({address.rpartition("@")[2].lower() for address in recipients})
+
+
+def forget(email_id: int, message_id: str) -> None:
+    """An attempt given back unsent (released, held): its span is dropped, never ended."""
+    LIVE.pop((email_id, message_id), None)
+
+
+def end_attempt(attempt: Attempt, *, outcome: str, reply_code: int, failed: bool,
+                record: tuple[int, int] | None) -> None:
+    """End a live CONSUMER span with its outcome; ``record``: its ``record`` child's times."""
+    from opentelemetry import trace
+    from opentelemetry.trace import Status, StatusCode
+
+    span = attempt.span
+    span.set_attributes({OUTCOME: outcome, REPLY_CODE: reply_code} if reply_code
+                        else {OUTCOME: outcome})
+    if record is not None:
+        attempt.tracer.start_span("record", context=trace.set_span_in_context(span),
+                                  kind=trace.SpanKind.INTERNAL,
+                                  start_time=record[0]).end(record[1])
+    if failed:
+        span.set_status(Status(StatusCode.ERROR, outcome))
+    span.end()
+
+
+class _Off:
+    """What :func:`sending` and :func:`signing` return when the attempt is not traced."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def done(self, results: Sequence[Any]) -> None:
+        """Nothing to note."""
+
+
+OFF = _Off()
+
+
+class _Sending:
+    """The span of one SMTP transaction or provider API request, current while it runs
+    (an instrumented httpx client's span is its child); ended by ``with``."""
+
+    def __init__(self, attempts: list[Attempt], email_ids: list[int], name: str,
+                 server: tuple[str, int] | None) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import Link
+
+        first = attempts[0]
+        # One email: what its CONSUMER parent says is not said again (each attribute
+        # costs the SDK a validation); a batch says what it carries.
+        attributes: dict[str, Any] = {} if len(email_ids) == 1 else {
+            "messaging.system": SYSTEM, "messaging.operation.name": "send",
+            "messaging.operation.type": "send",
+            "messaging.destination.name": first.transport,
+            "messaging.batch.message_count": len(email_ids)}
+        if server is not None:
+            attributes["server.address"], attributes["server.port"] = server
+        if len(email_ids) == 1:
+            context, links = trace.set_span_in_context(first.span), []
+        else:  # a batch request: under the claim, linked to every email's producer
+            context = trace.set_span_in_context(first.claim or trace.INVALID_SPAN)
+            links = [Link(a.producer.get_span_context()) for a in attempts
+                     if a.producer is not None]
+        self.span = first.tracer.start_span(name, context=context, kind=trace.SpanKind.CLIENT,
+                                            attributes=attributes, links=links)
+        self._token: Any = None
+
+    def __enter__(self) -> Self:
+        from opentelemetry import context, trace
+
+        self._token = context.attach(trace.set_span_in_context(self.span))
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        """End the span; never raises (the send's own exception, if any, goes on)."""
+        from opentelemetry import context
+        from opentelemetry.trace import Status, StatusCode
+
+        try:
+            context.detach(self._token)
+            if error is not None:
+                self.span.record_exception(error)
+                self.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+            self.span.end()
+        except Exception as exc:  # noqa: BLE001 - reported; the send's result stands
+            _span_failed(self.span, exc)
+
+    def done(self, results: Sequence[Any]) -> None:
+        """Note the results (``Delivered`` / ``Failed``): the outcome and reply code."""
+        from opentelemetry.trace import Status, StatusCode
+
+        errors = [result.error for result in results if hasattr(result, "error")]
+        try:
+            if not errors:
+                self.span.set_attribute(OUTCOME, "delivered")
+                return
+            self.span.set_attribute(OUTCOME, "failed" if len(errors) == len(results)
+                                    else "partial")
+            codes = [int(getattr(error, "code", 0) or 0) for error in errors]
+            if any(codes):
+                self.span.set_attribute(REPLY_CODE, next(code for code in codes if code))
+            self.span.set_status(Status(StatusCode.ERROR, type(errors[0]).__name__))
+        except Exception as exc:  # noqa: BLE001 - reported; the send's result stands
+            _span_failed(self.span, exc)
+
+
+def _span_failed(span: Any, exc: Exception) -> None:
+    _degrade.report(
+        f"Could not end the span {getattr(span, 'name', '?')!r} of a delivery attempt",
+        consequence="that span is missing from its trace or incomplete; the email is sent "
+                    "and its outcome recorded as usual",
+        fix="check the app's OpenTelemetry span processors (the traceback below names the "
+            "failing one)", exc=exc)
+
+
+def sending(envelopes: Sequence[Any], name: str,
+            server: tuple[str, int] | None = None) -> _Sending | _Off:
+    """The span of one SMTP transaction or API request carrying ``envelopes``: a child
+    of the email's CONSUMER span (made current, so an instrumented httpx or aiosmtplib
+    continues inside it), or for a batch, a child of the claim linked to every
+    email's producer; :data:`OFF` when none of them is traced. Never raises."""
+    if not LIVE:
+        return OFF
+    try:
+        attempts = [LIVE.get((e.email_id, e.message_id)) for e in envelopes]
+        traced = [a for a in attempts if a is not None]
+        if not traced:
+            return OFF
+        return _Sending(traced, [e.email_id for e in envelopes], name, server)
+    except Exception as exc:  # noqa: BLE001 - reported; sending must not fail for a span
+        _degrade.report(
+            f"Could not open the span of sending {len(envelopes)} email(s)",
+            consequence="that span is missing from their trace; they are sent as usual",
+            fix="check the app's OpenTelemetry span processors (the traceback below names "
+                "the failing one)", exc=exc)
+        return OFF
+
+
+def signed(dkim: Any, email_id: int, message_id: str, mime: bytes) -> bytes:
+    """``dkim.signed(email_id, mime)``, inside a ``dkim.sign`` child span of the
+    attempt's CONSUMER span when it is traced."""
+    attempt = LIVE.get((email_id, message_id)) if LIVE else None
+    if attempt is None:
+        return bytes(dkim.signed(email_id, mime))
+    from opentelemetry import trace
+
+    try:
+        span = attempt.tracer.start_span(
+            "dkim.sign", context=trace.set_span_in_context(attempt.span),
+            kind=trace.SpanKind.INTERNAL, attributes={"messaging.message.id": str(email_id)})
+    except Exception as exc:  # noqa: BLE001 - reported; the message is signed all the same
+        _span_failed(attempt.span, exc)
+        return bytes(dkim.signed(email_id, mime))
+    try:
+        return bytes(dkim.signed(email_id, mime))
+    finally:
+        try:
+            span.end()
+        except Exception as exc:  # noqa: BLE001 - reported; the signed message stands
+            _span_failed(span, exc)
+
+
+#: The attribute naming what an event reported (``delivered``, ``bounced``...).
+EVENT_TYPE = "flask_mail_outbox.event_type"
+BOUNCE_KIND = "flask_mail_outbox.bounce_kind"
+REASON = "flask_mail_outbox.reason"
+
+
+def event_spans(tracer: Any, events: Sequence[Any],
+                contexts: Mapping[int, tuple[str | None, str | None]]) -> None:
+    """A span per delivery event (a webhook's, a bounce's) matched to an email, in the
+    current trace (the request that brought it), linked to the email's PRODUCER span.
+
+    ``events``: :class:`~flask_mail_outbox._events.DeliveryEvent` with an ``email_id``;
+    no recipient is put on the span."""
+    from opentelemetry import trace
+    from opentelemetry.trace import Link
+
+    for event in events:
+        producer = producer_context(*contexts.get(event.email_id, (None, None)))
+        attributes = _attributes("event", event.transport or "default", event.email_id)
+        attributes[EVENT_TYPE] = event.event_type
+        if event.bounce_kind:
+            attributes[BOUNCE_KIND] = event.bounce_kind
+        if event.reason:
+            attributes[REASON] = event.reason
+        tracer.start_span(f"event {event.event_type}", kind=trace.SpanKind.INTERNAL,
+                          attributes=attributes,
+                          links=[] if producer is None else [
+                              Link(producer.get_span_context())]).end()
 
 
 def consumer_span(tracer: Any, settings: TracingSettings, *, email_id: int, attempt: int,

@@ -14,6 +14,7 @@ import json
 import os
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
@@ -37,17 +38,23 @@ class FileExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         with self.lock, open(self.path, "a", encoding="utf-8") as out:
-            for span in spans:
-                context = span.get_span_context()
-                out.write(json.dumps({
-                    "kind": span.kind.name, "name": span.name,
-                    "trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}",
-                    "parent": f"{span.parent.span_id:016x}" if span.parent else None,
-                    "links": [[f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}"]
-                              for link in span.links],
-                    "attributes": dict(span.attributes or {}),
-                }) + "\n")
+            out.writelines(json.dumps(span_json(span)) + "\n" for span in spans)
         return SpanExportResult.SUCCESS
+
+
+def span_json(span: ReadableSpan) -> dict[str, Any]:
+    """A span as plain JSON: kind, name, ids, parent, links, attributes, times, status."""
+    context = span.get_span_context()
+    return {
+        "kind": span.kind.name, "name": span.name,
+        "trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}",
+        "parent": f"{span.parent.span_id:016x}" if span.parent else None,
+        "links": [[f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}"]
+                  for link in span.links],
+        "attributes": {name: list(value) if isinstance(value, tuple) else value
+                       for name, value in (span.attributes or {}).items()},
+        "start": span.start_time, "end": span.end_time, "status": span.status.status_code.name,
+    }
 
 
 def create_app() -> Flask:

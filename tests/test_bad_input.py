@@ -370,6 +370,8 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("OUTBOX_OTEL", {"recipient_domain": 1}),
     ("OUTBOX_OTEL", {"tracer_provider": "jaeger"}),
     ("OUTBOX_OTEL", {"sample": 0.1}),  # unknown key
+    ("OUTBOX_OTEL", {"metrics": "on"}),
+    ("OUTBOX_OTEL", {"meter_provider": "prometheus"}),
     ("OUTBOX_INLINE_RETRY", 3),  # unknown key, with a suggestion
     ("MAIL_USE_TLS", True),  # with MAIL_USE_SSL below: exclusive
     ("SQLALCHEMY_DATABASE_URI", "sqlite://"),

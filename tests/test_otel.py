@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import otel_worker_app
 import pytest
 from conftest import (
     close_app,
@@ -31,10 +33,19 @@ from conftest import (
 )
 from flask import Flask
 from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from provider_postmark import TOKEN as POSTMARK_TOKEN
+from provider_postmark import (
+    WEBHOOK_SECRET,
+    FakePostmark,
+    delivery_record,
+    webhook_request,
+)
 from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
@@ -134,37 +145,74 @@ def test_a_request_that_sends_three_emails_is_one_trace_and_each_delivery_links_
            "messaging.message.id": str(email_id)} for email_id in ids[1:])]
     assert [row["traceparent"] for row in stored] == [_traceparent(p) for p in producers]
     assert [row["tracestate"] for row in stored] == [None] * 3
-    # The consumers: one per attempt, each in a trace of its own, linked to its producer.
+    # The worker's side: claim -> process (one per attempt) -> smtp transaction, record.
+    spans = [as_dict(s) for s in exporter.get_finished_spans()]
+    check_delivery(spans, {email_id: as_dict(p) for email_id, p in zip(ids, producers,
+                                                                        strict=True)},
+                   keys={ids[0]: "account-7"}, server=(smtp_server.host, smtp_server.port))
     assert len(consumers) == 3
-    for consumer, producer, email_id in zip(consumers, producers, ids, strict=True):
-        assert consumer.name == "process default"
-        assert consumer.parent is None
-        assert consumer.context.trace_id not in (request.context.trace_id,)
-        assert [(link.context.trace_id, link.context.span_id) for link in consumer.links] == [
-            (producer.context.trace_id, producer.context.span_id)]
+    for consumer in consumers:
+        assert consumer.context.trace_id != request.context.trace_id
+        assert consumer.status.is_ok
+    _no_address(list(exporter.get_finished_spans()))
+
+
+def as_dict(span: ReadableSpan) -> dict[str, Any]:
+    """A span as tests/otel_worker_app.py writes it (one format for both processes)."""
+    return otel_worker_app.span_json(span)
+
+
+def check_delivery(spans: list[dict[str, Any]], producers: dict[int, dict[str, Any]], *,
+                   keys: dict[int, str], server: tuple[str, int],
+                   sending: str = "smtp transaction") -> None:
+    """The delivery spans of emails each sent at its first attempt, exactly: every claim
+    a root CLIENT span linked to the producers of the emails it took; one CONSUMER span
+    per email, the child of its claim, linked to its producer, with a ``sending`` child
+    (the SMTP transaction) and a ``record`` child, in that order in time."""
+    by_id = {s["span_id"]: s for s in spans}
+    claims = [s for s in spans if s["name"] == "claim"]
+    consumers = {int(s["attributes"]["messaging.message.id"]): s for s in spans
+                 if s["kind"] == "CONSUMER"}
+    assert sorted(consumers) == sorted(producers)
+    link_of = {email_id: [p["trace_id"], p["span_id"]] for email_id, p in producers.items()}
+    assert sorted(link for claim in claims for link in claim["links"]) == sorted(
+        link_of.values())
+    for claim in claims:
+        assert (claim["kind"], claim["parent"]) == ("CLIENT", None)
+        assert claim["attributes"] == {
+            "messaging.system": "flask-mail-outbox", "messaging.operation.name": "claim",
+            "messaging.operation.type": "receive", "messaging.destination.name": "default",
+            "messaging.batch.message_count": len(claim["links"])}
+        assert claim["start"] < claim["end"]  # the claim statement itself, timed
+    for email_id, consumer in consumers.items():
+        claim = by_id[consumer["parent"]]
+        assert claim["name"] == "claim" and link_of[email_id] in claim["links"]
+        assert consumer["trace_id"] == claim["trace_id"] != producers[email_id]["trace_id"]
+        assert consumer["name"] == "process default"
+        assert consumer["links"] == [link_of[email_id]]
         expected: dict[str, Any] = {
             "messaging.system": "flask-mail-outbox", "messaging.operation.name": "process",
             "messaging.operation.type": "process", "messaging.destination.name": "default",
             "messaging.message.id": str(email_id), "flask_mail_outbox.attempt": 1,
-            "flask_mail_outbox.outcome": "sent", "server.address": smtp_server.host,
-            "server.port": smtp_server.port}
-        if email_id == ids[0]:
-            expected["messaging.message.conversation_id"] = "account-7"
-        assert dict(consumer.attributes or {}) == expected
-        assert consumer.status.is_ok
-    assert len({c.context.trace_id for c in consumers}) == 3
-    # Each attempt's record (its batch's transaction) is a child span, inside the attempt.
-    records = [s for s in exporter.get_finished_spans() if s.name == "record"]
-    assert sorted((r.parent.span_id if r.parent else None, r.kind) for r in records) == sorted(
-        (c.context.span_id, SpanKind.INTERNAL) for c in consumers)
-    for consumer in consumers:
-        [record] = [r for r in records if r.parent and r.parent.span_id == consumer.context.span_id]
-        assert consumer.context.trace_id == record.context.trace_id
-        assert (consumer.start_time or 0) <= (record.start_time or 0) \
-            <= (record.end_time or 0) <= (consumer.end_time or 0)
-        # The attempt starts at its claim, before the transport had the message.
-        assert (consumer.start_time or 0) < (record.start_time or 0)
-    _no_address(list(exporter.get_finished_spans()))
+            "flask_mail_outbox.outcome": "sent", "server.address": server[0],
+            "server.port": server[1]}
+        if email_id in keys:
+            expected["messaging.message.conversation_id"] = keys[email_id]
+        assert consumer["attributes"] == expected
+        children = sorted((s for s in spans if s["parent"] == consumer["span_id"]),
+                          key=lambda s: s["start"])
+        assert [(s["name"], s["kind"]) for s in children] == [
+            (sending, "CLIENT"), ("record", "INTERNAL")]
+        sent, record = children
+        assert sent["attributes"] == {
+            "server.address": server[0], "server.port": server[1],
+            "flask_mail_outbox.outcome": "delivered"}
+        assert record["attributes"] == {}
+        assert claim["end"] <= consumer["start"] <= sent["start"] <= sent["end"] \
+            <= record["start"] <= record["end"] <= consumer["end"]
+    requests = {p["trace_id"] for p in producers.values()}
+    assert len([s for s in spans if s["trace_id"] not in requests]) == \
+        len(claims) + 3 * len(consumers)
 
 
 def test_a_retry_is_two_consumer_spans_linked_to_one_producer(
@@ -212,7 +260,11 @@ def test_child_of_makes_the_delivery_part_of_the_request_trace_and_domains_are_o
     assert consumer.parent is not None
     assert (consumer.parent.span_id, consumer.context.trace_id) == (
         producer.context.span_id, producer.context.trace_id)
-    assert list(consumer.links) == []
+    # Its claim is in the worker's own trace, a link away.
+    [claim] = [s for s in exporter.get_finished_spans() if s.name == "claim"]
+    assert claim.parent is None and claim.context.trace_id != producer.context.trace_id
+    assert [link.context.span_id for link in consumer.links] == [claim.context.span_id]
+    assert [link.context.span_id for link in claim.links] == [producer.context.span_id]
     assert (consumer.attributes or {})["flask_mail_outbox.recipient_domains"] == (
         "example.com", "example.org")
     _no_address([producer, consumer])
@@ -246,6 +298,8 @@ def test_tracing_off_writes_null_and_makes_no_span(
     ({"recipient_domain": "yes"}, "'recipient_domain' must be True or False"),
     ({"tracer_provider": object()}, "'tracer_provider' must be an OpenTelemetry"),
     ({"sampler": 1}, "unknown key 'sampler'"),
+    ({"metrics": "yes"}, "'metrics' must be True, False or 'auto', got 'yes'"),
+    ({"meter_provider": object()}, "'meter_provider' must be an OpenTelemetry"),
 ])
 def test_bad_values_name_the_key(value: Any, message: str) -> None:
     with pytest.raises(ConfigError, match="OUTBOX_OTEL") as caught:
@@ -275,30 +329,29 @@ def test_a_worker_process_reads_the_context_back_from_the_row(
                  "outbox", "worker"], env=env, cwd=str(TESTS), stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT)
 
-        def consumers() -> list[dict[str, Any]]:
+        def spans() -> list[dict[str, Any]]:
             if not spans_file.exists():
                 return []
-            lines = [json.loads(line) for line in spans_file.read_text().splitlines()]
-            return sorted((s for s in lines if s["kind"] == "CONSUMER"),
-                          key=lambda s: int(s["attributes"]["messaging.message.id"]))
+            return [json.loads(line) for line in spans_file.read_text().splitlines()]
 
-        found = poll(consumers, lambda spans: len(spans) == 3, timeout=30)
+        # Each CONSUMER span ends after its record: all three ended, the rest has too.
+        found = poll(spans, lambda found: sum(s["kind"] == "CONSUMER" for s in found) == 3,
+                     timeout=30)
         stored = rows(app)
     finally:
         if worker is not None:
             worker.terminate()
             worker.wait(timeout=30)
         close_app(app)
-    assert len(found) == 3, (tmp_path / "worker.log").read_text()
+    assert sum(s["kind"] == "CONSUMER" for s in found) == 3, \
+        (tmp_path / "worker.log").read_text()
     producers = _spans(exporter, SpanKind.PRODUCER)
     assert [row["status"] for row in stored] == ["sent"] * 3
-    assert [s["links"] for s in found] == [
-        [[f"{p.context.trace_id:032x}", f"{p.context.span_id:016x}"]] for p in producers]
-    assert [s["parent"] for s in found] == [None] * 3
-    assert [(s["name"], s["attributes"]["messaging.message.id"],
-             s["attributes"]["flask_mail_outbox.outcome"], s["attributes"]["server.port"])
-            for s in found] == [("process default", str(row["id"]), "sent", smtp_server.port)
-                                for row in stored]
+    ids = [row["id"] for row in stored]
+    # The context read back from each row: the worker's spans link to this process's.
+    check_delivery(found, {email_id: as_dict(p) for email_id, p in zip(ids, producers,
+                                                                        strict=True)},
+                   keys={ids[0]: "account-7"}, server=("127.0.0.1", smtp_server.port))
     assert not [s for s in found if "@" in json.dumps(s["attributes"])]
 
 
@@ -321,7 +374,9 @@ def test_a_delivery_run_inside_another_span_still_opens_a_trace_of_its_own(
         close_app(app)
     [producer] = _spans(exporter, SpanKind.PRODUCER)
     [consumer] = _spans(exporter, SpanKind.CONSUMER)
-    assert consumer.parent is None
+    [claim] = [s for s in exporter.get_finished_spans() if s.name == "claim"]
+    assert claim.parent is None
+    assert consumer.parent is not None and consumer.parent.span_id == claim.context.span_id
     assert consumer.context.trace_id != job.get_span_context().trace_id
     assert [link.context.span_id for link in consumer.links] == [producer.context.span_id]
 
@@ -429,3 +484,282 @@ def test_a_failing_span_processor_never_stops_send(
             "are missing from the trace; the emails are queued with their trace context and "
             "delivered as usual. Fix: check the app's OpenTelemetry span processors (the "
             "traceback below names the failing one).")]
+
+
+def test_dkim_signing_is_a_child_span_of_the_attempt_only_when_configured(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    private = subprocess.run(["openssl", "genrsa", "2048"], check=True,
+                             capture_output=True).stdout.decode("ascii")
+    app = _app(db_url, smtp_server, {"tracer_provider": provider},
+               OUTBOX_DKIM_DOMAIN="example.com", OUTBOX_DKIM_SELECTOR="s1",
+               OUTBOX_DKIM_PRIVATE_KEY=private)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            email_id = mail.send(Message("Signed", recipients=["ann@example.com"], body="x"))
+            db.session.commit()
+        wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+        [consumer] = _consumers(exporter, 1)
+    finally:
+        close_app(app)
+    assert b"DKIM-Signature:" in smtp_server.messages[0].data
+    children = sorted((s for s in exporter.get_finished_spans()
+                       if s.parent and s.parent.span_id == consumer.context.span_id),
+                      key=lambda s: s.start_time or 0)
+    assert [(s.name, dict(s.attributes or {})) for s in children] == [
+        ("dkim.sign", {"messaging.message.id": str(email_id)}),
+        ("smtp transaction", {
+            "server.address": smtp_server.host, "server.port": smtp_server.port,
+            "flask_mail_outbox.outcome": "delivered"}),
+        ("record", {})]
+    # Without DKIM settings (every other test here): no such span.
+    assert not [s for s in exporter.get_finished_spans() if s.name == "dkim.sign"
+                and s.parent and s.parent.span_id != consumer.context.span_id]
+
+
+def test_a_batch_api_request_links_all_its_emails_and_a_webhook_event_links_back(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    fake = FakePostmark()
+    fake.start()
+    fake.inactive.add("bounced@example.com")
+    app = _app(db_url, smtp_server, {"tracer_provider": provider}, OUTBOX_DURABLE=True,
+               OUTBOX_RUN_WORKER=False, OUTBOX_LISTEN=False, OUTBOX_INLINE_RETRIES=0,
+               OUTBOX_TRANSPORTS={"default": {"transport": "postmark", "base_url": fake.url,
+                                              "token": POSTMARK_TOKEN,
+                                              "webhook_secret": WEBHOOK_SECRET}})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            ids = mail.send_many([Message(f"Tip {i}", recipients=[to], body="tip")
+                                  for i, to in enumerate(["ann@example.com", "bob@example.org",
+                                                          "bounced@example.com"])])
+            db.session.commit()
+        hand_ticked_worker(app).tick()
+        stored = wait_rows(app, lambda r: all(row["status"] != "queued" for row in r), 20.0)
+        _consumers(exporter, 3)
+        # Postmark's Delivery webhook for the second email, in the webhook request's trace.
+        headers, body = webhook_request(delivery_record(stored[1]["provider_message_id"],
+                                                        "bob@example.org"))
+        with provider.get_tracer("test").start_as_current_span(
+                "POST /outbox/webhooks/default", kind=SpanKind.SERVER) as webhook:
+            response = app.test_client().post("/outbox/webhooks/default", headers=headers,
+                                              data=body)
+        assert response.status_code == 200
+    finally:
+        close_app(app)
+        fake.stop()
+    # What came back: a span in the webhook's trace, linked to the email's producer.
+    [event] = [s for s in exporter.get_finished_spans() if s.name == "event delivered"]
+    assert (event.parent and event.parent.span_id) == webhook.get_span_context().span_id
+    assert [link.context.span_id for link in event.links] == [
+        _spans(exporter, SpanKind.PRODUCER)[1].context.span_id]
+    assert dict(event.attributes or {}) == {
+        "messaging.system": "flask-mail-outbox", "messaging.operation.name": "event",
+        "messaging.operation.type": "process", "messaging.destination.name": "default",
+        "messaging.message.id": str(ids[1]), "flask_mail_outbox.event_type": "delivered"}
+    [request] = fake.sending()
+    assert request.path == "/email/batch"
+    assert [row["status"] for row in stored] == ["sent", "sent", "failed"]
+    producers = _spans(exporter, SpanKind.PRODUCER)
+    [claim] = [s for s in exporter.get_finished_spans() if s.name == "claim"]
+    [batch] = [s for s in exporter.get_finished_spans() if s.name == "postmark api"]
+    assert (batch.kind, batch.parent and batch.parent.span_id) == (
+        SpanKind.CLIENT, claim.context.span_id)
+    assert [link.context.span_id for link in batch.links] == [
+        p.context.span_id for p in producers]
+    host, port = fake.url.split("//")[1].split(":")
+    assert dict(batch.attributes or {}) == {
+        "messaging.system": "flask-mail-outbox", "messaging.operation.name": "send",
+        "messaging.operation.type": "send", "messaging.destination.name": "default",
+        "messaging.batch.message_count": 3, "server.address": host,
+        "server.port": int(port.rstrip("/")), "flask_mail_outbox.outcome": "partial",
+        "flask_mail_outbox.reply_code": 422}
+    assert batch.status.status_code is trace.StatusCode.ERROR
+    consumers = _spans(exporter, SpanKind.CONSUMER)
+    assert [((c.attributes or {})["messaging.message.id"],
+             (c.attributes or {})["flask_mail_outbox.outcome"],
+             (c.attributes or {})["server.address"]) for c in consumers] == [
+        (str(ids[0]), "sent", host), (str(ids[1]), "sent", host), (str(ids[2]), "failed", host)]
+    _no_address(list(exporter.get_finished_spans()))
+
+
+def _metrics(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict[str, Any], Any]]]:
+    """Every metric's points: name -> [(attributes, value or histogram count)]."""
+    found: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data else []:
+        for scope in resource.scope_metrics:
+            assert scope.scope.name == "flask_mail_outbox"
+            for metric in scope.metrics:
+                found[metric.name] = sorted(
+                    ((dict(point.attributes or {}),
+                      getattr(point, "value", None) if hasattr(point, "value")
+                      else point.count) for point in metric.data.data_points),
+                    key=repr)
+    return found
+
+
+def test_otel_metrics_count_what_the_prometheus_ones_count(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    smtp_server.reply("data", 550, "5.7.1 Refused", times=1)
+    app = _app(db_url, smtp_server, {"enabled": False, "meter_provider": meters},
+               OUTBOX_MAX_ATTEMPTS=1)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("One", recipients=["ann@example.com"], body="1"))
+            db.session.commit()
+            wait_rows(app, lambda r: r[0]["status"] == "failed", 20.0)
+            mail.send(Message("Two", recipients=["ann@example.com"], body="2"))
+            db.session.commit()
+        wait_rows(app, lambda r: [row["status"] for row in r] == ["failed", "sent"], 20.0)
+        found = poll(lambda: _metrics(reader), lambda m: m.get("outbox.emails.sent"),
+                     timeout=10)
+    finally:
+        close_app(app)
+        meters.shutdown()
+    assert found == {
+        "outbox.emails.queued": [({}, 2)],
+        "outbox.emails.sent": [({}, 1)],
+        "outbox.emails.failed": [({}, 1)],
+        "outbox.email.delivery.duration": [({}, 1)],
+        "outbox.queue.depth": [({"outbox.status": "queued"}, 0),
+                               ({"outbox.status": "sending"}, 0)],
+        "outbox.queue.oldest_due_age": [({}, 0.0)],
+        "outbox.transport.paused": [({"outbox.pause.kind": "", "outbox.transport": "default"},
+                                     0)],
+    }
+
+
+def test_otel_metrics_are_off_without_a_meter_provider(
+        db_url: str, smtp_server: FaultSMTPServer) -> None:
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    app = _app(db_url, smtp_server, {"metrics": False, "meter_provider": meters})
+    try:
+        assert app.test_client().post("/signup").status_code == 200
+        wait_rows(app, lambda r: all(row["status"] == "sent" for row in r), 20.0)
+    finally:
+        close_app(app)
+    assert _metrics(reader) == {}
+    meters.shutdown()
+
+
+class _FailingOn(SpanProcessor):
+    """An app's span processor that raises when a span of one of ``names`` ends."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.name in self.names:
+            raise RuntimeError("the collector is down")
+
+
+def test_a_failing_span_processor_on_the_transaction_or_dkim_span_never_stops_sending(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced,
+        caplog: pytest.LogCaptureFixture) -> None:
+    provider, exporter = traced
+    provider.add_span_processor(_FailingOn("smtp transaction", "dkim.sign"))
+    private = subprocess.run(["openssl", "genrsa", "2048"], check=True,
+                             capture_output=True).stdout.decode("ascii")
+    app = _app(db_url, smtp_server, {"tracer_provider": provider},
+               OUTBOX_DKIM_DOMAIN="example.com", OUTBOX_DKIM_SELECTOR="s1",
+               OUTBOX_DKIM_PRIVATE_KEY=private)
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("One", recipients=["ann@example.com"], body="1"))
+            db.session.commit()
+        [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+        [consumer] = _consumers(exporter, 1)
+    finally:
+        close_app(app)
+    assert row["attempts"] == 1 and len(smtp_server.messages) == 1
+    assert (consumer.attributes or {})["flask_mail_outbox.outcome"] == "sent"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [
+        f"Could not end the span {name!r} of a delivery attempt. Consequence: that span is "
+        "missing from its trace or incomplete; the email is sent and its outcome recorded "
+        "as usual. Fix: check the app's OpenTelemetry span processors (the traceback below "
+        "names the failing one)." for name in ("dkim.sign", "smtp transaction")]
+
+
+def test_the_api_request_span_is_current_while_httpx_sends_so_its_instrumentation_nests(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What opentelemetry-instrumentation-httpx does, done here on httpx's own transport:
+    a CLIENT span ``POST`` opened in the current context when the request goes out."""
+    provider, exporter = traced
+    http_tracer = provider.get_tracer("httpx")
+    sending = httpx.AsyncHTTPTransport.handle_async_request
+
+    async def instrumented(self: httpx.AsyncHTTPTransport,
+                           request: httpx.Request) -> httpx.Response:
+        with http_tracer.start_as_current_span(request.method, kind=SpanKind.CLIENT):
+            return await sending(self, request)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", instrumented)
+    fake = FakePostmark()
+    fake.start()
+    app = _app(db_url, smtp_server, {"tracer_provider": provider},
+               OUTBOX_TRANSPORTS={"default": {"transport": "postmark", "base_url": fake.url,
+                                              "token": POSTMARK_TOKEN}})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            mail.send(Message("One", recipients=["ann@example.com"], body="1"))
+            db.session.commit()
+        wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+        [consumer] = _consumers(exporter, 1)
+    finally:
+        close_app(app)
+        fake.stop()
+    spans = exporter.get_finished_spans()
+    [api] = [s for s in spans if s.name == "postmark api"]
+    [post] = [s for s in spans if s.name == "POST"]
+    assert (api.parent and api.parent.span_id) == consumer.context.span_id
+    assert (post.parent and post.parent.span_id) == api.context.span_id
+    assert post.context.trace_id == consumer.context.trace_id
+    host, port = fake.url.split("//")[1].rstrip("/").split(":")
+    assert dict(api.attributes or {}) == {
+        "server.address": host, "server.port": int(port),
+        "flask_mail_outbox.outcome": "delivered"}
+
+
+def test_a_bounce_matched_to_an_email_links_back_to_its_producer(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    provider, exporter = traced
+    app = _app(db_url, smtp_server, {"tracer_provider": provider})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            email_id = mail.send(Message("Hi", recipients=["nobody-here@example.com"],
+                                         body="hi"))
+            db.session.commit()
+        [row] = wait_rows(app, lambda r: r[0]["status"] == "sent", 20.0)
+        # A real Postfix DSN, about this email (its Message-ID quoted in the returned part).
+        dsn = (TESTS / "bounces" / "postfix-hard-5.1.1.eml").read_bytes().replace(
+            b"<176498070012.4242.17023845513306081729@example.com>",
+            row["message_id"].encode())
+        with app.app_context(), provider.get_tracer("test").start_as_current_span(
+                "bounce job") as job:
+            [event] = mail.process_bounce(dsn)
+    finally:
+        close_app(app)
+    assert event.email_id == email_id
+    [producer] = _spans(exporter, SpanKind.PRODUCER)
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "event bounced"]
+    assert (span.parent and span.parent.span_id) == job.get_span_context().span_id
+    assert [link.context.span_id for link in span.links] == [producer.context.span_id]
+    assert dict(span.attributes or {}) == {
+        "messaging.system": "flask-mail-outbox", "messaging.operation.name": "event",
+        "messaging.operation.type": "process", "messaging.destination.name": "bounce",
+        "messaging.message.id": str(email_id), "flask_mail_outbox.event_type": "bounced",
+        "flask_mail_outbox.bounce_kind": "permanent",
+        "flask_mail_outbox.reason": event.reason}
+    _no_address(list(exporter.get_finished_spans()))

@@ -172,9 +172,11 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                                                          "`*@example.com`; an email with none "
                                                          "ends `cancelled` unsent "
                                                          "([staging](guide/staging.md))"),
-    "OUTBOX_OTEL": ("dict or None", "OpenTelemetry tracing: `enabled` (True, False or "
-                                    "`\"auto\"`: on when a tracer provider is set), `link` "
-                                    "(`\"link\"` or `\"child\"`), `recipient_domain` (False) "
+    "OUTBOX_OTEL": ("dict or None", "OpenTelemetry tracing and metrics: `enabled` (True, "
+                                    "False or `\"auto\"`: on when a tracer provider is set), "
+                                    "`link` (`\"link\"` or `\"child\"`), `recipient_domain` "
+                                    "(False), `metrics` (True, False or `\"auto\"`: on when a "
+                                    "meter provider is set at `init_app`) "
                                     "([tracing](tracing.md))"),
     "OUTBOX_EXECUTOR": ("str", "what delivers committed emails: `\"dispatcher\"` (this "
                                "library's worker) or the workers of a task queue: "

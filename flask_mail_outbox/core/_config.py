@@ -146,7 +146,8 @@ _DEFAULTS: dict[str, Any] = {
     # the only recipients mail may go to ("user@domain", "*@domain"); None: off.
     "OUTBOX_REDIRECT_TO": None,
     "OUTBOX_ALLOWED_RECIPIENTS": None,
-    # OpenTelemetry tracing (flask_mail_outbox/_tracing.py): None means {"enabled": "auto"}.
+    # OpenTelemetry tracing and metrics (flask_mail_outbox/_tracing.py): None means
+    # {"enabled": "auto", "metrics": "auto"}.
     "OUTBOX_OTEL": None,
     # What delivers committed emails: this library's dispatcher, or the workers of a
     # task queue the app already runs ("celery", "rq", "dramatiq"; docs/executors/index.md).

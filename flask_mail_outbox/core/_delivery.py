@@ -138,7 +138,7 @@ def envelope_of(email: ClaimedEmail, dkim: DKIMSigner | None = None,
     intercepted = email.interception
     mime = email.mime if intercepted is None else intercepted.mime
     recipients = email.deliverable if intercepted is None else intercepted.recipients
-    mime = mime if dkim is None else dkim.signed(email.id, mime)
+    mime = mime if dkim is None else _tracing.signed(dkim, email.id, email.message_id, mime)
     sender = email.sender if verp is None else verp.sender_for(email.id)
     left_out = tuple(address for address, _ in email.suppressed)
     if intercepted is not None:
@@ -565,6 +565,7 @@ class Delivery:
         self.store = store
         #: Where skips and refusals are written, with the outcomes.
         self.events = events
+        events.otel = config.otel  # its events' spans follow OUTBOX_OTEL too
         #: Every named transport, "default" first (a failover chain is one transport).
         self.transports = transports
         self.transport = next(iter(transports.values()))
@@ -573,8 +574,8 @@ class Delivery:
         self.policy = config.retry_policy()
         #: What this process releases while it stops (the owner's, shared with its worker).
         self.releases = releases or Releases(store, config)
-        #: OUTBOX_OTEL: when each traced attempt started (time.time_ns(), by email id).
-        self._started: dict[int, int] = {}
+        #: OUTBOX_OTEL: the attempts traced live (_tracing.LIVE), their Message-IDs by id.
+        self._started: dict[int, str] = {}
         #: What the ``mailbox`` transports delivered, written with the outcomes.
         self.mailbox = Keeper(transports, store)
         #: Staging: OUTBOX_REDIRECT_TO, OUTBOX_ALLOWED_RECIPIENTS, before_send.
@@ -714,33 +715,72 @@ class Delivery:
                     "that the database keeps up with lease renewals")
         return report
 
-    def traced(self, claimed: Sequence[ClaimedEmail]) -> None:
-        """Note when the attempts of ``claimed`` started: their CONSUMER spans start there."""
-        if self.config.otel.enabled is not False and _tracing.tracer(self.config.otel):
-            started = time.time_ns()
-            self._started.update((email.id, started) for email in claimed)
+    def traced(self, claimed: Sequence[ClaimedEmail], started: int | None = None) -> None:
+        """Open the span of the claim that took ``claimed`` (its statement began at
+        ``started``, time.time_ns()) and a live CONSUMER span for each attempt of
+        them not traced yet (see flask_mail_outbox/_tracing.py). Never raises."""
+        if self.config.otel.enabled is False or not claimed:
+            return
+        tracer = _tracing.tracer(self.config.otel)
+        if tracer is None:
+            return
+        fresh = [email for email in claimed if email.id not in self._started]
+        if not fresh:
+            return
+        self._started.update((email.id, email.message_id) for email in fresh)
+        try:
+            _tracing.claim(tracer, self.config.otel, fresh,
+                           self._contexts([email.id for email in fresh]), started=started,
+                           server=self._server)
+        except Exception as exc:  # noqa: BLE001 - reported; delivery goes on untraced
+            self._untraced(fresh)
+            _degrade.report(
+                f"Could not trace the claim of {len(fresh)} email(s)",
+                consequence="their delivery spans are missing or incomplete; they are "
+                            "delivered as usual",
+                fix="check the database connection and the app's OpenTelemetry span "
+                    "processors (the traceback below names the failing one)",
+                exc=exc)
+
+    def _contexts(self, ids: Sequence[int]) -> dict[int, tuple[str | None, str | None]]:
+        """The trace contexts stored on rows ``ids`` (their PRODUCER spans')."""
+        t = email_table
+        with self.store.read() as conn:
+            return {row.id: (row.traceparent, row.tracestate) for row in conn.execute(
+                sa.select(t.c.id, t.c.traceparent, t.c.tracestate).where(t.c.id.in_(ids)))}
 
     def _untraced(self, claimed: Sequence[ClaimedEmail]) -> None:
-        """Forget the start of attempts given back unsent: they have no span."""
+        """Forget the attempts given back unsent: their spans are never ended."""
         if self._started:
             for email in claimed:
-                self._started.pop(email.id, None)
+                message_id = self._started.pop(email.id, None)
+                if message_id is not None:
+                    _tracing.forget(email.id, message_id)
 
     def _trace(self, recorded: Sequence[Outcome], record: tuple[int, int]) -> None:
-        """One CONSUMER span per recorded attempt (see flask_mail_outbox/_tracing.py).
+        """End the CONSUMER span of each recorded attempt, with its outcome and ``record``
+        child; one opened now for an attempt not seen claimed (flask_mail_outbox/_tracing.py).
 
         Never raises: the outcomes are recorded already, and tracing must not stop delivery.
         """
         try:
-            tracer = _tracing.tracer(self.config.otel)
+            unseen: list[Outcome] = []
+            for outcome in recorded:
+                email = outcome.email
+                message_id = self._started.pop(email.id, None)
+                attempt = (_tracing.LIVE.pop((email.id, message_id), None)
+                           if message_id is not None else None)
+                if attempt is None:
+                    unseen.append(outcome)
+                    continue
+                _tracing.end_attempt(attempt, outcome=outcome.status.value,
+                                     reply_code=outcome.error_code,
+                                     failed=outcome.status is Status.FAILED, record=record)
+            tracer = _tracing.tracer(self.config.otel) if unseen else None
             if tracer is None:
                 return
-            t = email_table
-            with self.store.read() as conn:
-                contexts = {row.id: (row.traceparent, row.tracestate) for row in conn.execute(
-                    sa.select(t.c.id, t.c.traceparent, t.c.tracestate).where(
-                        t.c.id.in_([outcome.email.id for outcome in recorded])))}
-            for outcome in recorded:
+            contexts = self._contexts([outcome.email.id for outcome in unseen])
+            for outcome in unseen:
                 email = outcome.email
                 traceparent, tracestate = contexts.get(email.id, (None, None))
                 _tracing.consumer_span(
@@ -748,12 +788,12 @@ class Delivery:
                     transport=email.transport, key=email.key, traceparent=traceparent,
                     tracestate=tracestate, outcome=outcome.status.value,
                     reply_code=outcome.error_code, server=self._server(email.transport),
-                    recipients=email.deliverable,
-                    start_time=self._started.pop(email.id, None),
+                    recipients=email.deliverable, start_time=None,
                     failed=outcome.status is Status.FAILED, record=record)
         except Exception as exc:  # noqa: BLE001 - reported; the outcomes are recorded
             for outcome in recorded:
-                self._started.pop(outcome.email.id, None)
+                message_id = self._started.pop(outcome.email.id, None)
+                _tracing.LIVE.pop((outcome.email.id, message_id or ""), None)
             _degrade.report(
                 f"Could not trace {len(recorded)} delivery attempt(s) (emails "
                 f"{', '.join(str(outcome.email.id) for outcome in recorded[:10])})",
@@ -764,12 +804,14 @@ class Delivery:
                 exc=exc)
 
     def _server(self, transport: str) -> tuple[str, int] | None:
-        """The SMTP server a transport sends to (None: not SMTP)."""
+        """The server a transport sends to: its SMTP server, or its API's host and port."""
         try:
             spec = self.config.transport_spec(transport)
         except KeyError:
             return None
-        return (spec.smtp.host, spec.smtp.port) if spec.kind == "smtp" else None
+        if spec.kind == "smtp":
+            return (spec.smtp.host, spec.smtp.port)
+        return _tracing.server_of(self.transports.get(transport))
 
     def _report(self, outcome: Outcome, error: TransportError | None, report: BatchReport,
                 policy: RetryPolicy, overdue: list[Outcome]) -> None:

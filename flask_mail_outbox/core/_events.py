@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from .. import _degrade, _tracing
 from .._events import DeliveryEvent
 from .._policy import POLICY_EVENTS, SoftBounceRule, conclude, is_soft_bounce
 from ._models import (
@@ -76,6 +77,8 @@ class EventLog:
         self.suppressions = suppressions
         #: OUTBOX_SOFT_BOUNCE_*: when repeated soft bounces suppress an address.
         self.soft_bounces = soft_bounces or SoftBounceRule()
+        #: OUTBOX_OTEL (its Delivery sets the app's): a span per event matched to an email.
+        self.otel = _tracing.TracingSettings()
 
     def record(self, events: Sequence[DeliveryEvent], *, nonces: Sequence[str] = (),
                nonce_transport: str = "", source: str | None = None,
@@ -94,8 +97,37 @@ class EventLog:
         written then.
         """
         with self.store.write() as tx:
-            return self.record_on(tx, events, nonces=nonces, nonce_transport=nonce_transport,
-                                  source=source, unauthenticated=unauthenticated)
+            recorded = self.record_on(tx, events, nonces=nonces,
+                                      nonce_transport=nonce_transport, source=source,
+                                      unauthenticated=unauthenticated)
+        if recorded.new and self.otel.enabled is not False:
+            self._trace(recorded.new)
+        return recorded
+
+    def _trace(self, new: Sequence[DeliveryEvent]) -> None:
+        """A span per stored event matched to an email, in the current (the request's)
+        trace, linked to the email's PRODUCER span (flask_mail_outbox/_tracing.py).
+        Never raises: the events are stored."""
+        ids = sorted({event.email_id for event in new if event.email_id is not None})
+        tracer = _tracing.tracer(self.otel) if ids else None
+        if tracer is None:
+            return
+        try:
+            t = email_table
+            with self.store.read() as conn:
+                contexts = {row.id: (row.traceparent, row.tracestate) for row in conn.execute(
+                    sa.select(t.c.id, t.c.traceparent, t.c.tracestate).where(t.c.id.in_(ids)))}
+            _tracing.event_spans(tracer, [event for event in new if event.email_id is not None],
+                                 contexts)
+        except Exception as exc:  # noqa: BLE001 - reported; the events are stored
+            _degrade.report(
+                f"Could not trace {len(new)} delivery event(s) of emails "
+                f"{', '.join(map(str, ids[:10]))}",
+                consequence="their spans are missing from the trace; the events are stored "
+                            "and acted on as usual",
+                fix="check the database connection and the app's OpenTelemetry span "
+                    "processors (the traceback below names the failing one)",
+                exc=exc)
 
     def record_on(self, tx: Connection, events: Sequence[DeliveryEvent], *,
                   nonces: Sequence[str] = (), nonce_transport: str = "",

@@ -506,9 +506,11 @@ class Worker:
             ids = self.intake.take(room)
         if not ids:
             return 0
+        claim_started = time.time_ns()  # the claim span's start (OUTBOX_OTEL)
         try:
             claimed = self._writes.run(lambda conn: self.store.leases.claim_ids(
                 ids, owner=new_owner(), lease_seconds=self.config.lease_seconds, conn=conn))
+            self.delivery.traced(claimed, claim_started)
         except Exception as exc:  # noqa: BLE001 - reported; the rows stay in the database
             self._settle(BatchReport(not_claimed=ids))
             self.delivery.faults.failing(
@@ -632,9 +634,12 @@ class Worker:
     def _claim_on_kept_connection(self, limit: int, *, reap: bool,
                                   transport: str) -> tuple[list[ClaimedEmail], Reaped]:
         """The claim on the dispatcher's kept connection (a new owner for each try)."""
-        return self._claims.run(lambda conn: self.store.leases.claim_due(
+        started = time.time_ns()  # the claim span's start (OUTBOX_OTEL)
+        claimed, reaped = self._claims.run(lambda conn: self.store.leases.claim_due(
             limit, owner=new_owner(), lease_seconds=self.config.lease_seconds,
             reap=reap, transport=transport, conn=conn))
+        self.delivery.traced(claimed, started)
+        return claimed, reaped
 
     # -- sending and recording ------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
-from .. import _degrade
+from .. import _degrade, _tracing
 from .._errors import TransientError, TransportError
 from ._settings import TransportSettings
 
@@ -280,7 +280,10 @@ class _OneAtATime(Sending):
     def _send(self, envelope: Envelope) -> Result:
         transport = self._transport
         try:
-            return Delivered(refused=transport.send(envelope))
+            with _tracing.sending([envelope], f"{type(transport).__name__} send") as traced:
+                result = Delivered(refused=transport.send(envelope))
+                traced.done([result])
+            return result
         except TransportError as exc:
             return Failed(exc)
         except Exception as exc:  # noqa: BLE001 - a broken transport must not lose the email

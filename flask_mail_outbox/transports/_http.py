@@ -54,7 +54,7 @@ from typing import Any, ClassVar, Self
 
 import httpx
 
-from .. import _degrade
+from .. import _degrade, _tracing
 from .._errors import ConfigError, PermanentError, TransientError, TransportError
 from .._outside import clean_line, clean_text, redact
 from ._base import Envelope, Failed, NotAttempted, Report, Result, Sending, Transport
@@ -265,7 +265,11 @@ class HTTPTransport(Transport):
 
         Every text the provider chose is made safe (:meth:`outside`) here.
         """
-        return [self._made_safe(result) for result in await self._attempt(envelopes)]
+        with _tracing.sending(envelopes, f"{self.kind} api",
+                              _tracing.server_of(self)) as traced:
+            results = [self._made_safe(result) for result in await self._attempt(envelopes)]
+            traced.done(results)
+        return results
 
     async def _attempt(self, envelopes: Sequence[Envelope]) -> list[Result]:
         client = self._http_client()

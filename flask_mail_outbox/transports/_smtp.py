@@ -29,6 +29,7 @@ from typing import Self
 
 import aiosmtplib
 
+from .. import _tracing
 from .._errors import TransientError, TransportError
 from ._base import Envelope, Failed, NotAttempted, Report, Result, Sending, Transport
 from ._pipeline import Pipe, Session
@@ -422,10 +423,15 @@ class _SMTPSending(Sending):
             taken.append(self._queue.popleft())
             return taken[0].envelope
 
-        outcome, keep, follow_written = await send_message(
-            session, job.envelope, timeout=self._transport.settings.timeout,
-            begin=lambda: self._begin(job), written=written,
-            take_follow=take_follow if session.pipelining else None)
+        settings = self._transport.settings
+        with _tracing.sending([job.envelope], "smtp transaction",
+                              (settings.host, settings.port)) as traced:
+            outcome, keep, follow_written = await send_message(
+                session, job.envelope, timeout=settings.timeout,
+                begin=lambda: self._begin(job), written=written,
+                take_follow=take_follow if session.pipelining else None)
+            if outcome is not None:
+                traced.done([outcome])
         follow = taken[0] if taken else None
         if follow is not None and not (follow_written and keep):
             # Not written, or written on a connection that is now dropped: the
