@@ -296,10 +296,8 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
                 log(f"{NAME} round {r + 1} {name}: {one.rate:.0f} msg/s"
                     + (f", {one.tasks} tasks" if one.tasks is not None else ""))
     finally:
-        for engine in found:
-            if engine.bench is not None:
-                engine.bench.stop()
-        dispatcher.stop()
+        for bench in [e.bench for e in found if e.bench is not None] + [dispatcher]:
+            close(bench)
     base_runs = runs[DISPATCHER]
     for name in names:
         mine = runs[name]
@@ -328,6 +326,13 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
         raise RuntimeError("under CI every engine must run: " + "; ".join(must_fail)
                            + "\n" + report.render())
     return report
+
+
+def close(bench: Bench) -> None:
+    """Stop ``bench``'s outbox and close its database connections."""
+    bench.stop()
+    with bench.app.app_context():
+        bench.db.engine.dispose()
 
 
 def _ms(seconds: float | None) -> float | None:
