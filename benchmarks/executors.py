@@ -11,8 +11,10 @@ answering each message after ``--delay-ms`` and the same C connections:
 * ONE worker process starts: for the dispatcher ``flask outbox worker
   --concurrency C``; for an engine its plug-in's worker command (below), with
   ``OUTBOX_CONCURRENCY`` = C, on a private ``redis-server`` this scenario
-  starts on a free port (emptied before each round). One warm-up email, due
-  now, goes through it first, so the clock never counts a worker's start-up;
+  starts on a free port (a database of it per engine). One warm-up email,
+  due now, goes through it first, so the clock never counts a worker's
+  start-up (nor tasks an earlier round left in the queue: their rows are
+  gone, and a task whose ids it cannot claim returns at once);
 * one transaction makes every queued row due and sends one more email; the
   clock runs from its commit until the sink has all N + 1.
 
@@ -143,9 +145,14 @@ class Engine:
     plugin: ModuleType
     broker_url: str = ""
     bench: Bench | None = None
+    _config: dict[str, Any] | None = None
 
     def config(self) -> dict[str, Any]:
-        return dict(self.plugin.config(self.broker_url))
+        """The plug-in's app keys for this broker (asked once: before this process's app
+        is built, as a plug-in may set up the engine's publishing side then)."""
+        if self._config is None:
+            self._config = dict(self.plugin.config(self.broker_url))
+        return dict(self._config)
 
 
 def _plugin(name: str) -> tuple[ModuleType | None, str | None]:
@@ -348,7 +355,6 @@ def drain(ctx: Context, bench: Bench, url: str, sink: Sink, engine: Engine | Non
         proc = ctx.spawn_worker(url, sink, concurrency=concurrency, config=config,
                                 name="exec-dispatcher")
     else:
-        redis_command(int(engine.broker_url.split(":")[-1].split("/")[0]), "FLUSHALL")
         cfg = {**config, **engine.config()}
         queue = str(cfg.get("OUTBOX_EXECUTOR_QUEUE", "outbox"))
         command = engine.plugin.worker_command(broker_url=engine.broker_url, queue=queue,
