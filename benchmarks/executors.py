@@ -58,6 +58,9 @@ Where an engine's time goes, against the dispatcher's:
   sizes, ``ceil`` rounds each); an engine running several tasks at once in
   one process escapes it (the outbox's drain there takes the next task's ids
   as the refill point comes).
+* "steady": the share of the bound between the 10th and the 90th percentile
+  receipt, as in ``drain``: a loss spread over the whole run (each task's
+  tail) shows here, one at the ends (the start, the last round) does not.
 * "ms lost/task": the engine's drain time less the dispatcher's in the same
   round, over its tasks: the per-task overhead all told (the hop, the task's
   idle tail, the claim and record of each task).
@@ -237,6 +240,7 @@ class Run:
     rate: float
     seconds: float  # the release commit to the last receipt
     first: float | None  # the release commit to the first receipt, less the delay
+    steady: float | None  # msg/s between the 10th and the 90th percentile receipt
     to_claim: float | None  # the release commit to the first claim statement
     claims: int | None  # claim statements from the release to the last receipt
     publish: float | None = None  # the sweep's reading and publishing (engines)
@@ -258,7 +262,7 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
     table = Table(f"Drain of {args.n} emails by one worker process of {c} connections, "
                   f"sink answering after {args.delay_ms:g} ms (median of {args.rounds} rounds)",
                   ["executor", "msg/s", "bound msg/s", "of bound", "x dispatcher",
-                   "not sent", "first ms", "commit→claim ms", "publish ms", "tasks",
+                   "not sent", "first ms", "steady", "commit→claim ms", "publish ms", "tasks",
                    "ids/task", "1-at-a-time bound", "claims", "rows/claim", "ms lost/task"])
     report = Report(NAME, tables=[table])
     found, must_fail = engines(ctx, wanted, report)
@@ -316,7 +320,8 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
             (a.seconds - b.seconds) / a.tasks * 1000
             for a, b in zip(mine, base_runs, strict=True) if a.tasks)
         table.add(name, rate, bound, ratio(rate, bound), vs, not_sent[name],
-                  _ms(median(x.first for x in mine)), _ms(median(x.to_claim for x in mine)),
+                  _ms(median(x.first for x in mine)), ratio(median(x.steady for x in mine), bound),
+                  _ms(median(x.to_claim for x in mine)),
                   _ms(median(x.publish for x in mine)), tasks, ratio(args.n + 1, tasks),
                   median(x.serial_bound(c, delay) for x in mine), claims,
                   ratio(args.n + 1, claims), lost)
@@ -333,6 +338,14 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
         raise RuntimeError("under CI every engine must run: " + "; ".join(must_fail)
                            + "\n" + report.render())
     return report
+
+
+def _steady(times: list[float]) -> float | None:
+    """msg/s between the 10th and the 90th percentile of sorted receipt ``times``."""
+    if len(times) < 10:
+        return None
+    low, high = len(times) // 10, len(times) * 9 // 10
+    return (high - low) / max(times[high] - times[low], 1e-9)
 
 
 def close(bench: Bench) -> None:
@@ -360,7 +373,9 @@ def drain(ctx: Context, bench: Bench, url: str, sink: Sink, engine: Engine | Non
         command = engine.plugin.worker_command(broker_url=engine.broker_url, queue=queue,
                                                concurrency=concurrency)
         env = {**bench_env(url, sink.smtp_port, cfg), **engine.plugin.extra_env(engine.broker_url)}
-        proc = ctx.spawn(list(command), env=env, name=f"exec-{engine.name}")
+        # Its stdout (a banner, say) in a log file: this process's stdout has the tables.
+        proc = ctx.spawn(list(command), env=env, name=f"exec-{engine.name}",
+                         stdout=ctx.log_file(f"exec-{engine.name}-stdout"))
     try:
         sink.reset()
         warm_up(bench, sink, proc)
@@ -391,7 +406,7 @@ def drain(ctx: Context, bench: Bench, url: str, sink: Sink, engine: Engine | Non
     claims = None if pg is None else claim_times(pg.directory / "postgres.log", url,
                                                  committing, stats["last"])
     return Run(rate=stats["count"] / seconds, seconds=seconds,
-               first=times[0] - released - delay if times else None,
+               first=times[0] - released - delay if times else None, steady=_steady(times),
                to_claim=max(0.0, claims[0] - released) if claims else None,
                claims=len(claims) if claims is not None else None,
                publish=publish, tasks=tasks, sizes=sizes)
