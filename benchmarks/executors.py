@@ -78,8 +78,10 @@ with that many SMTP connections, run from the repository root with the
 ``extra_env(broker_url)``. An engine whose plug-in is missing, or whose
 ``available()`` gives a reason, or with no ``redis-server`` here, is skipped
 with a line saying why; under CI (``CI`` set), where every engine and
-``redis-server`` are installed, a reason from ``available()`` or a missing
-``redis-server`` fails the scenario after the rest has run.
+``redis-server`` are installed, a reason from ``available()``, a missing
+``redis-server`` or an app refusing the plug-in's configuration (its
+``flask_mail_outbox.contrib`` module missing, say) fails the scenario after
+the rest has run.
 """
 
 from __future__ import annotations
