@@ -19,7 +19,8 @@ from ._public_api import private_imports
 #: The scenario modules, in the order ``all`` and ``smoke`` run them. Each has
 #: NAME, HELP, SMOKE (its arguments for ``smoke``), add_arguments and run.
 MODULES = ("enqueue", "transport", "drain", "limits", "providers", "request", "history", "idle",
-           "peers", "webhooks", "dkim", "bounces", "templates", "costs", "otel")
+           "peers", "webhooks", "dkim", "bounces", "templates", "costs", "otel",
+           "executors")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -461,6 +461,8 @@ class Context:
                 stop_process(proc)
             except Exception as exc:  # noqa: BLE001 - best effort at the end
                 log(f"could not stop pid {proc.pid}: {exc}")
+            if proc.stdout is not None:  # a sink's pipe (its one ready line was read)
+                proc.stdout.close()
         if self._pg is not None:
             self._pg.stop()
         for f in self._log_files:
