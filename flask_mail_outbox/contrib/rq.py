@@ -28,6 +28,7 @@ from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from rq import Queue, SimpleWorker
+from rq.job import Job
 from rq import cron as rq_cron
 
 from .._errors import ConfigError
@@ -80,9 +81,9 @@ class RQExecutor:
             description=f"flask_mail_outbox deliver {len(batch)} email(s) from {batch[0]}"
                         if batch else "flask_mail_outbox deliver")
 
-    def publish_sweep(self) -> None:
+    def publish_sweep(self) -> Job:
         """Enqueue one ``sweep`` job (for a scheduler other than ``rq cron``)."""
-        self.queue.enqueue_call(SWEEP, timeout=JOB_TIMEOUT, result_ttl=0,
+        return self.queue.enqueue_call(SWEEP, timeout=JOB_TIMEOUT, result_ttl=0,
                                 failure_ttl=FAILURE_TTL, retry=None,
                                 description="flask_mail_outbox sweep")
 
@@ -145,14 +146,14 @@ def register_sweep(queue: str = "outbox", *, interval: int = SWEEP_INTERVAL,
     return scheduler.register(sweep, **options)
 
 
-def enqueue_sweep(app: Flask | None = None) -> None:
+def enqueue_sweep(app: Flask | None = None) -> Job:
     """Publish one sweep job now through ``app``'s executor (or this process's app):
     for a scheduler other than ``rq cron`` (APScheduler, a system cron running
-    ``flask`` commands). Raises when Redis refuses."""
+    ``flask`` commands). The job; raises when Redis refuses."""
     executor = executors.task_app(app).extensions["mail_outbox"].executor
     if not isinstance(executor, RQExecutor):
         raise ConfigError("OUTBOX_EXECUTOR", "enqueue_sweep() needs OUTBOX_EXECUTOR = 'rq'")
-    executor.publish_sweep()
+    return executor.publish_sweep()
 
 
 # -- the worker -------------------------------------------------------------------------------
