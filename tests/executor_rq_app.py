@@ -37,7 +37,6 @@ from typing import Any
 
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
-
 from rq import Worker
 
 from flask_mail_outbox import OutboxMail, email_sent

@@ -21,14 +21,22 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import sqlalchemy as sa
-from conftest import close_app, db, empty_postgres, make_app, poll, require_postgres, rows
+from conftest import (
+    close_app,
+    db,
+    empty_postgres,
+    make_app,
+    poll,
+    require_postgres,
+    rows,
+)
 from executor_rq_app import COMMON
 from flask import Flask
 from redis import Redis
@@ -39,7 +47,13 @@ from smtpserver import FaultSMTPServer
 
 from flask_mail_outbox import ConfigError, Message, OutboxMail
 from flask_mail_outbox._flask.executors import sweep_task
-from flask_mail_outbox.contrib.rq import DELIVER, JOB_TIMEOUT, SWEEP, enqueue_sweep, register_sweep
+from flask_mail_outbox.contrib.rq import (
+    DELIVER,
+    JOB_TIMEOUT,
+    SWEEP,
+    enqueue_sweep,
+    register_sweep,
+)
 from flask_mail_outbox.core import email_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -168,7 +182,7 @@ def statuses(app: Flask) -> Counter[str]:
 
 
 def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def wait_sent(app: Flask, n: int, timeout: float = 30.0) -> None:
@@ -241,7 +255,7 @@ def test_a_job_for_ids_it_cannot_claim_returns_quietly(
     spawn("w1")
     [sent] = send(producer, ["sent already"])
     wait_sent(producer, 1)
-    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    later = datetime.now(UTC) + timedelta(hours=1)
     [not_due] = send(producer, ["later"], send_after=later)
     # One claimed by another process: a live lease that is not this worker's.
     [held] = send(producer, ["held"])
@@ -325,7 +339,7 @@ def test_a_transient_failure_is_not_retried_by_rq_but_swept_when_due(
 def test_send_after_is_published_by_the_sweep_once_due_never_with_an_eta(
         producer: Flask, spawn: Callable[..., RQWorker], smtp_server: FaultSMTPServer,
         redis: RedisServer) -> None:
-    due = datetime.now(timezone.utc) + timedelta(seconds=3)
+    due = datetime.now(UTC) + timedelta(seconds=3)
     send(producer, ["later"], send_after=due)
     queue = queue_of(redis)
     assert queue.count == 0
@@ -335,7 +349,7 @@ def test_send_after_is_published_by_the_sweep_once_due_never_with_an_eta(
         assert sweep_task(app=producer)["published"] == 0  # not due yet
     assert queue.count == 0
     spawn("w1")
-    time.sleep(max(0.0, (due - datetime.now(timezone.utc)).total_seconds()) + 0.2)
+    time.sleep(max(0.0, (due - datetime.now(UTC)).total_seconds()) + 0.2)
     run_sweep_job(producer, redis)
     wait_sent(producer, 1)
     assert [m.parsed.get("Subject") for m in smtp_server.messages] == ["later"]

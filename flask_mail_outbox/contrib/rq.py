@@ -28,8 +28,8 @@ from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from rq import Queue, SimpleWorker
-from rq.job import Job
 from rq import cron as rq_cron
+from rq.job import Job
 
 from .._errors import ConfigError
 from .._flask import executors
