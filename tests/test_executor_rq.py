@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -304,6 +305,35 @@ def test_broker_down_at_commit_then_the_sweep_job_publishes_it(
                  if r.levelno == logging.INFO and "rq" in r.getMessage()]
     assert recovered, "no recovery line"
     assert email_id == rows(producer)[0]["id"]
+
+
+def test_a_broker_that_never_answers_holds_the_commit_seconds_not_forever(
+        pg_url: str, smtp_server: FaultSMTPServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis address that accepts connections and never answers (a hung server, a
+    proxy with nothing behind it): the publish gives up after its timeouts."""
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(64)
+    app = make_app(pg_url, **COMMON, MAIL_PORT=smtp_server.port,
+                   OUTBOX_EXECUTOR_URL=f"redis://127.0.0.1:{mute.getsockname()[1]}/0")
+    took: list[float] = []
+
+    def commit() -> None:
+        started = time.monotonic()
+        send(app, ["to a mute broker"])
+        took.append(time.monotonic() - started)
+
+    try:
+        thread = threading.Thread(target=commit, daemon=True)
+        thread.start()
+        thread.join(15)
+        assert took and took[0] < 10, "the commit waited on the broker for 15 s"
+    finally:
+        mute.close()  # a publish still waiting gets a reset
+        close_app(app, timeout=5)
+    assert statuses(app) == Counter(queued=1)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "Could not publish 1 email(s)" in errors[0].getMessage()
 
 
 def test_a_transient_failure_is_not_retried_by_rq_but_swept_when_due(

@@ -50,7 +50,7 @@ SWEEP_INTERVAL = 60
 #: Seconds a publish waits for Redis to accept a connection / answer: the commit's
 #: after-commit hook must not hang on a broker that does not answer.
 CONNECT_TIMEOUT = 2.0
-SOCKET_TIMEOUT = 5.0
+SOCKET_TIMEOUT = 2.0
 
 
 def redis_client(url: str) -> Redis:
