@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -107,7 +108,7 @@ class RQWorker:
     """One ``rq worker`` subprocess on the test's Redis, logging to a file."""
 
     def __init__(self, name: str, tmp_path: Path, redis_url: str, env: dict[str, str],
-                 worker_class: str) -> None:
+                 worker_class: str, pool: int = 0) -> None:
         self.name = name
         self.log_path = tmp_path / f"rq-{name}.log"
         full_env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{REPO}",
@@ -115,7 +116,10 @@ class RQWorker:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rq.cli", "worker", "--worker-class", worker_class,
-                 "-u", redis_url, "--name", f"{name}-{time.monotonic_ns()}", QUEUE],
+                 "-u", redis_url, "--name", f"{name}-{time.monotonic_ns()}", QUEUE]
+                if not pool else
+                [sys.executable, "-m", "rq.cli", "worker-pool", "-n", str(pool),
+                 "--worker-class", worker_class, "-u", redis_url, QUEUE],
                 env=full_env, cwd=str(TESTS), stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT)
 
@@ -145,10 +149,11 @@ def spawn(tmp_path: Path, pg_url: str, producer: Flask, smtp_server: FaultSMTPSe
     """Start RQ workers (the tables exist: ``producer`` made them); all killed at the end."""
     started: list[RQWorker] = []
 
-    def start(name: str, *, worker_class: str = OUTBOX_WORKER, **env: str) -> RQWorker:
+    def start(name: str, *, worker_class: str = OUTBOX_WORKER, pool: int = 0,
+              **env: str) -> RQWorker:
         full = {"RQ_TEST_DB_URL": pg_url, "RQ_TEST_SMTP_PORT": str(smtp_server.port),
                 "RQ_TEST_REDIS_URL": redis.url, **env}
-        worker = RQWorker(name, tmp_path, redis.url, full, worker_class)
+        worker = RQWorker(name, tmp_path, redis.url, full, worker_class, pool)
         started.append(worker)
         return worker
 
@@ -398,6 +403,20 @@ def test_the_emails_of_a_key_are_delivered_in_send_order(
     keyed = [s for s in (m.parsed.get("Subject") for m in smtp_server.messages)
              if s.startswith("k ")]
     assert keyed == [f"k {i}" for i in range(40)]
+
+
+def test_a_worker_pool_of_outbox_workers_delivers(
+        producer: Flask, spawn: Callable[..., RQWorker], smtp_server: FaultSMTPServer) -> None:
+    """``rq worker-pool -n 2 --worker-class ...OutboxWorker``, as docs/executors/rq.md says."""
+    smtp_server.delay("data", 0.1)
+    pool = spawn("pool", pool=2)
+    poll(lambda: pool.log().count("Listening on") == 2, timeout=30)
+    for commit in range(8):  # eight jobs: one of each process's jobs at a time
+        send(producer, [f"p {commit * 5 + i}" for i in range(5)])
+    wait_sent(producer, 40, timeout=60)
+    senders = {m[1] for m in re.finditer(r"rq-test sent id=\d+ pid=(\d+)", pool.log())}
+    assert len(senders) == 2, pool.log()[-3000:]  # two worker processes shared the jobs
+    assert len(set(smtp_server.message_ids())) == 40
 
 
 # -- killed work-horses and workers ------------------------------------------------------------
