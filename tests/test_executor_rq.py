@@ -121,7 +121,7 @@ class RQWorker:
                 [sys.executable, "-m", "rq.cli", "worker-pool", "-n", str(pool),
                  "--worker-class", worker_class, "-u", redis_url, QUEUE],
                 env=full_env, cwd=str(TESTS), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT)
+                stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -138,8 +138,11 @@ class RQWorker:
             return []
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL the worker and every process it started (a pool's workers, a horse)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(10)
 
 
@@ -333,10 +336,10 @@ def test_a_broker_that_never_answers_holds_the_commit_seconds_not_forever(
         thread.start()
         thread.join(15)
         assert took and took[0] < 10, "the commit waited on the broker for 15 s"
+        assert statuses(app) == Counter(queued=1)
     finally:
         mute.close()  # a publish still waiting gets a reset
         close_app(app, timeout=5)
-    assert statuses(app) == Counter(queued=1)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "Could not publish 1 email(s)" in errors[0].getMessage()
 

@@ -159,6 +159,10 @@ def enqueue_sweep(app: Flask | None = None) -> Job:
 # -- the worker -------------------------------------------------------------------------------
 
 
+#: The apps :func:`load_app` created: the executors' registry holds apps weakly.
+_loaded: list[Flask] = []
+
+
 def load_app() -> Flask:
     """This process's app: the one it created, else ``FLASK_APP`` loaded as ``flask`` does.
 
@@ -171,8 +175,10 @@ def load_app() -> Flask:
             raise
     from flask.cli import ScriptInfo
 
-    # Its init_app registers it with the executors, where task_app() finds it.
-    ScriptInfo(app_import_path=os.environ["FLASK_APP"], set_debug_flag=False).load_app()
+    # Its init_app registers it with the executors (weakly: kept alive here), where
+    # task_app() finds it.
+    _loaded.append(ScriptInfo(app_import_path=os.environ["FLASK_APP"],
+                              set_debug_flag=False).load_app())
     return executors.task_app()
 
 
