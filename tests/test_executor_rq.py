@@ -558,6 +558,26 @@ def test_register_sweep_on_a_scheduler_of_ones_own(redis: RedisServer) -> None:
         register_sweep("mail", interval=0, scheduler=scheduler)
 
 
+def test_the_app_flask_app_names_stays_loaded(pg_url: str, redis: RedisServer,
+                                             smtp_server: FaultSMTPServer) -> None:
+    """``load_app()`` in a process with only ``FLASK_APP`` (a forked work-horse of
+    ``rq.Worker``): the app it creates survives a garbage collection (the executors'
+    registry of apps is weak)."""
+    code = ("import gc\n"
+            "from flask_mail_outbox.contrib.rq import load_app\n"
+            "from flask_mail_outbox._flask.executors import task_app\n"
+            "load_app()\n"
+            "gc.collect()\n"
+            "print(task_app().import_name)\n")
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{REPO}",
+           "FLASK_APP": "executor_rq_app:create_app", "RQ_TEST_DB_URL": pg_url,
+           "RQ_TEST_SMTP_PORT": str(smtp_server.port), "RQ_TEST_REDIS_URL": redis.url}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(TESTS),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "executor_rq_app"
+
+
 # -- the chaos proof -------------------------------------------------------------------------------
 
 TOTAL = 2000
