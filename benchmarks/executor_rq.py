@@ -150,7 +150,12 @@ def per_job_cost(jobs: int, rounds: int) -> dict[str, list[float]]:
                 log(f"round {round_ + 1} {name}: {len(ids)} jobs in {elapsed:.2f} s, "
                     f"{results[name][-1]:.1f} ms/job")
                 proc.terminate()
-                proc.wait(30)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    log(f"{name}: the worker did not stop on SIGTERM in 30 s; killed")
+                    proc.kill()
+                    proc.wait(10)
         bench.stop()
     finally:
         ctx.close()
