@@ -630,8 +630,8 @@ def test_chaos_two_workers_a_sigkill_and_a_redis_restart_lose_nothing(
         assert smtp_server.wait_for(int(TOTAL * 0.3), timeout=120)
         name = rng.choice(sorted(workers))
         victim = workers[name]
-        poll(lambda: _owned_by(producer, victim.pid), timeout=10, interval=0.01)
-        time.sleep(rng.uniform(0.0, 0.1))
+        assert poll(lambda: _owned_by(producer, victim.pid), timeout=10, interval=0.01)
+        time.sleep(rng.uniform(0.0, 0.05))  # anywhere inside its job
         received_at_kill = len(smtp_server.messages)
         victim.kill()
         in_flight = _owned_by(producer, victim.pid)
@@ -653,7 +653,8 @@ def test_chaos_two_workers_a_sigkill_and_a_redis_restart_lose_nothing(
     assert (lost, set(received) - expected) == (set(), set()), f"seed={seed}"
     # Only what the killed worker had on the wire can arrive twice (Redis lost jobs, not
     # leases: a job published again for a row in flight claims nothing).
-    assert duplicates <= in_flight <= CONNECTIONS * 20, (f"seed={seed}", duplicates, in_flight)
+    assert in_flight >= 1, f"seed={seed}: the kill found the worker holding no email"
+    assert duplicates <= in_flight, (f"seed={seed}", duplicates, in_flight)
     with capsys.disabled():
         print(f"[rq chaos] seed={seed} emails={TOTAL} workers=2 connections={CONNECTIONS} "
               f"kill at {received_at_kill} received (in flight {in_flight}), redis restart at "
