@@ -578,6 +578,15 @@ def test_the_app_flask_app_names_stays_loaded(pg_url: str, redis: RedisServer,
     assert done.stdout.strip() == "executor_rq_app"
 
 
+def test_enqueue_sweep_needs_the_rq_executor(pg_url: str) -> None:
+    app = make_app(pg_url, OUTBOX_RUN_WORKER=False)  # the dispatcher: no executor
+    try:
+        with pytest.raises(ConfigError, match="OUTBOX_EXECUTOR"):
+            enqueue_sweep(app)
+    finally:
+        close_app(app, timeout=5)
+
+
 # -- the chaos proof -------------------------------------------------------------------------------
 
 TOTAL = 2000
