@@ -422,6 +422,19 @@ def test_a_worker_pool_of_outbox_workers_delivers(
     assert len(set(smtp_server.message_ids())) == 40
 
 
+def test_rqs_own_forking_worker_with_flask_app_only_delivers(
+        producer: Flask, spawn: Callable[..., RQWorker], smtp_server: FaultSMTPServer) -> None:
+    """Plain ``rq worker`` (a work-horse per job, the app made in each from ``FLASK_APP``):
+    slow per job (docs/executors/rq.md), but correct."""
+    worker = spawn("plain", worker_class="rq.Worker")
+    send(producer, ["one"])
+    send(producer, ["two"])
+    wait_sent(producer, 2, timeout=60)
+    senders = {int(m[1]) for m in re.finditer(r"rq-test sent id=\d+ pid=(\d+)", worker.log())}
+    assert len(senders) == 2 and worker.pid not in senders  # one work-horse per job
+    assert sorted(m.parsed.get("Subject") for m in smtp_server.messages) == ["one", "two"]
+
+
 # -- killed work-horses and workers ------------------------------------------------------------
 
 
