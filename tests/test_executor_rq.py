@@ -27,7 +27,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import sqlalchemy as sa
 from conftest import (
@@ -132,10 +131,15 @@ class RQWorker:
 
     def horses(self) -> list[int]:
         """The pids of its work-horses (RQ's forking worker)."""
-        try:
-            return [child.pid for child in psutil.Process(self.pid).children()]
-        except psutil.NoSuchProcess:
-            return []
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[1]) == self.pid:  # the parent's pid
+                children.append(int(stat.parent.name))
+        return children
 
     def kill(self) -> None:
         """SIGKILL the worker and every process it started (a pool's workers, a horse)."""
