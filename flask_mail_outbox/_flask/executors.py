@@ -39,6 +39,8 @@ MODULES = {
 #: The apps of this process whose OUTBOX_EXECUTOR is a task queue: a task finds its app here.
 _apps: weakref.WeakSet[Flask] = weakref.WeakSet()
 _lock = threading.Lock()
+#: The apps this module loaded itself (FLASK_APP), kept for the process's lifetime.
+_loaded: list[Flask] = []
 
 
 def load(app: Flask, name: str) -> Executor | None:
@@ -111,9 +113,15 @@ def _load_flask_app() -> None:
 
     try:
         # ScriptInfo reads no environment: FLASK_APP is the `flask` command's option's.
-        ScriptInfo(app_import_path=os.environ.get("FLASK_APP"), set_debug_flag=False).load_app()
+        app = ScriptInfo(app_import_path=os.environ.get("FLASK_APP"),
+                         set_debug_flag=False).load_app()
     except NoAppException as exc:
         logger.debug("No Flask app found the way `flask` finds one: %s", exc)
+        return
+    # The registry holds apps weakly (an app a program drops is not kept alive by
+    # it); nothing else holds this one, made here for the worker's lifetime.
+    with _lock:
+        _loaded.append(app)
 
 
 def _state(app: Flask) -> AppState:

@@ -64,6 +64,7 @@ class RQExecutor:
     """Publishes ``deliver`` jobs to one RQ queue (see the module docstring)."""
 
     name = "rq"
+    sweep_task = "flask_mail_outbox.contrib.rq.sweep"
 
     def __init__(self, url: str, queue: str) -> None:
         self.url = url
@@ -159,26 +160,11 @@ def enqueue_sweep(app: Flask | None = None) -> Job:
 # -- the worker -------------------------------------------------------------------------------
 
 
-#: The apps :func:`load_app` created: the executors' registry holds apps weakly.
-_loaded: list[Flask] = []
-
-
 def load_app() -> Flask:
     """This process's app: the one it created, else ``FLASK_APP`` loaded as ``flask`` does.
 
     :class:`ConfigError` naming ``OUTBOX_EXECUTOR`` when neither gives one.
     """
-    try:
-        return executors.task_app()
-    except ConfigError:
-        if not os.environ.get("FLASK_APP"):
-            raise
-    from flask.cli import ScriptInfo
-
-    # Its init_app registers it with the executors (weakly: kept alive here), where
-    # task_app() finds it.
-    _loaded.append(ScriptInfo(app_import_path=os.environ["FLASK_APP"],
-                              set_debug_flag=False).load_app())
     return executors.task_app()
 
 
