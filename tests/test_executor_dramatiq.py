@@ -28,15 +28,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import dramatiq
+import dramatiq.broker
 import pytest
 import redis
+from dramatiq.brokers.stub import StubBroker
 from conftest import close_app, db, empty_postgres, make_app, poll, require_postgres, rows
 from executor_dramatiq_app import config as app_config
 from flask import Flask
 from redis_server import RedisServer
 from smtpserver import FaultSMTPServer
 
-from flask_mail_outbox import Message, OutboxMail
+from flask_mail_outbox import ConfigError, Message, OutboxMail
+from flask_mail_outbox._flask.executors import deliver_task
 from flask_mail_outbox.contrib import dramatiq as contrib
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,7 +150,7 @@ class DramatiqWorker:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (Dramatiq finishes the tasks running); the exit code, None on timeout."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)  # the main process stops its workers
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -286,10 +290,9 @@ def test_a_task_for_emails_it_cannot_claim_returns_quietly(
     time.sleep(0.5)
     assert len(smtp_server.messages) == 1
     assert delayed_or_dead(redis_server) == {}
-    assert "Traceback" not in worker.log(), worker.log()[-3000:]
-    # The actor's function, in this process: its counts say why.
-    with producer.app_context():
-        counts = contrib.deliver([sent, later, 999_999])
+    assert "Traceback" not in worker.log() and "WARNING" not in worker.log(), worker.log()[-3000:]
+    # The task's body, in this process: its counts say why.
+    counts = deliver_task([sent, later, 999_999], app=producer)
     assert counts["not_claimed"] == 3 and counts["sent"] == 0, counts
     assert statuses(producer) == {"sent": 1, "queued": 1}
 
@@ -386,6 +389,23 @@ def test_the_emails_of_a_key_arrive_in_send_order(
     assert keyed == [f"k {n}" for n in range(30)]
 
 
+def test_a_broker_that_does_not_answer_holds_the_commit_for_seconds_not_forever(
+        producer: Flask, redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    assert redis_server.process is not None
+    assert producer.test_client().post("/send/0").status_code == 200  # connected, pooled
+    redis_server.process.send_signal(signal.SIGSTOP)  # accepts nothing, answers nothing
+    try:
+        started = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="flask_mail_outbox"):
+            assert producer.test_client().post("/send/1").status_code == 200
+        took = time.monotonic() - started
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+    assert contrib.SOCKET_TIMEOUT <= took < contrib.SOCKET_TIMEOUT + 3, took
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+    assert statuses(producer) == {"queued": 2}
+
+
 # -- the executor's configuration ----------------------------------------------------------
 
 
@@ -393,6 +413,39 @@ def test_no_broker_is_a_config_error_naming_the_url(pg_url: str) -> None:
     with pytest.raises(Exception) as caught:
         make_app(pg_url, OUTBOX_EXECUTOR="dramatiq")
     assert getattr(caught.value, "key", None) == "OUTBOX_EXECUTOR_URL", caught.value
+
+
+@pytest.fixture
+def global_broker() -> Iterator[None]:
+    """Restores Dramatiq's global broker after a test that sets one."""
+    before = dramatiq.broker.global_broker
+    try:
+        yield
+    finally:
+        dramatiq.set_broker(before)  # type: ignore[arg-type]
+
+
+def test_the_apps_own_global_broker_is_used_and_a_url_beside_it_is_refused(
+        pg_url: str, global_broker: None) -> None:
+    own = StubBroker()
+    dramatiq.set_broker(own)
+    app = make_app(pg_url, OUTBOX_EXECUTOR="dramatiq")
+    try:
+        executor = contrib.executor(app)
+        assert executor.broker is own
+        assert own.get_actor("flask_mail_outbox.deliver") is executor.deliver_actor
+        assert {"outbox", "outbox.urgent"} <= own.get_declared_queues()
+        with app.app_context():
+            app.extensions["test_mail"].send(Message("s", recipients=["a@example.com"],
+                                                     body="x"))
+            db.session.commit()
+        assert len(own.queues["outbox"].queue) == 1  # published to the app's broker
+    finally:
+        close_app(app, timeout=5)
+    with pytest.raises(ConfigError) as caught:
+        make_app(pg_url, OUTBOX_EXECUTOR="dramatiq", OUTBOX_EXECUTOR_URL="redis://127.0.0.1:1/0")
+    assert caught.value.key == "OUTBOX_EXECUTOR_URL" and "global Dramatiq broker" in str(
+        caught.value)
 
 
 def test_a_queue_name_dramatiq_refuses_is_a_config_error(pg_url: str) -> None:
@@ -437,8 +490,6 @@ def test_chaos_sigkill_a_worker_and_restart_redis_lose_nothing(
     smtp_server.delay("data", DATA_DELAY)
     began = time.monotonic()
     # Several commits, with the producer's batch size: many tasks.
-    with producer.app_context():
-        producer.extensions["mail_outbox"].config  # noqa: B018 - the producer is set up
     queue_emails(producer, TOTAL, prefix="chaos", per_commit=200)
     expected = {r["message_id"] for r in rows(producer)}
     assert len(expected) == TOTAL
@@ -457,13 +508,14 @@ def test_chaos_sigkill_a_worker_and_restart_redis_lose_nothing(
     sweeper.start()
     try:
         # Kill w1 (SIGKILL, its whole command) once ~30 % arrived, while it holds leases.
-        assert smtp_server.wait_for(int(TOTAL * (0.25 + rng.uniform(0, 0.1))), timeout=120)
         victim = workers["w1"]
         pids = victim.children()
-        in_flight = _sending_of(producer, pids)
+        assert pids, victim.log()[-3000:]
+        assert smtp_server.wait_for(int(TOTAL * (0.25 + rng.uniform(0, 0.1))), timeout=120)
         received_at_kill = len(smtp_server.messages)
         victim.kill()
-        in_flight_after = _sending_of(producer, pids)
+        # Nothing touches the killed leases before they expire (OUTBOX_LEASE_SECONDS).
+        in_flight = _sending_of(producer, pids)
         killed_at = time.monotonic() - began
         workers["w1"] = spawn("w1-again", threads=2, ready=False, **env)
         # Restart Redis (SIGKILL: the queued tasks are lost) once ~60 % arrived.
@@ -485,13 +537,15 @@ def test_chaos_sigkill_a_worker_and_restart_redis_lose_nothing(
     duplicates = sum(n - 1 for n in received.values() if n > 1)
     assert (lost, set(received) - expected) == (set(), set()), f"seed={seed}"
     # At most one per connection in flight per kill, and never more than its leases held.
-    assert duplicates <= min(in_flight_after, 2 * CONNECTIONS), (
-        f"seed={seed}", duplicates, in_flight_after)
+    # A connection overlaps two messages (the reply to one recorded while the next one's
+    # DATA is on the wire: see tests/test_chaos.py), so up to two per connection; and
+    # never more than the rows its leases held.
+    assert in_flight > 0, f"seed={seed}: the kill found the worker holding no claimed rows"
+    assert duplicates <= min(in_flight, 2 * CONNECTIONS), (f"seed={seed}", duplicates, in_flight)
     with capsys.disabled():
         print(f"[dramatiq chaos] seed={seed} emails={TOTAL} workers=2x(1 process, 2 threads, "
               f"{CONNECTIONS} connections) kill at {killed_at:.1f} s with "
-              f"{received_at_kill} received, {in_flight}/{in_flight_after} rows in flight "
-              f"(before/after); redis restarted at {redis_at:.1f} s; sweeps sent {sweeps[0]}; "
+              f"{received_at_kill} received, {in_flight} rows in flight; redis restarted at {redis_at:.1f} s; sweeps sent {sweeps[0]}; "
               f"duplicates={duplicates} lost={len(lost)}; all received at {drained:.1f} s")
     for worker in workers.values():
         assert worker.stop(timeout=60) == 0, worker.log()[-3000:]

@@ -72,7 +72,7 @@ SWEEP_INTERVAL = 60.0
 #: Seconds a publish waits for Redis to connect / answer: the commit's after-commit
 #: hook must not hang on a broker that does not answer (the rows stay queued).
 CONNECT_TIMEOUT = 2.0
-SOCKET_TIMEOUT = 10.0
+SOCKET_TIMEOUT = 5.0
 
 _QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
 _lock = threading.Lock()
@@ -80,14 +80,20 @@ _lock = threading.Lock()
 _made: dict[str, RedisBroker] = {}
 
 
-def deliver(ids: list[int]) -> dict[str, int]:
-    """The ``flask_mail_outbox.deliver`` actor's function: claim ``ids``, deliver, record."""
-    return executors.deliver_task(ids)
+def deliver(ids: list[int]) -> None:
+    """The ``flask_mail_outbox.deliver`` actor's function: claim ``ids``, deliver, record.
+
+    Returns nothing (Dramatiq warns about a result without its Results
+    middleware); the counts are logged at DEBUG, the outcomes are in the database.
+    """
+    counts = executors.deliver_task(ids)
+    logger.debug("flask_mail_outbox.deliver: %s", counts)
 
 
-def sweep() -> dict[str, int]:
+def sweep() -> None:
     """The ``flask_mail_outbox.sweep`` actor's function: publish what is due."""
-    return executors.sweep_task()
+    counts = executors.sweep_task()
+    logger.debug("flask_mail_outbox.sweep: %s", counts)
 
 
 def _options(broker: dramatiq.Broker, **options: Any) -> dict[str, Any]:
