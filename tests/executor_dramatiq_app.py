@@ -18,6 +18,7 @@ variable                   setting                             default
 ``EXEC_BATCH_SIZE``        ``OUTBOX_BATCH_SIZE``               library's
 ``EXEC_CONCURRENCY``       ``OUTBOX_CONCURRENCY``              library's
 ``EXEC_SWEEP_MIN_AGE``     ``OUTBOX_SWEEP_MIN_AGE_SECONDS``    library's
+``EXEC_SWEEP_INTERVAL``    ``OUTBOX_SWEEP_INTERVAL_SECONDS``   library's
 =========================  ==================================  =========
 
 The tables must exist (the test process creates them). Every delivered email
@@ -43,26 +44,27 @@ _ENV_KEYS: dict[str, tuple[str, type]] = {
     "EXEC_BATCH_SIZE": ("OUTBOX_BATCH_SIZE", int),
     "EXEC_CONCURRENCY": ("OUTBOX_CONCURRENCY", int),
     "EXEC_SWEEP_MIN_AGE": ("OUTBOX_SWEEP_MIN_AGE_SECONDS", float),
+    "EXEC_SWEEP_INTERVAL": ("OUTBOX_SWEEP_INTERVAL_SECONDS", float),
 }
 
 
 def config(db_url: str, smtp_port: int, broker_url: str) -> dict[str, Any]:
     """The settings the test's producer app and the workers share."""
-    return dict(
-        SQLALCHEMY_DATABASE_URI=db_url,
-        MAIL_SERVER="127.0.0.1",
-        MAIL_PORT=smtp_port,
-        MAIL_DEFAULT_SENDER="Sender <sender@example.com>",
-        MAIL_SUPPRESS_SEND=False,
-        MAIL_TIMEOUT=30.0,
-        OUTBOX_DURABLE=True,
-        OUTBOX_EXECUTOR="dramatiq",
-        OUTBOX_EXECUTOR_URL=broker_url,
-        OUTBOX_RUN_SCHEDULER=False,
+    return {
+        "SQLALCHEMY_DATABASE_URI": db_url,
+        "MAIL_SERVER": "127.0.0.1",
+        "MAIL_PORT": smtp_port,
+        "MAIL_DEFAULT_SENDER": "Sender <sender@example.com>",
+        "MAIL_SUPPRESS_SEND": False,
+        "MAIL_TIMEOUT": 30.0,
+        "OUTBOX_DURABLE": True,
+        "OUTBOX_EXECUTOR": "dramatiq",
+        "OUTBOX_EXECUTOR_URL": broker_url,
+        "OUTBOX_RUN_SCHEDULER": False,
         # The tests' fast retry schedule (2 s doubling, 5 attempts).
-        OUTBOX_RETRY_BASE_SECONDS=2.0,
-        OUTBOX_MAX_ATTEMPTS=5,
-    )
+        "OUTBOX_RETRY_BASE_SECONDS": 2.0,
+        "OUTBOX_MAX_ATTEMPTS": 5,
+    }
 
 
 def create_app() -> Flask:

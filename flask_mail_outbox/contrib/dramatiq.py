@@ -23,7 +23,7 @@ Both actors have Dramatiq's retries off (``max_retries=0``): a delivery error
 never raises (the outbox's backoff sets the next due time, the sweep publishes
 the row again), and a task that raises (a worker set up wrong) goes to the
 dead-letter queue once instead of looping. The deliver actor's time limit is
-past the outbox's own bound on one task (:data:`TASK_TIMEOUT`): Dramatiq's
+past the outbox's own bound on one task (an hour): Dramatiq's
 default of ten minutes would interrupt a long drain between a send and its
 record.
 
@@ -50,7 +50,6 @@ from flask import Flask
 from .._errors import ConfigError
 from .._flask import executors
 from .._flask.state import EXTENSION_KEY
-from ..core._executor import TASK_TIMEOUT
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.base import BaseScheduler
@@ -62,9 +61,10 @@ DELIVER = "flask_mail_outbox.deliver"
 SWEEP = "flask_mail_outbox.sweep"
 #: The suffix of the queue urgent deliveries go to (``<queue>.urgent``).
 URGENT_SUFFIX = ".urgent"
-#: The deliver actor's time limit (ms): past the outbox's own bound on one task, so
-#: Dramatiq interrupts only a task that is stuck, never a drain between send and record.
-DELIVER_TIME_LIMIT_MS = int((TASK_TIMEOUT + 60) * 1000)
+#: The deliver actor's time limit (ms): past the outbox's own bound on one task
+#: (core/_executor.py TASK_TIMEOUT, an hour), so Dramatiq interrupts only a task that
+#: is stuck, never a drain between a send and its record.
+DELIVER_TIME_LIMIT_MS = (3600 + 60) * 1000
 #: The sweep actor's time limit (ms): a scan and a publish, seconds at most.
 SWEEP_TIME_LIMIT_MS = 10 * 60 * 1000
 #: The periodic sweep's interval (seconds) when OUTBOX_SWEEP_INTERVAL_SECONDS is unset.
@@ -104,18 +104,30 @@ def _options(broker: dramatiq.Broker, **options: Any) -> dict[str, Any]:
 
 def declare(broker: dramatiq.Broker, queue: str) -> tuple[dramatiq.Actor[Any, Any],
                                                            dramatiq.Actor[Any, Any]]:
-    """Declare the two actors (and the urgent queue) on ``broker``; (deliver, sweep).
+    """The two actors on ``broker`` (declared on first use), and the urgent queue.
 
-    Declaring again replaces them (Dramatiq keeps one actor per name and broker).
+    Dramatiq keeps one actor per name and broker: a second app of this
+    process on the same broker shares them, on the same queue only
+    (:class:`ConfigError` naming ``OUTBOX_EXECUTOR_QUEUE`` otherwise).
     """
-    deliver_actor = dramatiq.actor(
-        deliver, actor_name=DELIVER, queue_name=queue, broker=broker,
-        **_options(broker, max_retries=0, time_limit=DELIVER_TIME_LIMIT_MS))
-    sweep_actor = dramatiq.actor(
-        sweep, actor_name=SWEEP, queue_name=queue, broker=broker,
-        **_options(broker, max_retries=0, time_limit=SWEEP_TIME_LIMIT_MS))
+    found = []
+    for name, fn, limit in ((DELIVER, deliver, DELIVER_TIME_LIMIT_MS),
+                            (SWEEP, sweep, SWEEP_TIME_LIMIT_MS)):
+        if name in broker.actors:
+            actor = broker.get_actor(name)
+            if actor.queue_name != queue:
+                raise ConfigError(
+                    "OUTBOX_EXECUTOR_QUEUE",
+                    f"{name} is declared on queue {actor.queue_name!r} of this Dramatiq broker "
+                    f"already (another app of this process); Dramatiq keeps one actor per name "
+                    f"and broker: give the apps the same OUTBOX_EXECUTOR_QUEUE, got {queue!r}")
+        else:
+            actor = dramatiq.Actor(
+                fn, broker=broker, actor_name=name, queue_name=queue, priority=0,
+                options=_options(broker, max_retries=0, time_limit=limit))
+        found.append(actor)
     broker.declare_queue(queue + URGENT_SUFFIX)
-    return deliver_actor, sweep_actor
+    return found[0], found[1]
 
 
 class DramatiqExecutor:
@@ -170,7 +182,7 @@ def _broker_for(url: str | None) -> dramatiq.Broker:
     if broker is None:
         client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT,
                                       socket_timeout=SOCKET_TIMEOUT)
-        broker = _made[url] = RedisBroker(client=client)
+        broker = _made[url] = RedisBroker(client=client)  # type: ignore[no-untyped-call]
     dramatiq.set_broker(broker)
     return broker
 
