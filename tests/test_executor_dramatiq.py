@@ -307,6 +307,20 @@ def test_a_task_for_emails_it_cannot_claim_returns_quietly(
     assert statuses(producer) == {"sent": 1, "queued": 1}
 
 
+def test_a_task_that_raises_is_dead_lettered_once_not_retried_by_dramatiq(
+        producer: Flask, spawn: Callable[..., DramatiqWorker], redis_server: RedisServer) -> None:
+    worker = spawn()
+    executor = contrib.executor(producer)
+    executor.broker.enqueue(executor.deliver_actor.message(["not", "ids"]))  # TypeError there
+    client = client_of(redis_server)
+    dead = poll(lambda: client.zcard(f"dramatiq:{QUEUE}.XQ"), timeout=20, interval=0.1)
+    time.sleep(1.0)  # a retry would be in the delay queue by now
+    assert dead == 1 and client.zcard(f"dramatiq:{QUEUE}.DQ") == 0
+    assert held(redis_server, QUEUE + ".DQ") == 0
+    assert worker.log().count("ids must be a list of integers") >= 1
+    assert "Retrying message" not in worker.log(), worker.log()[-3000:]
+
+
 # -- 4: the broker down at commit ---------------------------------------------------------
 
 
