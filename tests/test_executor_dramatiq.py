@@ -19,7 +19,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from collections import Counter
@@ -546,48 +545,40 @@ def test_chaos_sigkill_a_worker_and_restart_redis_lose_nothing(
         print(f"\n[dramatiq chaos] seed={seed} (replay: CHAOS_SEED={seed})")
     env = {"EXEC_LEASE_SECONDS": LEASE, "EXEC_BATCH_SIZE": str(BATCH),
            "EXEC_CONCURRENCY": str(CONNECTIONS)}
-    workers = {name: spawn(name, threads=2, **env) for name in ("w1", "w2")}
-    smtp_server.delay("data", DATA_DELAY)
-    began = time.monotonic()
-    # Several commits, with the producer's batch size: many tasks.
+    # Several commits, each publishing tasks of OUTBOX_BATCH_SIZE ids, before the workers run.
     queue_emails(producer, TOTAL, prefix="chaos", per_commit=200)
     expected = {r["message_id"] for r in rows(producer)}
     assert len(expected) == TOTAL
+    smtp_server.delay("data", DATA_DELAY)
+    began = time.monotonic()
+    # The sweep through the engine's scheduler: the sweeper fork function of w2's command
+    # publishes flask_mail_outbox.sweep every second (w1 is the one killed).
+    workers = {"w1": spawn("w1", threads=2, ready=False, **env),
+               "w2": spawn("w2", threads=2, ready=False, EXEC_SWEEP_INTERVAL="1", args=(
+                   "--fork-function", "flask_mail_outbox.contrib.dramatiq:sweeper"), **env)}
 
-    # The sweep, through the engine, every second, from the test (as a scheduler would).
-    stop_sweeping = False
-    sweeps = [0]
-
-    def sweeping() -> None:
-        while not stop_sweeping:
-            if contrib.send_sweep(producer):
-                sweeps[0] += 1
-            time.sleep(1.0)
-
-    sweeper = threading.Thread(target=sweeping, name="test-sweeper", daemon=True)
-    sweeper.start()
-    try:
-        # Kill w1 (SIGKILL, its whole command) once ~30 % arrived, while it holds leases.
-        victim = workers["w1"]
-        pids = victim.children()
-        assert pids, victim.log()[-3000:]
-        assert smtp_server.wait_for(int(TOTAL * (0.25 + rng.uniform(0, 0.1))), timeout=120)
-        received_at_kill = len(smtp_server.messages)
-        victim.kill()
-        # Nothing touches the killed leases before they expire (OUTBOX_LEASE_SECONDS).
-        in_flight = _sending_of(producer, pids)
-        killed_at = time.monotonic() - began
-        workers["w1"] = spawn("w1-again", threads=2, ready=False, **env)
-        # Restart Redis (SIGKILL: the queued tasks are lost) once ~60 % arrived.
-        assert smtp_server.wait_for(int(TOTAL * 0.6), timeout=120)
-        redis_server.restart(down_for=rng.uniform(0.2, 1.0))
-        redis_at = time.monotonic() - began
-        all_in = smtp_server.wait_until(
-            lambda: expected <= {m.message_id for m in smtp_server.messages}, timeout=150)
-        drained = time.monotonic() - began
-    finally:
-        stop_sweeping = True
-        sweeper.join(5)
+    # Kill w1 (SIGKILL, its whole command) once 25-35 % arrived, while it holds claimed rows.
+    victim = workers["w1"]
+    pids = poll(victim.children, timeout=30)
+    assert pids, victim.log()[-3000:]
+    assert smtp_server.wait_for(int(TOTAL * (0.25 + rng.uniform(0, 0.1))), timeout=120)
+    assert poll(lambda: _sending_of(producer, pids), timeout=20, interval=0.01), \
+        f"seed={seed}: w1 held no claimed rows for 20 s"
+    received_at_kill = len(smtp_server.messages)
+    victim.kill()
+    # Nothing touches the killed leases before they expire (OUTBOX_LEASE_SECONDS).
+    in_flight = _sending_of(producer, pids)
+    owners_at_kill = Counter(r["lease_owner"] for r in rows(producer) if r["status"] == "sending")
+    killed_at = time.monotonic() - began
+    workers["w1"] = spawn("w1-again", threads=2, ready=False, **env)
+    # Restart Redis (SIGKILL: the queued tasks are lost) once ~60 % arrived.
+    assert smtp_server.wait_for(int(TOTAL * 0.6), timeout=120)
+    down_for = rng.uniform(0.2, 1.0)
+    redis_server.restart(down_for=down_for)
+    redis_at = time.monotonic() - began
+    all_in = smtp_server.wait_until(
+        lambda: expected <= {m.message_id for m in smtp_server.messages}, timeout=150)
+    drained = time.monotonic() - began
     assert all_in, (f"seed={seed}", len(expected - set(smtp_server.message_ids())),
                     workers["w1"].log()[-3000:])
     final = poll(lambda: statuses(producer), lambda c: c == {"sent": TOTAL}, timeout=60)
@@ -596,16 +587,17 @@ def test_chaos_sigkill_a_worker_and_restart_redis_lose_nothing(
     lost = expected - set(received)
     duplicates = sum(n - 1 for n in received.values() if n > 1)
     assert (lost, set(received) - expected) == (set(), set()), f"seed={seed}"
-    # At most one per connection in flight per kill, and never more than its leases held.
     # A connection overlaps two messages (the reply to one recorded while the next one's
     # DATA is on the wire: see tests/test_chaos.py), so up to two per connection; and
     # never more than the rows its leases held.
-    assert in_flight > 0, f"seed={seed}: the kill found the worker holding no claimed rows"
+    assert in_flight > 0, (f"seed={seed}: the kill found the worker holding no claimed rows",
+                           pids, owners_at_kill)
     assert duplicates <= min(in_flight, 2 * CONNECTIONS), (f"seed={seed}", duplicates, in_flight)
     with capsys.disabled():
         print(f"[dramatiq chaos] seed={seed} emails={TOTAL} workers=2x(1 process, 2 threads, "
               f"{CONNECTIONS} connections) kill at {killed_at:.1f} s with "
-              f"{received_at_kill} received, {in_flight} rows in flight; redis restarted at {redis_at:.1f} s; sweeps sent {sweeps[0]}; "
+              f"{received_at_kill} received, {in_flight} rows in flight; redis restarted at "
+              f"{redis_at:.1f} s (down {down_for:.1f} s); sweeps by w2's sweeper fork every 1 s; "
               f"duplicates={duplicates} lost={len(lost)}; all received at {drained:.1f} s")
     for worker in workers.values():
         assert worker.stop(timeout=60) == 0, worker.log()[-3000:]
