@@ -53,9 +53,8 @@ def available() -> str | None:
 
 
 def config(broker_url: str) -> dict[str, object]:
-    """The app's keys: Dramatiq on ``broker_url``; the web side runs no dispatcher."""
-    return {"OUTBOX_EXECUTOR": "dramatiq", "OUTBOX_EXECUTOR_URL": broker_url,
-            "OUTBOX_RUN_WORKER": False}
+    """The app's keys: Dramatiq on ``broker_url`` (the web side then runs no dispatcher)."""
+    return {"OUTBOX_EXECUTOR": "dramatiq", "OUTBOX_EXECUTOR_URL": broker_url}
 
 
 def worker_command(*, broker_url: str, queue: str, concurrency: int,

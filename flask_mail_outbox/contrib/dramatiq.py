@@ -35,7 +35,6 @@ module of the app that creates it (``dramatiq myapp.tasks``).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -134,6 +133,7 @@ class DramatiqExecutor:
     """Publishes ``flask_mail_outbox.deliver`` messages to one broker and queue."""
 
     name = "dramatiq"
+    sweep_task = "flask_mail_outbox.sweep"
 
     def __init__(self, broker: dramatiq.Broker, queue: str) -> None:
         self.broker = broker
@@ -211,17 +211,6 @@ def setup() -> None:
 
 def _worker_app() -> Flask:
     """This process's app: one it made, else ``FLASK_APP`` loaded as ``flask`` loads it."""
-    try:
-        return executors.task_app()
-    except ConfigError:
-        path = os.environ.get("FLASK_APP")
-        if not path:
-            raise
-    # executors.task_app's own loader does not read FLASK_APP (flask's --app option
-    # does, not ScriptInfo): load it here; its init_app registers it.
-    from flask.cli import ScriptInfo
-
-    ScriptInfo(app_import_path=path, set_debug_flag=False).load_app()
     return executors.task_app()
 
 

@@ -19,7 +19,6 @@ pool and SMTP connections live across jobs.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
