@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -56,21 +55,10 @@ TESTS = REPO / "tests"
 QUEUE = "outbox"
 
 
-class Broker(RedisServer):
-    """tests/redis_server.py's server; its start() leaves its log file's handle to the
-    garbage collector, whose ResourceWarning is an error here: silenced around it."""
-
-    def start(self, timeout: float = 15.0) -> Broker:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            super().start(timeout)
-        return self
-
-
 @pytest.fixture
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A private Redis for one test."""
-    server = Broker(tmp_path_factory.mktemp("redis")).start()
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     try:
         yield server
     finally:

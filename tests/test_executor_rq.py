@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -67,20 +66,9 @@ FORKING_WORKER = "executor_rq_app.ForkingWorker"
 # -- fixtures -------------------------------------------------------------------------------
 
 
-class Broker(RedisServer):
-    """tests/redis_server.py's server, its log file's handle closed in :meth:`start`
-    (the shared start() leaves it to the garbage collector: a ResourceWarning)."""
-
-    def start(self, timeout: float = 15.0) -> Broker:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            super().start(timeout)
-        return self
-
-
 @pytest.fixture
 def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = Broker(tmp_path_factory.mktemp("redis")).start()
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     try:
         yield server
     finally:
