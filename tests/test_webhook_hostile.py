@@ -345,13 +345,15 @@ def _seconds(text: str) -> float:
 def test_the_json_reader_is_linear_on_adversarial_shapes(shape: str) -> None:
     """A megabyte (the route's cap) of each worst shape: sixteen times the input costs
     well under the 256 times a quadratic reader would (a linear one: 16), and under a
-    second. The ratios are far apart so that a loaded machine cannot blur them."""
+    second. The ratios are far apart so that a loaded machine cannot blur them: the
+    bound is half the quadratic ratio (a run on a CI machine under `-n 2` with other
+    processes measured 66 for a linear shape, the megabyte's allocation included)."""
     small = shape * (62_500 // len(shape))
     large = small * 16
     _seconds(small)
     small_time = min(_seconds(small) for _ in range(5))
-    large_time = min(_seconds(large) for _ in range(3))
-    assert large_time < max(64 * small_time, 0.05), (small_time, large_time)
+    large_time = min(_seconds(large) for _ in range(5))
+    assert large_time < max(128 * small_time, 0.05), (small_time, large_time)
     assert large_time < 1.0
 
 
