@@ -22,8 +22,8 @@ import shutil
 import sys
 
 ENGINE = "celery"
-#: Task threads per worker process (measured: 1 costs least per task, and a bulk drain
-#: keeps the connections as busy with 1, 2 or 4; docs/executors/celery.md).
+#: Task threads per worker process at least; worker_command gives twice the connections
+#: (one-email tasks: threads bound how many are on the wire; docs/executors/celery.md).
 THREADS = 1
 
 #: The worker's app, kept alive for as long as the worker runs.
@@ -58,7 +58,8 @@ def config(broker_url: str) -> dict[str, object]:
 def worker_command(*, broker_url: str, queue: str, concurrency: int) -> list[str]:
     """One Celery worker process delivering with ``concurrency`` SMTP connections."""
     return [sys.executable, "-m", "benchmarks.executor_celery", "--broker", broker_url,
-            "--queue", queue, "--concurrency", str(concurrency)]
+            "--queue", queue, "--concurrency", str(concurrency),
+            "--threads", str(max(THREADS, 2 * concurrency))]
 
 
 def extra_env(broker_url: str) -> dict[str, str]:

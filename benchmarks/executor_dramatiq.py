@@ -58,10 +58,12 @@ def config(broker_url: str) -> dict[str, object]:
 
 
 def worker_command(*, broker_url: str, queue: str, concurrency: int,
-                   threads: int = THREADS) -> list[str]:
-    """ONE worker process of ``threads`` threads on ``queue`` and its urgent queue;
-    its ``concurrency`` SMTP connections are the app's ``OUTBOX_CONCURRENCY``."""
-    del broker_url, concurrency  # the app's OUTBOX_EXECUTOR_URL and OUTBOX_CONCURRENCY
+                   threads: int | None = None) -> list[str]:
+    """ONE worker process of ``threads`` threads (default: twice the connections, at
+    least :data:`THREADS`) on ``queue`` and its urgent queue; its ``concurrency`` SMTP
+    connections are the app's ``OUTBOX_CONCURRENCY``."""
+    del broker_url  # the app's OUTBOX_EXECUTOR_URL
+    threads = threads or max(THREADS, 2 * concurrency)
     return [sys.executable, "-m", "dramatiq", "flask_mail_outbox.contrib.dramatiq:setup",
             "--processes", "1", "--threads", str(threads),
             "--queues", queue, f"{queue}.urgent"]

@@ -67,6 +67,10 @@ def worker_command(*, broker_url: str, queue: str, concurrency: int,
     ``OUTBOX_CONCURRENCY`` (the scenario sets it): RQ runs one job at a time, and a
     job delivers its ids over the outbox's connections."""
     del concurrency  # the app's OUTBOX_CONCURRENCY
+    processes = int(os.environ.get("BENCH_RQ_PROCESSES", "1"))
+    if processes > 1:  # RQ runs one job at a time per process: a pool runs several
+        return [sys.executable, "-m", "rq.cli", "worker-pool", "-n", str(processes),
+                "--worker-class", worker_class, "-u", broker_url, "--quiet", queue]
     return [sys.executable, "-m", "rq.cli", "worker", "--worker-class", worker_class,
             "-u", broker_url, "--quiet", queue]
 

@@ -142,6 +142,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="OUTBOX_BATCH_SIZE: ids per task, rows per dispatcher claim at "
                              "most (default: the default, 100)")
+    parser.add_argument("--ids-per-task", type=int, default=None,
+                        help="the publishing side's OUTBOX_BATCH_SIZE only: the ids of one "
+                             "task (1: each email its own task, as when every commit sends "
+                             "one); the workers keep --batch-size")
 
 
 # -- the engines' plug-ins -------------------------------------------------------------------
@@ -289,8 +293,11 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
     try:
         for engine in found:
             try:
+                publishing = dict(base)
+                if args.ids_per_task is not None:
+                    publishing["OUTBOX_BATCH_SIZE"] = args.ids_per_task
                 engine.bench = build(url, sink.smtp_port, create=False,
-                                     **{**base, **engine.config()})
+                                     **{**publishing, **engine.config()})
             except ConfigError as exc:  # its contrib module or its extra is missing
                 why = f"the app refuses its configuration: {exc}"
                 log(f"{NAME}: skipping {engine.name}: {why}")

@@ -271,7 +271,7 @@ def test_a_job_for_ids_it_cannot_claim_returns_quietly(
     assert result is not None and result.type == result.Type.SUCCESSFUL, result
     assert result.return_value == {"sent": 0, "failed": 0, "retry": 0, "suppressed": 0,
                                    "expired": 0, "cancelled": 0, "paused": 0,
-                                   "not_claimed": 4}
+                                   "not_claimed": 4, "claimed": 0}
     assert len(smtp_server.messages) == 1
     assert statuses(producer) == Counter(sent=1, queued=1, sending=1)
     assert FailedJobRegistry(QUEUE, connection=queue.connection).count == 0
@@ -467,8 +467,9 @@ def test_a_killed_work_horse_loses_nothing(
 def test_a_killed_worker_loses_nothing(
         producer: Flask, spawn: Callable[..., RQWorker], smtp_server: FaultSMTPServer,
         redis: RedisServer) -> None:
-    """SIGKILL the OutboxWorker mid-delivery: its job is abandoned in RQ's started
-    registry; a new worker, the expired leases and the sweep deliver everything."""
+    """SIGKILL the OutboxWorker mid-delivery: its job ended at the claim (RQ holds
+    nothing of it), its rows are claimed by the dead process; a new worker, the expired
+    leases and the sweep deliver everything."""
     smtp_server.hold()
     worker = spawn("w1", RQ_TEST_LEASE="3")
     send(producer, [f"k {i}" for i in range(6)])
@@ -477,7 +478,8 @@ def test_a_killed_worker_loses_nothing(
     worker.kill()
     smtp_server.release()
     queue = queue_of(redis)
-    assert StartedJobRegistry(QUEUE, connection=queue.connection).get_job_ids()  # abandoned
+    # The job finished once its ids were claimed: only the database knows them now.
+    assert StartedJobRegistry(QUEUE, connection=queue.connection).get_job_ids() == []
     spawn("w2", RQ_TEST_LEASE="3")
     time.sleep(3.2)
     run_sweep_job(producer, redis)

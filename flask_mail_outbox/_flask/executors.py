@@ -137,12 +137,15 @@ def summary(report: BatchReport) -> dict[str, int]:
             "paused": len(report.paused), "not_claimed": len(report.not_claimed)}
 
 
-def deliver_task(ids: Sequence[int], *, app: Flask | None = None) -> dict[str, int]:
+def deliver_task(ids: Sequence[int], *, app: Flask | None = None,
+                 until_claimed: bool = False) -> dict[str, int]:
     """The deliver task's body: claim ``ids``, deliver, record (see ``core/_executor.py``).
 
     Never raises for a delivery error (the backoff sets the next due time and
     the sweep task publishes the email again); raises :class:`ConfigError`
     for a worker set up wrong, and ``TypeError`` for ids that are not integers.
+    ``until_claimed``: return once the ids are claimed (an engine that runs one
+    task at a time per process); the counts then have ``claimed`` too.
     """
     if isinstance(ids, (str, bytes)) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -150,8 +153,11 @@ def deliver_task(ids: Sequence[int], *, app: Flask | None = None) -> dict[str, i
                         f"got {ids!r:.200}")
     target = task_app(app)
     with target.app_context():
-        report = deliver_ids(_state(target).outbox().worker, ids)
-    return summary(report)
+        report = deliver_ids(_state(target).outbox().worker, ids, until_claimed=until_claimed)
+    counts = summary(report)
+    if until_claimed:
+        counts["claimed"] = len(report.claimed)
+    return counts
 
 
 def sweep_task(*, app: Flask | None = None) -> dict[str, int]:

@@ -264,6 +264,9 @@ class BatchReport:
     paused: list[int] = dataclasses.field(default_factory=list)
     # Emails that now hold their key (a finished one handed it on): next to claim.
     holders: list[int] = dataclasses.field(default_factory=list)
+    # Handed ids claimed and on their way, for a caller that waited for the claim
+    # only (``Worker.deliver(..., until_claimed=True)``): their outcomes come later.
+    claimed: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -280,6 +283,18 @@ class Waiter:
     ids: set[int]
     report: BatchReport = dataclasses.field(default_factory=BatchReport)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: Done once each id is claimed (or has an outcome): the loop delivers the rest.
+    until_claimed: bool = False
+
+    def take_claimed(self, ids: Sequence[int]) -> bool:
+        """Note ``ids`` claimed (when it waits for claims only); True once it has them all."""
+        if self.until_claimed:
+            mine = [i for i in ids if i in self.ids]
+            self.report.claimed.extend(mine)
+            self.ids.difference_update(mine)
+            if not self.ids:
+                self.done.set()
+        return not self.ids
 
     def take(self, report: BatchReport) -> bool:
         """Note the outcomes of its ids in ``report``; True once it has them all."""
@@ -314,6 +329,12 @@ class Waiters:
         """Give each waiter its ids' outcomes in ``report``; those who have them all are done."""
         for waiter in list(self._waiters):
             if waiter.take(report):
+                self._waiters.remove(waiter)
+
+    def claimed(self, ids: Sequence[int]) -> None:
+        """``ids`` were claimed: those waiting for the claim only may be done."""
+        for waiter in list(self._waiters):
+            if waiter.take_claimed(ids):
                 self._waiters.remove(waiter)
 
 

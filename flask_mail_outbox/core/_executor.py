@@ -100,27 +100,37 @@ def publish(executor: Executor, ids: Sequence[int], *, urgent: Sequence[int] | s
     return published
 
 
-def deliver_ids(worker: Worker, ids: Sequence[int], *,
-                timeout: float = TASK_TIMEOUT) -> BatchReport:
+def deliver_ids(worker: Worker, ids: Sequence[int], *, timeout: float = TASK_TIMEOUT,
+                until_claimed: bool = False) -> BatchReport:
     """A task's body: claim ``ids``, deliver what was claimed, record; never raises for mail.
 
-    Runs in the caller's thread (the task's) on this process's ``worker`` (its
-    outbox's :attr:`~._outbox.Outbox.worker`), ticked
-    by hand: no thread of its own, no in-process retries (a transient failure
-    is recorded with its next due time, for the sweep task), nothing left in
-    memory when it returns. Ids it cannot claim (sent, cancelled, claimed
-    elsewhere, not due, waiting on their key) are in ``not_claimed``. The
-    emails of a key that this task's records hand the key to are delivered by
-    it too, in order. Raises only when the worker was stopped.
+    The ids go to this process's ``worker`` (its outbox's
+    :attr:`~._outbox.Outbox.worker`), whose loop claims them with the
+    outbox's own compare-and-set and a lease, sends them on its long-lived
+    connections and records the outcomes; the call returns once every id has
+    its first outcome (or ``timeout`` passed). Ids it cannot claim (sent,
+    cancelled, claimed elsewhere, not due, waiting on their key) are in
+    ``not_claimed``. A transient failure is recorded at once with its backoff
+    (no retry in this process: the sweep task publishes it when due), so
+    nothing of the task stays in memory. Tasks running at once in one process
+    (an engine's threads) share the loop: their ids are claimed and sent side
+    by side, as a dispatcher's claims are, so one-email tasks on T threads
+    keep up to T emails in flight. ``until_claimed``: return once the ids
+    are claimed (``report.claimed``), the loop sending and recording them
+    after, for an engine that runs one task at a time per process (RQ): the
+    next task's ids are claimed while these are on the wire, and the loop's
+    room (``OUTBOX_BATCH_SIZE`` rows in flight) holds the next claim back. A
+    worker ticked by hand (the test kit, ``flask outbox worker --once``) is
+    drained in the caller's thread instead.
     """
-    worker.hand_ticked = True
+    worker.retries_in_process = False
     clean = sorted({int(i) for i in ids})
     if not clean:
         return BatchReport()
-    report = worker.deliver(clean, timeout=timeout)
-    logger.debug("Task delivered %s: %d sent, %d failed, %d to retry, %d not claimed",
-                 clean[:20], len(report.sent), len(report.failed), len(report.transient),
-                 len(report.not_claimed))
+    report = worker.deliver(clean, timeout=timeout, until_claimed=until_claimed)
+    logger.debug("Task for %s: %d claimed and on their way, %d sent, %d failed, %d to retry, "
+                 "%d not claimed", clean[:20], len(report.claimed), len(report.sent),
+                 len(report.failed), len(report.transient), len(report.not_claimed))
     return report
 
 

@@ -165,6 +165,10 @@ class Worker:
         #: Never starts a thread: a test or ``flask outbox worker --once`` calls
         #: :meth:`step` / :meth:`drain` itself.
         self.hand_ticked = False
+        #: Inline mode retries a transient failure in this process a few times
+        #: (``OUTBOX_INLINE_RETRIES``); False: it is recorded with its backoff at once
+        #: (a task queue's task: nothing of it stays in memory when the task returns).
+        self.retries_in_process = True
         # One caller at a time drains a hand-ticked worker in its own thread.
         self._drain_lock = threading.Lock()
         self.started = False  # whether the loop ever ran in this process
@@ -255,14 +259,19 @@ class Worker:
         self.wake()
         self.start()
 
-    def deliver(self, ids: Sequence[int], timeout: float) -> BatchReport:
+    def deliver(self, ids: Sequence[int], timeout: float, *,
+                until_claimed: bool = False) -> BatchReport:
         """Hand ``ids`` over and wait (up to ``timeout``) for their first outcomes.
 
         The loop delivers them; a worker ticked by hand whose loop runs
         nowhere (a sweep beside a hand-ticked dispatcher) is drained in the
         caller's thread instead: the same claim, lanes and record either way.
+        ``until_claimed``: return once each id is claimed (``report.claimed``)
+        or found unclaimable; the loop sends and records the claimed ones
+        after (a task queue's one-task-at-a-time worker: the next task's ids
+        are claimed while these are on the wire).
         """
-        waiter = Waiter(set(ids))
+        waiter = Waiter(set(ids), until_claimed=until_claimed)
         if not waiter.ids:
             return waiter.report
         with self._cond:
@@ -524,6 +533,8 @@ class Worker:
             return 0
         self.delivery.faults.recovered("inline-drain")
         got = {email.id for email in claimed}
+        with self._cond:
+            self._waiters.claimed(list(got))
         self._settle(BatchReport(not_claimed=[i for i in ids if i not in got]))
         self._put(claimed)
         return len(claimed)
@@ -813,7 +824,8 @@ class Worker:
             return
         retry_now = {email.id for email, _ in done
                      if self.intake.retries_done(email.id) < self.config.inline_retries
-                     and not self.dispatching and not self.hand_ticked}
+                     and not self.dispatching and not self.hand_ticked
+                     and self.retries_in_process}
         try:
             report = self.delivery.finish(done, policy=self.policy, retry_now=retry_now,
                                           kept=self._writes, paced=self.lanes.paced_ids(
