@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 import otel_worker_app
 import pytest
 from conftest import (
@@ -297,6 +298,88 @@ def test_tracing_off_writes_null_and_makes_no_span(
             ("sent", None, None)] * 3 * rounds
         assert [s for s in exporter.get_finished_spans() if s.kind is not SpanKind.SERVER] == []
         smtp_server.clear()
+
+
+def test_tracing_adds_no_statement_to_the_delivery(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    """One dispatcher tick delivering three emails runs the same SQL statements with
+    tracing off, on "auto" with no provider, and on with the SDK: the claim reads the
+    trace contexts, so tracing has no query of its own."""
+    provider, exporter = traced
+    executed: dict[str, list[str]] = {}
+    for name, otel in (("off", {"enabled": False}), ("none", None),
+                       ("sdk", {"tracer_provider": provider})):
+        app = _app(db_url, smtp_server, otel, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                   OUTBOX_LISTEN=False, OUTBOX_INLINE_RETRIES=0)
+        mail: OutboxMail = app.extensions["test_mail"]
+        statements = executed[name] = []
+
+        def note(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+            statements.append(" ".join(statement.split()))
+
+        try:
+            with app.app_context():
+                mail.send_many([Message(f"Tip {i}", recipients=[f"bob{i}@example.org"],
+                                        body="tip") for i in range(3)])
+                db.session.commit()
+                engine = mail._state().outbox().store.engine
+            worker = hand_ticked_worker(app)
+            sa.event.listen(engine, "before_cursor_execute", note)
+            try:
+                worker.tick()
+                wait_rows(app, lambda r: all(row["status"] == "sent" for row in r), 20.0)
+            finally:
+                sa.event.remove(engine, "before_cursor_execute", note)
+        finally:
+            close_app(app)
+        assert smtp_server.wait_for(3, timeout=10)
+        smtp_server.clear()
+    assert executed["off"], "no statement seen"
+    assert executed["none"] == executed["off"]
+    assert executed["sdk"] == executed["off"]
+    assert len(_spans(exporter, SpanKind.CONSUMER)) == 3  # the sdk round was traced
+
+
+_NOTHING_IMPORTED = """
+import json, sys
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from flask_mail_outbox import Message, OutboxMail
+
+app = Flask("plain")
+app.config.update(SQLALCHEMY_DATABASE_URI=sys.argv[1], MAIL_SERVER="127.0.0.1",
+                  MAIL_PORT=int(sys.argv[2]), MAIL_SUPPRESS_SEND=False,
+                  MAIL_DEFAULT_SENDER="Sender <sender@example.com>")
+db = SQLAlchemy(app)
+mail = OutboxMail(app)
+with app.app_context():
+    mail.create_all()
+    mail.send(Message("Welcome", recipients=["ann@example.com"], body="hi"))
+    mail.send_many([Message("Tip", recipients=["bob@example.org"], body="tip")])
+    db.session.commit()
+    mail.wait_idle(timeout=20)
+    status = [row[0] for row in db.session.execute(
+        db.text("SELECT status FROM outbox_email ORDER BY id"))]
+print(json.dumps({"status": status, "loaded": sorted(
+    m for m in sys.modules if m.partition(".")[0] == "opentelemetry")}))
+"""
+
+
+def test_with_no_provider_set_sending_and_delivering_import_nothing_of_opentelemetry(
+        tmp_path: Path, smtp_server: FaultSMTPServer) -> None:
+    """OpenTelemetry installed (here it is) but not used by the app: "auto" leaves it
+    unimported through send(), the claim, the SMTP transaction and the record."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASK_APP",)}
+    env["PYTHONPATH"] = str(TESTS.parent)
+    child = subprocess.run(
+        [sys.executable, "-c", _NOTHING_IMPORTED, f"sqlite:///{tmp_path / 'plain.db'}",
+         str(smtp_server.port)], capture_output=True, text=True, timeout=120, check=False,
+        cwd=tmp_path, env=env)
+    assert child.returncode == 0, child.stderr[-6000:]
+    report = json.loads(child.stdout.splitlines()[-1])
+    assert report["status"] == ["sent", "sent"]
+    assert report["loaded"] == []
+    assert smtp_server.wait_for(2, timeout=10)
 
 
 @pytest.mark.parametrize(("value", "message"), [
