@@ -739,6 +739,59 @@ def test_otel_metrics_are_off_without_a_meter_provider(
     meters.shutdown()
 
 
+_AUTO_METRICS = """
+import json, sys
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))  # before init_app
+
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from flask_mail_outbox import Message, OutboxMail
+
+app = Flask("metered")
+app.config.update(SQLALCHEMY_DATABASE_URI=sys.argv[1], MAIL_SERVER="127.0.0.1",
+                  MAIL_PORT=int(sys.argv[2]), MAIL_SUPPRESS_SEND=False,
+                  MAIL_DEFAULT_SENDER="Sender <sender@example.com>")
+db = SQLAlchemy(app)
+mail = OutboxMail(app)
+with app.app_context():
+    mail.create_all()
+    mail.send(Message("Welcome", recipients=["ann@example.com"], body="hi"))
+    db.session.commit()
+    mail.wait_idle(timeout=20)
+found = {}
+for resource in reader.get_metrics_data().resource_metrics:
+    for scope in resource.scope_metrics:
+        for metric in scope.metrics:
+            found[metric.name] = sum(getattr(p, "value", 0) or getattr(p, "count", 0)
+                                     for p in metric.data.data_points)
+print(json.dumps(found))
+"""
+
+
+def test_otel_metrics_auto_are_on_when_the_app_set_a_meter_provider_before_init_app(
+        tmp_path: Path, smtp_server: FaultSMTPServer) -> None:
+    """OUTBOX_OTEL left at its default: the global meter provider an app sets (as
+    ``opentelemetry-instrument`` does) turns the metrics on; the other half of "auto"
+    (no provider: nothing imported) is
+    test_with_no_provider_set_sending_and_delivering_import_nothing_of_opentelemetry."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASK_APP",)}
+    env["PYTHONPATH"] = str(TESTS.parent)
+    child = subprocess.run(
+        [sys.executable, "-c", _AUTO_METRICS, f"sqlite:///{tmp_path / 'metered.db'}",
+         str(smtp_server.port)], capture_output=True, text=True, timeout=120, check=False,
+        cwd=tmp_path, env=env)
+    assert child.returncode == 0, child.stderr[-6000:]
+    found = json.loads(child.stdout.splitlines()[-1])
+    assert (found.get("outbox.emails.queued"), found.get("outbox.emails.sent"),
+            found.get("outbox.email.delivery.duration")) == (1, 1, 1), found
+    assert {"outbox.queue.depth", "outbox.queue.oldest_due_age"} <= set(found), found
+
+
 class _FailingOn(SpanProcessor):
     """An app's span processor that raises when a span of one of ``names`` ends."""
 
