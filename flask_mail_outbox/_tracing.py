@@ -191,15 +191,12 @@ class ProducerSpans:
     def end(self, email_ids: Sequence[int] | None, error: BaseException | None = None) -> None:
         """End them, with the ids the rows got (None: the insert failed with ``error``);
         never raises (a failure is reported)."""
-        from opentelemetry.trace import Status, StatusCode
-
         try:
             for index, span in enumerate(self._spans):
                 if email_ids is not None and span.is_recording():
                     span.set_attribute("messaging.message.id", str(email_ids[index]))
                 if error is not None:
-                    span.record_exception(error)
-                    span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                    failed(span, error)
                 span.end()
         except Exception as exc:  # noqa: BLE001 - reported; the rows are queued
             _degrade.report(
@@ -209,6 +206,18 @@ class ProducerSpans:
                 fix="check the app's OpenTelemetry span processors (the traceback below "
                     "names the failing one)",
                 exc=exc)
+
+
+def failed(span: Any, error: BaseException) -> None:
+    """Mark ``span`` failed with ``error``: an ``exception`` event naming its type, the
+    status ERROR. Not ``record_exception()``: its message and stack trace can hold
+    addresses and content (a refused RCPT's reply, a failed INSERT's parameters), and
+    no span carries those."""
+    from opentelemetry.trace import Status, StatusCode
+
+    kind = type(error)
+    span.add_event("exception", {"exception.type": f"{kind.__module__}.{kind.__qualname__}"})
+    span.set_status(Status(StatusCode.ERROR, kind.__name__))
 
 
 #: The ``traceparent`` :class:`ProducerSpans` writes (version 00), parsed without a
@@ -466,13 +475,11 @@ class _Sending:
                  traceback: TracebackType | None) -> None:
         """End the span; never raises (the send's own exception, if any, goes on)."""
         from opentelemetry import context
-        from opentelemetry.trace import Status, StatusCode
 
         try:
             context.detach(self._token)
             if error is not None:
-                self.span.record_exception(error)
-                self.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                failed(self.span, error)
             self.span.end()
         except Exception as exc:  # noqa: BLE001 - reported; the send's result stands
             _span_failed(self.span, exc)

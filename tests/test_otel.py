@@ -110,9 +110,14 @@ def _traceparent(span: ReadableSpan) -> str:
 
 
 def _no_address(spans: list[ReadableSpan]) -> None:
+    """No attribute of the spans or of their events (a recorded exception's message
+    and stack trace) holds an address."""
     for span in spans:
         for name, value in (span.attributes or {}).items():
             assert "@" not in str(value), (span.name, name, value)
+        for event in span.events:
+            for name, value in (event.attributes or {}).items():
+                assert "@" not in str(value), (span.name, event.name, name, value)
 
 
 def test_a_request_that_sends_three_emails_is_one_trace_and_each_delivery_links_to_it(
@@ -491,6 +496,32 @@ def test_a_send_whose_insert_fails_ends_its_producer_span_in_error(
     assert producer.status.status_code is trace.StatusCode.ERROR
     assert "messaging.message.id" not in (producer.attributes or {})
     assert [event.name for event in producer.events] == ["exception"]
+    _no_address([producer])
+
+
+def test_a_failed_insert_puts_neither_its_parameters_nor_its_message_on_the_span(
+        tmp_path: Path, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    """SQLAlchemy's error of a failed INSERT lists its parameters (the recipients, the
+    subject, the message): the span names the error's type only."""
+    provider, exporter = traced
+    app = _app(f"sqlite:///{tmp_path / 'refusing.db'}", smtp_server,
+               {"tracer_provider": provider})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            with db.engine.begin() as conn:
+                conn.exec_driver_sql("CREATE TRIGGER refuse BEFORE INSERT ON outbox_email "
+                                     "BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END")
+            with pytest.raises(sa.exc.IntegrityError, match="ann@example.com"):
+                mail.send(Message("Reset", recipients=["ann@example.com"], body="link"))
+            db.session.rollback()
+    finally:
+        close_app(app)
+    [producer] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.PRODUCER]
+    assert producer.status.status_code is trace.StatusCode.ERROR
+    assert [(event.name, dict(event.attributes or {})) for event in producer.events] == [
+        ("exception", {"exception.type": "sqlalchemy.exc.IntegrityError"})]
+    _no_address([producer])
 
 
 class _FailingProcessor(SpanProcessor):
