@@ -409,12 +409,12 @@ def end_attempts(ended: Sequence[tuple[Attempt, str, int, bool]],
         kind=trace.SpanKind.INTERNAL, attributes=attributes, start_time=record[0],
         links=[Link(attempt.span.get_span_context()) for attempt, *_ in ended],
     ).end(record[1])
-    for attempt, outcome, reply_code, failed in ended:
+    for attempt, outcome, reply_code, in_error in ended:
         span = attempt.span
         if span.is_recording():  # a sampled-out span: no attribute to build
             span.set_attributes({OUTCOME: outcome, REPLY_CODE: reply_code} if reply_code
                                 else {OUTCOME: outcome})
-            if failed:
+            if in_error:
                 span.set_status(Status(StatusCode.ERROR, outcome))
         span.end()
 

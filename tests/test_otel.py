@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import sqlalchemy as sa
 import otel_worker_app
 import pytest
+import sqlalchemy as sa
 from conftest import (
     close_app,
     db,
@@ -319,7 +319,8 @@ def test_tracing_adds_no_statement_to_the_delivery(
         mail: OutboxMail = app.extensions["test_mail"]
         statements = executed[name] = []
 
-        def note(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        def note(_conn: Any, _cursor: Any, statement: str, *_: Any,
+                 statements: list[str] = statements) -> None:
             statements.append(" ".join(statement.split()))
 
         try:

@@ -29,7 +29,6 @@ from email.policy import default as default_policy
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from .. import _degrade, _tracing
@@ -45,7 +44,7 @@ from ._events import EventLog
 from ._intercept import BeforeSend, Intercepted, Interceptor, write_notes
 from ._leases import ClaimedEmail, Outcome, Reaped, Recorded
 from ._mailbox import Keeper
-from ._models import Status, email_table
+from ._models import Status
 from ._pause import OVERDUE
 from ._releases import Releases
 from ._retry import Decision, RetryPolicy
