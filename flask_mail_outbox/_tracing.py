@@ -191,15 +191,12 @@ class ProducerSpans:
     def end(self, email_ids: Sequence[int] | None, error: BaseException | None = None) -> None:
         """End them, with the ids the rows got (None: the insert failed with ``error``);
         never raises (a failure is reported)."""
-        from opentelemetry.trace import Status, StatusCode
-
         try:
             for index, span in enumerate(self._spans):
-                if email_ids is not None:
+                if email_ids is not None and span.is_recording():
                     span.set_attribute("messaging.message.id", str(email_ids[index]))
                 if error is not None:
-                    span.record_exception(error)
-                    span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                    failed(span, error)
                 span.end()
         except Exception as exc:  # noqa: BLE001 - reported; the rows are queued
             _degrade.report(
@@ -209,6 +206,18 @@ class ProducerSpans:
                 fix="check the app's OpenTelemetry span processors (the traceback below "
                     "names the failing one)",
                 exc=exc)
+
+
+def failed(span: Any, error: BaseException) -> None:
+    """Mark ``span`` failed with ``error``: an ``exception`` event naming its type, the
+    status ERROR. Not ``record_exception()``: its message and stack trace can hold
+    addresses and content (a refused RCPT's reply, a failed INSERT's parameters), and
+    no span carries those."""
+    from opentelemetry.trace import Status, StatusCode
+
+    kind = type(error)
+    span.add_event("exception", {"exception.type": f"{kind.__module__}.{kind.__qualname__}"})
+    span.set_status(Status(StatusCode.ERROR, kind.__name__))
 
 
 #: The ``traceparent`` :class:`ProducerSpans` writes (version 00), parsed without a
@@ -276,25 +285,25 @@ def _attributes(operation: str, transport: str, email_id: int | None = None,
 
 
 #: ``messaging.operation.type`` of an operation name that is none of the convention's.
-_OPERATION_TYPES = {"claim": "receive", "event": "process"}
+_OPERATION_TYPES = {"claim": "receive", "event": "process", "record": "settle"}
 
 
-def claim(tracer: Any, settings: TracingSettings, claimed: Sequence[Any],
-          contexts: Mapping[int, tuple[str | None, str | None]], *, started: int | None,
-          server: Any) -> None:
+def claim(tracer: Any, settings: TracingSettings, claimed: Sequence[Any], *,
+          started: int | None, server: Any) -> None:
     """The span of one claim statement (from ``started`` to now, in the worker's own
     trace, linked to every claimed email's PRODUCER span) and a live CONSUMER span for
     each email it took (put in :data:`LIVE`): a child of the claim span, linked to
     its producer (``"link": "child"``: the producer's child, linked to the claim span).
 
-    ``claimed``: :class:`~.core._leases.ClaimedEmail` rows; ``contexts``: their
-    stored trace contexts by id; ``server``: a transport's name -> its (host, port).
+    ``claimed``: :class:`~.core._leases.ClaimedEmail` rows, with the trace contexts
+    their claim read (``traceparent``, ``tracestate``: no query of its own);
+    ``server``: a transport's name -> its (host, port).
     """
     from opentelemetry import trace
     from opentelemetry.trace import Link
 
     now = time.time_ns()
-    producers = {email.id: producer_context(*contexts.get(email.id, (None, None)))
+    producers = {email.id: producer_context(email.traceparent, email.tracestate)
                  for email in claimed}
     transports = sorted({email.transport for email in claimed})
     attributes = _attributes("claim", transports[0] if len(transports) == 1 else "*")
@@ -351,22 +360,63 @@ def forget(email_id: int, message_id: str) -> None:
     LIVE.pop((email_id, message_id), None)
 
 
-def end_attempt(attempt: Attempt, *, outcome: str, reply_code: int, failed: bool,
-                record: tuple[int, int] | None) -> None:
-    """End a live CONSUMER span with its outcome; ``record``: its ``record`` child's times."""
+def unseen(tracer: Any, settings: TracingSettings, email: Any, *, start_time: int,
+           server: tuple[str, int] | None) -> Attempt:
+    """A CONSUMER span opened at its record for an attempt not seen claimed (tracing
+    came on while it was in flight): from ``start_time`` (its record's start)."""
     from opentelemetry import trace
-    from opentelemetry.trace import Status, StatusCode
+    from opentelemetry.trace import Link
 
-    span = attempt.span
-    span.set_attributes({OUTCOME: outcome, REPLY_CODE: reply_code} if reply_code
-                        else {OUTCOME: outcome})
-    if record is not None:
-        attempt.tracer.start_span("record", context=trace.set_span_in_context(span),
-                                  kind=trace.SpanKind.INTERNAL,
-                                  start_time=record[0]).end(record[1])
-    if failed:
-        span.set_status(Status(StatusCode.ERROR, outcome))
-    span.end()
+    producer = producer_context(email.traceparent, email.tracestate)
+    attributes = _attributes("process", email.transport, email.id, email.key)
+    attributes[ATTEMPT] = email.attempt
+    if server is not None:
+        attributes["server.address"], attributes["server.port"] = server
+    if settings.recipient_domain:
+        attributes[RECIPIENT_DOMAINS] = _domains(email.deliverable)
+    if settings.link == "child" and producer is not None:
+        context, links = trace.set_span_in_context(producer), []
+    else:  # the worker's own trace: not the caller's, whatever is current here
+        context = trace.set_span_in_context(trace.INVALID_SPAN)
+        links = [] if producer is None else [Link(producer.get_span_context())]
+    span = tracer.start_span(f"process {email.transport}", context=context,
+                             kind=trace.SpanKind.CONSUMER, attributes=attributes,
+                             links=links, start_time=start_time)
+    return Attempt(tracer, span, None, producer, email.transport)
+
+
+def end_attempts(ended: Sequence[tuple[Attempt, str, int, bool]],
+                 record: tuple[int, int]) -> None:
+    """The ``record`` span of one record transaction (``record``: its start and end,
+    ns), linked to the CONSUMER span of every attempt it recorded, then those spans
+    ended: ``ended`` holds (attempt, outcome, reply code, failed) for each.
+
+    One ``record`` span per transaction, not per email: the transaction is one, and a
+    span per email cost each attempt a third of its tracing. It is the child of the
+    first attempt's claim span (in the worker's own trace), a root when none was seen.
+    """
+    if not ended:
+        return
+    from opentelemetry import trace
+    from opentelemetry.trace import Link, Status, StatusCode
+
+    first = ended[0][0]
+    transports = {attempt.transport for attempt, *_ in ended}
+    attributes = _attributes("record", first.transport if len(transports) == 1 else "*")
+    attributes["messaging.batch.message_count"] = len(ended)
+    first.tracer.start_span(
+        "record", context=trace.set_span_in_context(first.claim or trace.INVALID_SPAN),
+        kind=trace.SpanKind.INTERNAL, attributes=attributes, start_time=record[0],
+        links=[Link(attempt.span.get_span_context()) for attempt, *_ in ended],
+    ).end(record[1])
+    for attempt, outcome, reply_code, in_error in ended:
+        span = attempt.span
+        if span.is_recording():  # a sampled-out span: no attribute to build
+            span.set_attributes({OUTCOME: outcome, REPLY_CODE: reply_code} if reply_code
+                                else {OUTCOME: outcome})
+            if in_error:
+                span.set_status(Status(StatusCode.ERROR, outcome))
+        span.end()
 
 
 class _Off:
@@ -412,6 +462,7 @@ class _Sending:
                      if a.producer is not None]
         self.span = first.tracer.start_span(name, context=context, kind=trace.SpanKind.CLIENT,
                                             attributes=attributes, links=links)
+        self._batch = len(email_ids) > 1
         self._token: Any = None
 
     def __enter__(self) -> Self:
@@ -424,25 +475,30 @@ class _Sending:
                  traceback: TracebackType | None) -> None:
         """End the span; never raises (the send's own exception, if any, goes on)."""
         from opentelemetry import context
-        from opentelemetry.trace import Status, StatusCode
 
         try:
             context.detach(self._token)
             if error is not None:
-                self.span.record_exception(error)
-                self.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+                failed(self.span, error)
             self.span.end()
         except Exception as exc:  # noqa: BLE001 - reported; the send's result stands
             _span_failed(self.span, exc)
 
     def done(self, results: Sequence[Any]) -> None:
-        """Note the results (``Delivered`` / ``Failed``): the outcome and reply code."""
+        """Note the results (``Delivered`` / ``Failed``): the outcome and reply code.
+
+        One email delivered: nothing, its CONSUMER parent says ``sent`` (an attribute
+        set costs the SDK a lock and a validation per email); a failure or a batch
+        says what happened."""
+        if not self.span.is_recording():
+            return
         from opentelemetry.trace import Status, StatusCode
 
         errors = [result.error for result in results if hasattr(result, "error")]
         try:
             if not errors:
-                self.span.set_attribute(OUTCOME, "delivered")
+                if self._batch:
+                    self.span.set_attribute(OUTCOME, "delivered")
                 return
             self.span.set_attribute(OUTCOME, "failed" if len(errors) == len(results)
                                     else "partial")
@@ -538,61 +594,3 @@ def event_spans(tracer: Any, events: Sequence[Any],
                           attributes=attributes,
                           links=[] if producer is None else [
                               Link(producer.get_span_context())]).end()
-
-
-def consumer_span(tracer: Any, settings: TracingSettings, *, email_id: int, attempt: int,
-                  transport: str, key: str | None, traceparent: str | None,
-                  tracestate: str | None, outcome: str, reply_code: int,
-                  server: tuple[str, int] | None, recipients: Sequence[str],
-                  start_time: int | None, failed: bool,
-                  record: tuple[int, int] | None = None) -> None:
-    """One CONSUMER span for one recorded delivery attempt, from ``start_time`` (its
-    claim) to now; ``record``: the start and end (ns) of the transaction that recorded
-    it (its batch's), a child span ``record``."""
-    from opentelemetry import trace
-    from opentelemetry.trace import Link, Status, StatusCode
-    from opentelemetry.trace.propagation.tracecontext import (
-        TraceContextTextMapPropagator,
-    )
-
-    attributes: dict[str, Any] = {
-        "messaging.system": SYSTEM, "messaging.operation.name": "process",
-        "messaging.operation.type": "process", "messaging.destination.name": transport,
-        "messaging.message.id": str(email_id), ATTEMPT: attempt, OUTCOME: outcome}
-    if key:
-        attributes["messaging.message.conversation_id"] = key
-    if reply_code:
-        attributes[REPLY_CODE] = reply_code
-    if server is not None:
-        attributes["server.address"], attributes["server.port"] = server
-    if settings.recipient_domain:
-        attributes[RECIPIENT_DOMAINS] = sorted({address.rpartition("@")[2].lower()
-                                                for address in recipients})
-    context = None
-    links = []
-    if traceparent:
-        carrier = {"traceparent": traceparent}
-        if tracestate:
-            carrier["tracestate"] = tracestate
-        produced = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier))
-        producer = produced.get_span_context()
-        if producer.is_valid:
-            if settings.link == "child":
-                context = trace.set_span_in_context(produced)
-            else:
-                links.append(Link(producer))
-                # The worker's own trace: not the caller's, whatever is current here.
-                context = trace.set_span_in_context(trace.INVALID_SPAN)
-    elif settings.link == "link":
-        context = trace.set_span_in_context(trace.INVALID_SPAN)
-    if start_time is None and record is not None:  # not seen claimed: from its record
-        start_time = record[0]
-    span = tracer.start_span(f"process {transport}", context=context,
-                             kind=trace.SpanKind.CONSUMER, attributes=attributes, links=links,
-                             start_time=start_time)
-    if record is not None:
-        tracer.start_span("record", context=trace.set_span_in_context(span),
-                          kind=trace.SpanKind.INTERNAL, start_time=record[0]).end(record[1])
-    if failed:
-        span.set_status(Status(StatusCode.ERROR, outcome))
-    span.end()

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import otel_worker_app
 import pytest
+import sqlalchemy as sa
 from conftest import (
     close_app,
     db,
@@ -109,9 +110,14 @@ def _traceparent(span: ReadableSpan) -> str:
 
 
 def _no_address(spans: list[ReadableSpan]) -> None:
+    """No attribute of the spans or of their events (a recorded exception's message
+    and stack trace) holds an address."""
     for span in spans:
         for name, value in (span.attributes or {}).items():
             assert "@" not in str(value), (span.name, name, value)
+        for event in span.events:
+            for name, value in (event.attributes or {}).items():
+                assert "@" not in str(value), (span.name, event.name, name, value)
 
 
 def test_a_request_that_sends_three_emails_is_one_trace_and_each_delivery_links_to_it(
@@ -168,9 +174,12 @@ def check_delivery(spans: list[dict[str, Any]], producers: dict[int, dict[str, A
     """The delivery spans of emails each sent at its first attempt, exactly: every claim
     a root CLIENT span linked to the producers of the emails it took; one CONSUMER span
     per email, the child of its claim, linked to its producer, with a ``sending`` child
-    (the SMTP transaction) and a ``record`` child, in that order in time."""
+    (the SMTP transaction); one ``record`` span per record transaction, a child of a
+    claim, linked to the CONSUMER spans of the attempts it recorded, between their
+    sending and their end."""
     by_id = {s["span_id"]: s for s in spans}
     claims = [s for s in spans if s["name"] == "claim"]
+    records = [s for s in spans if s["name"] == "record"]
     consumers = {int(s["attributes"]["messaging.message.id"]): s for s in spans
                  if s["kind"] == "CONSUMER"}
     assert sorted(consumers) == sorted(producers)
@@ -199,20 +208,26 @@ def check_delivery(spans: list[dict[str, Any]], producers: dict[int, dict[str, A
         if email_id in keys:
             expected["messaging.message.conversation_id"] = keys[email_id]
         assert consumer["attributes"] == expected
-        children = sorted((s for s in spans if s["parent"] == consumer["span_id"]),
-                          key=lambda s: s["start"])
-        assert [(s["name"], s["kind"]) for s in children] == [
-            (sending, "CLIENT"), ("record", "INTERNAL")]
-        sent, record = children
-        assert sent["attributes"] == {
-            "server.address": server[0], "server.port": server[1],
-            "flask_mail_outbox.outcome": "delivered"}
-        assert record["attributes"] == {}
+        children = [s for s in spans if s["parent"] == consumer["span_id"]]
+        assert [(s["name"], s["kind"]) for s in children] == [(sending, "CLIENT")]
+        [sent] = children
+        # Delivered: what its CONSUMER parent says (outcome "sent") is not said again.
+        assert sent["attributes"] == {"server.address": server[0], "server.port": server[1]}
+        [record] = [s for s in records if [consumer["trace_id"], consumer["span_id"]]
+                    in s["links"]]
         assert claim["end"] <= consumer["start"] <= sent["start"] <= sent["end"] \
             <= record["start"] <= record["end"] <= consumer["end"]
+    assert sorted(link for record in records for link in record["links"]) == sorted(
+        [c["trace_id"], c["span_id"]] for c in consumers.values())
+    for record in records:
+        assert (record["kind"], by_id[record["parent"]]["name"]) == ("INTERNAL", "claim")
+        assert record["attributes"] == {
+            "messaging.system": "flask-mail-outbox", "messaging.operation.name": "record",
+            "messaging.operation.type": "settle", "messaging.destination.name": "default",
+            "messaging.batch.message_count": len(record["links"])}
     requests = {p["trace_id"] for p in producers.values()}
     assert len([s for s in spans if s["trace_id"] not in requests]) == \
-        len(claims) + 3 * len(consumers)
+        len(claims) + 2 * len(consumers) + len(records)
 
 
 def test_a_retry_is_two_consumer_spans_linked_to_one_producer(
@@ -288,6 +303,89 @@ def test_tracing_off_writes_null_and_makes_no_span(
             ("sent", None, None)] * 3 * rounds
         assert [s for s in exporter.get_finished_spans() if s.kind is not SpanKind.SERVER] == []
         smtp_server.clear()
+
+
+def test_tracing_adds_no_statement_to_the_delivery(
+        db_url: str, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    """One dispatcher tick delivering three emails runs the same SQL statements with
+    tracing off, on "auto" with no provider, and on with the SDK: the claim reads the
+    trace contexts, so tracing has no query of its own."""
+    provider, exporter = traced
+    executed: dict[str, list[str]] = {}
+    for name, otel in (("off", {"enabled": False}), ("none", None),
+                       ("sdk", {"tracer_provider": provider})):
+        app = _app(db_url, smtp_server, otel, OUTBOX_DURABLE=True, OUTBOX_RUN_WORKER=False,
+                   OUTBOX_LISTEN=False, OUTBOX_INLINE_RETRIES=0)
+        mail: OutboxMail = app.extensions["test_mail"]
+        statements = executed[name] = []
+
+        def note(_conn: Any, _cursor: Any, statement: str, *_: Any,
+                 statements: list[str] = statements) -> None:
+            statements.append(" ".join(statement.split()))
+
+        try:
+            with app.app_context():
+                mail.send_many([Message(f"Tip {i}", recipients=[f"bob{i}@example.org"],
+                                        body="tip") for i in range(3)])
+                db.session.commit()
+                engine = mail._state().outbox().store.engine
+            worker = hand_ticked_worker(app)
+            sa.event.listen(engine, "before_cursor_execute", note)
+            try:
+                worker.tick()
+                wait_rows(app, lambda r: all(row["status"] == "sent" for row in r), 20.0)
+            finally:
+                sa.event.remove(engine, "before_cursor_execute", note)
+        finally:
+            close_app(app)
+        assert smtp_server.wait_for(3, timeout=10)
+        smtp_server.clear()
+    assert executed["off"], "no statement seen"
+    assert executed["none"] == executed["off"]
+    assert executed["sdk"] == executed["off"]
+    assert len(_spans(exporter, SpanKind.CONSUMER)) == 3  # the sdk round was traced
+
+
+_NOTHING_IMPORTED = """
+import json, sys
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from flask_mail_outbox import Message, OutboxMail
+
+app = Flask("plain")
+app.config.update(SQLALCHEMY_DATABASE_URI=sys.argv[1], MAIL_SERVER="127.0.0.1",
+                  MAIL_PORT=int(sys.argv[2]), MAIL_SUPPRESS_SEND=False,
+                  MAIL_DEFAULT_SENDER="Sender <sender@example.com>")
+db = SQLAlchemy(app)
+mail = OutboxMail(app)
+with app.app_context():
+    mail.create_all()
+    mail.send(Message("Welcome", recipients=["ann@example.com"], body="hi"))
+    mail.send_many([Message("Tip", recipients=["bob@example.org"], body="tip")])
+    db.session.commit()
+    mail.wait_idle(timeout=20)
+    status = [row[0] for row in db.session.execute(
+        db.text("SELECT status FROM outbox_email ORDER BY id"))]
+print(json.dumps({"status": status, "loaded": sorted(
+    m for m in sys.modules if m.partition(".")[0] == "opentelemetry")}))
+"""
+
+
+def test_with_no_provider_set_sending_and_delivering_import_nothing_of_opentelemetry(
+        tmp_path: Path, smtp_server: FaultSMTPServer) -> None:
+    """OpenTelemetry installed (here it is) but not used by the app: "auto" leaves it
+    unimported through send(), the claim, the SMTP transaction and the record."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASK_APP",)}
+    env["PYTHONPATH"] = str(TESTS.parent)
+    child = subprocess.run(
+        [sys.executable, "-c", _NOTHING_IMPORTED, f"sqlite:///{tmp_path / 'plain.db'}",
+         str(smtp_server.port)], capture_output=True, text=True, timeout=120, check=False,
+        cwd=tmp_path, env=env)
+    assert child.returncode == 0, child.stderr[-6000:]
+    report = json.loads(child.stdout.splitlines()[-1])
+    assert report["status"] == ["sent", "sent"]
+    assert report["loaded"] == []
+    assert smtp_server.wait_for(2, timeout=10)
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -399,6 +497,32 @@ def test_a_send_whose_insert_fails_ends_its_producer_span_in_error(
     assert producer.status.status_code is trace.StatusCode.ERROR
     assert "messaging.message.id" not in (producer.attributes or {})
     assert [event.name for event in producer.events] == ["exception"]
+    _no_address([producer])
+
+
+def test_a_failed_insert_puts_neither_its_parameters_nor_its_message_on_the_span(
+        tmp_path: Path, smtp_server: FaultSMTPServer, traced: Traced) -> None:
+    """SQLAlchemy's error of a failed INSERT lists its parameters (the recipients, the
+    subject, the message): the span names the error's type only."""
+    provider, exporter = traced
+    app = _app(f"sqlite:///{tmp_path / 'refusing.db'}", smtp_server,
+               {"tracer_provider": provider})
+    mail: OutboxMail = app.extensions["test_mail"]
+    try:
+        with app.app_context():
+            with db.engine.begin() as conn:
+                conn.exec_driver_sql("CREATE TRIGGER refuse BEFORE INSERT ON outbox_email "
+                                     "BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END")
+            with pytest.raises(sa.exc.IntegrityError, match="ann@example.com"):
+                mail.send(Message("Reset", recipients=["ann@example.com"], body="link"))
+            db.session.rollback()
+    finally:
+        close_app(app)
+    [producer] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.PRODUCER]
+    assert producer.status.status_code is trace.StatusCode.ERROR
+    assert [(event.name, dict(event.attributes or {})) for event in producer.events] == [
+        ("exception", {"exception.type": "sqlalchemy.exc.IntegrityError"})]
+    _no_address([producer])
 
 
 class _FailingProcessor(SpanProcessor):
@@ -510,9 +634,7 @@ def test_dkim_signing_is_a_child_span_of_the_attempt_only_when_configured(
     assert [(s.name, dict(s.attributes or {})) for s in children] == [
         ("dkim.sign", {"messaging.message.id": str(email_id)}),
         ("smtp transaction", {
-            "server.address": smtp_server.host, "server.port": smtp_server.port,
-            "flask_mail_outbox.outcome": "delivered"}),
-        ("record", {})]
+            "server.address": smtp_server.host, "server.port": smtp_server.port})]
     # Without DKIM settings (every other test here): no such span.
     assert not [s for s in exporter.get_finished_spans() if s.name == "dkim.sign"
                 and s.parent and s.parent.span_id != consumer.context.span_id]
@@ -649,6 +771,59 @@ def test_otel_metrics_are_off_without_a_meter_provider(
     meters.shutdown()
 
 
+_AUTO_METRICS = """
+import json, sys
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))  # before init_app
+
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from flask_mail_outbox import Message, OutboxMail
+
+app = Flask("metered")
+app.config.update(SQLALCHEMY_DATABASE_URI=sys.argv[1], MAIL_SERVER="127.0.0.1",
+                  MAIL_PORT=int(sys.argv[2]), MAIL_SUPPRESS_SEND=False,
+                  MAIL_DEFAULT_SENDER="Sender <sender@example.com>")
+db = SQLAlchemy(app)
+mail = OutboxMail(app)
+with app.app_context():
+    mail.create_all()
+    mail.send(Message("Welcome", recipients=["ann@example.com"], body="hi"))
+    db.session.commit()
+    mail.wait_idle(timeout=20)
+found = {}
+for resource in reader.get_metrics_data().resource_metrics:
+    for scope in resource.scope_metrics:
+        for metric in scope.metrics:
+            found[metric.name] = sum(getattr(p, "value", 0) or getattr(p, "count", 0)
+                                     for p in metric.data.data_points)
+print(json.dumps(found))
+"""
+
+
+def test_otel_metrics_auto_are_on_when_the_app_set_a_meter_provider_before_init_app(
+        tmp_path: Path, smtp_server: FaultSMTPServer) -> None:
+    """OUTBOX_OTEL left at its default: the global meter provider an app sets (as
+    ``opentelemetry-instrument`` does) turns the metrics on; the other half of "auto"
+    (no provider: nothing imported) is
+    test_with_no_provider_set_sending_and_delivering_import_nothing_of_opentelemetry."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASK_APP",)}
+    env["PYTHONPATH"] = str(TESTS.parent)
+    child = subprocess.run(
+        [sys.executable, "-c", _AUTO_METRICS, f"sqlite:///{tmp_path / 'metered.db'}",
+         str(smtp_server.port)], capture_output=True, text=True, timeout=120, check=False,
+        cwd=tmp_path, env=env)
+    assert child.returncode == 0, child.stderr[-6000:]
+    found = json.loads(child.stdout.splitlines()[-1])
+    assert (found.get("outbox.emails.queued"), found.get("outbox.emails.sent"),
+            found.get("outbox.email.delivery.duration")) == (1, 1, 1), found
+    assert {"outbox.queue.depth", "outbox.queue.oldest_due_age"} <= set(found), found
+
+
 class _FailingOn(SpanProcessor):
     """An app's span processor that raises when a span of one of ``names`` ends."""
 
@@ -726,9 +901,7 @@ def test_the_api_request_span_is_current_while_httpx_sends_so_its_instrumentatio
     assert (post.parent and post.parent.span_id) == api.context.span_id
     assert post.context.trace_id == consumer.context.trace_id
     host, port = fake.url.split("//")[1].rstrip("/").split(":")
-    assert dict(api.attributes or {}) == {
-        "server.address": host, "server.port": int(port),
-        "flask_mail_outbox.outcome": "delivered"}
+    assert dict(api.attributes or {}) == {"server.address": host, "server.port": int(port)}
 
 
 def test_a_bounce_matched_to_an_email_links_back_to_its_producer(

@@ -38,7 +38,10 @@ CLAIM_RETURNING = (email_table.c.id, email_table.c.attempts, email_table.c.sende
                    email_table.c.transport, email_table.c.expires_at,
                    # The claim's order, kept for sending (see send_order).
                    email_table.c.priority, email_table.c.due_at,
-                   email_table.c.key, email_table.c.error_history)
+                   email_table.c.key, email_table.c.error_history,
+                   # The PRODUCER span's W3C context (OUTBOX_OTEL): read here so a
+                   # traced claim needs no second query for it (NULL when untraced).
+                   email_table.c.traceparent, email_table.c.tracestate)
 
 
 #: The order the claim takes one transport's due rows in: higher priority (a lower
@@ -108,7 +111,8 @@ WITH due AS MATERIALIZED (
         lease_expires_at = timezone('UTC', now()) + :claim_lease
     WHERE id = ANY (ARRAY(SELECT due.id FROM due))
     RETURNING id, attempts, sender, recipients, mime, message_id, created_at,
-              smtp_options, transport, expires_at, priority, due_at, key, error_history
+              smtp_options, transport, expires_at, priority, due_at, key, error_history,
+              traceparent, tracestate
 )"""
 
 # The reap rides along in the same statement (as reap_statement below); the
@@ -127,7 +131,7 @@ _PG_CLAIMED = "\nSELECT 'sending' AS outcome, claimed.* FROM claimed"
 _PG_REAPED = """
 UNION ALL
 SELECT reaped.status, reaped.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL, reaped.key, NULL
+       NULL, NULL, reaped.key, NULL, NULL, NULL
 FROM reaped"""
 
 

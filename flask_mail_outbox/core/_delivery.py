@@ -29,7 +29,6 @@ from email.policy import default as default_policy
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from .. import _degrade, _tracing
@@ -45,7 +44,7 @@ from ._events import EventLog
 from ._intercept import BeforeSend, Intercepted, Interceptor, write_notes
 from ._leases import ClaimedEmail, Outcome, Reaped, Recorded
 from ._mailbox import Keeper
-from ._models import Status, email_table
+from ._models import Status
 from ._pause import OVERDUE
 from ._releases import Releases
 from ._retry import Decision, RetryPolicy
@@ -750,8 +749,7 @@ class Delivery:
             return
         self._started.update((email.id, email.message_id) for email in fresh)
         try:
-            _tracing.claim(tracer, self.config.otel, fresh,
-                           self._contexts([email.id for email in fresh]), started=started,
+            _tracing.claim(tracer, self.config.otel, fresh, started=started,
                            server=self._server)
         except Exception as exc:  # noqa: BLE001 - reported; delivery goes on untraced
             self._untraced(fresh)
@@ -763,13 +761,6 @@ class Delivery:
                     "processors (the traceback below names the failing one)",
                 exc=exc)
 
-    def _contexts(self, ids: Sequence[int]) -> dict[int, tuple[str | None, str | None]]:
-        """The trace contexts stored on rows ``ids`` (their PRODUCER spans')."""
-        t = email_table
-        with self.store.read() as conn:
-            return {row.id: (row.traceparent, row.tracestate) for row in conn.execute(
-                sa.select(t.c.id, t.c.traceparent, t.c.tracestate).where(t.c.id.in_(ids)))}
-
     def _untraced(self, claimed: Sequence[ClaimedEmail]) -> None:
         """Forget the attempts given back unsent: their spans are never ended."""
         if self._started:
@@ -779,12 +770,14 @@ class Delivery:
                     _tracing.forget(email.id, message_id)
 
     def _trace(self, recorded: Sequence[Outcome], record: tuple[int, int]) -> None:
-        """End the CONSUMER span of each recorded attempt, with its outcome and ``record``
-        child; one opened now for an attempt not seen claimed (flask_mail_outbox/_tracing.py).
+        """End the CONSUMER span of each recorded attempt with its outcome, after one
+        ``record`` span for the transaction (``record``: its times) linked to them all;
+        one opened now for an attempt not seen claimed (flask_mail_outbox/_tracing.py).
 
         Never raises: the outcomes are recorded already, and tracing must not stop delivery.
         """
         try:
+            ended: list[tuple[_tracing.Attempt, str, int, bool]] = []
             unseen: list[Outcome] = []
             for outcome in recorded:
                 email = outcome.email
@@ -794,23 +787,17 @@ class Delivery:
                 if attempt is None:
                     unseen.append(outcome)
                     continue
-                _tracing.end_attempt(attempt, outcome=outcome.status.value,
-                                     reply_code=outcome.error_code,
-                                     failed=outcome.status is Status.FAILED, record=record)
+                ended.append((attempt, outcome.status.value, outcome.error_code,
+                              outcome.status is Status.FAILED))
             tracer = _tracing.tracer(self.config.otel) if unseen else None
-            if tracer is None:
-                return
-            contexts = self._contexts([outcome.email.id for outcome in unseen])
-            for outcome in unseen:
+            for outcome in unseen if tracer is not None else ():
                 email = outcome.email
-                traceparent, tracestate = contexts.get(email.id, (None, None))
-                _tracing.consumer_span(
-                    tracer, self.config.otel, email_id=email.id, attempt=email.attempt,
-                    transport=email.transport, key=email.key, traceparent=traceparent,
-                    tracestate=tracestate, outcome=outcome.status.value,
-                    reply_code=outcome.error_code, server=self._server(email.transport),
-                    recipients=email.deliverable, start_time=None,
-                    failed=outcome.status is Status.FAILED, record=record)
+                attempt = _tracing.unseen(tracer, self.config.otel, email,
+                                          start_time=record[0],
+                                          server=self._server(email.transport))
+                ended.append((attempt, outcome.status.value, outcome.error_code,
+                              outcome.status is Status.FAILED))
+            _tracing.end_attempts(ended, record)
         except Exception as exc:  # noqa: BLE001 - reported; the outcomes are recorded
             for outcome in recorded:
                 message_id = self._started.pop(outcome.email.id, None)

@@ -76,6 +76,10 @@ class ClaimedEmail:
     expires_at: datetime | None = None
     #: What staging made of this attempt (``_intercept``): None when it left it untouched.
     interception: Interception | None = None
+    #: The W3C trace context of its PRODUCER span (OUTBOX_OTEL), read by the claim:
+    #: ``traceparent`` and ``tracestate``, None when it was queued untraced.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def deliverable(self) -> tuple[str, ...]:
@@ -285,6 +289,7 @@ class Leases:
                 rcpt_options=tuple(options.get("rcpt", ())),
                 transport=row.transport,
                 expires_at=row.expires_at,
+                traceparent=row.traceparent, tracestate=row.tracestate,
             ))
         return claimed
 
