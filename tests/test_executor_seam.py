@@ -106,6 +106,32 @@ def test_a_rollback_publishes_nothing(app: Flask, broker: ListBroker) -> None:
     assert rows(app) == []
 
 
+def test_a_savepoint_publishes_nothing_until_the_outer_commit(
+        app: Flask, broker: ListBroker) -> None:
+    """A savepoint's release is not a commit: publishing then would hand a worker ids
+    that the outer transaction may still roll back (or that it cannot see yet)."""
+    mail: OutboxMail = app.extensions["test_mail"]
+    with app.app_context():
+        with db.session.begin_nested():
+            kept = mail.send(Message("kept", recipients=["a@example.com"], body="x"))
+        savepoint = db.session.begin_nested()
+        mail.send(Message("undone", recipients=["a@example.com"], body="x"))
+        savepoint.rollback()
+        assert broker.tasks == []  # released and rolled back savepoints: nothing yet
+        db.session.commit()
+    assert broker.tasks == [([kept], False)]
+    assert [r["id"] for r in rows(app)] == [kept]
+    with app.app_context():
+        # (A statement before the savepoint: pysqlite begins no transaction for a SAVEPOINT
+        # issued first, so releasing it would commit; docs/guarantees.md says so.)
+        mail.send(Message("outer", recipients=["a@example.com"], body="x"))
+        with db.session.begin_nested():
+            mail.send(Message("gone", recipients=["a@example.com"], body="x"))
+        db.session.rollback()  # the outer transaction: its released savepoint goes too
+    assert broker.tasks == [([kept], False)]
+    assert [r["id"] for r in rows(app)] == [kept]
+
+
 def test_a_task_sends_nothing_twice_and_skips_what_it_cannot_claim(
         app: Flask, broker: ListBroker, smtp_server: FaultSMTPServer) -> None:
     first, later = _send(app, 1), _send(app, 1, send_after=timedelta(hours=1))
