@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import close_app, db, make_app, poll, rows
+from conftest import close_app, db, free_port, make_app, poll, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -179,9 +179,34 @@ def test_a_retry_is_published_when_due_not_when_the_row_is_as_old_as_the_age_gat
             db.session.execute(email_table.update().values(due_at=row["due_at"] - timedelta(
                 seconds=5)))  # its backoff ran out
             db.session.commit()
-            assert mail.sweep().requeued == 1
+            report = mail.sweep()
+            # Published, so not reported as held back by the gate either.
+            assert report.requeued == 1 and report.age_gated == 0
         assert broker.ids == [email_id]
         assert executors.deliver_task(broker.ids, app=app)["sent"] == 1
+    finally:
+        close_app(app)
+
+
+def test_the_emails_a_paused_transport_held_are_published_when_its_probe_is_due(
+        db_url: str, broker: ListBroker) -> None:
+    """An unreachable server pauses its transport: the task holds the emails unsent (their
+    attempt given back) and returns. Nothing retries them in memory, so the sweep publishes
+    them at the probe's time, not once they are as old as the age gate (300 s here)."""
+    app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), MAIL_TIMEOUT=2,
+                   OUTBOX_EXECUTOR="rq", OUTBOX_PAUSE_PROBE_SECONDS=0.01)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        ids = _send(app, 2)
+        report = executors.deliver_task(ids, app=app)
+        assert report["sent"] == 0 and report["paused"] + report["retry"] == 2, report
+        assert {(r["status"], r["attempts"]) for r in rows(app)} == {("queued", 0)}
+        broker.tasks.clear()
+        with app.app_context():
+            # Their probe is due: the held ones a moment after the refused one.
+            taken = poll(lambda: mail.sweep().requeued, lambda n: n == 2, timeout=10,
+                         interval=0.2)
+        assert taken == 2 and sorted(broker.ids) == ids
     finally:
         close_app(app)
 

@@ -174,7 +174,8 @@ def _elapsed(started: float) -> float:
 
 def _age_gated(outbox: Outbox, min_age: float) -> dict[str, Any]:
     """The report's ``age_gated`` fields: what the age gate kept from this sweep."""
-    count, oldest, now = outbox.store.sweep.age_gated(min_age_seconds=min_age)
+    count, oldest, now = outbox.store.sweep.age_gated(
+        min_age_seconds=min_age, retried_ungated=outbox.executor is not None)
     if not count or oldest is None:
         return {"age_gated": 0, "age_gated_until": None}
     eligible = max(oldest + timedelta(seconds=min_age), now)
