@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -227,6 +228,42 @@ def test_the_sweep_publishes_an_expired_lease_after_reaping_it(
         report = mail.sweep()
     assert report.requeued == 1 and broker.ids == [email_id]
     assert rows(app)[0]["status"] == "queued"
+
+
+def test_a_tasks_thread_returns_once_its_emails_are_recorded_not_when_another_drain_ends(
+        db_url: str, broker: ListBroker, smtp_server: FaultSMTPServer) -> None:
+    """Dramatiq runs 8 threads of tasks in a process, and one drains at a time: a task
+    whose emails another thread's drain took returns when they are recorded, while that
+    drain still waits on a slow server (its message acknowledged, its thread free)."""
+    with FaultSMTPServer() as slow:
+        def smtp(server: FaultSMTPServer) -> dict[str, Any]:
+            return {"transport": "smtp", "MAIL_SERVER": server.host, "MAIL_PORT": server.port,
+                    "MAIL_TIMEOUT": 30}
+
+        app = make_app(db_url, OUTBOX_EXECUTOR="rq",
+                       OUTBOX_TRANSPORTS={"default": smtp(smtp_server), "slow": smtp(slow)})
+        try:
+            [held] = _send(app, 1, transport="slow")
+            [quick] = _send(app, 1)
+            slow.hold()
+            reports: dict[str, dict[str, int]] = {}
+            first = threading.Thread(target=lambda: reports.update(
+                held=executors.deliver_task([held], app=app)), daemon=True)
+            first.start()
+            assert slow.wait_held(1, timeout=30)  # the first thread drains, its email held
+            second = threading.Thread(target=lambda: reports.update(
+                quick=executors.deliver_task([quick], app=app)), daemon=True)
+            second.start()
+            second.join(30)
+            assert reports.get("quick", {}).get("sent") == 1, reports  # while one is held
+            assert first.is_alive() and "held" not in reports
+            slow.release()
+            first.join(30)
+            assert reports["held"]["sent"] == 1
+            assert {r["status"] for r in rows(app)} == {"sent"}
+        finally:
+            slow.release()
+            close_app(app)
 
 
 def test_a_serving_process_with_an_executor_runs_no_dispatcher(
