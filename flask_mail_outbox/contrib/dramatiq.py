@@ -133,7 +133,7 @@ class DramatiqExecutor:
     """Publishes ``flask_mail_outbox.deliver`` messages to one broker and queue."""
 
     name = "dramatiq"
-    sweep_task = "flask_mail_outbox.sweep"
+    sweep_task = SWEEP
 
     def __init__(self, broker: dramatiq.Broker, queue: str) -> None:
         self.broker = broker
