@@ -291,6 +291,30 @@ def test_a_serving_process_with_an_executor_runs_no_dispatcher(
         close_app(app)
 
 
+def test_the_startup_sweep_publishes_what_a_lost_doorbell_left(
+        db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> None:
+    """A process killed between its commit and the publish (here: a broker that refused):
+    the next serving process's startup sweep publishes the rows to the task queue."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_EXECUTOR="rq", OUTBOX_SWEEP_ON_STARTUP=True,
+                   OUTBOX_SWEEP_MIN_AGE_SECONDS=0)
+    try:
+        broker.down = True
+        ids = _send(app, 3)
+        broker.down = False
+        assert broker.tasks == []
+        scheduler = app.extensions["mail_outbox"].start_scheduler()
+        assert scheduler.startup_done.wait(30)
+        assert scheduler.startup_report is not None
+        assert scheduler.startup_report.requeued == 3 and sorted(broker.ids) == ids
+        assert smtp_server.messages == []  # published, not delivered here
+        for task_ids, _ in broker.tasks:
+            executors.deliver_task(task_ids, app=app)
+        assert {r["status"] for r in rows(app)} == {"sent"}
+    finally:
+        close_app(app)
+
+
 def test_task_arguments_and_a_worker_without_the_app_fail_loudly(broker: ListBroker) -> None:
     with pytest.raises(TypeError, match="ids must be a list of integers"):
         executors.deliver_task(["1; DROP TABLE"])  # type: ignore[list-item]
