@@ -30,7 +30,7 @@ _UNGATED = (RELEASED, _claim.SCHEDULED)
 
 def _tried() -> Any:
     """A queued row a delivery had: an attempt spent, or given back with its error
-    recorded (held for a paused transport, released for an unreadable suppression list)."""
+    recorded (the fault that paused its transport, or held unsent for that pause)."""
     t = email_table
     return sa.or_(t.c.attempts > 0, t.c.last_error.is_not(None))
 
