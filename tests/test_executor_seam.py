@@ -37,6 +37,7 @@ class ListBroker:
 
     name = "rq"
     sweep_task = "flask_mail_outbox.contrib.rq.sweep"
+    sweeps_urgent = True
 
     def __init__(self) -> None:
         self.tasks: list[tuple[list[int], bool]] = []
@@ -160,6 +161,31 @@ def test_a_broker_that_refuses_leaves_the_rows_queued_with_one_error_and_the_swe
         report = mail.sweep()
     assert report.requeued == 2 and sorted(broker.ids) == ids
     assert any(r.getMessage().startswith("Recovered: Could not publish") for r in caplog.records)
+
+
+def test_the_sweep_publishes_urgent_emails_first_in_tasks_of_their_own(
+        app: Flask, broker: ListBroker) -> None:
+    """priority="high" survives a lost doorbell: the sweep marks them urgent, as the commit
+    did (Celery: a higher task priority, RQ: the front of the queue, Dramatiq: its queue)."""
+    mail: OutboxMail = app.extensions["test_mail"]
+    broker.down = True
+    plain = _send(app, 1)
+    high = _send(app, 1, priority="high")
+    broker.down = False
+    with app.app_context():
+        assert mail.sweep().requeued == 2
+    assert broker.tasks == [(high, True), (plain, False)]
+    # An engine whose urgent route is a queue a worker may not read (Dramatiq's
+    # <queue>.urgent) keeps the sweep's tasks on the main route: its fallback.
+    broker.tasks.clear()
+    broker.sweeps_urgent = False
+    with app.app_context():
+        db.session.execute(email_table.update().values(due_at=sa.func.current_timestamp()))
+        db.session.commit()
+        assert mail.sweep().requeued == 2
+    assert broker.tasks == [(plain + high, False)]
+    from flask_mail_outbox.contrib.dramatiq import DramatiqExecutor
+    assert DramatiqExecutor.sweeps_urgent is False
 
 
 def test_a_retry_is_published_when_due_not_when_the_row_is_as_old_as_the_age_gate(

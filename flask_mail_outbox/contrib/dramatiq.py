@@ -134,6 +134,10 @@ class DramatiqExecutor:
 
     name = "dramatiq"
     sweep_task = SWEEP
+    #: The sweep publishes urgent emails to the main queue: a worker started with
+    #: ``--queues outbox`` alone never reads ``outbox.urgent``, and the sweep is what
+    #: still delivers them then (docs/executors/dramatiq.md).
+    sweeps_urgent = False
 
     def __init__(self, broker: dramatiq.Broker, queue: str) -> None:
         self.broker = broker

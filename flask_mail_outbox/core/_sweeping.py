@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from . import _claim, _ordering
 from ._database import Database
-from ._models import Status, email_table, setting_table
+from ._models import DEFAULT_PRIORITY, Status, email_table, setting_table
 
 #: ``lease_owner`` of a ``queued`` row that a stopping process released, or
 #: had been handed after a commit and never claimed: provably in flight
@@ -85,6 +85,17 @@ class Sweeping:
                 .order_by(both.c.created_at, both.c.id).limit(limit)
             ).all()
         return [(int(row.id), str(row.status)) for row in rows]
+
+    def urgent_among(self, ids: Sequence[int]) -> set[int]:
+        """Those of ``ids`` sent with a priority above normal (``priority="high"``): a
+        sweep publishing to a task queue gives them tasks of their own, first."""
+        if not ids:
+            return set()
+        t = email_table
+        with self.db.read() as conn:
+            return {int(i) for i in conn.execute(
+                sa.select(t.c.id).where(t.c.id.in_(list(ids)),
+                                        t.c.priority < DEFAULT_PRIORITY)).scalars()}
 
     def age_gated(self, *, min_age_seconds: float,
                   retried_ungated: bool = False) -> tuple[int, datetime | None, datetime]:
