@@ -12,6 +12,7 @@ claim does with ids it cannot take.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -373,6 +374,41 @@ def test_a_task_in_a_process_without_the_app_says_how_to_fix_it() -> None:
                          check=True).stdout
     assert out.startswith("ERR OUTBOX_EXECUTOR: this worker process has no Flask app") \
         and "FLASK_APP" in out, out
+
+
+def test_the_first_tasks_of_a_workers_threads_load_flask_app_once(tmp_path: Path) -> None:
+    """Eight threads (Dramatiq's default, a Celery threads pool) start with their first
+    tasks in a process that has only FLASK_APP: one app is made, not one per thread (two
+    would make every later task refuse: "this worker process has 2 Flask apps")."""
+    (tmp_path / "slowapp.py").write_text(
+        "import time\n"
+        "from flask import Flask\n"
+        "from flask_sqlalchemy import SQLAlchemy\n"
+        "from flask_mail_outbox import OutboxMail\n"
+        "def create_app():\n"
+        "    time.sleep(0.3)  # a factory that takes a moment (imports, config files)\n"
+        "    app = Flask('slowapp')\n"
+        f"    app.config.update(SQLALCHEMY_DATABASE_URI='sqlite:///{tmp_path}/a.db',\n"
+        "        OUTBOX_EXECUTOR='rq', OUTBOX_EXECUTOR_URL='redis://127.0.0.1:1/0',\n"
+        "        OUTBOX_RUN_SCHEDULER=False)\n"
+        "    OutboxMail(app, db=SQLAlchemy(app))\n"
+        "    return app\n")
+    script = (
+        "import threading\n"
+        "from flask_mail_outbox._flask.executors import task_app\n"
+        "found, errors = [], []\n"
+        "def run():\n"
+        "    try:\n        found.append(task_app())\n"
+        "    except Exception as exc:\n        errors.append(exc)\n"
+        "threads = [threading.Thread(target=run) for _ in range(8)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(len(found), len({id(a) for a in found}), errors[:1])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "FLASK_APP": "slowapp:create_app",
+                              "PYTHONPATH": f"{tmp_path}{os.pathsep}"
+                                            f"{os.environ.get('PYTHONPATH', '')}"}).stdout
+    assert out.strip() == "8 1 []", out
 
 
 def test_config_keys_are_checked(tmp_path: Path) -> None:
