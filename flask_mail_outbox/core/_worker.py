@@ -342,7 +342,8 @@ class Worker:
             with self._cond:
                 if not self._in_flight or self._results:
                     return bool(self._in_flight or self._results)
-                if self.intake.handed and len(self._in_flight) <= self.refill_at:
+                if self.intake.handed and len(self._in_flight) <= self.refill_at \
+                        and not self.releases.stopping:
                     # Ids handed meanwhile (another task's thread) and room for them: a
                     # round claims them now, not once what is on the wire came back.
                     return True
