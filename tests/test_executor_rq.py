@@ -400,6 +400,42 @@ def test_the_emails_of_a_key_are_delivered_in_send_order(
     assert keyed == [f"k {i}" for i in range(40)]
 
 
+def test_cancel_and_expiry_hold_under_rq(
+        producer: Flask, spawn: Callable[..., RQWorker], smtp_server: FaultSMTPServer,
+        redis: RedisServer) -> None:
+    """What cancel and expires_after promise holds when RQ's workers deliver: an email
+    cancelled or expired while its job waits in Redis is not sent, and cancelling a
+    key's holder publishes the key's next email (nothing else would before a sweep)."""
+    mail = mail_of(producer)
+    # The key's holder is not due for an hour: the next email of its key waits.
+    [holder] = send(producer, ["holder"], key="acct", send_after=timedelta(hours=1))
+    [follower] = send(producer, ["follower"], key="acct")
+    [cancelled] = send(producer, ["cancelled while its job waits"])
+    [expiring] = send(producer, ["expired while its job waits"],
+                      expires_after=timedelta(hours=1))
+    queue = queue_of(redis)
+    assert queue.count == 3  # the follower's, the cancelled one's, the expiring one's jobs
+    with producer.app_context():
+        assert mail.cancel(cancelled) == 1
+        db.session.execute(sa.update(email_table).where(email_table.c.id == expiring)
+                           .values(expires_at=sa.func.now() - timedelta(seconds=1)))
+        db.session.commit()
+    spawn("w1")
+    assert poll(lambda: queue.count == 0, timeout=30)
+    # The follower's own job ran and could not claim it: its key is held.
+    assert poll(lambda: {r["id"]: r["status"] for r in rows(producer)},
+                lambda s: s[expiring] == "expired", timeout=30)[follower] == "queued"
+    with producer.app_context():
+        assert mail.cancel(holder) == 1
+        db.session.commit()  # hands the key on: the follower is published now
+    done = poll(lambda: {r["id"]: r["status"] for r in rows(producer)},
+                lambda s: s[follower] == "sent", timeout=30)
+    assert done == {holder: "cancelled", follower: "sent", cancelled: "cancelled",
+                    expiring: "expired"}
+    assert [m.parsed.get("Subject") for m in smtp_server.messages] == ["follower"]
+    assert FailedJobRegistry(QUEUE, connection=queue.connection).count == 0
+
+
 def test_a_worker_pool_of_outbox_workers_delivers(
         producer: Flask, spawn: Callable[..., RQWorker], smtp_server: FaultSMTPServer) -> None:
     """``rq worker-pool -n 2 --worker-class ...OutboxWorker``, as docs/executors/rq.md says."""

@@ -12,8 +12,10 @@ claim does with ids it cannot take.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -22,7 +24,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import close_app, db, make_app, poll, rows
+from conftest import close_app, db, free_port, make_app, poll, rows
 from flask import Flask
 from smtpserver import FaultSMTPServer
 
@@ -36,6 +38,7 @@ class ListBroker:
 
     name = "rq"
     sweep_task = "flask_mail_outbox.contrib.rq.sweep"
+    sweeps_urgent = True
 
     def __init__(self) -> None:
         self.tasks: list[tuple[list[int], bool]] = []
@@ -106,6 +109,32 @@ def test_a_rollback_publishes_nothing(app: Flask, broker: ListBroker) -> None:
     assert rows(app) == []
 
 
+def test_a_savepoint_publishes_nothing_until_the_outer_commit(
+        app: Flask, broker: ListBroker) -> None:
+    """A savepoint's release is not a commit: publishing then would hand a worker ids
+    that the outer transaction may still roll back (or that it cannot see yet)."""
+    mail: OutboxMail = app.extensions["test_mail"]
+    with app.app_context():
+        with db.session.begin_nested():
+            kept = mail.send(Message("kept", recipients=["a@example.com"], body="x"))
+        savepoint = db.session.begin_nested()
+        mail.send(Message("undone", recipients=["a@example.com"], body="x"))
+        savepoint.rollback()
+        assert broker.tasks == []  # released and rolled back savepoints: nothing yet
+        db.session.commit()
+    assert broker.tasks == [([kept], False)]
+    assert [r["id"] for r in rows(app)] == [kept]
+    with app.app_context():
+        # (A statement before the savepoint: pysqlite begins no transaction for a SAVEPOINT
+        # issued first, so releasing it would commit; docs/guarantees.md says so.)
+        mail.send(Message("outer", recipients=["a@example.com"], body="x"))
+        with db.session.begin_nested():
+            mail.send(Message("gone", recipients=["a@example.com"], body="x"))
+        db.session.rollback()  # the outer transaction: its released savepoint goes too
+    assert broker.tasks == [([kept], False)]
+    assert [r["id"] for r in rows(app)] == [kept]
+
+
 def test_a_task_sends_nothing_twice_and_skips_what_it_cannot_claim(
         app: Flask, broker: ListBroker, smtp_server: FaultSMTPServer) -> None:
     first, later = _send(app, 1), _send(app, 1, send_after=timedelta(hours=1))
@@ -135,6 +164,31 @@ def test_a_broker_that_refuses_leaves_the_rows_queued_with_one_error_and_the_swe
     assert any(r.getMessage().startswith("Recovered: Could not publish") for r in caplog.records)
 
 
+def test_the_sweep_publishes_urgent_emails_first_in_tasks_of_their_own(
+        app: Flask, broker: ListBroker) -> None:
+    """priority="high" survives a lost doorbell: the sweep marks them urgent, as the commit
+    did (Celery: a higher task priority, RQ: the front of the queue, Dramatiq: its queue)."""
+    mail: OutboxMail = app.extensions["test_mail"]
+    broker.down = True
+    plain = _send(app, 1)
+    high = _send(app, 1, priority="high")
+    broker.down = False
+    with app.app_context():
+        assert mail.sweep().requeued == 2
+    assert broker.tasks == [(high, True), (plain, False)]
+    # An engine whose urgent route is a queue a worker may not read (Dramatiq's
+    # <queue>.urgent) keeps the sweep's tasks on the main route: its fallback.
+    broker.tasks.clear()
+    broker.sweeps_urgent = False
+    with app.app_context():
+        db.session.execute(email_table.update().values(due_at=sa.func.current_timestamp()))
+        db.session.commit()
+        assert mail.sweep().requeued == 2
+    assert broker.tasks == [(plain + high, False)]
+    from flask_mail_outbox.contrib.dramatiq import DramatiqExecutor
+    assert DramatiqExecutor.sweeps_urgent is False
+
+
 def test_a_retry_is_published_when_due_not_when_the_row_is_as_old_as_the_age_gate(
         db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> None:
     """A task recorded the failure and returned: nothing retries it in memory anywhere."""
@@ -153,9 +207,34 @@ def test_a_retry_is_published_when_due_not_when_the_row_is_as_old_as_the_age_gat
             db.session.execute(email_table.update().values(due_at=row["due_at"] - timedelta(
                 seconds=5)))  # its backoff ran out
             db.session.commit()
-            assert mail.sweep().requeued == 1
+            report = mail.sweep()
+            # Published, so not reported as held back by the gate either.
+            assert report.requeued == 1 and report.age_gated == 0
         assert broker.ids == [email_id]
         assert executors.deliver_task(broker.ids, app=app)["sent"] == 1
+    finally:
+        close_app(app)
+
+
+def test_the_emails_a_paused_transport_held_are_published_when_its_probe_is_due(
+        db_url: str, broker: ListBroker) -> None:
+    """An unreachable server pauses its transport: the task holds the emails unsent (their
+    attempt given back) and returns. Nothing retries them in memory, so the sweep publishes
+    them at the probe's time, not once they are as old as the age gate (300 s here)."""
+    app = make_app(db_url, MAIL_SERVER="127.0.0.1", MAIL_PORT=free_port(), MAIL_TIMEOUT=2,
+                   OUTBOX_EXECUTOR="rq", OUTBOX_PAUSE_PROBE_SECONDS=0.01)
+    try:
+        mail: OutboxMail = app.extensions["test_mail"]
+        ids = _send(app, 2)
+        report = executors.deliver_task(ids, app=app)
+        assert report["sent"] == 0 and report["paused"] + report["retry"] == 2, report
+        assert {(r["status"], r["attempts"]) for r in rows(app)} == {("queued", 0)}
+        broker.tasks.clear()
+        with app.app_context():
+            # Their probe is due: the held ones a moment after the refused one.
+            taken = poll(lambda: mail.sweep().requeued, lambda n: n == 2, timeout=10,
+                         interval=0.2)
+        assert taken == 2 and sorted(broker.ids) == ids
     finally:
         close_app(app)
 
@@ -176,6 +255,42 @@ def test_the_sweep_publishes_an_expired_lease_after_reaping_it(
         report = mail.sweep()
     assert report.requeued == 1 and broker.ids == [email_id]
     assert rows(app)[0]["status"] == "queued"
+
+
+def test_a_tasks_thread_returns_once_its_emails_are_recorded_not_when_another_drain_ends(
+        db_url: str, broker: ListBroker, smtp_server: FaultSMTPServer) -> None:
+    """Dramatiq runs 8 threads of tasks in a process, and one drains at a time: a task
+    whose emails another thread's drain took returns when they are recorded, while that
+    drain still waits on a slow server (its message acknowledged, its thread free)."""
+    with FaultSMTPServer() as slow:
+        def smtp(server: FaultSMTPServer) -> dict[str, Any]:
+            return {"transport": "smtp", "MAIL_SERVER": server.host, "MAIL_PORT": server.port,
+                    "MAIL_TIMEOUT": 30}
+
+        app = make_app(db_url, OUTBOX_EXECUTOR="rq",
+                       OUTBOX_TRANSPORTS={"default": smtp(smtp_server), "slow": smtp(slow)})
+        try:
+            [held] = _send(app, 1, transport="slow")
+            [quick] = _send(app, 1)
+            slow.hold()
+            reports: dict[str, dict[str, int]] = {}
+            first = threading.Thread(target=lambda: reports.update(
+                held=executors.deliver_task([held], app=app)), daemon=True)
+            first.start()
+            assert slow.wait_held(1, timeout=30)  # the first thread drains, its email held
+            second = threading.Thread(target=lambda: reports.update(
+                quick=executors.deliver_task([quick], app=app)), daemon=True)
+            second.start()
+            second.join(30)
+            assert reports.get("quick", {}).get("sent") == 1, reports  # while one is held
+            assert first.is_alive() and "held" not in reports
+            slow.release()
+            first.join(30)
+            assert reports["held"]["sent"] == 1
+            assert {r["status"] for r in rows(app)} == {"sent"}
+        finally:
+            slow.release()
+            close_app(app)
 
 
 def test_a_serving_process_with_an_executor_runs_no_dispatcher(
@@ -199,6 +314,30 @@ def test_a_serving_process_with_an_executor_runs_no_dispatcher(
         broker.tasks.clear()
         scheduler._periodic()
         assert len(broker.tasks) == 1 and state.outbox().dispatcher is None
+    finally:
+        close_app(app)
+
+
+def test_the_startup_sweep_publishes_what_a_lost_doorbell_left(
+        db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> None:
+    """A process killed between its commit and the publish (here: a broker that refused):
+    the next serving process's startup sweep publishes the rows to the task queue."""
+    app = make_app(db_url, MAIL_SERVER=smtp_server.host, MAIL_PORT=smtp_server.port,
+                   OUTBOX_EXECUTOR="rq", OUTBOX_SWEEP_ON_STARTUP=True,
+                   OUTBOX_SWEEP_MIN_AGE_SECONDS=0)
+    try:
+        broker.down = True
+        ids = _send(app, 3)
+        broker.down = False
+        assert broker.tasks == []
+        scheduler = app.extensions["mail_outbox"].start_scheduler()
+        assert scheduler.startup_done.wait(30)
+        assert scheduler.startup_report is not None
+        assert scheduler.startup_report.requeued == 3 and sorted(broker.ids) == ids
+        assert smtp_server.messages == []  # published, not delivered here
+        for task_ids, _ in broker.tasks:
+            executors.deliver_task(task_ids, app=app)
+        assert {r["status"] for r in rows(app)} == {"sent"}
     finally:
         close_app(app)
 
@@ -235,6 +374,41 @@ def test_a_task_in_a_process_without_the_app_says_how_to_fix_it() -> None:
                          check=True).stdout
     assert out.startswith("ERR OUTBOX_EXECUTOR: this worker process has no Flask app") \
         and "FLASK_APP" in out, out
+
+
+def test_the_first_tasks_of_a_workers_threads_load_flask_app_once(tmp_path: Path) -> None:
+    """Eight threads (Dramatiq's default, a Celery threads pool) start with their first
+    tasks in a process that has only FLASK_APP: one app is made, not one per thread (two
+    would make every later task refuse: "this worker process has 2 Flask apps")."""
+    (tmp_path / "slowapp.py").write_text(
+        "import time\n"
+        "from flask import Flask\n"
+        "from flask_sqlalchemy import SQLAlchemy\n"
+        "from flask_mail_outbox import OutboxMail\n"
+        "def create_app():\n"
+        "    time.sleep(0.3)  # a factory that takes a moment (imports, config files)\n"
+        "    app = Flask('slowapp')\n"
+        f"    app.config.update(SQLALCHEMY_DATABASE_URI='sqlite:///{tmp_path}/a.db',\n"
+        "        OUTBOX_EXECUTOR='rq', OUTBOX_EXECUTOR_URL='redis://127.0.0.1:1/0',\n"
+        "        OUTBOX_RUN_SCHEDULER=False)\n"
+        "    OutboxMail(app, db=SQLAlchemy(app))\n"
+        "    return app\n")
+    script = (
+        "import threading\n"
+        "from flask_mail_outbox._flask.executors import task_app\n"
+        "found, errors = [], []\n"
+        "def run():\n"
+        "    try:\n        found.append(task_app())\n"
+        "    except Exception as exc:\n        errors.append(exc)\n"
+        "threads = [threading.Thread(target=run) for _ in range(8)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(len(found), len({id(a) for a in found}), errors[:1])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "FLASK_APP": "slowapp:create_app",
+                              "PYTHONPATH": f"{tmp_path}{os.pathsep}"
+                                            f"{os.environ.get('PYTHONPATH', '')}"}).stdout
+    assert out.strip() == "8 1 []", out
 
 
 def test_config_keys_are_checked(tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ MODULES = {
 #: The apps of this process whose OUTBOX_EXECUTOR is a task queue: a task finds its app here.
 _apps: weakref.WeakSet[Flask] = weakref.WeakSet()
 _lock = threading.Lock()
+#: Held while FLASK_APP is loaded: the first tasks of a worker's threads load it once.
+_load_lock = threading.Lock()
 #: The apps this module loaded itself (FLASK_APP), kept for the process's lifetime.
 _loaded: list[Flask] = []
 
@@ -85,9 +87,15 @@ def task_app(app: Flask | None = None) -> Flask:
     with _lock:
         apps = list(_apps)
     if not apps:
-        _load_flask_app()  # as `flask` finds it: FLASK_APP, or app.py / wsgi.py here
-        with _lock:
-            apps = list(_apps)
+        # One thread loads it (as `flask` finds it: FLASK_APP, or app.py / wsgi.py here);
+        # the others of a worker's first tasks wait for that app rather than make more.
+        with _load_lock:
+            with _lock:
+                apps = list(_apps)
+            if not apps:
+                _load_flask_app()
+                with _lock:
+                    apps = list(_apps)
     if len(apps) == 1:
         return apps[0]
     if not apps:

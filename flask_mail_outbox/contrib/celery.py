@@ -107,7 +107,7 @@ class CeleryExecutor:
     """Publishes ``flask_mail_outbox.deliver`` tasks through a Celery app (the seam's Executor)."""
 
     name = "celery"
-    sweep_task = "flask_mail_outbox.sweep"
+    sweep_task = SWEEP
 
     def __init__(self, celery: Celery, queue: str) -> None:
         self.celery = celery

@@ -133,7 +133,11 @@ class DramatiqExecutor:
     """Publishes ``flask_mail_outbox.deliver`` messages to one broker and queue."""
 
     name = "dramatiq"
-    sweep_task = "flask_mail_outbox.sweep"
+    sweep_task = SWEEP
+    #: The sweep publishes urgent emails to the main queue: a worker started with
+    #: ``--queues outbox`` alone never reads ``outbox.urgent``, and the sweep is what
+    #: still delivers them then (docs/executors/dramatiq.md).
+    sweeps_urgent = False
 
     def __init__(self, broker: dramatiq.Broker, queue: str) -> None:
         self.broker = broker

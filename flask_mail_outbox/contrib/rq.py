@@ -64,7 +64,7 @@ class RQExecutor:
     """Publishes ``deliver`` jobs to one RQ queue (see the module docstring)."""
 
     name = "rq"
-    sweep_task = "flask_mail_outbox.contrib.rq.sweep"
+    sweep_task = SWEEP
 
     def __init__(self, url: str, queue: str) -> None:
         self.url = url

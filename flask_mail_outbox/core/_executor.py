@@ -47,6 +47,10 @@ class Executor(Protocol):
     name: str
     #: The sweep task's name as the engine shows it (what an operator looks for).
     sweep_task: str
+    #: Optional (default True): whether the sweep publishes ``priority="high"`` emails
+    #: as urgent too. False for an engine whose urgent route can go unconsumed (a
+    #: queue of its own): there the sweep's plain task is the fallback.
+    # sweeps_urgent: bool
 
     def publish(self, ids: Sequence[int], *, urgent: bool = False) -> None:
         """Publish one task that delivers ``ids``; raise when the broker refused it.

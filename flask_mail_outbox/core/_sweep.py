@@ -150,7 +150,11 @@ def _take(outbox: Outbox, ids: list[int], expired: list[int], fields: dict[str, 
         # published to it; what its broker refuses waits for the next sweep.
         back = set(reaped.requeued) if reaped is not None else set()
         due = [i for i in ids if i not in expired or i in back]
-        published = outbox.publish(due, why="by the sweep")
+        # Urgent ones first, in tasks of their own, as at the commit (unless the engine
+        # keeps the sweep's tasks off its urgent route: see Executor.sweeps_urgent).
+        urgent = outbox.store.sweep.urgent_among(due) \
+            if getattr(outbox.executor, "sweeps_urgent", True) else set()
+        published = outbox.publish(due, urgent=urgent, why="by the sweep")
         return SweepReport(**fields, requeued=published, skipped=len(ids) - published,
                            duration_seconds=_elapsed(started))
     if durable:
@@ -174,7 +178,8 @@ def _elapsed(started: float) -> float:
 
 def _age_gated(outbox: Outbox, min_age: float) -> dict[str, Any]:
     """The report's ``age_gated`` fields: what the age gate kept from this sweep."""
-    count, oldest, now = outbox.store.sweep.age_gated(min_age_seconds=min_age)
+    count, oldest, now = outbox.store.sweep.age_gated(
+        min_age_seconds=min_age, retried_ungated=outbox.executor is not None)
     if not count or oldest is None:
         return {"age_gated": 0, "age_gated_until": None}
     eligible = max(oldest + timedelta(seconds=min_age), now)

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from . import _claim, _ordering
 from ._database import Database
-from ._models import Status, email_table, setting_table
+from ._models import DEFAULT_PRIORITY, Status, email_table, setting_table
 
 #: ``lease_owner`` of a ``queued`` row that a stopping process released, or
 #: had been handed after a commit and never claimed: provably in flight
@@ -27,6 +27,13 @@ RELEASED = "released"
 #: The ``lease_owner`` marks of queued rows in flight nowhere, which the sweep's
 #: age gate does not hold back: released at a stop, or scheduled by ``send_after``.
 _UNGATED = (RELEASED, _claim.SCHEDULED)
+
+def _tried() -> Any:
+    """A queued row a delivery had: an attempt spent, or given back with its error
+    recorded (the fault that paused its transport, or held unsent for that pause)."""
+    t = email_table
+    return sa.or_(t.c.attempts > 0, t.c.last_error.is_not(None))
+
 
 class Sweeping:
     """The sweep's selection and repairs (see the module docstring), on ``db``."""
@@ -44,10 +51,12 @@ class Sweeping:
         lease expired. One statement: a UNION ALL of three index scans, each
         on its partial index. Returns ``(id, status)`` pairs.
 
-        ``retried_ungated``: young rows already tried are in flight nowhere
-        too (a task queue's task recorded the failure and returned: nothing
-        retries in memory), so their retry is published when due, not once
-        the row is as old as the gate.
+        ``retried_ungated``: young rows a task already had are in flight
+        nowhere too (a task queue's task recorded the failure, or held the
+        row for its paused transport with the attempt given back, and
+        returned: nothing retries in memory), so they are published when due
+        (their retry, their transport's probe), not once the row is as old
+        as the gate.
         """
         t = email_table
         now = self.db.now_expr()
@@ -62,7 +71,7 @@ class Sweeping:
         given_back = (sa.select(t.c.id, t.c.status, t.c.created_at)
                       .where(self.db.dialect.claimable(self.db.now_expr),
                              t.c.created_at > cutoff,
-                             sa.or_(t.c.lease_owner.in_(_UNGATED), t.c.attempts > 0)
+                             sa.or_(t.c.lease_owner.in_(_UNGATED), _tried())
                              if retried_ungated else t.c.lease_owner.in_(_UNGATED))
                       .order_by(t.c.created_at, t.c.id).limit(limit))
         expired = (sa.select(t.c.id, t.c.status, t.c.created_at)
@@ -77,20 +86,35 @@ class Sweeping:
             ).all()
         return [(int(row.id), str(row.status)) for row in rows]
 
-    def age_gated(self, *, min_age_seconds: float) -> tuple[int, datetime | None, datetime]:
+    def urgent_among(self, ids: Sequence[int]) -> set[int]:
+        """Those of ``ids`` sent with a priority above normal (``priority="high"``): a
+        sweep publishing to a task queue gives them tasks of their own, first."""
+        if not ids:
+            return set()
+        t = email_table
+        with self.db.read() as conn:
+            return {int(i) for i in conn.execute(
+                sa.select(t.c.id).where(t.c.id.in_(list(ids)),
+                                        t.c.priority < DEFAULT_PRIORITY)).scalars()}
+
+    def age_gated(self, *, min_age_seconds: float,
+                  retried_ungated: bool = False) -> tuple[int, datetime | None, datetime]:
         """Due queued rows the age gate keeps from a sweep: (count, oldest created_at, now).
 
         Rows in flight nowhere (:data:`_UNGATED`: released, or scheduled by
-        ``send_after``) are not gated. Reads the sweep's partial index.
+        ``send_after``; with ``retried_ungated``, those a task had: see
+        :meth:`sweep_candidates`) are not gated. Reads the sweep's partial index.
         """
         t = email_table
         cutoff = self._sweep_cutoff(min_age_seconds)
+        gated = [sa.or_(t.c.lease_owner.is_(None), t.c.lease_owner.not_in(_UNGATED))]
+        if retried_ungated:
+            gated.append(sa.not_(_tried()))
         with self.db.read() as conn:
             count, oldest, now = conn.execute(
                 sa.select(sa.func.count(), sa.func.min(t.c.created_at), self.db.now_expr())
                 .where(self.db.dialect.claimable(self.db.now_expr),
-                       t.c.created_at > cutoff,
-                       sa.or_(t.c.lease_owner.is_(None), t.c.lease_owner.not_in(_UNGATED)))
+                       t.c.created_at > cutoff, *gated)
             ).one()
         return int(count), oldest, now
 

@@ -274,15 +274,28 @@ class Worker:
         waiter = Waiter(set(ids), until_claimed=until_claimed)
         if not waiter.ids:
             return waiter.report
+        deadline = time.monotonic() + timeout
         with self._cond:
             self._waiters.add(waiter)
         self.hand(ids)
-        if self.hand_ticked and not self.running:
-            with self._drain_lock:
-                self.drain(timeout)
-        waiter.done.wait(timeout)
-        with self._cond:
-            self._waiters.discard(waiter)
+        try:
+            # Ticked by hand (a task queue's threads): one thread drains at a time. While
+            # another thread's drain takes these ids too, return as soon as they are
+            # recorded, not when that drain ends (it may go on with other threads' ids).
+            while self.hand_ticked and not self.running and not waiter.done.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                if self._drain_lock.acquire(timeout=min(remaining, 0.05)):
+                    try:
+                        self.drain(max(0.0, deadline - time.monotonic()))
+                    finally:
+                        self._drain_lock.release()
+                    break
+            waiter.done.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            with self._cond:
+                self._waiters.discard(waiter)
         return waiter.report
 
     # -- ticked by hand (tests, `flask outbox worker --once`, the memory transport) ------
@@ -330,13 +343,19 @@ class Worker:
         return self.finished - before
 
     def _wait_for_results(self, deadline: float, *, wait_for_slots: bool = True) -> bool:
-        """Wait for the results of what is in flight; False when nothing is (nor, without
+        """Wait for the results of what is in flight, or for ids handed meanwhile that
+        there is room for; False when nothing is in flight (nor, without
         ``wait_for_slots``, anything but rows waiting for a rate slot to come)."""
         while True:
             slot = self._send_paced()  # rows waiting for a rate slot are in flight too
             with self._cond:
                 if not self._in_flight or self._results:
                     return bool(self._in_flight or self._results)
+                if self.intake.handed and len(self._in_flight) <= self.refill_at \
+                        and not self.releases.stopping:
+                    # Ids handed meanwhile (another task's thread) and room for them: a
+                    # round claims them now, not once what is on the wire came back.
+                    return True
                 if not wait_for_slots and slot is not None and \
                         len(self._in_flight) <= self.lanes.paced():
                     return False
