@@ -346,8 +346,9 @@ def run(ctx: Context, args: argparse.Namespace) -> Report:
     report.notes.append(f"one worker process of {c} connections each; bound = C / delay; "
                         f"database {backend}" + ("" if pg is not None else
                         " (the clock from the first receipt; no claims counted)"))
+    per_task = args.ids_per_task or batch
     report.notes.append(f"engines: the backlog published by one sweep (min_age=0) in tasks of "
-                        f"up to {batch} ids; goal (issue 43): x dispatcher >= 0.9")
+                        f"up to {per_task} ids; goal (issue 43): x dispatcher >= 0.9")
     if must_fail:
         raise RuntimeError("under CI every engine must run: " + "; ".join(must_fail)
                            + "\n" + report.render())
