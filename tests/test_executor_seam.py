@@ -414,3 +414,40 @@ def test_the_first_tasks_of_a_workers_threads_load_flask_app_once(tmp_path: Path
 def test_config_keys_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="OUTBOX_EXECUTOR: expected one of"):
         make_app(f"sqlite:///{tmp_path}/a.db", OUTBOX_EXECUTOR="huey")
+
+
+def test_a_task_fails_over_as_a_dispatcher_does(
+        db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> None:
+    """The task runs the same lanes: a primary that refuses connections hands the
+    email to its failover transport within the same task."""
+    from conftest import free_port
+
+    app = make_app(db_url, OUTBOX_EXECUTOR="rq", OUTBOX_TRANSPORTS={
+        "default": {"transport": "smtp", "MAIL_SERVER": "127.0.0.1", "MAIL_PORT": free_port(),
+                    "MAIL_TIMEOUT": 2, "failover": ["backup"]},
+        "backup": {"transport": "smtp", "MAIL_SERVER": smtp_server.host,
+                   "MAIL_PORT": smtp_server.port}})
+    try:
+        [email_id] = _send(app, 1)
+        assert executors.deliver_task([email_id], app=app)["sent"] == 1
+        [row] = rows(app)
+        assert row["status"] == "sent" and len(smtp_server.messages) == 1
+    finally:
+        close_app(app)
+
+
+def test_a_task_keeps_the_shared_rate_limit(
+        db_url: str, smtp_server: FaultSMTPServer, broker: ListBroker) -> None:
+    """Four emails in one task on a transport limited to 4 a second (an even stream,
+    a slot each): the last goes out no sooner than 0.75 s after the first (a lower
+    bound: a loaded machine only spreads them more)."""
+    app = make_app(db_url, OUTBOX_EXECUTOR="rq", OUTBOX_TRANSPORTS={
+        "default": {"transport": "smtp", "MAIL_SERVER": smtp_server.host,
+                    "MAIL_PORT": smtp_server.port, "rate_limit": "4/s"}})
+    try:
+        ids = _send(app, 4)
+        assert executors.deliver_task(ids, app=app)["sent"] == 4
+        times = sorted(m.received_at for m in smtp_server.messages)
+        assert len(times) == 4 and times[-1] - times[0] >= 0.7, times
+    finally:
+        close_app(app)
