@@ -145,6 +145,9 @@ def producer(request: pytest.FixtureRequest, pg_url: str,  # noqa: F811 - fixtur
     app.extensions["mail_outbox"].ext.stop(timeout=5)
     with app.app_context():
         app_db.session.remove()
+        # The session's PostgreSQL database is shared: the app's own table goes (a test
+        # that compares the schema with its models would find it).
+        app_db.drop_all()
         app_db.engine.dispose()
 
 
