@@ -270,11 +270,14 @@ def test_a_reply_echoing_the_api_key_is_stored_and_logged_redacted(
     caplog.set_level(logging.INFO)
     fake, entry = provider
     fake.echo_credentials(401)
-    app, _ = make_apps(OUTBOX_TRANSPORTS={"default": entry}, OUTBOX_INLINE_RETRIES=0)
+    # Not the fixture's 0.4 s (made for late answers): a loaded CI machine took longer
+    # to connect, and the transport paused as unreachable instead.
+    app, _ = make_apps(OUTBOX_TRANSPORTS={"default": {**entry, "timeout": 10}},
+                       OUTBOX_INLINE_RETRIES=0)
     _send(app)
     # The refused key pauses the transport: its ERROR comes just after the record.
     [row] = wait_rows(app, lambda r: bool(r[0]["last_error"]) and "[redacted]" in caplog.text,
-                      timeout=10)
+                      timeout=30)
     assert fake.requests, "the provider was asked"
     assert "[redacted]" in row["last_error"], row["last_error"]
     stored = json.dumps(rows(app), default=str)
